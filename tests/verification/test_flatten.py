@@ -1,0 +1,161 @@
+"""Flattening a draft tree into verify rows, and the wire-contract validator (seed 0x05C)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from eyas.drafting.tree import PARENT_IS_SEED, DraftTree
+from eyas.verification.flatten import (
+    RETRIEVE_PAD,
+    ROW_IS_ROOT,
+    TREE_PARENT_IS_SEED,
+    FlatTree,
+    flatten_tree,
+    validate_flat_tree,
+)
+
+T, F = True, False
+A, A1, B, B1 = 10, 11, 20, 21
+FRONTIER = 3
+BASE = 10
+VOCAB = 32
+
+
+def seed_fixture_tree() -> DraftTree:
+    """The selected seed 0x06C tree [A, A1, B, B1] (parents [SEED, 0, SEED, 2])."""
+    return DraftTree(
+        tokens=torch.tensor([A, A1, B, B1]),
+        parents=torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED, 2]),
+        depths=torch.tensor([1, 2, 1, 2]),
+        draft_probs=torch.tensor([0.60, 0.80, 0.40, 0.95]),
+    )
+
+
+def test_sentinel_matches_draft_tree():
+    assert TREE_PARENT_IS_SEED == PARENT_IS_SEED
+
+
+def test_flatten_seed_fixture_worked_example():
+    """Rows [root=3, A, A1, B, B1] at base position 10:
+
+        row  token  parent  depth  position  mask (ancestors or self)
+        0    3      ROOT    0      10        {0}
+        1    A      0       1      11        {0, 1}
+        2    A1     1       2      12        {0, 1, 2}
+        3    B      0       1      11        {0, 3}
+        4    B1     3       2      12        {0, 3, 4}
+
+    Leaves are rows 2 and 4, so retrieve = [[0, 1, 2], [0, 3, 4]].
+    """
+    flat = flatten_tree(seed_fixture_tree(), FRONTIER, BASE)
+    assert flat.tokens.tolist() == [FRONTIER, A, A1, B, B1]
+    assert flat.parents.tolist() == [ROW_IS_ROOT, 0, 1, 0, 3]
+    assert flat.depths.tolist() == [0, 1, 2, 1, 2]
+    assert flat.positions.tolist() == [10, 11, 12, 11, 12]
+    assert flat.tree_mask.tolist() == [
+        [T, F, F, F, F],
+        [T, T, F, F, F],
+        [T, T, T, F, F],
+        [T, F, F, T, F],
+        [T, F, F, T, T],
+    ]
+    assert flat.retrieve.tolist() == [[0, 1, 2], [0, 3, 4]]
+    assert flat.draft_probs.tolist() == pytest.approx([1.0, 0.60, 0.80, 0.40, 0.95])
+    validate_flat_tree(flat, vocab_size=VOCAB, max_rows=5, base_position=BASE)
+
+
+def test_flatten_pads_retrieve_for_shallow_leaves():
+    """Root -> X (leaf) and root -> Y -> Y1: retrieve [[0, 1, PAD], [0, 2, 3]]."""
+    tree = DraftTree(
+        tokens=torch.tensor([5, 6, 7]),
+        parents=torch.tensor([PARENT_IS_SEED, PARENT_IS_SEED, 1]),
+        depths=torch.tensor([1, 1, 2]),
+        draft_probs=torch.tensor([0.5, 0.3, 0.9]),
+    )
+    flat = flatten_tree(tree, FRONTIER, 0)
+    assert flat.retrieve.tolist() == [[0, 1, RETRIEVE_PAD], [0, 2, 3]]
+    validate_flat_tree(flat, vocab_size=VOCAB, max_rows=8, base_position=0)
+
+
+def test_empty_tree_flattens_to_root_row():
+    """Target-only decoding: one row, the frontier token at the base position."""
+    flat = flatten_tree(DraftTree.empty(), FRONTIER, BASE)
+    assert flat.num_rows == 1
+    assert flat.tokens.tolist() == [FRONTIER]
+    assert flat.parents.tolist() == [ROW_IS_ROOT]
+    assert flat.positions.tolist() == [BASE]
+    assert flat.tree_mask.tolist() == [[T]]
+    assert flat.retrieve.tolist() == [[0]]
+    validate_flat_tree(flat, vocab_size=VOCAB, max_rows=1, base_position=BASE)
+
+
+@pytest.mark.parametrize("frontier, base", [(-1, 0), (True, 0), (3, -2), (3, 1.0)])
+def test_flatten_rejects_bad_arguments(frontier, base):
+    with pytest.raises(ValueError, match="frontier_token|base_position"):
+        flatten_tree(seed_fixture_tree(), frontier, base)
+
+
+def _flat() -> FlatTree:
+    return flatten_tree(seed_fixture_tree(), FRONTIER, BASE)
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        # parent after child: row 1's parent is row 2
+        (dict(parents=torch.tensor([ROW_IS_ROOT, 2, 0, 0, 3])), "parents must precede children"),
+        # not ancestor-closed: row 4's parent row 7 is not in the tree
+        (dict(parents=torch.tensor([ROW_IS_ROOT, 0, 1, 0, 7])), "not ancestor-closed"),
+        (dict(parents=torch.tensor([0, 0, 1, 0, 3])), "parents: row 0"),
+        (dict(depths=torch.tensor([0, 1, 3, 1, 2])), "depths"),
+        (dict(positions=torch.tensor([10, 11, 12, 11, 13])), "positions"),
+        (dict(positions=torch.tensor([0, 1, 2, 1, 2])), "positions"),
+        (dict(tokens=torch.tensor([FRONTIER, A, A1, B, VOCAB])), "outside"),
+        (dict(tokens=torch.tensor([FRONTIER, A, A1, -1, B1])), "outside"),
+        (dict(tokens=torch.tensor([FRONTIER, A, A1, A, B1])), "duplicate token"),
+        (dict(tree_mask=torch.eye(5, dtype=torch.bool)), "tree_mask"),
+        (dict(retrieve=torch.tensor([[0, 1, 2], [0, 3, RETRIEVE_PAD]])), "retrieve"),
+        (dict(draft_probs=torch.tensor([1.0, 0.6, 0.8, 1.4, 0.95])), "draft_probs"),
+    ],
+)
+def test_validate_flat_tree_rejects(change, problem):
+    bad = dataclasses.replace(_flat(), **change)
+    with pytest.raises(ValueError, match=problem):
+        validate_flat_tree(bad, vocab_size=VOCAB, max_rows=5, base_position=BASE)
+
+
+def test_validate_flat_tree_rejects_rows_over_budget():
+    with pytest.raises(ValueError, match="exceed the budget"):
+        validate_flat_tree(_flat(), vocab_size=VOCAB, max_rows=4, base_position=BASE)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(vocab_size=0, max_rows=5, base_position=BASE), "vocab_size"),
+        (dict(vocab_size=VOCAB, max_rows=True, base_position=BASE), "max_rows"),
+        (dict(vocab_size=VOCAB, max_rows=5, base_position=-1), "base_position"),
+    ],
+)
+def test_validate_flat_tree_rejects_bad_arguments(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        validate_flat_tree(_flat(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(tokens=torch.tensor([FRONTIER, A, A1, B, B1], dtype=torch.int32)), "tokens"),
+        (dict(positions=torch.tensor([10, 11, 12, 11])), "positions"),
+        (dict(tree_mask=torch.ones(5, 4, dtype=torch.bool)), "tree_mask"),
+        (dict(tree_mask=torch.ones(5, 5, dtype=torch.int64)), "tree_mask"),
+        (dict(retrieve=torch.tensor([0, 1, 2])), "retrieve"),
+        (dict(draft_probs=torch.ones(5, dtype=torch.float64)), "draft_probs"),
+    ],
+)
+def test_flat_tree_layout_errors_name_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(_flat(), **change)
