@@ -39,13 +39,13 @@ own draft rows, including for a static builder that drops some proposed columns.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 PARENT_IS_SEED: int = -1  # parents[i] value (and builder parent id): node i is a child of the seed
-CONFIDENCE_FLOOR: float = 1e-12  # ranking floor inside log(); the stored confidence is never changed
+CONFIDENCE_FLOOR: float = 1e-12  # ranking floor inside log(); stored confidences are unchanged
 SIBLING_MASS_TOLERANCE: float = 1e-12  # seed 0x06B slack on sibling mass for float64 confidences
 
 
@@ -63,8 +63,8 @@ class DraftTree:
     """
 
     tokens: torch.Tensor  # [N] int64 candidate token ids, >= 0
-    parents: torch.Tensor  # [N] int64 index of parent node in this tree, or PARENT_IS_SEED; parents[i] < i
-    depths: torch.Tensor  # [N] int64 >= 1; seed children have depth 1; depths[i] == depths[parents[i]] + 1
+    parents: torch.Tensor  # [N] int64 parent node index or PARENT_IS_SEED; parents[i] < i
+    depths: torch.Tensor  # [N] int64 >= 1; parent's depth + 1 (seed children: 1)
     draft_probs: torch.Tensor  # [N] float32 conditional draft confidence in [0, 1]
 
     def __post_init__(self) -> None:
@@ -201,11 +201,15 @@ def _check_children_args(
                     f"probability in [0, 1]"
                 )
             if (p, token) in seen:
-                raise ValueError(f"tokens: duplicate token alternative {token} under one parent {p}")
+                raise ValueError(
+                    f"tokens: duplicate token alternative {token} under one parent {p}"
+                )
             seen.add((p, token))
             mass = mass_by_parent.get(p, 0.0) + confidence
             if mass > mass_limit:
-                raise ValueError(f"probs: sibling probability mass {mass} under parent {p} exceeds one")
+                raise ValueError(
+                    f"probs: sibling probability mass {mass} under parent {p} exceeds one"
+                )
             mass_by_parent[p] = mass
     return parents, token_rows, prob_rows
 
@@ -216,7 +220,7 @@ class BuiltNode:
     created it: row = position of `parent` in that call's parents, column = `column`."""
 
     parent: int  # builder node id of the parent, or PARENT_IS_SEED
-    column: int  # column in the [P, k] tokens/probs of its add_children call (rank for static trees)
+    column: int  # column in its add_children call's [P, k] inputs (the rank, for static trees)
     token: int
     depth: int  # >= 1
     confidence: float  # conditional draft confidence as given (float32 value widened to float)
@@ -250,7 +254,9 @@ class _NodeStore:
 
     def node(self, node_id: int) -> BuiltNode:
         if type(node_id) is not int or not 0 <= node_id < len(self.tokens):
-            raise ValueError(f"node_id: {node_id!r} is not a built node (0..{len(self.tokens) - 1})")
+            raise ValueError(
+                f"node_id: {node_id!r} is not a built node (0..{len(self.tokens) - 1})"
+            )
         return BuiltNode(
             parent=self.parents[node_id],
             column=self.columns[node_id],
@@ -279,9 +285,13 @@ class _NodeStore:
             assert position[p] < position[node], f"parent {p} ranked after its child {node}"
             parents.append(position[p])
         return DraftTree(
-            tokens=torch.tensor([self.tokens[n] for n in node_ids], dtype=torch.int64, device=device),
+            tokens=torch.tensor(
+                [self.tokens[n] for n in node_ids], dtype=torch.int64, device=device
+            ),
             parents=torch.tensor(parents, dtype=torch.int64, device=device),
-            depths=torch.tensor([self.depths[n] for n in node_ids], dtype=torch.int64, device=device),
+            depths=torch.tensor(
+                [self.depths[n] for n in node_ids], dtype=torch.int64, device=device
+            ),
             draft_probs=torch.tensor(
                 [self.confidences[n] for n in node_ids], dtype=torch.float32, device=device
             ),
@@ -307,10 +317,15 @@ class DynamicTreeBuilder:
 
     def __init__(self, *, expand_width: int, verify_budget: int, max_depth: int) -> None:
         if type(expand_width) is not int or expand_width < 1:
-            raise ValueError(f"expand_width: expansion width must be a positive integer, got {expand_width!r}")
+            raise ValueError(
+                f"expand_width: expansion width must be a positive integer, got {expand_width!r}"
+            )
         for name, value in (("verify_budget", verify_budget), ("max_depth", max_depth)):
             if type(value) is not int or value < 0:
-                raise ValueError(f"{name}: verification budget and depth must be nonnegative integers, got {value!r}")
+                raise ValueError(
+                    f"{name}: verification budget and depth must be nonnegative integers, "
+                    f"got {value!r}"
+                )
         self.expand_width = expand_width
         self.verify_budget = verify_budget
         self.max_depth = max_depth
@@ -363,7 +378,7 @@ class DynamicTreeBuilder:
         return new_ids
 
     def selected_node_ids(self) -> list[int]:
-        """Builder node ids of the selected tree, in tree order: global top `verify_budget` by key."""
+        """Node ids of the selected tree, in tree order: the global top `verify_budget` by key."""
         ranked = sorted(range(len(self._nodes)), key=self._nodes.rank_key)
         selected = ranked[: self.verify_budget]
         assert len(selected) <= self.verify_budget
@@ -413,13 +428,17 @@ class StaticTreeBuilder:
         paths: set[tuple[int, ...]] = set()
         for choice in choices:
             if isinstance(choice, (str, bytes)) or not isinstance(choice, Sequence):
-                raise ValueError(f"choices: each choice must be a sequence of ranks, got {choice!r}")
+                raise ValueError(
+                    f"choices: each choice must be a sequence of ranks, got {choice!r}"
+                )
             path = tuple(choice)
             if not path:
                 raise ValueError("choices: empty path (the seed is implicit, not a choice)")
             for rank in path:
                 if type(rank) is not int or rank < 0:
-                    raise ValueError(f"choices: ranks must be nonnegative integers, got {rank!r} in {list(path)}")
+                    raise ValueError(
+                        f"choices: ranks must be nonnegative integers, got {rank!r} in {list(path)}"
+                    )
             if path in paths:
                 raise ValueError(f"choices: duplicate choice {list(path)}")
             paths.add(path)
@@ -427,7 +446,8 @@ class StaticTreeBuilder:
             for cut in range(1, len(path)):
                 if path[:cut] not in paths:
                     raise ValueError(
-                        f"choices: not ancestor-closed: {list(path)} needs its prefix {list(path[:cut])}"
+                        f"choices: not ancestor-closed: {list(path)} needs its prefix "
+                        f"{list(path[:cut])}"
                     )
         self.choices: frozenset[tuple[int, ...]] = frozenset(paths)
         self._nodes = _NodeStore()
@@ -478,7 +498,9 @@ class StaticTreeBuilder:
         )
         for p, prob_row in zip(parents, prob_rows):
             if any(a < b for a, b in zip(prob_row, prob_row[1:])):
-                raise ValueError(f"probs: row for parent {p} is not descending; column j must be rank j")
+                raise ValueError(
+                    f"probs: row for parent {p} is not descending; column j must be rank j"
+                )
         new_ids = []
         for p, token_row, prob_row in zip(parents, token_rows, prob_rows):
             for rank, (token, confidence) in enumerate(zip(token_row, prob_row)):

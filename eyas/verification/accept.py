@@ -22,20 +22,27 @@ probability prod_{j<i}(1 - r_j(c_j)) * r_i(c_i) = p(c_i), and any other token x 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from eyas.verification.flatten import RETRIEVE_PAD, FlatTree
 
-ROOT_ROW: int = 0  # flat row of the root (the previous frontier token); first of every accepted path
+ROOT_ROW: int = 0  # flat row of the root (the previous frontier token); starts every path
 
 
 @dataclass(frozen=True)
 class AcceptDecision:
-    accepted_rows: torch.Tensor  # [A] int64 flat rows on one root->leaf path; accepted_rows[0] == ROOT_ROW
-    accepted_tokens: torch.Tensor  # [A-1] int64 accepted candidate tokens = flat.tokens[accepted_rows[1:]]
-    frontier_token: int  # target-governed next token; not a verified row, its KV/feature need an append
+    """One round's verdict (seed 0x05C): the accepted path and the target's next token.
+
+    Publication gathers target KV and features through `accepted_rows` (seed 0x05D), outputs
+    `accepted_tokens` then `frontier_token`, and marks the frontier as append-required.
+    """
+
+    accepted_rows: torch.Tensor  # [A] int64 rows of one root->leaf path prefix; [0] == ROOT_ROW
+    accepted_tokens: torch.Tensor  # [A-1] int64 = flat.tokens[accepted_rows[1:]]
+    frontier_token: int  # target-governed next token; not a verified row (append required)
 
     def __post_init__(self) -> None:
         for name in ("accepted_rows", "accepted_tokens"):
@@ -46,13 +53,18 @@ class AcceptDecision:
         if not rows or rows[0] != ROOT_ROW:
             raise ValueError(f"accepted_rows: must start with the root row {ROOT_ROW}, got {rows}")
         if any(b <= a for a, b in zip(rows, rows[1:])):
-            raise ValueError(f"accepted_rows: a path's rows must increase (parents precede children), got {rows}")
+            raise ValueError(
+                f"accepted_rows: a path's rows must increase (parents precede children), got {rows}"
+            )
         if self.accepted_tokens.shape[0] != len(rows) - 1:
             raise ValueError(
-                f"accepted_tokens: length {self.accepted_tokens.shape[0]} != len(accepted_rows) - 1 = {len(rows) - 1}"
+                f"accepted_tokens: length {self.accepted_tokens.shape[0]} != "
+                f"len(accepted_rows) - 1 = {len(rows) - 1}"
             )
         if type(self.frontier_token) is not int or self.frontier_token < 0:
-            raise ValueError(f"frontier_token: expected a nonnegative int, got {self.frontier_token!r}")
+            raise ValueError(
+                f"frontier_token: expected a nonnegative int, got {self.frontier_token!r}"
+            )
 
     @property
     def accept_length(self) -> int:
@@ -78,7 +90,9 @@ def _check_target(flat: FlatTree, target: torch.Tensor, name: str) -> None:
     if not target.dtype.is_floating_point:
         raise ValueError(f"{name}: expected a floating dtype, got {target.dtype}")
     if int(flat.tokens.max().item()) >= target.shape[1] or int(flat.tokens.min().item()) < 0:
-        raise ValueError(f"{name}: flat tree token ids fall outside the vocabulary of size {target.shape[1]}")
+        raise ValueError(
+            f"{name}: flat tree token ids fall outside the vocabulary of size {target.shape[1]}"
+        )
 
 
 def _decision(flat: FlatTree, rows: torch.Tensor, frontier_token: int) -> AcceptDecision:
@@ -125,75 +139,83 @@ def stochastic_accept(
 ) -> AcceptDecision:
     """Exact acceptance of deterministically chosen candidates (module docstring).
 
-    Rows of `target_probs` need not be normalised; they need finite, nonnegative entries and
-    positive mass. Uniforms and the frontier draw come from `generator` (on its own device).
+    Implementation: at a row with distribution p (row of `target_probs`, any positive scale),
+    children c_1..c_m in row order, and `outside` = mass of p on tokens that are no child,
+    child c_i is accepted with probability r_i = p(c_i) / tail_i, where
+    tail_i = sum_{j >= i} p(c_j) + outside is the residual mass left after c_1..c_{i-1} were
+    rejected -- the same as testing against p renormalised with rejected children zeroed. A
+    repeated sibling token counts its mass once (its second occurrence has residual mass 0). On
+    full rejection the frontier is sampled from p with every child token zeroed.
+
+    The residual is never empty, by construction: if outside == 0, the last child with positive
+    mass has r = p(c) / p(c) = 1 exactly and u < 1, so it is always accepted.
+
+    Each child row draws its own uniform from `generator`; the frontier draw uses it too (a
+    generator on another device than `target_probs` gets the residual moved to it).
     """
     _check_target(flat, target_probs, "target_probs")
     if not isinstance(generator, torch.Generator):
         raise ValueError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
-    if not bool(torch.isfinite(target_probs).all()) or bool((target_probs < 0).any()):
+    row_mass = target_probs.sum(dim=1).tolist()  # [R]; inf or NaN if any entry is
+    if not bool((target_probs >= 0).all()) or not all(map(math.isfinite, row_mass)):
         raise ValueError("target_probs: entries must be finite and nonnegative")
-    if bool((target_probs.sum(dim=1) <= 0).any()):
+    if min(row_mass) <= 0:
         raise ValueError("target_probs: every row needs positive mass")
 
-    children: list[list[int]] = [[] for _ in range(flat.num_rows)]
-    for row, parent in enumerate(flat.parents.tolist()[1:], start=1):
-        children[parent].append(row)
+    num_rows = flat.num_rows
+    parents = flat.parents.tolist()
     tokens = flat.tokens.tolist()
+    children: list[list[int]] = [[] for _ in range(num_rows)]
+    for row in range(1, num_rows):
+        children[parents[row]].append(row)
+
+    child_parents, child_tokens = flat.parents[1:], flat.tokens[1:]  # [R-1] each
+    # mass[c]: the mass of row c's token under its parent row's distribution.
+    mass = [0.0] + target_probs[child_parents, child_tokens].tolist()  # [R]
+    # residual[r]: row r of p with its children's tokens zeroed; outside[r]: its mass.
+    residual = target_probs.clone()  # [R, V]
+    residual[child_parents, child_tokens] = 0.0
+    outside = residual.sum(dim=1).tolist()  # [R]
+    uniforms = torch.rand(
+        num_rows, generator=generator, dtype=torch.float64, device=generator.device
+    ).tolist()
 
     path = [ROOT_ROW]
     while True:
         row = path[-1]
-        accepted_child, residual = _accept_one_child(
-            target_probs[row], children[row], [tokens[c] for c in children[row]], generator
+        accepted = _accept_child(
+            children[row], [tokens[c] for c in children[row]], mass, outside[row], uniforms
         )
-        if accepted_child is None:
-            frontier = torch.multinomial(residual.to(generator.device), 1, generator=generator)
+        if accepted is None:
+            frontier = torch.multinomial(residual[row].to(generator.device), 1, generator=generator)
             return _decision(flat, torch.tensor(path), int(frontier.item()))
-        path.append(accepted_child)
+        path.append(accepted)
 
 
-def _accept_one_child(
-    probs: torch.Tensor,  # [V] target distribution at the current row (any scale, positive mass)
-    children: list[int],  # child rows, in row order
+def _accept_child(
+    children: list[int],  # child rows of the current row, in row order
     child_tokens: list[int],  # their tokens
-    generator: torch.Generator,
-) -> tuple[int | None, torch.Tensor]:
-    """Try the children in order; return (accepted child row or None, [V] float64 residual).
-
-    With p the row distribution, `outside` the mass of tokens that are no child, and the
-    children's masses taken once per distinct token (a repeated token's second occurrence has
-    residual mass 0), child i is accepted with probability r_i = p(c_i) / tail_i, where
-    tail_i = sum_{j >= i} p(c_j) + outside is the residual mass left after rejecting c_1..c_{i-1}.
-    This equals trying each child against p renormalised with rejected children zeroed. The
-    residual returned on full rejection is p with every child token zeroed; its mass `outside`
-    is positive by construction: if outside == 0 then r_last = p(c_m) / p(c_m) = 1 exactly (or an
-    earlier tail already held only one child), so some child is always accepted.
-    """
-    row = probs.to(torch.float64)  # [V]
-    if not children:
-        return None, row
-    token_index = torch.tensor(child_tokens, device=row.device)
-    residual = row.index_fill(0, token_index, 0.0)  # [V] p outside the children
-    outside = residual.sum().item()
-    masses = row[token_index].tolist()
+    mass: list[float],  # [R] mass of each row's token under its parent's distribution
+    outside: float,  # mass of the current row's distribution on tokens that are no child
+    uniforms: list[float],  # [R] one U[0, 1) draw per row, used by that row as a child
+) -> int | None:
+    """The first accepted child row, or None when all are rejected (see stochastic_accept)."""
+    masses = []
     seen: set[int] = set()
-    for i, token in enumerate(child_tokens):
-        if token in seen:
-            masses[i] = 0.0
+    for child, token in zip(children, child_tokens):
+        # A repeated sibling token was zeroed by its first occurrence's rejection.
+        masses.append(0.0 if token in seen else mass[child])
         seen.add(token)
-    tails = [0.0] * len(masses)
+    tails = []
     tail = outside
-    for i in reversed(range(len(masses))):
-        tail += masses[i]
-        tails[i] = tail
-    uniforms = torch.rand(
-        len(children), generator=generator, dtype=torch.float64, device=generator.device
-    ).tolist()
-    for child, mass, tail, u in zip(children, masses, tails, uniforms):
-        # tail > 0 here: this child is reached only after a rejection with r < 1, i.e. a
-        # positive tail after it (the first tail is the row's positive total).
+    for m in reversed(masses):
+        tail += m
+        tails.append(tail)
+    tails.reverse()
+    for child, m, tail in zip(children, masses, tails):
+        # tail > 0: a child is reached only after a rejection with r < 1, which leaves a
+        # positive tail (and the first tail is the row's positive total mass).
         assert tail > 0, "residual mass vanished after a rejection"
-        if u < mass / tail:
-            return child, residual
-    return None, residual
+        if uniforms[child] < m / tail:
+            return child
+    return None

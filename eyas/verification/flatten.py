@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # verification imports only protocol at run time (DESIGN.md l
     from eyas.drafting.tree import DraftTree
 
 ROW_IS_ROOT: int = -1  # parents[0]: the root row has no parent row
-TREE_PARENT_IS_SEED: int = -1  # DraftTree.parents value of seed children; == eyas.drafting.tree.PARENT_IS_SEED (tested)
+# DraftTree.parents value of seed children; equals eyas.drafting.tree.PARENT_IS_SEED (tested).
+TREE_PARENT_IS_SEED: int = -1
 RETRIEVE_PAD: int = -1  # padding after the leaf in a retrieve-map line
 
 
@@ -38,12 +39,12 @@ class FlatTree:
     """Verify rows of one request's tree (seed 0x05C). Construction checks layout only (dtype,
     ndim, shapes); `validate_flat_tree` checks the semantics an inbound message must satisfy."""
 
-    tokens: torch.Tensor  # [R] int64; row 0 is the frontier token (root, depth 0), rows 1.. are tree nodes
+    tokens: torch.Tensor  # [R] int64; row 0 the frontier token (root), rows 1.. the tree nodes
     positions: torch.Tensor  # [R] int64; base_position + depth
     parents: torch.Tensor  # [R] int64; parent row, ROW_IS_ROOT for row 0
     depths: torch.Tensor  # [R] int64; 0 for the root
     tree_mask: torch.Tensor  # [R, R] bool; [i, j] = row j is an ancestor of row i or j == i
-    retrieve: torch.Tensor  # [num_leaves, max_depth + 1] int64; root->leaf rows, RETRIEVE_PAD-padded
+    retrieve: torch.Tensor  # [num_leaves, max_depth + 1] int64; root->leaf rows, PAD-padded
     draft_probs: torch.Tensor  # [R] float32; root = 1.0
 
     def __post_init__(self) -> None:
@@ -68,11 +69,15 @@ class FlatTree:
             raise ValueError("tokens: a flat tree has at least the root row")
         for name in ("positions", "parents", "depths", "draft_probs"):
             if getattr(self, name).shape[0] != r:
-                raise ValueError(f"{name}: length {getattr(self, name).shape[0]} != tokens length {r}")
+                raise ValueError(
+                    f"{name}: length {getattr(self, name).shape[0]} != tokens length {r}"
+                )
         if tuple(self.tree_mask.shape) != (r, r):
             raise ValueError(f"tree_mask: shape {tuple(self.tree_mask.shape)} != ({r}, {r})")
         if self.retrieve.shape[0] < 1 or self.retrieve.shape[1] < 1:
-            raise ValueError(f"retrieve: expected at least one line and column, got {tuple(self.retrieve.shape)}")
+            raise ValueError(
+                f"retrieve: expected at least one line and column, got {tuple(self.retrieve.shape)}"
+            )
 
     @property
     def num_rows(self) -> int:
@@ -140,7 +145,9 @@ def flatten_tree(tree: DraftTree, frontier_token: int, base_position: int) -> Fl
     )
 
 
-def validate_flat_tree(flat: FlatTree, *, vocab_size: int, max_rows: int, base_position: int) -> None:
+def validate_flat_tree(
+    flat: FlatTree, *, vocab_size: int, max_rows: int, base_position: int
+) -> None:
     """Check the wire contract of a FlatTree; raise ValueError naming the field that breaks it.
 
     Checks: rows within `max_rows`; row 0 is the root; parents precede children and the tree is

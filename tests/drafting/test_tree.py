@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -155,7 +155,9 @@ def test_dynamic_selection_is_global_top_budget(width, depth, budget, data):
         assert parents == sorted(layer, key=key)[:width]
         tokens, probs = [], []
         for _ in parents:
-            tokens.append(data.draw(st.lists(st.integers(0, 40), min_size=width, max_size=width, unique=True)))
+            tokens.append(
+                data.draw(st.lists(st.integers(0, 40), min_size=width, max_size=width, unique=True))
+            )
             conf = data.draw(st.lists(CONFIDENCE, min_size=width, max_size=width))
             if sum(conf) > 1.0:
                 conf = [c / sum(conf) for c in conf]
@@ -222,14 +224,18 @@ def test_add_children_rejects_invalid_records(parents, tokens, probs, problem):
     builder = DynamicTreeBuilder(expand_width=2, verify_budget=4, max_depth=2)
     with pytest.raises(ValueError, match=problem):
         builder.add_children(
-            parents, torch.tensor(tokens, dtype=torch.int64), torch.tensor(probs, dtype=torch.float32)
+            parents,
+            torch.tensor(tokens, dtype=torch.int64),
+            torch.tensor(probs, dtype=torch.float32),
         )
 
 
 def test_add_children_rejects_wrong_dtypes():
     builder = DynamicTreeBuilder(expand_width=1, verify_budget=4, max_depth=2)
     with pytest.raises(ValueError, match="tokens"):
-        builder.add_children([PARENT_IS_SEED], torch.tensor([[1]], dtype=torch.int32), torch.tensor([[0.5]]))
+        builder.add_children(
+            [PARENT_IS_SEED], torch.tensor([[1]], dtype=torch.int32), torch.tensor([[0.5]])
+        )
     with pytest.raises(ValueError, match="probs"):
         builder.add_children([PARENT_IS_SEED], torch.tensor([[1]]), torch.tensor([[1]]))
 
@@ -238,7 +244,9 @@ def test_duplicate_token_under_one_parent_listed_twice_is_rejected():
     builder = DynamicTreeBuilder(expand_width=1, verify_budget=4, max_depth=2)
     with pytest.raises(ValueError, match="duplicate token"):
         builder.add_children(
-            [PARENT_IS_SEED, PARENT_IS_SEED], torch.tensor([[7], [7]]), torch.tensor([[0.5], [0.25]])
+            [PARENT_IS_SEED, PARENT_IS_SEED],
+            torch.tensor([[7], [7]]),
+            torch.tensor([[0.5], [0.25]]),
         )
 
 
@@ -291,13 +299,13 @@ def test_draft_tree_rejects_bad_layout():
 
 
 def ranked_proposal(parent_token: int | None, k: int) -> tuple[list[int], list[float]]:
-    """Rank j under token t proposes token 10 * t + j + 1 (t = 0 for the seed), confidence 2^-(j+1)."""
+    """Rank j under token t proposes token 10t + j + 1 (t = 0 at the seed), confidence 2^-(j+1)."""
     base = 0 if parent_token is None else 10 * parent_token
     return [base + j + 1 for j in range(k)], [0.5 ** (j + 1) for j in range(k)]
 
 
 def test_chain_choices_build_a_chain():
-    """chain_choices(3) = [[0], [0, 0], [0, 0, 0]]: three top-1 nodes, each the child of the last."""
+    """chain_choices(3) = [[0], [0, 0], [0, 0, 0]]: three top-1 nodes, each the last one's child."""
     assert chain_choices(3) == [[0], [0, 0], [0, 0, 0]]
     assert chain_choices(0) == []
     builder = StaticTreeBuilder(chain_choices(3))
@@ -313,9 +321,9 @@ def test_chain_choices_build_a_chain():
 def test_static_choice_list_builds_expected_tree():
     """Choices [[0], [1], [0, 0], [0, 1], [1, 0]] with children_per_parent 2 at both layers:
 
-        seed -> n0 (rank 0, token 1), n1 (rank 1, token 2)
-        n0   -> n2 (rank 0, token 11), n3 (rank 1, token 12)
-        n1   -> n4 (rank 0, token 21); rank 1 under n1 (token 22) is proposed but dropped
+    seed -> n0 (rank 0, token 1), n1 (rank 1, token 2)
+    n0   -> n2 (rank 0, token 11), n3 (rank 1, token 12)
+    n1   -> n4 (rank 0, token 21); rank 1 under n1 (token 22) is proposed but dropped
     """
     builder = StaticTreeBuilder([[0], [1], [0, 0], [0, 1], [1, 0]])
     assert builder.expandable() == [PARENT_IS_SEED] and builder.children_per_parent == 2

@@ -31,13 +31,17 @@ def test_temperature_scales_logits():
 
 def test_top_k_keeps_k_largest():
     """Logits [1, 3, 2, 0], k = 2: keep tokens 1 and 2 -> softmax([3, 2]) on them, 0 elsewhere."""
-    got = target_probs(torch.tensor([[1.0, 3.0, 2.0, 0.0]]), SamplingParams(temperature=1.0, top_k=2))
+    got = target_probs(
+        torch.tensor([[1.0, 3.0, 2.0, 0.0]]), SamplingParams(temperature=1.0, top_k=2)
+    )
     kept = torch.softmax(torch.tensor([3.0, 2.0]), dim=0)
     assert torch.allclose(got, torch.tensor([[0.0, kept[0], kept[1], 0.0]]))
 
 
 def test_top_k_keeps_ties_with_kth_and_ignores_k_above_vocab():
-    got = target_probs(torch.tensor([[1.0, 2.0, 2.0, 0.0]]), SamplingParams(temperature=1.0, top_k=1))
+    got = target_probs(
+        torch.tensor([[1.0, 2.0, 2.0, 0.0]]), SamplingParams(temperature=1.0, top_k=1)
+    )
     assert torch.allclose(got, torch.tensor([[0.0, 0.5, 0.5, 0.0]]))
     logits = torch.tensor([[1.0, 2.0, 0.5]])
     got = target_probs(logits, SamplingParams(temperature=1.0, top_k=10))
@@ -54,8 +58,10 @@ def test_top_k_keeps_ties_with_kth_and_ignores_k_above_vocab():
     ],
 )
 def test_top_p_keeps_smallest_set_reaching_mass(top_p, expected):
-    """Probabilities [0.5, 0.3, 0.15, 0.05]: keep the fewest most-probable tokens with mass >= top_p."""
-    got = target_probs(log_probs(0.5, 0.3, 0.15, 0.05), SamplingParams(temperature=1.0, top_p=top_p))
+    """Probabilities [0.5, 0.3, 0.15, 0.05]: keep the fewest most probable tokens, mass >= top_p."""
+    got = target_probs(
+        log_probs(0.5, 0.3, 0.15, 0.05), SamplingParams(temperature=1.0, top_p=top_p)
+    )
     assert got.tolist()[0] == pytest.approx(expected, abs=1e-6)
 
 
@@ -120,7 +126,12 @@ def test_sample_shapes_and_determinism():
 
 @pytest.mark.parametrize(
     "probs",
-    [torch.tensor([[0.0, 0.0]]), torch.tensor([[-0.1, 1.1]]), torch.tensor([[float("nan"), 1.0]]), torch.zeros(1, 1, 2)],
+    [
+        torch.tensor([[0.0, 0.0]]),
+        torch.tensor([[-0.1, 1.1]]),
+        torch.tensor([[float("nan"), 1.0]]),
+        torch.zeros(1, 1, 2),
+    ],
 )
 def test_sample_rejects_bad_probs(probs):
     with pytest.raises(ValueError, match="probs"):

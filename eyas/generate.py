@@ -1,0 +1,126 @@
+"""The decode loop: target-only and speculative decoding share everything but the drafting.
+
+One round (DESIGN.md, "One speculation round"):
+
+    propose  -> the drafter grows a tree behind the frontier token    (target-only: an empty tree)
+    verify   -> the target runs the frontier + tree rows in one forward
+    accept   -> a pure function picks the accepted path and the next frontier token
+    publish  -> the target commits the accepted rows; the drafter drops its tree rows
+
+Target-only decoding is the same loop with an empty tree: each round verifies one row (the
+frontier) and accepts it, which is plain autoregressive decoding.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.drafting.engine import DrafterEngine, TreeSpec
+from eyas.drafting.tree import DraftTree
+from eyas.target.engine import TargetEngine, Verified
+from eyas.verification.accept import AcceptDecision, greedy_accept, stochastic_accept
+from eyas.verification.sampling import SamplingParams, sample, target_probs
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    accept_length: int   # candidate tokens accepted (the frontier excluded)
+    new_tokens: int      # tokens this round emitted: accepted candidates + the new frontier
+    tree_nodes: int      # candidate rows verified (the root excluded)
+    draft_s: float
+    verify_s: float
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]         # generated ids only (a stop token included, if one was emitted)
+    finish_reason: str           # "stop" | "length"
+    prefill_s: float
+    wall_s: float
+    rounds: tuple[RoundStats, ...] = field(default_factory=tuple)
+
+    @property
+    def target_forwards(self) -> int:
+        """Verify rounds after the prefill."""
+        return len(self.rounds)
+
+    @property
+    def accept_length_mean(self) -> float:
+        """new tokens per target forward after the prefill (tau, the frontier included)."""
+        return len(self.token_ids) / max(self.target_forwards, 1)
+
+    @property
+    def draft_s(self) -> float:
+        return sum(r.draft_s for r in self.rounds)
+
+    @property
+    def verify_s(self) -> float:
+        return sum(r.verify_s for r in self.rounds)
+
+
+def decide(v: Verified, prompt_ids: list[int], sampling: SamplingParams,
+           generator: torch.Generator) -> AcceptDecision:
+    """The accept step: a pure function of the verified rows (seed 0x05C)."""
+    if v.flat is None:  # prefill: every prompt row is accepted, the frontier comes from the last
+        rows = torch.arange(len(prompt_ids), dtype=torch.int64)
+        accepted = torch.tensor(prompt_ids[1:], dtype=torch.int64)
+        if sampling.greedy:
+            frontier = int(v.logits[-1].argmax())
+        else:
+            frontier = int(sample(target_probs(v.logits[-1:], sampling)[0], generator))
+        return AcceptDecision(rows, accepted, frontier)
+    if sampling.greedy:
+        return greedy_accept(v.flat, v.logits)
+    return stochastic_accept(v.flat, target_probs(v.logits, sampling), generator)
+
+
+def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int,
+             sampling: SamplingParams = SamplingParams(), drafter: DrafterEngine | None = None,
+             tree: TreeSpec = TreeSpec(), seed: int = 0, request_id: str = "local",
+             stop_ids: tuple[int, ...] | None = None) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``; speculative when ``drafter`` is given."""
+    if type(max_new_tokens) is not int or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
+    stop_ids = tuple(target.cfg.eos_token_ids if stop_ids is None else stop_ids)
+    generator = torch.Generator().manual_seed(seed)
+    max_rows = tree.max_candidates + 1 if drafter is not None else 1
+    target.open_session(request_id, prompt_ids, max_new_tokens, max_rows)
+    if drafter is not None:
+        drafter.open_session(request_id, len(prompt_ids) + max_new_tokens + max_rows + tree.max_draft_rows + 1)
+    try:
+        t_start = time.perf_counter()
+        verified = target.prefill(request_id)
+        seed_state, ack = target.publish(request_id, verified.round, decide(verified, prompt_ids, sampling, generator))
+        out = list(ack.output_tokens)
+        prefill_s = time.perf_counter() - t_start
+        rounds: list[RoundStats] = []
+        while len(out) < max_new_tokens and not (stop_ids and out[-1] in stop_ids):
+            t0 = time.perf_counter()
+            draft = drafter.propose(request_id, seed_state, tree) if drafter else DraftTree.empty()   # propose
+            t1 = time.perf_counter()
+            verified = target.verify(request_id, draft)                                                # verify
+            t2 = time.perf_counter()
+            decision = decide(verified, prompt_ids, sampling, generator)                                # accept
+            seed_state, ack = target.publish(request_id, verified.round, decision)                      # publish
+            if drafter:
+                drafter.publish(request_id)
+            out.extend(ack.output_tokens)
+            rounds.append(RoundStats(decision.accept_length, decision.num_new_tokens, draft.num_nodes, t1 - t0, t2 - t1))
+        wall_s = time.perf_counter() - t_start
+    finally:
+        target.close_session(request_id)
+        if drafter is not None:
+            drafter.close_session(request_id)
+    return GenerationResult(*_finish(out, max_new_tokens, stop_ids), prefill_s, wall_s, tuple(rounds))
+
+
+def _finish(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> tuple[list[int], str]:
+    """Cut at the first stop token (kept) or at ``max_new_tokens``."""
+    for i, tok in enumerate(out[:max_new_tokens]):
+        if tok in stop_ids:
+            return out[:i + 1], FINISH_STOP
+    return out[:max_new_tokens], FINISH_LENGTH

@@ -1,0 +1,194 @@
+"""The target engine: the one owner of target weights, committed KV and provisional branch KV.
+
+Per request it keeps a :class:`TargetSession`. A round is
+
+1. :meth:`TargetEngine.verify` -- flatten the draft tree behind the frontier token (seed 0x05C),
+   write every tree row's K/V into *provisional* slots after the committed prefix, and return the
+   target logits and features of every row.
+2. acceptance -- a pure function of the :class:`Verified` (``eyas.verification.accept``).
+3. :meth:`TargetEngine.publish` -- the publish transaction (seed 0x05D), keyed by
+   ``(request_id, round)``: gather the accepted rows' K/V onto the committed prefix by the
+   verification's own row map (never by token equality), keep their features for the drafter's
+   reseed, emit the frontier token and mark it *append required*: its K/V and feature come from
+   the next forward, where it is the root row of the next tree.
+
+Prefill is the same transaction with every prompt row accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.drafting.tree import DraftTree
+from eyas.target.model import FeatureTap, KVCache, TargetModel
+from eyas.verification.accept import AcceptDecision
+from eyas.verification.flatten import FlatTree, flatten_tree
+
+PREFILL_ROUND = 0  # the round number of the prompt's prefill; speculation rounds count from 1
+
+
+@dataclass(frozen=True)
+class Seed:
+    """What the drafter needs to (re)seed after a publish (seed 0x05A, 0x05D).
+
+    Draft row ``t`` reads the verified target feature ``f_t`` and the advanced token ``x_{t+1}``.
+    """
+
+    features: torch.Tensor         # [A, F] verified target features of the newly committed rows
+    advanced_tokens: torch.Tensor  # [A] int64 x_{t+1} for each row t (the last one is the frontier)
+    start_position: int            # position of the first row
+    round: int                     # the round this seed was published in
+
+    @property
+    def frontier_token(self) -> int:
+        return int(self.advanced_tokens[-1])
+
+
+@dataclass(frozen=True)
+class Verified:
+    """Target output over one round's rows, still provisional."""
+
+    request_id: str
+    round: int
+    flat: FlatTree | None      # None for the prompt prefill
+    logits: torch.Tensor       # [R, V] float32 (prefill: [1, V], the last prompt row)
+    features: torch.Tensor     # [R, F]
+
+
+@dataclass(frozen=True)
+class PublishAck:
+    request_id: str
+    round: int
+    committed_len: int
+    output_tokens: tuple[int, ...]  # tokens this publish emitted (accepted candidates + frontier)
+
+
+@dataclass
+class TargetSession:
+    """Mutable per-request target state. Only :class:`TargetEngine` touches it."""
+
+    request_id: str
+    cache: KVCache
+    prompt_len: int
+    committed_len: int = 0         # slots [0, committed_len) hold committed K/V
+    round: int = PREFILL_ROUND     # the round of the last published (or pending) verify
+    pending: Verified | None = None  # the verify of `round` awaiting publish
+    frontier_token: int | None = None  # emitted, append required
+    last_ack: PublishAck | None = None
+    last_seed: Seed | None = None
+    tokens: list[int] = field(default_factory=list)  # committed tokens (prompt + accepted)
+
+
+class TargetEngine:
+    def __init__(self, model: TargetModel, taps: tuple[FeatureTap, ...]):
+        self.model = model
+        self.cfg = model.cfg
+        self.taps = taps
+        self.sessions: dict[str, TargetSession] = {}
+
+    # --- sessions ------------------------------------------------------------------------------
+    def open_session(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, max_tree_rows: int) -> None:
+        if request_id in self.sessions:
+            raise ValueError(f"request_id: {request_id!r} already has a live session")
+        if not prompt_ids:
+            raise ValueError("prompt: must hold at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:5]} lie outside the vocabulary [0, {self.cfg.vocab_size})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+        slots = len(prompt_ids) + max_new_tokens + max_tree_rows + 1
+        if slots > self.cfg.max_position_embeddings:
+            raise ValueError(f"max_new_tokens: prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) "
+                             f"+ tree rows exceed the context ({self.cfg.max_position_embeddings})")
+        self.sessions[request_id] = TargetSession(request_id, self.model.allocate_cache(1, slots), len(prompt_ids),
+                                                  tokens=list(prompt_ids))
+
+    def close_session(self, request_id: str) -> None:
+        self.sessions.pop(request_id, None)
+
+    def kv_slots_allocated(self) -> int:
+        return sum(s.cache.max_slots for s in self.sessions.values())
+
+    def _session(self, request_id: str) -> TargetSession:
+        if request_id not in self.sessions:
+            raise ValueError(f"request_id: {request_id!r} has no live session")
+        return self.sessions[request_id]
+
+    # --- forward passes ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, request_id: str) -> Verified:
+        s = self._session(request_id)
+        if s.committed_len or s.pending is not None:
+            raise ValueError(f"request_id: {request_id!r} is already prefilled")
+        n = s.prompt_len
+        tokens = torch.tensor([s.tokens], dtype=torch.int64)
+        mask = torch.ones(n, n, dtype=torch.bool).tril_().unsqueeze(0)
+        out = self.model(tokens, torch.arange(n).unsqueeze(0), s.cache, 0, mask, self.taps, logits_rows="last")
+        s.pending = Verified(request_id, PREFILL_ROUND, None, out.logits[0], out.features[0])
+        return s.pending
+
+    @torch.inference_mode()
+    def verify(self, request_id: str, tree: DraftTree) -> Verified:
+        """Run the frontier token plus ``tree`` as one forward over provisional slots (seed 0x05C)."""
+        s = self._session(request_id)
+        if s.pending is not None:
+            raise ValueError(f"round: {s.pending.round} of {request_id!r} is not yet published")
+        if s.frontier_token is None:
+            raise ValueError(f"request_id: {request_id!r} has no frontier token (prefill first)")
+        n = s.committed_len
+        flat = flatten_tree(tree, s.frontier_token, n)
+        rows = flat.num_rows
+        if n + rows > s.cache.max_slots:
+            raise ValueError(f"rows: {rows} tree rows exceed the session's KV budget "
+                             f"({s.cache.max_slots - n} slots left)")
+        mask = torch.cat([torch.ones(rows, n, dtype=torch.bool), flat.tree_mask], dim=1).unsqueeze(0)
+        out = self.model(flat.tokens.unsqueeze(0), flat.positions.unsqueeze(0), s.cache, n,
+                         mask if rows > 1 else None, self.taps, logits_rows="all")
+        s.pending = Verified(request_id, s.round + 1, flat, out.logits[0], out.features[0])
+        return s.pending
+
+    # --- the publish transaction (seed 0x05D) ------------------------------------------------------
+    def publish(self, request_id: str, round: int, decision: AcceptDecision) -> tuple[Seed, PublishAck]:
+        """Commit the accepted rows of round ``round``; idempotent; a stale or future round is refused.
+
+        Every check and every read happens before the first write, and ``committed_len`` moves
+        last, so a failure leaves the committed prefix ``[0, committed_len)`` as it was.
+        """
+        s = self._session(request_id)
+        if s.last_ack is not None and round == s.last_ack.round:
+            return s.last_seed, s.last_ack  # applied twice: a no-op with the same ack
+        if s.pending is None or round != s.pending.round:
+            expected = s.pending.round if s.pending is not None else s.round + 1
+            raise ValueError(f"round: {round} is stale or from the future (expected {expected})")
+        v = s.pending
+        rows = decision.accepted_rows  # [A] flat rows, from the verification's retrieve map
+        if v.flat is None:  # prefill: every prompt row is accepted
+            if rows.tolist() != list(range(s.prompt_len)):
+                raise ValueError("accepted_rows: a prefill accepts exactly the prompt rows")
+            features = v.features
+        else:
+            if int(rows.max()) >= v.flat.num_rows:
+                raise ValueError(f"accepted_rows: {rows.tolist()} reach past the {v.flat.num_rows} verified rows")
+            if not torch.equal(v.flat.tokens[rows[1:]], decision.accepted_tokens):
+                raise ValueError("accepted_tokens: do not match the verified rows they name")
+            features = v.features.index_select(0, rows)  # [A, F]
+        if not 0 <= decision.frontier_token < self.cfg.vocab_size:
+            raise ValueError(f"frontier_token: {decision.frontier_token} lies outside the vocabulary")
+        n, a = s.committed_len, rows.numel()
+        new_rows = [] if v.flat is None else [s.frontier_token] + decision.accepted_tokens.tolist()
+        emitted = (decision.frontier_token,) if v.flat is None else tuple(decision.emitted_tokens)
+        committed_tokens = s.tokens + new_rows
+        seed = Seed(features.clone(),
+                    torch.tensor(committed_tokens[n + 1:] + [decision.frontier_token], dtype=torch.int64),
+                    start_position=n, round=round)
+        ack = PublishAck(request_id, round, n + a, emitted)
+        # -- writes: K/V first (into slots >= n only), then the bookkeeping, committed_len last --
+        if v.flat is not None:
+            s.cache.gather_commit(n + rows, n)  # provisional slot n + r -> committed slot n + i
+        s.tokens = committed_tokens
+        s.frontier_token = decision.frontier_token
+        s.pending, s.round, s.last_ack, s.last_seed = None, round, ack, seed
+        s.committed_len = n + a
+        return seed, ack
