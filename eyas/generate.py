@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.drafting.engine import DrafterEngine, TreeSpec
-from eyas.drafting.tree import DraftTree
+from eyas.protocol.messages import AcceptDecision
+from eyas.protocol.tree import DraftTree
 from eyas.target.engine import TargetEngine, Verified
-from eyas.verification.accept import AcceptDecision, greedy_accept, stochastic_accept
+from eyas.verification.accept import greedy_accept, stochastic_accept
 from eyas.verification.sampling import SamplingParams, sample, target_probs
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 from eyas.drafting.model import Drafter
-from eyas.drafting.tree import (DEFAULT_STATIC_CHOICES, PARENT_IS_SEED, DraftTree, DynamicTreeBuilder,
+from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
+from eyas.drafting.tree import (DEFAULT_STATIC_CHOICES, DynamicTreeBuilder,
                                 StaticTreeBuilder, chain_choices)
 from eyas.target.model import KVCache
 

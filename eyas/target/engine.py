@@ -20,29 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eyas.drafting.tree import DraftTree
+from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
+from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.target.model import FeatureTap, KVCache, TargetModel
-from eyas.verification.accept import AcceptDecision
-from eyas.verification.flatten import FlatTree, flatten_tree
 
 PREFILL_ROUND = 0  # the round number of the prompt's prefill; speculation rounds count from 1
-
-
-@dataclass(frozen=True)
-class Seed:
-    """What the drafter needs to (re)seed after a publish (seed 0x05A, 0x05D).
-
-    Draft row ``t`` reads the verified target feature ``f_t`` and the advanced token ``x_{t+1}``.
-    """
-
-    features: torch.Tensor         # [A, F] verified target features of the newly committed rows
-    advanced_tokens: torch.Tensor  # [A] int64 x_{t+1} for each row t (the last one is the frontier)
-    start_position: int            # position of the first row
-    round: int                     # the round this seed was published in
-
-    @property
-    def frontier_token(self) -> int:
-        return int(self.advanced_tokens[-1])
 
 
 @dataclass(frozen=True)
@@ -54,14 +36,6 @@ class Verified:
     flat: FlatTree | None      # None for the prompt prefill
     logits: torch.Tensor       # [R, V] float32 (prefill: [1, V], the last prompt row)
     features: torch.Tensor     # [R, F]
-
-
-@dataclass(frozen=True)
-class PublishAck:
-    request_id: str
-    round: int
-    committed_len: int
-    output_tokens: tuple[int, ...]  # tokens this publish emitted (accepted candidates + frontier)
 
 
 @dataclass

@@ -27,60 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.verification.flatten import RETRIEVE_PAD, FlatTree
-
-ROOT_ROW: int = 0  # flat row of the root (the previous frontier token); starts every path
-
-
-@dataclass(frozen=True)
-class AcceptDecision:
-    """One round's verdict (seed 0x05C): the accepted path and the target's next token.
-
-    Publication gathers target KV and features through `accepted_rows` (seed 0x05D), outputs
-    `accepted_tokens` then `frontier_token`, and marks the frontier as append-required.
-    """
-
-    accepted_rows: torch.Tensor  # [A] int64 rows of one root->leaf path prefix; [0] == ROOT_ROW
-    accepted_tokens: torch.Tensor  # [A-1] int64 = flat.tokens[accepted_rows[1:]]
-    frontier_token: int  # target-governed next token; not a verified row (append required)
-
-    def __post_init__(self) -> None:
-        for name in ("accepted_rows", "accepted_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, torch.Tensor) or value.ndim != 1 or value.dtype != torch.int64:
-                raise ValueError(f"{name}: expected a 1-D int64 tensor")
-        rows = self.accepted_rows.tolist()
-        if not rows or rows[0] != ROOT_ROW:
-            raise ValueError(f"accepted_rows: must start with the root row {ROOT_ROW}, got {rows}")
-        if any(b <= a for a, b in zip(rows, rows[1:])):
-            raise ValueError(
-                f"accepted_rows: a path's rows must increase (parents precede children), got {rows}"
-            )
-        if self.accepted_tokens.shape[0] != len(rows) - 1:
-            raise ValueError(
-                f"accepted_tokens: length {self.accepted_tokens.shape[0]} != "
-                f"len(accepted_rows) - 1 = {len(rows) - 1}"
-            )
-        if type(self.frontier_token) is not int or self.frontier_token < 0:
-            raise ValueError(
-                f"frontier_token: expected a nonnegative int, got {self.frontier_token!r}"
-            )
-
-    @property
-    def accept_length(self) -> int:
-        """Number of candidate tokens accepted (root excluded)."""
-        return self.accepted_tokens.shape[0]
-
-    @property
-    def num_new_tokens(self) -> int:
-        """Tokens emitted this round: accepted candidates plus the frontier token."""
-        return self.accept_length + 1
-
-    @property
-    def emitted_tokens(self) -> list[int]:
-        """The output of this round in order: accepted candidates, then the frontier token."""
-        return self.accepted_tokens.tolist() + [self.frontier_token]
-
+from eyas.protocol.messages import ROOT_ROW, AcceptDecision
+from eyas.protocol.tree import RETRIEVE_PAD, FlatTree
 
 def _check_target(flat: FlatTree, target: torch.Tensor, name: str) -> None:
     if not isinstance(target, torch.Tensor) or target.ndim != 2:
@@ -89,7 +37,8 @@ def _check_target(flat: FlatTree, target: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: {target.shape[0]} rows != flat tree rows {flat.num_rows}")
     if not target.dtype.is_floating_point:
         raise ValueError(f"{name}: expected a floating dtype, got {target.dtype}")
-    if int(flat.tokens.max().item()) >= target.shape[1] or int(flat.tokens.min().item()) < 0:
+    lowest, highest = torch.aminmax(flat.tokens)
+    if int(highest) >= target.shape[1] or int(lowest) < 0:
         raise ValueError(
             f"{name}: flat tree token ids fall outside the vocabulary of size {target.shape[1]}"
         )
@@ -156,11 +105,8 @@ def stochastic_accept(
     _check_target(flat, target_probs, "target_probs")
     if not isinstance(generator, torch.Generator):
         raise ValueError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
-    row_mass = target_probs.sum(dim=1).tolist()  # [R]; inf or NaN if any entry is
-    if not bool((target_probs >= 0).all()) or not all(map(math.isfinite, row_mass)):
+    if not float(target_probs.min()) >= 0:  # also catches NaN
         raise ValueError("target_probs: entries must be finite and nonnegative")
-    if min(row_mass) <= 0:
-        raise ValueError("target_probs: every row needs positive mass")
 
     num_rows = flat.num_rows
     parents = flat.parents.tolist()
@@ -176,6 +122,14 @@ def stochastic_accept(
     residual = target_probs.clone()  # [R, V]
     residual[child_parents, child_tokens] = 0.0
     outside = residual.sum(dim=1).tolist()  # [R]
+    # Entries are nonnegative, so a row holds inf or NaN iff its outside or a child mass does.
+    if not all(map(math.isfinite, mass)) or not all(map(math.isfinite, outside)):
+        raise ValueError("target_probs: entries must be finite and nonnegative")
+    row_mass = list(outside)
+    for row in range(1, num_rows):
+        row_mass[parents[row]] += mass[row]
+    if min(row_mass) <= 0:
+        raise ValueError("target_probs: every row needs positive mass")
     uniforms = torch.rand(
         num_rows, generator=generator, dtype=torch.float64, device=generator.device
     ).tolist()
@@ -188,7 +142,13 @@ def stochastic_accept(
         )
         if accepted is None:
             frontier = torch.multinomial(residual[row].to(generator.device), 1, generator=generator)
-            return _decision(flat, torch.tensor(path), int(frontier.item()))
+            return AcceptDecision(
+                accepted_rows=torch.tensor(path, dtype=torch.int64, device=flat.tokens.device),
+                accepted_tokens=torch.tensor(
+                    [tokens[r] for r in path[1:]], dtype=torch.int64, device=flat.tokens.device
+                ),
+                frontier_token=int(frontier.item()),
+            )
         path.append(accepted)
 
 

@@ -10,11 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.drafting.tree import (
     CONFIDENCE_FLOOR,
     DEFAULT_STATIC_CHOICES,
-    PARENT_IS_SEED,
-    DraftTree,
     DynamicTreeBuilder,
     StaticTreeBuilder,
     chain_choices,

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from eyas.drafting.tree import PARENT_IS_SEED, DraftTree
-from eyas.verification.accept import AcceptDecision, greedy_accept, stochastic_accept
-from eyas.verification.flatten import FlatTree, flatten_tree
+from eyas.protocol.messages import AcceptDecision
+from eyas.protocol.tree import PARENT_IS_SEED, DraftTree, FlatTree, flatten_tree
+from eyas.verification.accept import greedy_accept, stochastic_accept
 from eyas.verification.sampling import SamplingParams, target_probs
 
 SEED = PARENT_IS_SEED
@@ -112,34 +113,66 @@ def test_publication_fixture_accepts_rows_0_2_and_frontier_separately():
         assert verified_kv[decision.accepted_rows].tolist() == [[0, 1], [4, 5]]
 
 
-def test_stochastic_with_one_hot_target_equals_greedy():
-    """Greedy is the temperature-0 case of exact acceptance: u < 1 accepts the argmax child,
-    u < 0 never accepts another one."""
-    rng = random.Random(0)
-    trees = [
-        REPEATED,
-        dict(tokens=[1, 2, 3, 4], parents=[SEED, 0, 0, 2]),
-        dict(tokens=[], parents=[]),
-    ]
-    for case in range(60):
-        flat = make_flat(**trees[case % len(trees)])
-        children = {
-            r: [c for c, p in enumerate(flat.parents.tolist()) if p == r]
-            for r in range(flat.num_rows)
-        }
-        argmax = [
-            flat.tokens[rng.choice(children[r])].item()
-            if children[r] and rng.random() < 0.7
-            else rng.randrange(VOCAB)
-            for r in range(flat.num_rows)
-        ]
-        logits = logits_with_argmax(argmax)
-        greedy = greedy_accept(flat, logits)
-        exact = stochastic_accept(
-            flat, target_probs(logits, SamplingParams()), torch.Generator().manual_seed(case)
+@st.composite
+def trees_with_argmax(draw) -> tuple[FlatTree, list[int]]:
+    """A random flat tree (sibling tokens distinct, repeats across branches likely) and a
+    target argmax per row that often equals one of the row's children."""
+    n = draw(st.integers(0, 8))
+    parents: list[int] = []
+    tokens: list[int] = []
+    for i in range(n):
+        parent = draw(st.integers(SEED, i - 1))
+        taken = {t for t, p in zip(tokens, parents) if p == parent}
+        parents.append(parent)
+        tokens.append(draw(st.sampled_from([t for t in range(9) if t not in taken])))
+    flat = make_flat(tokens, parents)
+    flat_parents = flat.parents.tolist()
+    argmax = []
+    for row in range(flat.num_rows):
+        child_tokens = [flat.tokens[c].item() for c, p in enumerate(flat_parents) if p == row]
+        any_token = st.integers(0, VOCAB - 1)
+        argmax.append(
+            draw(st.sampled_from(child_tokens) | any_token if child_tokens else any_token)
         )
-        assert exact.accepted_rows.tolist() == greedy.accepted_rows.tolist()
-        assert exact.frontier_token == greedy.frontier_token
+    return flat, argmax
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=trees_with_argmax(), seed=st.integers(0, 2**32 - 1))
+def test_greedy_path_properties_and_stochastic_one_hot_agrees(case, seed):
+    """Greedy: the accepted rows form a parent chain from the root, each accepted token is the
+    argmax of its parent row, the frontier is the argmax of the last row, and the path cannot be
+    extended (no child of the last row carries that argmax). Exact acceptance with a one-hot
+    (temperature 0) target makes the same decision: u < 1 accepts, u < 0 never does."""
+    flat, argmax = case
+    logits = logits_with_argmax(argmax)
+    decision = greedy_accept(flat, logits)
+    rows = decision.accepted_rows.tolist()
+    parents, tokens = flat.parents.tolist(), flat.tokens.tolist()
+    assert rows[0] == 0
+    for parent_row, row in zip(rows, rows[1:]):
+        assert parents[row] == parent_row and tokens[row] == argmax[parent_row]
+    assert decision.frontier_token == argmax[rows[-1]]
+    assert all(
+        tokens[c] != argmax[rows[-1]] for c in range(1, flat.num_rows) if parents[c] == rows[-1]
+    )
+
+    exact = stochastic_accept(
+        flat, target_probs(logits, SamplingParams()), torch.Generator().manual_seed(seed)
+    )
+    assert exact.accepted_rows.tolist() == rows
+    assert exact.frontier_token == decision.frontier_token
+
+
+def test_stochastic_with_all_mass_on_children_never_runs_dry():
+    """All root mass on the children t0, t1 (t2 has none): the residual after rejecting every
+    child would be empty, so by construction the last child with mass is always accepted."""
+    flat = make_flat(**EXACT_TREE)
+    probs = EXACT_PROBS.clone()
+    probs[0] = torch.tensor([0.7, 0.3, 0.0, 0.0, 0.0, 0.0])
+    generator = torch.Generator().manual_seed(5)
+    firsts = {stochastic_accept(flat, probs, generator).emitted_tokens[0] for _ in range(300)}
+    assert firsts == {0, 1}
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,12 +6,14 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from eyas.drafting.tree import PARENT_IS_SEED, DraftTree
-from eyas.verification.flatten import (
+from eyas.protocol.tree import (
+    PARENT_IS_SEED,
+    DraftTree,
     RETRIEVE_PAD,
     ROW_IS_ROOT,
-    TREE_PARENT_IS_SEED,
     FlatTree,
     flatten_tree,
     validate_flat_tree,
@@ -33,9 +35,6 @@ def seed_fixture_tree() -> DraftTree:
         draft_probs=torch.tensor([0.60, 0.80, 0.40, 0.95]),
     )
 
-
-def test_sentinel_matches_draft_tree():
-    assert TREE_PARENT_IS_SEED == PARENT_IS_SEED
 
 
 def test_flatten_seed_fixture_worked_example():
@@ -90,6 +89,38 @@ def test_empty_tree_flattens_to_root_row():
     assert flat.tree_mask.tolist() == [[T]]
     assert flat.retrieve.tolist() == [[0]]
     validate_flat_tree(flat, vocab_size=VOCAB, max_rows=1, base_position=BASE)
+
+
+@st.composite
+def draft_trees(draw, max_nodes: int = 12) -> DraftTree:
+    """Random DraftTrees: node i's parent is the seed or an earlier node; token i is unique."""
+    n = draw(st.integers(0, max_nodes))
+    parents: list[int] = [draw(st.integers(PARENT_IS_SEED, i - 1)) for i in range(n)]
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p == PARENT_IS_SEED else depths[p] + 1)
+    return DraftTree(
+        tokens=torch.arange(n, dtype=torch.int64),
+        parents=torch.tensor(parents, dtype=torch.int64),
+        depths=torch.tensor(depths, dtype=torch.int64),
+        draft_probs=torch.full((n,), 0.5),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(tree=draft_trees(), base=st.integers(0, 1000))
+def test_flatten_random_trees_satisfy_the_contract(tree, base):
+    """Mask row i is exactly i's ancestor chain; retrieve lines are the root->leaf chains."""
+    flat = flatten_tree(tree, FRONTIER, base)
+    validate_flat_tree(flat, vocab_size=VOCAB, max_rows=tree.num_nodes + 1, base_position=base)
+    parents = flat.parents.tolist()
+    for i in range(flat.num_rows):
+        chain = {i}
+        while parents[min(chain)] != ROW_IS_ROOT:
+            chain.add(parents[min(chain)])
+        assert {j for j, m in enumerate(flat.tree_mask[i].tolist()) if m} == chain
+    leaves = [i for i in range(flat.num_rows) if i not in parents]
+    assert [max(line) for line in flat.retrieve.tolist()] == leaves
 
 
 @pytest.mark.parametrize("frontier, base", [(-1, 0), (True, 0), (3, -2), (3, 1.0)])

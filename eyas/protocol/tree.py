@@ -1,4 +1,9 @@
-"""Flatten a draft tree into the rows the target verifies in one forward pass (seed 0x05C).
+"""The tree messages of the wire contract: a drafter's `DraftTree` and the verifier's `FlatTree`.
+
+Both are validated on construction; `validate_flat_tree` adds the checks an inbound message needs
+(DESIGN.md, "The wire contract"). Pure tensor code: no model, no Ray.
+
+Flatten a draft tree into the rows the target verifies in one forward pass (seed 0x05C).
 
 Terms:
 
@@ -21,17 +26,111 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # verification imports only protocol at run time (DESIGN.md layout table)
-    from eyas.drafting.tree import DraftTree
-
+PARENT_IS_SEED: int = -1  # DraftTree.parents value: the node is a child of the seed (the frontier token)
 ROW_IS_ROOT: int = -1  # parents[0]: the root row has no parent row
-# DraftTree.parents value of seed children; equals eyas.drafting.tree.PARENT_IS_SEED (tested).
-TREE_PARENT_IS_SEED: int = -1
 RETRIEVE_PAD: int = -1  # padding after the leaf in a retrieve-map line
+
+
+# --------------------------------------------------------------------------------------------
+# DraftTree
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Candidate nodes proposed by a drafter, seed excluded (seed 0x05B).
+
+    Nodes are stored in an order where every parent precedes its children, which also makes the
+    tree ancestor-closed: every parent index refers to an earlier node of this tree.
+    """
+
+    tokens: torch.Tensor  # [N] int64 candidate token ids, >= 0
+    parents: torch.Tensor  # [N] int64 parent node index or PARENT_IS_SEED; parents[i] < i
+    depths: torch.Tensor  # [N] int64 >= 1; parent's depth + 1 (seed children: 1)
+    draft_probs: torch.Tensor  # [N] float32 conditional draft confidence in [0, 1]
+
+    def __post_init__(self) -> None:
+        for name, dtype in (
+            ("tokens", torch.int64),
+            ("parents", torch.int64),
+            ("depths", torch.int64),
+            ("draft_probs", torch.float32),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+            if value.ndim != 1:
+                raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(value.shape)}")
+            if value.dtype != dtype:
+                raise ValueError(f"{name}: expected dtype {dtype}, got {value.dtype}")
+        n = self.tokens.shape[0]
+        for name in ("parents", "depths", "draft_probs"):
+            if getattr(self, name).shape[0] != n:
+                raise ValueError(
+                    f"{name}: length {getattr(self, name).shape[0]} != tokens length {n}"
+                )
+
+        tokens = self.tokens.tolist()
+        parents = self.parents.tolist()
+        depths = self.depths.tolist()
+        probs = self.draft_probs.tolist()
+        seen: set[tuple[int, int]] = set()
+        for i in range(n):
+            p = parents[i]
+            if p != PARENT_IS_SEED and not 0 <= p < i:
+                raise ValueError(
+                    f"parents: node {i} has parent {p}; a parent must be PARENT_IS_SEED or an "
+                    f"earlier node (parents precede children, ancestor-closed)"
+                )
+            expected_depth = 1 if p == PARENT_IS_SEED else depths[p] + 1
+            if depths[i] != expected_depth:
+                raise ValueError(
+                    f"depths: node {i} has depth {depths[i]}, expected {expected_depth} "
+                    f"(parent depth + 1, seed children at depth 1)"
+                )
+            if tokens[i] < 0:
+                raise ValueError(f"tokens: node {i} has negative token id {tokens[i]}")
+            if not (math.isfinite(probs[i]) and 0.0 <= probs[i] <= 1.0):
+                raise ValueError(
+                    f"draft_probs: node {i} has confidence {probs[i]}, expected finite in [0, 1]"
+                )
+            key = (p, tokens[i])
+            if key in seen:
+                raise ValueError(
+                    f"tokens: duplicate token {tokens[i]} under one parent ({p}) at node {i}"
+                )
+            seen.add(key)
+
+    @classmethod
+    def empty(cls, device: torch.device | str = "cpu") -> DraftTree:
+        """A tree with no candidates: verification then checks only the frontier (target-only)."""
+        zeros_i = torch.zeros(0, dtype=torch.int64, device=device)
+        return cls(
+            tokens=zeros_i,
+            parents=zeros_i.clone(),
+            depths=zeros_i.clone(),
+            draft_probs=torch.zeros(0, dtype=torch.float32, device=device),
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        """Depth of the deepest node; 0 for an empty tree (only the seed)."""
+        return int(self.depths.max().item()) if self.num_nodes else 0
+
+    def children_of(self, node: int) -> list[int]:
+        """Indices of the children of `node` (PARENT_IS_SEED for the seed), in node order."""
+        if type(node) is not int or not (node == PARENT_IS_SEED or 0 <= node < self.num_nodes):
+            raise ValueError(f"node: {node!r} is not PARENT_IS_SEED or a node index of this tree")
+        return [i for i, p in enumerate(self.parents.tolist()) if p == node]
+
+
 
 
 @dataclass(frozen=True)
@@ -128,7 +227,7 @@ def flatten_tree(tree: DraftTree, frontier_token: int, base_position: int) -> Fl
         raise ValueError(f"base_position: expected a nonnegative int, got {base_position!r}")
     device = tree.tokens.device
     parents = [ROW_IS_ROOT] + [
-        0 if p == TREE_PARENT_IS_SEED else p + 1 for p in tree.parents.tolist()
+        0 if p == PARENT_IS_SEED else p + 1 for p in tree.parents.tolist()
     ]
     depths = [0] + tree.depths.tolist()
     as_long = dict(dtype=torch.int64, device=device)

@@ -1,0 +1,139 @@
+"""Drafter checkpoints: ``model.safetensors`` plus a JSON manifest (seed 0x01A).
+
+A drafter fits only the target it was trained on. The manifest records the target fingerprint
+(config, weight and tokenizer digests), the feature address (which taps, pre- or post-norm), the
+drafter configuration (draft vocabulary included, its maps live in the safetensors file), the loss
+weights and recipe it was trained with, and the tree ABI. Loading against a target with another
+fingerprint or feature address is refused with an error naming the field.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from eyas.drafting.model import Drafter, DrafterConfig
+from eyas.target.loader import TargetFingerprint
+from eyas.target.model import FeatureTap
+
+MANIFEST_FORMAT = "eyas-drafter/1"
+MANIFEST_FILE, WEIGHTS_FILE = "manifest.json", "model.safetensors"
+
+
+class FingerprintSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    config_digest: str
+    weight_digest: str
+    tokenizer_digest: str
+
+
+class TapSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    layers_applied: int = Field(ge=0)
+    normed: bool
+
+
+class TreeABI(BaseModel):
+    """How a tree built by this drafter is laid out for the verifier (seed 0x05C)."""
+
+    model_config = ConfigDict(extra="forbid")
+    root_row: Literal["frontier_token"] = "frontier_token"
+    positions: Literal["base_plus_depth"] = "base_plus_depth"
+    draft_row_input: Literal["state_t;embed(x_t+1)"] = "state_t;embed(x_t+1)"
+    default_tree: dict = Field(default_factory=lambda: {"kind": "dynamic", "expand_width": 4, "max_depth": 5,
+                                                        "verify_budget": 16})
+
+
+class DrafterManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: Literal["eyas-drafter/1"] = MANIFEST_FORMAT
+    method: Literal["eagle1", "eagle3"]
+    target_fingerprint: FingerprintSpec
+    feature_address: list[TapSpec]
+    drafter_config: dict
+    tree_abi: TreeABI = Field(default_factory=TreeABI)
+    loss_weights: dict[str, float] = Field(default_factory=dict)
+    recipe: dict = Field(default_factory=dict)
+
+    def taps(self) -> tuple[FeatureTap, ...]:
+        return tuple(FeatureTap(t.layers_applied, t.normed) for t in self.feature_address)
+
+
+def _pydantic_error(err: ValidationError, prefix: str) -> ValueError:
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"])
+    return ValueError(f"{prefix}{field}: {first['msg']}")
+
+
+def check_compatible(manifest: DrafterManifest, fingerprint: TargetFingerprint,
+                     taps: tuple[FeatureTap, ...] | None = None) -> None:
+    """Refuse a drafter whose target fingerprint (or feature address) differs (seed 0x01A)."""
+    for name in ("config_digest", "weight_digest", "tokenizer_digest"):
+        want, have = getattr(manifest.target_fingerprint, name), getattr(fingerprint, name)
+        if want != have:
+            raise ValueError(f"manifest.target_fingerprint.{name}: the drafter was trained for target "
+                             f"{want[:12]}…, this target is {have[:12]}…")
+    if taps is not None and manifest.taps() != tuple(taps):
+        raise ValueError(f"manifest.feature_address: {manifest.taps()} differs from the target's taps {taps}")
+
+
+def save_drafter(folder: str | Path, drafter: Drafter, manifest: DrafterManifest) -> Path:
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, str(folder / WEIGHTS_FILE))
+    (folder / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
+    return folder
+
+
+def read_manifest(folder: str | Path) -> DrafterManifest:
+    path = Path(folder) / MANIFEST_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"drafter: {folder} has no {MANIFEST_FILE}")
+    try:
+        return DrafterManifest.model_validate_json(path.read_text())
+    except ValidationError as err:
+        raise _pydantic_error(err, "manifest.") from None
+
+
+def load_drafter(folder: str | Path, fingerprint: TargetFingerprint,
+                 taps: tuple[FeatureTap, ...] | None = None) -> tuple[Drafter, DrafterManifest]:
+    """Load a drafter checkpoint for the target with ``fingerprint``; refuse a mismatch."""
+    from safetensors.torch import load_file
+
+    manifest = read_manifest(folder)
+    check_compatible(manifest, fingerprint, taps)
+    try:
+        cfg = DrafterConfig(**manifest.drafter_config)
+    except TypeError as err:
+        raise ValueError(f"manifest.drafter_config: {err}") from None
+    if cfg.method != manifest.method:
+        raise ValueError(f"manifest.drafter_config.method: {cfg.method!r} != manifest.method {manifest.method!r}")
+    drafter = Drafter(cfg)
+    state = load_file(str(Path(folder) / WEIGHTS_FILE))
+    expected = drafter.state_dict()
+    for name, tensor in expected.items():
+        if name not in state:
+            raise ValueError(f"checkpoint.{name}: missing from {WEIGHTS_FILE}")
+        if state[name].shape != tensor.shape or state[name].dtype != tensor.dtype:
+            raise ValueError(f"checkpoint.{name}: shape/dtype {tuple(state[name].shape)}/{state[name].dtype} "
+                             f"!= expected {tuple(tensor.shape)}/{tensor.dtype}")
+    extra = sorted(set(state) - set(expected))
+    if extra:
+        raise ValueError(f"checkpoint.{extra[0]}: unexpected tensor")
+    drafter.load_state_dict(state)
+    if cfg.method == "eagle3":
+        drafter.set_draft_vocab(drafter.d2t.clone())  # validates the maps and rebuilds t2d
+    return drafter, manifest
+
+
+def manifest_for(method: str, drafter: Drafter, fingerprint: TargetFingerprint, taps: tuple[FeatureTap, ...],
+                 **extra) -> DrafterManifest:
+    return DrafterManifest(method=method, target_fingerprint=FingerprintSpec(**fingerprint.to_dict()),
+                           feature_address=[TapSpec(layers_applied=t.layers_applied, normed=t.normed) for t in taps],
+                           drafter_config=drafter.cfg.to_dict(), **extra)

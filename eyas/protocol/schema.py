@@ -1,0 +1,107 @@
+"""Pydantic validation of what arrives at an edge: a client's generate request.
+
+Every violation becomes a ``ValueError`` whose message starts with the offending field's name,
+so a CLI prints it and a gRPC server maps it to ``INVALID_ARGUMENT`` unchanged.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+METHODS = ("target", "eagle1", "eagle3")
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    raw: bool = False                      # False: wrap the prompt in the chat template
+    method: str = "eagle3"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: list[str] = Field(default_factory=list)
+    request_id: str | None = None
+    drafter: str | None = None             # a drafter checkpoint folder; default: the shipped one
+    tree_kind: Literal["dynamic", "static", "chain"] = "dynamic"
+    tree_depth: int | None = None
+    tree_width: int | None = None
+    tree_budget: int | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v):
+        if v not in METHODS:
+            raise ValueError(f"unknown method {v!r}; expected one of {METHODS}")
+        return v
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new(cls, v):
+        if v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"must be a finite number >= 0, got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v):
+        if not (0 < v <= 1):
+            raise ValueError(f"must lie in (0, 1], got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v < 0:
+            raise ValueError(f"must be >= 0 (0 = off), got {v}")
+        return v
+
+    @field_validator("tree_depth", "tree_budget")
+    @classmethod
+    def _nonneg(cls, v):
+        if v is not None and v < 0:
+            raise ValueError(f"must be >= 0, got {v}")
+        return v
+
+    @field_validator("tree_width")
+    @classmethod
+    def _width(cls, v):
+        if v is not None and v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _prompt(self):
+        if self.prompt_ids is not None:
+            if not self.prompt_ids:
+                raise ValueError("prompt_ids: must hold at least one token")
+            if any(t < 0 for t in self.prompt_ids):
+                raise ValueError("prompt_ids: token ids must be >= 0")
+        elif self.prompt is None or not self.prompt.strip():
+            raise ValueError("prompt: must be a non-empty string (or give prompt_ids)")
+        return self
+
+
+def parse_request(**fields) -> GenerateRequest:
+    """Validate ``fields``; raise ``ValueError("<field>: <why>")`` on the first violation."""
+    try:
+        return GenerateRequest(**fields)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "request"
+        msg = first["msg"].removeprefix("Value error, ")
+        if msg.startswith(field + ":") or ":" in msg.split(" ")[0]:
+            raise ValueError(msg) from None
+        raise ValueError(f"{field}: {msg}") from None

@@ -1,0 +1,140 @@
+"""In-process Eyas: one target, its drafters, and ``generate`` from a validated request.
+
+This is what the CLI, the benches and the tests call. The Ray actors (``eyas.actors``) wrap the same
+engines; nothing here holds state that the engines do not own.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eyas.drafting.engine import DrafterEngine, TreeSpec
+from eyas.drafting.manifest import load_drafter
+from eyas.drafting.model import DrafterConfig, init_drafter
+from eyas.generate import GenerationResult, generate
+from eyas.protocol.schema import GenerateRequest
+from eyas.target.engine import TargetEngine
+from eyas.target.loader import DEFAULT_TARGET, LoadedTarget, load_target
+from eyas.target.model import FeatureTap, eagle1_feature_address, eagle3_feature_address
+from eyas.verification.sampling import SamplingParams
+
+REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
+DEFAULT_DRAFTER_DIRS = {"eagle1": "smollm2-135m-eagle1", "eagle3": "smollm2-135m-eagle3"}
+
+
+@dataclass
+class DrafterHandle:
+    engine: DrafterEngine
+    taps: tuple[FeatureTap, ...]
+    source: str       # checkpoint folder, or "random-init" (untrained)
+    default_tree: TreeSpec
+
+
+def set_threads(threads: int | None = None) -> None:
+    n = threads or int(os.environ.get("EYAS_THREADS", "0")) or os.cpu_count() or 1
+    torch.set_num_threads(n)
+
+
+class Eyas:
+    def __init__(self, target: str = DEFAULT_TARGET, precision: str = "fp32", loaded: LoadedTarget | None = None):
+        self.loaded = loaded or load_target(target, precision)
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        self.cfg = self.model.cfg
+        self._drafters: dict[tuple[str, str | None], DrafterHandle] = {}
+        self._targets: dict[tuple[FeatureTap, ...], TargetEngine] = {}
+
+    # --- tokens -----------------------------------------------------------------------------------
+    def encode(self, prompt: str, raw: bool = False) -> list[int]:
+        if not prompt or not prompt.strip():
+            raise ValueError("prompt: must be a non-empty string")
+        if not raw and getattr(self.tokenizer, "chat_template", None):
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                        add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(prompt, add_special_tokens=raw)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # --- engines ----------------------------------------------------------------------------------
+    def target_engine(self, taps: tuple[FeatureTap, ...]) -> TargetEngine:
+        if taps not in self._targets:
+            self._targets[taps] = TargetEngine(self.model, taps)
+        return self._targets[taps]
+
+    def drafter(self, method: str, path: str | None = None) -> DrafterHandle:
+        key = (method, path)
+        if key in self._drafters:
+            return self._drafters[key]
+        folder = Path(path) if path else REPO_DRAFTERS / DEFAULT_DRAFTER_DIRS[method]
+        if path or (folder / "manifest.json").exists():
+            drafter, manifest = load_drafter(folder, self.loaded.fingerprint)
+            if manifest.method != method:
+                raise ValueError(f"drafter: {folder} holds a {manifest.method} drafter, not {method}")
+            taps, source = manifest.taps(), str(folder)
+            default_tree = TreeSpec(**manifest.tree_abi.default_tree)
+        else:
+            warnings.warn(f"no trained {method} drafter at {folder}; using an untrained (random) one")
+            drafter = init_drafter(DrafterConfig.for_target(method, self.cfg))
+            taps = eagle1_feature_address(self.cfg) if method == "eagle1" else eagle3_feature_address(self.cfg)
+            source, default_tree = "random-init", TreeSpec()
+        handle = DrafterHandle(DrafterEngine(drafter, self.model.embed, self.model.lm_head), taps, source,
+                               default_tree)
+        self._drafters[key] = handle
+        return handle
+
+    # --- generate ---------------------------------------------------------------------------------
+    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.prompt_ids is not None:
+            bad = [t for t in req.prompt_ids if t >= self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_ids: {bad[:5]} lie outside the vocabulary [0, {self.cfg.vocab_size})")
+            return list(req.prompt_ids)
+        return self.encode(req.prompt, req.raw)
+
+    def tree_for(self, req: GenerateRequest, handle: DrafterHandle | None) -> TreeSpec:
+        base = handle.default_tree if handle else TreeSpec()
+        return TreeSpec(kind=req.tree_kind,
+                        expand_width=req.tree_width if req.tree_width is not None else base.expand_width,
+                        max_depth=req.tree_depth if req.tree_depth is not None else base.max_depth,
+                        verify_budget=req.tree_budget if req.tree_budget is not None else base.verify_budget)
+
+    def generate(self, req: GenerateRequest) -> tuple[GenerationResult, dict]:
+        ids = self.prompt_ids(req)
+        sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
+        handle = None if req.method == "target" else self.drafter(req.method, req.drafter)
+        tree = self.tree_for(req, handle)
+        engine = self.target_engine(handle.taps if handle else ())
+        result = generate(engine, ids, max_new_tokens=req.max_new_tokens, sampling=sampling,
+                          drafter=handle.engine if handle else None, tree=tree, seed=req.seed,
+                          request_id=req.request_id or uuid.uuid4().hex)
+        return result, self.report(req, result, handle, tree)
+
+    def report(self, req: GenerateRequest, r: GenerationResult, handle: DrafterHandle | None,
+               tree: TreeSpec) -> dict:
+        """The machine-readable output of ``eyas generate --json``."""
+        return {
+            "method": req.method,
+            "token_ids": r.token_ids,
+            "text": self.decode(r.token_ids),
+            "new_tokens": len(r.token_ids),
+            "target_forwards": r.target_forwards,
+            "accept_length_mean": r.accept_length_mean,
+            "wall_s": r.wall_s,
+            "tokens_per_s": len(r.token_ids) / r.wall_s if r.wall_s > 0 else 0.0,
+            "finish_reason": r.finish_reason,
+            "prefill_s": r.prefill_s,
+            "draft_s": r.draft_s,
+            "verify_s": r.verify_s,
+            "precision": self.loaded.precision,
+            "drafter": handle.source if handle else None,
+            "tree": None if handle is None else {"kind": tree.kind, "expand_width": tree.expand_width,
+                                                  "max_depth": tree.max_depth, "verify_budget": tree.verify_budget},
+            "rounds": [{"accept_length": x.accept_length, "new_tokens": x.new_tokens, "tree_nodes": x.tree_nodes,
+                        "draft_ms": 1000 * x.draft_s, "verify_ms": 1000 * x.verify_s} for x in r.rounds],
+        }
