@@ -21,6 +21,17 @@ from eyas.target.model import TargetConfig, TargetModel, quantize_int8
 
 DEFAULT_TARGET = "smollm2-135m"
 PRECISIONS = ("fp32", "int8")
+# The fixed passage whose activations calibrate the int8 clamps (part of the served int8 model).
+CALIBRATION_TEXT = (
+    "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\nExplain how a "
+    "refrigerator keeps food cold, and give two tips for saving energy at home. Then write a short Python "
+    "function that returns the n-th Fibonacci number, and list 3 facts about the Moon.<|im_end|>\n"
+    "<|im_start|>assistant\nA refrigerator moves heat from the inside to the outside. A refrigerant "
+    "evaporates in coils inside the fridge, absorbing heat, and a compressor pumps it to the coils at the "
+    "back, where it condenses and releases that heat into the room. Tips: 1. Keep the door closed. "
+    "2. Set the thermostat to 4 degrees Celsius.\n\n```python\ndef fib(n):\n    a, b = 0, 1\n    for _ in "
+    "range(n):\n        a, b = b, a + b\n    return a\n```\n\nThe Moon is about 384,400 km away, it has "
+    "no atmosphere to speak of, and its gravity is one sixth of Earth's.<|im_end|>\n")
 
 
 @dataclass(frozen=True)
@@ -165,5 +176,6 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     if precision == "int8":
         if device != "cpu":
             raise ValueError("precision: int8 (fbgemm dynamic) runs on the CPU only")
-        quantize_int8(model)
+        calib = tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
+        quantize_int8(model, calib)
     return LoadedTarget(model, tokenizer, fingerprint, precision, str(source))

@@ -81,7 +81,9 @@ def _check_pair(first: Tensor, first_name: str, second: Tensor, second_name: str
 def _as_scalar(value: Tensor | float, name: str) -> Tensor:
     if isinstance(value, Tensor):
         if value.ndim != 0:
-            raise ValueError(f"{name}: expected a scalar (0-D) tensor, got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{name}: expected a scalar (0-D) tensor, got shape {tuple(value.shape)}"
+            )
         return value.to(LOSS_DTYPE)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return torch.tensor(float(value), dtype=LOSS_DTYPE)
@@ -137,7 +139,7 @@ def eagle1_loss(
     reg_weight: float = EAGLE1_REG_WEIGHT,
     cls_weight: float = EAGLE1_CLS_WEIGHT,
 ) -> Tensor:  # [] fp32
-    """``L = v_w L_reg + p_w L_cls`` with the paper/pinned ``v_w = 1.0``, ``p_w = 0.1`` (seed 0x04B).
+    """``L = v_w L_reg + p_w L_cls``; paper/pinned ``v_w = 1.0``, ``p_w = 0.1`` (seed 0x04B).
 
     Fixture (seed 0x09): ``L_reg = 0.6, L_cls = 2.4 -> 0.6 + 0.1 * 2.4 = 0.84``.
     """

@@ -161,7 +161,9 @@ def dense_gather_rows(
     _check(features, "features", 3)
     batch, seq = _check_grid(tokens=tokens, row_valid=row_valid)
     if tuple(features.shape[:2]) != (batch, seq):
-        raise ValueError(f"features: shape {tuple(features.shape)} does not match [B, S] = {(batch, seq)}")
+        raise ValueError(
+            f"features: shape {tuple(features.shape)} does not match [B, S] = {(batch, seq)}"
+        )
 
     keep = row_valid[:, :, None]  # [B, S, 1]
     fill = torch.full((), INVALID_ROW_FEATURE, dtype=features.dtype, device=features.device)

@@ -95,7 +95,9 @@ def graph_violations(edges: set[tuple[Node, Node]], segment: list[int]) -> list[
 
 
 def test_rollout_visibility_golden():
-    """S = 3 rows in one segment, all row-valid, steps = 2 -> keys [(0,0) (0,1) (0,2) (1,0) (1,1) (1,2)].
+    """S = 3 rows in one segment, all row-valid, steps = 2.
+
+    Keys: [(0,0) (0,1) (0,2) (1,0) (1,1) (1,2)]; visible keys per query:
 
         (0,0): (0,0)                        (1,0): (0,0)             + (1,0)
         (0,1): (0,0) (0,1)                  (1,1): (0,0) (0,1)       + (1,1)
@@ -249,7 +251,10 @@ def test_rollout_valid_stops_at_segment_boundary():
         s = 1: [1, 0, 0, 1, 0, 0]    (row 1 would read slot 3 of the next sample)
     """
     out = rollout_valid(
-        torch.ones(6, dtype=torch.bool), long_t([0, 0, 0, 1, 1, 1]), torch.ones(6, dtype=torch.bool), 2
+        torch.ones(6, dtype=torch.bool),
+        long_t([0, 0, 0, 1, 1, 1]),
+        torch.ones(6, dtype=torch.bool),
+        steps=2,
     )
     assert out.int().tolist() == [[1, 1, 0, 1, 1, 0], [1, 0, 0, 1, 0, 0]]
 
@@ -282,7 +287,10 @@ def test_rollout_valid_property(slots, steps):
 
 
 def test_rollout_position_ids():
-    """Node (s, i) sits at position_id[i] + s: position_id = [0, 1, 0, 1] -> step 2: [2, 3, 2, 3]."""
+    """Node (s, i) sits at position_id[i] + s.
+
+    position_id = [0, 1, 0, 1] (two packed samples) -> step 2: [2, 3, 2, 3].
+    """
     out = rollout_position_ids(long_t([0, 1, 0, 1]), steps=3)
     assert out.tolist() == [[0, 1, 0, 1], [1, 2, 1, 2], [2, 3, 2, 3]]
 
@@ -305,3 +313,16 @@ def test_invalid_inputs_name_the_field():
         rollout_valid(valid, seg, seg, 2)
     with pytest.raises(ValueError, match="mask"):
         no_sibling_or_future_edges(torch.ones(2, 3, 3, dtype=torch.bool), seg, 2)
+
+
+def test_step_zero_agrees_with_dense_block_causal_mask():
+    """For row-valid queries, step 0 of the rollout is the one-step dense mask of seed 0x02A."""
+    from eyas.training.rows import block_causal_mask, dense_row_masks
+
+    valid = bool_t([[1, 1, 1, 1, 1, 1, 0]])
+    segment = long_t([[0, 0, 0, 1, 1, 1, 1]])
+    row_valid, _, _ = dense_row_masks(valid, segment, valid.clone())
+    dense = block_causal_mask(segment, row_valid)[0]  # [S, S]
+    rollout = rollout_visibility(segment[0], row_valid[0], steps=3)[0, :, :7]  # [S, S]
+    rows = row_valid[0]
+    assert torch.equal(dense[rows], rollout[rows])

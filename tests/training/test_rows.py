@@ -205,12 +205,14 @@ def test_zero_eligible_rows():
     """
     valid = torch.ones(1, 4, dtype=torch.bool)
     segment = torch.zeros(1, 4, dtype=torch.int64)
-    plan = compile_soft_rows(valid, segment, torch.zeros(1, 4, dtype=torch.bool), positions_for(segment))
+    supervise = torch.zeros(1, 4, dtype=torch.bool)
+    plan = compile_soft_rows(valid, segment, supervise, positions_for(segment))
     assert plan.num_rows == 3 and plan.num_supervised == 0
 
     valid = bool_t([[1, 0, 0, 0], [0, 0, 0, 0]])
     segment = long_t([[0, 1, 2, 3], [0, 0, 0, 0]])
-    plan = compile_soft_rows(valid, segment, torch.ones(2, 4, dtype=torch.bool), positions_for(segment))
+    supervise = torch.ones(2, 4, dtype=torch.bool)
+    plan = compile_soft_rows(valid, segment, supervise, positions_for(segment))
     assert plan.num_rows == 0 and plan.num_supervised == 0
     source_feature, advanced_token, target_feature = gather_rows(
         plan, features_for(2, 4), torch.zeros(2, 4, dtype=torch.int64)
@@ -226,7 +228,8 @@ def test_interior_invalid_slot_breaks_rows_but_not_context():
     """
     valid = bool_t([[1, 1, 0, 1, 1]])
     segment = torch.zeros(1, 5, dtype=torch.int64)
-    plan = compile_soft_rows(valid, segment, torch.ones(1, 5, dtype=torch.bool), positions_for(segment))
+    supervise = torch.ones(1, 5, dtype=torch.bool)
+    plan = compile_soft_rows(valid, segment, supervise, positions_for(segment))
     assert plan.source.tolist() == [0, 3]
     assert plan.supervise_hard.tolist() == [False, False]
     assert row_attention_mask(plan).tolist() == [[True, False], [True, True]]

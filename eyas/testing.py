@@ -1,0 +1,32 @@
+"""Tiny random-weight models for tests and examples (no downloads, milliseconds per forward)."""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_hf_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                  seed: int = 0, init_std: float = 0.2, tie: bool = False):
+    """A random-weight HF LlamaForCausalLM; ``init_std`` large enough for peaked distributions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=init_std,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg.rope_theta = 10000.0
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # make the norms non-trivial too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def ours_from_hf(hf):
+    from eyas.target.model import TargetConfig, TargetModel
+
+    cfg = TargetConfig.from_hf(hf.config)
+    model = TargetModel(cfg)
+    model.load_hf_state_dict(hf.state_dict())
+    return model.eval()

@@ -1,0 +1,226 @@
+"""The decode loop: greedy identity, the oracle proposer, and stochastic exactness."""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from eyas.drafting.engine import DrafterEngine, TreeSpec
+from eyas.drafting.model import DrafterConfig, init_drafter
+from eyas.generate import generate
+from eyas.protocol.messages import AcceptDecision
+from eyas.protocol.tree import DraftTree
+from eyas.target.engine import TargetEngine
+from eyas.target.model import eagle1_feature_address, eagle3_feature_address, quantize_int8
+from eyas.testing import ours_from_hf, tiny_hf_llama
+from eyas.verification.accept import stochastic_accept
+from eyas.verification.sampling import SamplingParams, sample, target_probs
+
+P_THRESHOLD = 1e-3  # chi-square: fail below this p-value (a 0.1 % false-alarm rate for a fair sampler)
+TREES = [TreeSpec(), TreeSpec(kind="chain", max_depth=4), TreeSpec(kind="static"),
+         TreeSpec(expand_width=2, max_depth=6, verify_budget=8)]
+
+
+def engines(model, method: str, seed: int = 0):
+    taps = eagle1_feature_address(model.cfg) if method == "eagle1" else eagle3_feature_address(model.cfg)
+    drafter = init_drafter(DrafterConfig.for_target(method, model.cfg), seed=seed)
+    return TargetEngine(model, taps), DrafterEngine(drafter, model.embed, model.lm_head)
+
+
+class TargetChainOracle:
+    """A proposer that drafts a greedy chain with the target itself (no cache, tests only)."""
+
+    def __init__(self, model, prompt: list[int]):
+        self.model, self.tokens = model, prompt[:1]
+
+    def open_session(self, request_id, max_slots):
+        pass
+
+    def close_session(self, request_id):
+        pass
+
+    def publish(self, request_id):
+        pass
+
+    @torch.inference_mode()
+    def propose(self, request_id, seed, tree: TreeSpec) -> DraftTree:
+        self.tokens = self.tokens + seed.advanced_tokens.tolist()  # the committed sequence + frontier
+        chain = []
+        for _ in range(tree.max_depth):
+            ids = self.tokens + chain
+            cache = self.model.allocate_cache(1, len(ids))
+            mask = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()[None]
+            out = self.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, 0, mask, ())
+            chain.append(int(out.logits[0, -1].argmax()))
+        d = len(chain)
+        return DraftTree(torch.tensor(chain), torch.arange(-1, d - 1), torch.arange(1, d + 1), torch.ones(d))
+
+
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"{t.kind}-w{t.expand_width}-d{t.max_depth}")
+def test_greedy_identity_tiny(tiny_target, method, tree):
+    target, drafter = engines(tiny_target, method)
+    for prompt in ([1, 2, 3], [7, 7, 7, 7, 7, 9, 30, 11]):
+        base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=40)
+        spec = generate(target, prompt, max_new_tokens=40, drafter=drafter, tree=tree)
+        assert spec.token_ids == base.token_ids
+        assert sum(r.new_tokens for r in spec.rounds) + 1 >= len(spec.token_ids)
+
+
+@pytest.mark.parametrize("depth", [1, 3, 5])
+def test_oracle_chain_accepts_depth_plus_one_every_round(tiny_target, depth):
+    prompt = [4, 8, 15, 16, 23, 42]
+    base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=30)
+    spec = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=30,
+                    drafter=TargetChainOracle(tiny_target, prompt), tree=TreeSpec(kind="chain", max_depth=depth))
+    assert spec.token_ids == base.token_ids
+    assert [r.new_tokens for r in spec.rounds] == [depth + 1] * len(spec.rounds)
+    assert spec.target_forwards == -(-(30 - 1) // (depth + 1))
+
+
+def test_greedy_identity_int8_served_precision():
+    """int8 is a served precision: speculative equals target-only *at that precision*."""
+    model = quantize_int8(ours_from_hf(tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=3)))
+    target, drafter = engines(model, "eagle1")
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    base = generate(TargetEngine(model, ()), prompt, max_new_tokens=30)
+    spec = generate(target, prompt, max_new_tokens=30, drafter=drafter, tree=TreeSpec())
+    assert spec.token_ids == base.token_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# stochastic exactness: the joint law of the first two sampled tokens
+# ---------------------------------------------------------------------------------------------
+SAMPLING = SamplingParams(temperature=1.0)
+PROMPT = [1, 2, 3]
+TREE = TreeSpec(expand_width=3, max_depth=3, verify_budget=6)
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    model = ours_from_hf(tiny_hf_llama(vocab=8, init_std=0.3, seed=5))
+    target, drafter = engines(model, "eagle1", seed=1)
+    return model, target, drafter
+
+
+def exact_joint(model) -> torch.Tensor:
+    """P(x1, x2) of target-only sampling, from plain forwards: [V, V]."""
+    V = model.cfg.vocab_size
+
+    def last_probs(ids):
+        cache = model.allocate_cache(1, len(ids))
+        mask = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()[None]
+        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, 0, mask, ()).logits[0, -1:]
+        return target_probs(logits, SAMPLING)[0].double()
+
+    p1 = last_probs(PROMPT)
+    return torch.stack([p1[x] * last_probs(PROMPT + [x]) for x in range(V)])
+
+
+def round_after(target, drafter, first: int):
+    """The real round-1 tree and target distributions when the first sampled token is ``first``."""
+    rid = f"x{first}"
+    target.open_session(rid, PROMPT, 4, TREE.max_candidates + 1)
+    drafter.open_session(rid, 64)
+    v = target.prefill(rid)
+    seed, _ = target.publish(rid, v.round, AcceptDecision(torch.arange(len(PROMPT)), torch.tensor(PROMPT[1:]), first))
+    tree = drafter.propose(rid, seed, TREE)
+    v = target.verify(rid, tree)
+    target.close_session(rid), drafter.close_session(rid)
+    return v.flat, target_probs(v.logits, SAMPLING)
+
+
+def sampled_joint_counts(model, target, drafter, accept_fn, n: int) -> torch.Tensor:
+    V = model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(1234)
+    joint = exact_joint(model)
+    p1 = joint.sum(1).float()
+    rounds = [round_after(target, drafter, x) for x in range(V)]
+    assert sum(f.num_rows > 1 for f, _ in rounds) == V, "every first token must get a real tree"
+    counts = torch.zeros(V, V)
+    for _ in range(n):
+        x1 = int(sample(p1, gen))
+        flat, probs = rounds[x1]
+        x2 = accept_fn(flat, probs, gen).emitted_tokens[0]
+        counts[x1, x2] += 1
+    return counts
+
+
+def chi_square_p(counts: torch.Tensor, joint: torch.Tensor) -> float:
+    """Pearson chi-square of counts against the exact joint; bins with expected < 5 are pooled."""
+    n = counts.sum()
+    expected = (joint.flatten() * n).double()
+    observed = counts.flatten().double()
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+def inexact_accept(flat, probs, gen):
+    """Deliberately wrong: accepts child c with its *original* probability p(c) and never updates the
+    residual; when every child is rejected it samples from the unmodified p."""
+    children = {}
+    for row in range(1, flat.num_rows):
+        children.setdefault(int(flat.parents[row]), []).append(row)
+    rows, row = [0], 0
+    while True:
+        for child in children.get(row, []):
+            if float(torch.rand((), generator=gen)) < float(probs[row, flat.tokens[child]]):
+                rows.append(child)
+                row = child
+                break
+        else:
+            frontier = int(sample(probs[row], gen))
+            return AcceptDecision(torch.tensor(rows), flat.tokens[torch.tensor(rows[1:], dtype=torch.int64)], frontier)
+
+
+def test_speculative_sampling_matches_target_joint(small_vocab):
+    """20,000 draws of (x1, x2) through real trees and exact acceptance: chi-square p > 1e-3."""
+    model, target, drafter = small_vocab
+    counts = sampled_joint_counts(model, target, drafter, stochastic_accept, 20_000)
+    assert chi_square_p(counts, exact_joint(model)) > P_THRESHOLD
+
+
+def test_exactness_test_can_fail(small_vocab):
+    """The same test rejects an inexact acceptance rule (p < 1e-3): it has the power to fail."""
+    model, target, drafter = small_vocab
+    counts = sampled_joint_counts(model, target, drafter, inexact_accept, 20_000)
+    assert chi_square_p(counts, exact_joint(model)) < P_THRESHOLD
+
+
+def test_full_loop_sampling_matches_target_joint(small_vocab):
+    """The whole generate() loop (prefill sampling included), 1,500 draws: chi-square p > 1e-3."""
+    model, target, drafter = small_vocab
+    V = model.cfg.vocab_size
+    counts = torch.zeros(V, V)
+    for i in range(1500):
+        r = generate(target, PROMPT, max_new_tokens=2, sampling=SAMPLING, drafter=drafter, tree=TREE, seed=i,
+                     stop_ids=())
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+    assert chi_square_p(counts, exact_joint(model)) > P_THRESHOLD
+
+
+# ---------------------------------------------------------------------------------------------
+# the real default model
+# ---------------------------------------------------------------------------------------------
+PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves.",
+           "List three uses of a paperclip."]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method,tree", [("eagle1", TreeSpec()), ("eagle3", TreeSpec()),
+                                         ("eagle1", TreeSpec(kind="chain", max_depth=4)),
+                                         ("eagle3", TreeSpec(kind="static"))],
+                         ids=["eagle1-dynamic", "eagle3-dynamic", "eagle1-chain", "eagle3-static"])
+def test_greedy_identity_real_model(real_eyas, method, tree):
+    """An untrained drafter on the real target: the output is token-identical to target-only."""
+    target, drafter = engines(real_eyas.model, method)
+    base_engine = real_eyas.target_engine(())
+    for prompt in PROMPTS[:2] if tree.kind != "dynamic" else PROMPTS:
+        ids = real_eyas.encode(prompt)
+        base = generate(base_engine, ids, max_new_tokens=20)
+        spec = generate(target, ids, max_new_tokens=20, drafter=drafter, tree=tree)
+        assert spec.token_ids == base.token_ids, prompt
