@@ -89,6 +89,27 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from eyas.runtime import Eyas, set_threads
+    from eyas.training.config import load_config
+    from eyas.training.prepare import prepare_features
+    from eyas.training.trainer import DrafterTrainer
+
+    cfg = load_config(args.config)
+    if args.method and args.method != cfg.method:
+        cfg = cfg.model_copy(update={"method": args.method})
+    if args.out:
+        cfg = cfg.model_copy(update={"out": args.out})
+    set_threads(cfg.threads)
+    eyas = Eyas(cfg.target, "fp32")
+    train, heldout = prepare_features(cfg, eyas)
+    trainer = DrafterTrainer(cfg, eyas.model, eyas.loaded.fingerprint.to_dict(), train, heldout)
+    summary = trainer.fit()
+    path = trainer.export(summary)
+    print(f"drafter written to {path} ({summary['steps']} steps, {summary['wall_s']} s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eyas", description="EAGLE-family speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="speculative vs target-only on the default model")
     _add_generate_flags(d)
     d.set_defaults(func=cmd_demo, prompt="Explain in three sentences why the sky is blue.")
+    t = sub.add_parser("train", help="train a drafter for the target (EAGLE-1, HASS or EAGLE-3)")
+    t.add_argument("--method", choices=["eagle1", "hass", "eagle3"], help="overrides the config's method")
+    t.add_argument("--config", required=True, help="a training YAML (see configs/)")
+    t.add_argument("--out", help="overrides the config's output folder")
+    t.set_defaults(func=cmd_train)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -118,7 +118,7 @@ class Drafter(nn.Module):
         assert state.ndim == 3 and state.shape == token_embeds.shape, "state/token_embeds: [B, T, d] each"
         fused = self.fuse(torch.cat([state, token_embeds], dim=-1))  # [B, T, d]
         cos, sin = self.rope(positions)
-        return self.layer(fused, cos, sin, cache.k[0], cache.v[0], start, mask)
+        return self.layer(fused, cos, sin, cache, 0, start, mask)
 
     def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """hidden: [..., d] -> draft logits [..., out_vocab] (draft-vocabulary ids for EAGLE-3)."""

@@ -156,6 +156,13 @@ class KVCache:
         L, B, H, _, hd = self.k.shape
         return 2 * L * B * H * hd * self.k.element_size()
 
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v ([B, H_kv, T, hd]) in slots [start, start+T); return the keys/values of [0, start+T)."""
+        t = k.shape[2]
+        self.k[layer, :, :, start:start + t] = k
+        self.v[layer, :, :, start:start + t] = v
+        return self.k[layer, :, :, :start + t], self.v[layer, :, :, :start + t]
+
     def gather_commit(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Copy slots ``src_slots`` ([A] int64) onto ``[dst_start, dst_start + A)``.
 
@@ -171,6 +178,30 @@ class KVCache:
         self.v[:, :, :, dst_start:dst_start + a] = v_rows
 
 
+class GrowingKV:
+    """An autograd-friendly cache for training: each write appends, nothing is modified in place.
+
+    Writes must be contiguous (``start`` equal to the rows written so far), as in a training-time
+    rollout where step s writes rows [s*S, (s+1)*S).
+    """
+
+    def __init__(self, num_layers: int):
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        have = sum(x.shape[2] for x in self.k[layer])
+        if start != have:
+            raise ValueError(f"start: GrowingKV appends only ({start} != {have} rows written)")
+        self.k[layer].append(k)
+        self.v[layer].append(v)
+        return torch.cat(self.k[layer], 2), torch.cat(self.v[layer], 2)
+
+    @property
+    def max_slots(self) -> int:
+        return 1 << 30
+
+
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int):
         super().__init__()
@@ -178,8 +209,8 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=False)
         self.wo = nn.Linear(heads * head_dim, d, bias=False)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
-        """x: [B, T, d]; k_cache/v_cache: [B, H_kv, S_max, hd]; mask: [B, T, start+T] bool or None."""
+    def forward(self, x, cos, sin, cache, layer: int, start: int, mask):
+        """x: [B, T, d]; cache: a KVCache (or GrowingKV); mask: [B, T, start+T] bool or None."""
         B, T, _ = x.shape
         hd = self.head_dim
         q, k, v = self.wqkv(x).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
@@ -187,9 +218,7 @@ class Attention(nn.Module):
         k = k.view(B, T, self.kv_heads, hd).transpose(1, 2)
         v = v.view(B, T, self.kv_heads, hd).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_cache[:, :, start:start + T] = k
-        v_cache[:, :, start:start + T] = v
-        keys, values = k_cache[:, :, :start + T], v_cache[:, :, :start + T]
+        keys, values = cache.write(layer, start, k, v)  # [B, H_kv, start+T, hd] each
         attn_mask = None if mask is None else mask.unsqueeze(1)  # [B, 1, T, S]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
                                              enable_gqa=self.heads != self.kv_heads)
@@ -216,8 +245,8 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(d, eps)
         self.mlp = MLP(d, ffn)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
-        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, start, mask)
+    def forward(self, x, cos, sin, cache, layer, start, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, start, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -273,7 +302,7 @@ class TargetModel(nn.Module):
         wanted = {t.layers_applied for t in taps}
         tapped: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask)
+            x = layer(x, cos, sin, cache, i, start, mask)
             if i + 1 in wanted:
                 tapped[i + 1] = x
         final = self.norm(x)

@@ -1,0 +1,57 @@
+"""The training configuration (a YAML file, validated by pydantic; errors name the field)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    train_samples: int = Field(1000, ge=1)
+    heldout_samples: int = Field(32, ge=1)
+    max_len: int = Field(512, ge=16)
+    regenerate: bool = False             # answer with the target itself (EAGLE-3 practice); slow
+    cache_dir: str = "~/.cache/eyas/features/smollm2-135m-sharegpt"
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["eagle1", "hass", "eagle3"] = "eagle3"
+    target: str = "smollm2-135m"
+    out: str = "drafters/smollm2-135m-eagle3"
+    data: DataConfig = Field(default_factory=DataConfig)
+    epochs: float = Field(1.0, gt=0)
+    batch_samples: int = Field(4, ge=1)          # samples per optimizer step (gradient accumulation)
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    grad_clip: float = Field(0.5, gt=0)          # pinned EAGLE: 0.5
+    betas: tuple[float, float] = (0.9, 0.95)     # pinned EAGLE: AdamW(0.9, 0.95)
+    noise: Literal["paper", "pinned", "none"] = "paper"   # seed 0x04E (EAGLE-1 / HASS)
+    reg_weight: float = 1.0                      # v_w (seed 0x04B)
+    cls_weight: float = 0.1                      # p_w (seed 0x04B)
+    hass_steps: int = Field(3, ge=1)             # HASS context-alignment steps (seed 0x07C: 3)
+    hass_topk: int = Field(10, ge=1)             # HASS top-K (seed 0x07C: 10)
+    hass_topk_weight: float = 1.0
+    ttt_steps: int = Field(4, ge=1)              # EAGLE-3 training-time-test passes (pinned: 7)
+    ttt_decay: float = Field(0.8, gt=0)          # weights 0.8^s (seed 0x08C)
+    draft_vocab_size: int = Field(8192, ge=16)   # EAGLE-3 draft vocabulary
+    eval_every: int = Field(100, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+    seed: int = 0
+    threads: int | None = None
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"config: {path} is not valid YAML ({err})") from None
+    try:
+        return TrainConfig(**raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ValueError(f"config.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None

@@ -1,0 +1,141 @@
+"""The feature cache: frozen-target features of the training data, on disk (seed 0x04C).
+
+The frozen target runs once, in inference mode, over every rendered sample and records the
+feature taps of the address the cache was made for. Shards are safetensors files; the cache's
+``manifest.json`` records the target fingerprint and the feature address. A cache made by another
+target or for another address is refused with an error naming the field -- stale features are
+stale labels, never reusable activations. Extraction is resumable shard by shard.
+
+The default address is the union the trainers need: EAGLE-3's low/mid/high taps and EAGLE-1's
+LM-head input (the final normed feature, which also yields the target's soft distribution).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eyas.target.model import FeatureTap, TargetModel, eagle1_feature_address, eagle3_feature_address
+from eyas.training.data import Sample
+
+CACHE_FORMAT = "eyas-features/1"
+FEATURE_DTYPE = torch.float16
+
+
+def training_taps(model: TargetModel) -> tuple[FeatureTap, ...]:
+    return eagle3_feature_address(model.cfg) + eagle1_feature_address(model.cfg)
+
+
+def _taps_json(taps) -> list[dict]:
+    return [{"layers_applied": t.layers_applied, "normed": t.normed} for t in taps]
+
+
+@dataclass(frozen=True)
+class FeatureBatch:
+    sample_id: str
+    input_ids: torch.Tensor   # [S] int64
+    loss_mask: torch.Tensor   # [S] bool
+    features: torch.Tensor    # [S, n_taps * d] float16
+
+
+class FeatureCache:
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.folder / "manifest.json"
+
+    def manifest(self) -> dict:
+        if not self.manifest_path.exists():
+            raise FileNotFoundError(f"feature_cache: {self.folder} has no manifest.json (run extraction first)")
+        return json.loads(self.manifest_path.read_text())
+
+    def check(self, fingerprint: dict, taps: tuple[FeatureTap, ...]) -> dict:
+        """Refuse a cache made by another target fingerprint or feature address (seed 0x04C)."""
+        m = self.manifest()
+        for key, value in fingerprint.items():
+            if m["target_fingerprint"].get(key) != value:
+                raise ValueError(f"feature_cache.target_fingerprint.{key}: the cache at {self.folder} was made by "
+                                 f"another target ({str(m['target_fingerprint'].get(key))[:12]}… != {value[:12]}…)")
+        if m["feature_address"] != _taps_json(taps):
+            raise ValueError(f"feature_cache.feature_address: {m['feature_address']} != {_taps_json(taps)}")
+        return m
+
+    # --- writing ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extract(self, model: TargetModel, fingerprint: dict, samples: list[Sample], taps: tuple[FeatureTap, ...],
+                data_info: dict, shard_size: int = 64) -> dict:
+        """Run the frozen target over ``samples``; resume where an earlier run stopped."""
+        from safetensors.torch import save_file
+
+        assert not any(p.requires_grad for p in model.parameters()), "the target must be frozen"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if self.manifest_path.exists():
+            manifest = self.check(fingerprint, taps)
+            if manifest["data"] != data_info:
+                raise ValueError(f"feature_cache.data: {manifest['data']} != {data_info}; use another folder")
+        else:
+            manifest = {"format": CACHE_FORMAT, "target_fingerprint": fingerprint, "feature_address": _taps_json(taps),
+                        "data": data_info, "shards": [], "complete": False}
+            self.manifest_path.write_text(json.dumps(manifest, indent=1))
+        done = {s["file"] for s in manifest["shards"]}
+        chunks = [samples[i:i + shard_size] for i in range(0, len(samples), shard_size)]
+        total = sum(len(s.input_ids) for s in samples)
+        bar = tqdm(total=total, unit="tok", desc="features", dynamic_ncols=True)
+        t0, new_tokens = time.perf_counter(), 0
+        for index, chunk in enumerate(chunks):
+            name = f"shard_{index:05d}.safetensors"
+            tokens = sum(len(s.input_ids) for s in chunk)
+            if name in done:
+                bar.update(tokens)
+                continue
+            feats = []
+            for s in chunk:
+                n = len(s.input_ids)
+                cache = model.allocate_cache(1, n)
+                mask = torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0)
+                out = model(s.input_ids[None], s.position_id[None], cache, 0, mask, taps, logits_rows="none")
+                f = out.features[0].to(FEATURE_DTYPE)
+                if not torch.isfinite(f).all():
+                    raise ValueError(f"features: sample {s.sample_id} overflows {FEATURE_DTYPE}")
+                feats.append(f)
+                bar.update(n)
+                new_tokens += n
+            save_file({"input_ids": torch.cat([s.input_ids for s in chunk]),
+                       "loss_mask": torch.cat([s.loss_mask for s in chunk]).to(torch.uint8),
+                       "lengths": torch.tensor([len(s.input_ids) for s in chunk], dtype=torch.int64),
+                       "features": torch.cat(feats)}, str(self.folder / name),
+                      metadata={"sample_ids": json.dumps([s.sample_id for s in chunk])})
+            manifest["shards"].append({"file": name, "num_samples": len(chunk), "num_tokens": tokens})
+            self.manifest_path.write_text(json.dumps(manifest, indent=1))  # the shard is durable first
+        bar.close()
+        manifest["complete"] = True
+        self.manifest_path.write_text(json.dumps(manifest, indent=1))
+        elapsed = time.perf_counter() - t0
+        print(f"feature cache {self.folder}: {len(samples)} samples, {total} tokens "
+              f"({new_tokens} new in {elapsed:.0f} s, {new_tokens / max(elapsed, 1e-9):.0f} tok/s)")
+        return manifest
+
+    # --- reading ------------------------------------------------------------------------------------
+    def samples(self) -> list[FeatureBatch]:
+        from safetensors import safe_open
+
+        manifest = self.manifest()
+        if not manifest.get("complete"):
+            raise ValueError(f"feature_cache.complete: {self.folder} is incomplete; rerun the extraction to resume")
+        out = []
+        for shard in sorted(manifest["shards"], key=lambda s: s["file"]):
+            with safe_open(str(self.folder / shard["file"]), "pt") as f:
+                ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask").bool()
+                lengths, feats = f.get_tensor("lengths").tolist(), f.get_tensor("features")
+                sample_ids = json.loads(f.metadata()["sample_ids"])
+            start = 0
+            for sid, n in zip(sample_ids, lengths):
+                out.append(FeatureBatch(sid, ids[start:start + n], mask[start:start + n], feats[start:start + n]))
+                start += n
+        return out

@@ -1,0 +1,280 @@
+"""The drafter trainer: EAGLE-1 (seed 0x04), HASS (seed 0x07) and EAGLE-3 (seed 0x08C).
+
+All three share one *rollout*: on the token grid of one sample (length S), step 0 row ``i`` reads
+the teacher state at ``i`` and token ``x_{i+1}``; step ``s`` row ``i`` reads the drafter's own output
+of ``(s-1, i)`` and token ``x_{i+s+1}``, at position ``i + s``, seeing the target prefix ``j <= i`` of
+step 0 plus its own chain (``rollout_visibility``). It is supervised against the teacher feature
+``f_{i+s+1}`` and the target distribution ``q = softmax(W_U f_{i+s+1})`` of ``x_{i+s+2}``.
+
+- ``eagle1``: one step; ``reg_weight * SmoothL1 + cls_weight * soft CE`` with feature noise.
+- ``hass``: ``hass_steps`` steps of the EAGLE-1 loss plus ``hass_topk_weight *`` top-K distillation
+  (target mass not renormalised), with the alignment mask (harmonized context).
+- ``eagle3``: ``ttt_steps`` steps, three fused taps at step 0, no regression, soft CE over the draft
+  vocabulary, weighted ``ttt_decay ** s``.
+
+The target is frozen and owns no gradient (seed 0x04D, asserted each step). A step whose batch
+has no supervised row is skipped entirely, weight decay included.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from eyas.drafting.manifest import TreeABI, manifest_for, save_drafter
+from eyas.drafting.model import Drafter, DrafterConfig, init_drafter
+from eyas.target.model import FeatureTap, GrowingKV, TargetModel, eagle1_feature_address, eagle3_feature_address
+from eyas.training.config import TrainConfig
+from eyas.training.features import FeatureBatch, FeatureCache, training_taps
+from eyas.training.losses import (build_draft_vocab, feature_noise, masked_smooth_l1, soft_cross_entropy,
+                                  topk_distillation)
+from eyas.training.masks import rollout_valid, rollout_visibility
+from eyas.training.rows import dense_row_masks
+
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    supervised_rows: int
+    per_step_loss: tuple[float, ...]
+
+
+class DrafterTrainer:
+    def __init__(self, cfg: TrainConfig, target: TargetModel, fingerprint: dict, train: FeatureCache,
+                 heldout: FeatureCache, out: str | Path | None = None):
+        self.cfg = cfg
+        self.target = target.requires_grad_(False)
+        self.fingerprint = fingerprint
+        self.out = Path(out or cfg.out)
+        self.d = target.cfg.hidden_size
+        taps = training_taps(target)
+        self.train_data = self._load(train, fingerprint, taps)
+        self.heldout_data = self._load(heldout, fingerprint, taps)
+        method = "eagle3" if cfg.method == "eagle3" else "eagle1"
+        self.serve_taps: tuple[FeatureTap, ...] = (eagle3_feature_address(target.cfg) if method == "eagle3"
+                                                   else eagle1_feature_address(target.cfg))
+        dcfg = DrafterConfig.for_target(method, target.cfg,
+                                        min(cfg.draft_vocab_size, target.cfg.vocab_size) if method == "eagle3" else None)
+        self.drafter: Drafter = init_drafter(dcfg, seed=cfg.seed)
+        if method == "eagle3":
+            counts = torch.zeros(target.cfg.vocab_size, dtype=torch.int64)
+            for fb in self.train_data:
+                counts += torch.bincount(fb.input_ids[fb.loss_mask], minlength=target.cfg.vocab_size)
+            self.drafter.set_draft_vocab(build_draft_vocab(counts, dcfg.out_vocab))
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.steps_per_epoch = max(1, len(self.train_data) // cfg.batch_samples)
+        self.total_steps = max(1, int(math.ceil(cfg.epochs * self.steps_per_epoch)))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.step = 0
+        self.noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
+
+    @staticmethod
+    def _load(cache: FeatureCache, fingerprint: dict, taps) -> list[FeatureBatch]:
+        cache.check(fingerprint, taps)
+        return cache.samples()
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warmup, then cosine decay to 10 %."""
+        if step < self.cfg.warmup_steps:
+            return (step + 1) / self.cfg.warmup_steps
+        progress = (step - self.cfg.warmup_steps) / max(1, self.total_steps - self.cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    # --- data order ------------------------------------------------------------------------------------
+    def batch_indices(self, step: int) -> list[int]:
+        """The samples of optimizer step ``step``: a seeded permutation per epoch (resumable by step)."""
+        epoch, within = divmod(step, self.steps_per_epoch)
+        perm = torch.randperm(len(self.train_data), generator=torch.Generator().manual_seed(self.cfg.seed + epoch))
+        b = self.cfg.batch_samples
+        return perm[within * b:(within + 1) * b].tolist()
+
+    # --- the rollout loss ------------------------------------------------------------------------------
+    @property
+    def num_steps(self) -> int:
+        return {"eagle1": 1, "hass": self.cfg.hass_steps, "eagle3": self.cfg.ttt_steps}[self.cfg.method]
+
+    def sample_loss(self, fb: FeatureBatch, noise: bool, stats: dict | None = None) -> tuple[torch.Tensor | None, int]:
+        """Loss of one sample (None when it has no supervised row) and its supervised-row count."""
+        cfg, d = self.cfg, self.d
+        ids = fb.input_ids
+        S = ids.numel()
+        feats = fb.features.float()                     # [S, 4d]: low, mid, high, final (normed)
+        final = feats[:, 3 * d:]                        # [S, d] LM-head input
+        valid = torch.ones(S, dtype=torch.bool)
+        seg = torch.zeros(S, dtype=torch.int64)
+        row_valid = dense_row_masks(valid[None], seg[None], fb.loss_mask[None])[0][0]     # b_t  [S]
+        steps = self.num_steps
+        supervised = rollout_valid(valid, seg, fb.loss_mask, steps)                      # [steps, S]
+        visible = rollout_visibility(seg, row_valid, steps)                               # [steps, S, steps*S]
+        if cfg.method == "eagle3":
+            state = self.drafter.target_state(feats[:, :3 * d])                           # [S, d]
+            head_draft = self.target.lm_head.weight[self.drafter.d2t]                     # [Vd, d]
+        else:
+            state = final + (feature_noise(final[None], cfg.noise, self.noise_gen)[0] if noise else 0.0)
+        cache = GrowingKV(1)
+        rows = torch.arange(S)
+        total, n_sup = None, int(supervised[0].sum())
+        for s in range(steps):
+            nxt = (rows + s + 1).clamp(max=S - 1)       # token x_{i+s+1} and teacher index f_{i+s+1}
+            h = self.drafter(state[None], self.target.embed(ids[nxt])[None], (rows + s)[None], cache, s * S,
+                             visible[s, :, :(s + 1) * S][None])[0]                        # [S, d]
+            m = supervised[s]
+            if int(m.sum()) == 0:
+                break
+            ones = torch.ones(int(m.sum()), dtype=torch.bool)
+            target_feature = final[nxt][m]
+            with torch.no_grad():
+                if cfg.method == "eagle3":
+                    q = torch.softmax((target_feature @ head_draft.T).float(), dim=-1)   # draft-vocab q
+                else:
+                    q = torch.softmax(self.target.lm_head(target_feature).float(), dim=-1)
+            if cfg.method == "eagle3":
+                logits = self.drafter.logits(h[m], self.target.lm_head)
+                loss_s = soft_cross_entropy(logits, q, ones)
+                weighted = cfg.ttt_decay ** s * loss_s
+            else:
+                logits = self.target.lm_head(h[m]).float()
+                loss_s = (cfg.reg_weight * masked_smooth_l1(h[m], target_feature, ones)
+                          + cfg.cls_weight * soft_cross_entropy(logits, q, ones))
+                if cfg.method == "hass":
+                    loss_s = loss_s + cfg.hass_topk_weight * topk_distillation(logits, q, ones, cfg.hass_topk)
+                weighted = loss_s
+            total = weighted if total is None else total + weighted
+            if stats is not None:
+                top = logits.topk(3, dim=-1).indices
+                tgt = q.argmax(-1, keepdim=True)
+                stats.setdefault("top1", [0] * steps)[s] += int((top[:, :1] == tgt).sum())
+                stats.setdefault("top3", [0] * steps)[s] += int((top == tgt).any(-1).sum())
+                stats.setdefault("rows", [0] * steps)[s] += int(m.sum())
+                stats.setdefault("loss", [0.0] * steps)[s] += float(loss_s) * int(m.sum())
+            state = h
+        return total, n_sup
+
+    # --- optimisation ----------------------------------------------------------------------------------
+    def train_step(self) -> StepStats | None:
+        """One optimizer step over ``batch_samples`` samples; None (skipped) with no supervised row."""
+        self.drafter.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        losses, n_rows = [], 0
+        for i in self.batch_indices(self.step):
+            loss, n = self.sample_loss(self.train_data[i], noise=True)
+            if loss is not None:
+                (loss / self.cfg.batch_samples).backward()
+                losses.append(float(loss))
+                n_rows += n
+        self.step += 1
+        if n_rows == 0:  # nothing supervised: no update, no weight decay (seed 0x04A)
+            self.scheduler.step()
+            return None
+        self.assert_gradient_ownership()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return StepStats(sum(losses) / len(losses), n_rows, ())
+
+    def assert_gradient_ownership(self) -> None:
+        """The target owns no gradient; the drafter does (seed 0x04D)."""
+        assert all(not p.requires_grad and p.grad is None for p in self.target.parameters()), "target has grads"
+        assert any(p.grad is not None for p in self.drafter.parameters()), "drafter has no gradient"
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out loss and draft top-1/top-3 accuracy against the target argmax, per rollout step."""
+        self.drafter.eval()
+        stats: dict = {}
+        for fb in self.heldout_data:
+            self.sample_loss(fb, noise=False, stats=stats)
+        rows = [max(r, 1) for r in stats.get("rows", [1])]
+        return {"top1": [t / r for t, r in zip(stats.get("top1", [0]), rows)],
+                "top3": [t / r for t, r in zip(stats.get("top3", [0]), rows)],
+                "loss": [x / r for x, r in zip(stats.get("loss", [0.0]), rows)]}
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+    def save_state(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "step": self.step,
+                 "noise_gen": self.noise_gen.get_state(), "method": self.cfg.method}
+        tmp = self.out / (STATE_FILE + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.out / STATE_FILE)
+
+    def load_state(self) -> bool:
+        path = self.out / STATE_FILE
+        if not path.exists():
+            return False
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if state.get("method") != self.cfg.method:
+            raise ValueError(f"checkpoint.method: {state.get('method')!r} != config method {self.cfg.method!r}")
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self.noise_gen.set_state(state["noise_gen"])
+        return True
+
+    def export(self, summary: dict) -> Path:
+        """Write the servable checkpoint: model.safetensors + manifest.json."""
+        default_tree = {"kind": "dynamic", "expand_width": 4, "max_depth": 5, "verify_budget": 16}
+        weights = {"reg_weight": self.cfg.reg_weight, "cls_weight": self.cfg.cls_weight}
+        if self.cfg.method == "hass":
+            weights.update(hass_topk_weight=self.cfg.hass_topk_weight, hass_topk=self.cfg.hass_topk,
+                           hass_steps=self.cfg.hass_steps)
+        if self.cfg.method == "eagle3":
+            weights = {"ttt_steps": self.cfg.ttt_steps, "ttt_decay": self.cfg.ttt_decay}
+        from eyas.target.loader import TargetFingerprint
+
+        manifest = manifest_for("eagle3" if self.cfg.method == "eagle3" else "eagle1", self.drafter,
+                                TargetFingerprint(**self.fingerprint), self.serve_taps,
+                                tree_abi=TreeABI(default_tree=default_tree), loss_weights=weights,
+                                recipe={"trained_as": self.cfg.method, **summary,
+                                        "config": json.loads(self.cfg.model_dump_json())})
+        return save_drafter(self.out, self.drafter, manifest)
+
+    # --- the loop ----------------------------------------------------------------------------------------
+    def fit(self, stop_after: int | None = None) -> dict:
+        """Train to ``total_steps`` (resuming from a saved state); ``stop_after`` simulates a kill."""
+        resumed = self.load_state()
+        t0, last, skipped = time.perf_counter(), None, 0
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.cfg.method}", dynamic_ncols=True)
+        ema = None
+        while self.step < self.total_steps:
+            if stop_after is not None and self.step >= stop_after:
+                self.save_state()
+                bar.close()
+                return {"stopped_at": self.step}
+            stats = self.train_step()
+            bar.update(1)
+            if stats is None:
+                skipped += 1
+            else:
+                ema = stats.loss if ema is None else 0.95 * ema + 0.05 * stats.loss
+                bar.set_postfix(loss=f"{ema:.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.1e}")
+            if self.step % self.cfg.eval_every == 0:
+                last = self.evaluate()
+                bar.write(f"step {self.step}: held-out top1 {last['top1'][0]:.3f} top3 {last['top3'][0]:.3f} "
+                          f"per-step top1 {[round(x, 3) for x in last['top1']]}")
+            if self.step % self.cfg.checkpoint_every == 0:
+                self.save_state()
+        bar.close()
+        self.save_state()
+        final = self.evaluate()
+        wall = time.perf_counter() - t0
+        tokens = sum(len(fb.input_ids) for fb in self.train_data)
+        summary = {"steps": self.step, "train_samples": len(self.train_data), "train_tokens": tokens,
+                   "epochs": self.cfg.epochs, "wall_s": round(wall, 1), "resumed": resumed,
+                   "skipped_steps": skipped, "final_loss_ema": ema, "heldout": final}
+        print(f"done: {self.step} steps in {wall:.0f} s; loss {ema if ema is None else round(ema, 4)}; held-out "
+              f"top-1 {final['top1'][0]:.3f}, top-3 {final['top3'][0]:.3f}; per-step top-1 "
+              f"{[round(x, 3) for x in final['top1']]}")
+        return summary

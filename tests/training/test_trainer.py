@@ -1,0 +1,107 @@
+"""The trainer on a tiny random target: losses fall, resume is exact, ownership and fingerprints hold."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.drafting.manifest import load_drafter
+from eyas.target.loader import TargetFingerprint
+from eyas.testing import ours_from_hf, tiny_hf_llama
+from eyas.training.config import TrainConfig
+from eyas.training.data import Sample
+from eyas.training.features import FeatureCache, training_taps
+from eyas.training.trainer import DrafterTrainer
+
+FINGERPRINT = {"config_digest": "cfg-a", "weight_digest": "w-a", "tokenizer_digest": "tok-a"}
+
+
+def synthetic_samples(n: int, vocab: int, seed: int) -> list[Sample]:
+    """Token streams with a learnable pattern (an arithmetic walk) and an assistant-like loss mask."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        S = int(torch.randint(24, 40, (1,), generator=g))
+        start, stride = int(torch.randint(0, vocab, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        ids = (start + stride * torch.arange(S)) % vocab
+        mask = torch.zeros(S, dtype=torch.bool)
+        mask[S // 3:] = True
+        out.append(Sample(f"s{i}", ids, mask, torch.zeros(S, dtype=torch.int64), torch.arange(S)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    model = ours_from_hf(tiny_hf_llama(vocab=48, hidden=32, layers=4, seed=11))
+    root = tmp_path_factory.mktemp("features")
+    caches = []
+    for name, n, seed in (("train", 24, 0), ("heldout", 6, 1)):
+        cache = FeatureCache(root / name)
+        cache.extract(model, FINGERPRINT, synthetic_samples(n, 48, seed), training_taps(model), {"split": name})
+        caches.append(cache)
+    return model, caches[0], caches[1]
+
+
+def make(cfg_kwargs, tiny_setup, out):
+    model, train, heldout = tiny_setup
+    cfg = TrainConfig(batch_samples=4, lr=3e-3, warmup_steps=2, eval_every=1000, checkpoint_every=1000,
+                      draft_vocab_size=32, hass_steps=2, ttt_steps=3, out=str(out), **cfg_kwargs)
+    return DrafterTrainer(cfg, model, FINGERPRINT, train, heldout)
+
+
+@pytest.mark.parametrize("method", ["eagle1", "hass", "eagle3"])
+def test_loss_decreases(tiny_setup, tmp_path, method):
+    trainer = make({"method": method, "epochs": 6, "noise": "none"}, tiny_setup, tmp_path)
+    before = trainer.evaluate()["loss"][0]
+    trainer.fit()
+    after = trainer.evaluate()["loss"][0]
+    assert after < 0.8 * before, (before, after)
+
+
+def test_resume_equals_unbroken_run(tiny_setup, tmp_path):
+    """A run stopped after 3 steps and resumed ends with the same weights as an unbroken run."""
+    full = make({"method": "hass", "epochs": 2}, tiny_setup, tmp_path / "full")
+    full.fit()
+    part = make({"method": "hass", "epochs": 2}, tiny_setup, tmp_path / "part")
+    assert part.fit(stop_after=3) == {"stopped_at": 3}
+    resumed = make({"method": "hass", "epochs": 2}, tiny_setup, tmp_path / "part")
+    summary = resumed.fit()
+    assert summary["resumed"] and resumed.step == full.step
+    for (name, a), (_, b) in zip(full.drafter.state_dict().items(), resumed.drafter.state_dict().items()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_gradient_ownership(tiny_setup, tmp_path):
+    trainer = make({"method": "eagle1", "epochs": 1}, tiny_setup, tmp_path)
+    trainer.train_step()
+    assert all(p.grad is None and not p.requires_grad for p in trainer.target.parameters())
+    assert any(p.grad is not None for p in trainer.drafter.parameters())
+
+
+def test_no_supervised_rows_skips_the_step(tiny_setup, tmp_path):
+    """With every loss mask off, a step changes nothing (weight decay included)."""
+    model, train, heldout = tiny_setup
+    trainer = make({"method": "eagle1", "epochs": 1, "weight_decay": 0.1}, tiny_setup, tmp_path)
+    trainer.train_data = [type(fb)(fb.sample_id, fb.input_ids, torch.zeros_like(fb.loss_mask), fb.features)
+                          for fb in trainer.train_data]
+    before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    assert trainer.train_step() is None
+    assert all(torch.equal(before[k], v) for k, v in trainer.drafter.state_dict().items())
+
+
+def test_drafter_for_target_a_is_refused_for_target_b(tiny_setup, tmp_path):
+    trainer = make({"method": "eagle3", "epochs": 1}, tiny_setup, tmp_path)
+    trainer.fit()
+    folder = trainer.export({"steps": trainer.step})
+    drafter, manifest = load_drafter(folder, TargetFingerprint(**FINGERPRINT))
+    assert manifest.method == "eagle3" and torch.equal(drafter.d2t, trainer.drafter.d2t)
+    other = TargetFingerprint(**{**FINGERPRINT, "weight_digest": "w-b"})
+    with pytest.raises(ValueError, match="target_fingerprint.weight_digest"):
+        load_drafter(folder, other)
+
+
+def test_feature_cache_refuses_another_target(tiny_setup):
+    model, train, _ = tiny_setup
+    with pytest.raises(ValueError, match="feature_cache.target_fingerprint.weight_digest"):
+        train.check({**FINGERPRINT, "weight_digest": "w-b"}, training_taps(model))
+    with pytest.raises(ValueError, match="feature_cache.feature_address"):
+        train.check(FINGERPRINT, training_taps(model)[:1])
