@@ -80,12 +80,16 @@ def check_compatible(manifest: DrafterManifest, fingerprint: TargetFingerprint,
         raise ValueError(f"manifest.feature_address: {manifest.taps()} differs from the target's taps {taps}")
 
 
-def save_drafter(folder: str | Path, drafter: Drafter, manifest: DrafterManifest) -> Path:
+def save_drafter(folder: str | Path, drafter: Drafter, manifest: DrafterManifest,
+                 dtype: torch.dtype = torch.float16) -> Path:
+    """Write the weights (floating tensors stored as ``dtype``, fp16 by default: half the bytes of a
+    served fp32 drafter, which loads them back as fp32) and the manifest."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
+             for k, v in drafter.state_dict().items()}
     save_file(state, str(folder / WEIGHTS_FILE))
     (folder / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
     return folder
@@ -120,13 +124,14 @@ def load_drafter(folder: str | Path, fingerprint: TargetFingerprint,
     for name, tensor in expected.items():
         if name not in state:
             raise ValueError(f"checkpoint.{name}: missing from {WEIGHTS_FILE}")
-        if state[name].shape != tensor.shape or state[name].dtype != tensor.dtype:
+        if state[name].shape != tensor.shape or state[name].is_floating_point() != tensor.is_floating_point() \
+                or (not tensor.is_floating_point() and state[name].dtype != tensor.dtype):
             raise ValueError(f"checkpoint.{name}: shape/dtype {tuple(state[name].shape)}/{state[name].dtype} "
                              f"!= expected {tuple(tensor.shape)}/{tensor.dtype}")
     extra = sorted(set(state) - set(expected))
     if extra:
         raise ValueError(f"checkpoint.{extra[0]}: unexpected tensor")
-    drafter.load_state_dict(state)
+    drafter.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
     if cfg.method == "eagle3":
         drafter.set_draft_vocab(drafter.d2t.clone())  # validates the maps and rebuilds t2d
     return drafter, manifest

@@ -1,0 +1,92 @@
+"""The drafter engine: tree rows attend exactly to their context and ancestors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.drafting.engine import DrafterEngine, TreeSpec
+from eyas.drafting.model import DrafterConfig, init_drafter
+from eyas.protocol.messages import Seed
+from eyas.protocol.tree import PARENT_IS_SEED
+from eyas.target.model import GrowingKV, eagle1_feature_address, eagle3_feature_address
+
+
+def make_seed(model, method, n=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = model.cfg.hidden_size * (1 if method == "eagle1" else 3)
+    return Seed(torch.randn(n, width, generator=g), torch.randint(0, model.cfg.vocab_size, (n,), generator=g), 0, 0)
+
+
+def reference_branch_probs(drafter, model, seed: Seed, branch: list[int]) -> torch.Tensor:
+    """Plain causal drafter forward: context rows, then one row per branch token (state = previous
+    output). Returns the draft distribution of the row that proposes the branch's last token."""
+    n = seed.features.shape[0]
+    state = drafter.target_state(seed.features)
+    tokens = seed.advanced_tokens
+    cache = GrowingKV(1)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    h = drafter(state[None], model.embed(tokens)[None], torch.arange(n)[None], cache, 0, causal)[0]
+    last, start = h[-1], n
+    for tok in branch[:-1]:  # each ancestor node becomes a draft row at the next position
+        mask = torch.ones(1, 1, start + 1, dtype=torch.bool)
+        last = drafter(last[None, None], model.embed(torch.tensor([[tok]])), torch.tensor([[start]]), cache, start,
+                       mask)[0, 0]
+        start += 1
+    return torch.softmax(drafter.logits(last, model.lm_head), dim=-1)
+
+
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("tree", [TreeSpec(expand_width=3, max_depth=4, verify_budget=10),
+                                  TreeSpec(kind="static"), TreeSpec(kind="chain", max_depth=3)])
+@torch.inference_mode()
+def test_tree_confidences_equal_per_branch_forwards(tiny_target, method, tree):
+    """Every node's confidence equals its probability under a plain causal forward of its branch."""
+    drafter = init_drafter(DrafterConfig.for_target(method, tiny_target.cfg), seed=3)
+    with torch.no_grad():  # larger weights: peaked, informative draft distributions
+        for p in drafter.parameters():
+            p.mul_(10.0 if p.ndim == 2 else 1.0)
+    engine = DrafterEngine(drafter, tiny_target.embed, tiny_target.lm_head)
+    engine.open_session("r", 64)
+    seed = make_seed(tiny_target, method)
+    out = engine.propose("r", seed, tree)
+    assert out.num_nodes == tree.max_candidates
+    for i in range(out.num_nodes):
+        branch, j = [], i
+        while j != PARENT_IS_SEED:
+            branch.insert(0, int(out.tokens[j]))
+            j = int(out.parents[j])
+        probs = reference_branch_probs(drafter, tiny_target, seed, branch)
+        draft_id = branch[-1] if method == "eagle1" else int((drafter.d2t == branch[-1]).nonzero())
+        assert abs(float(probs[draft_id]) - float(out.draft_probs[i])) < 1e-5, (i, branch)
+
+
+def test_publish_discards_tree_rows_and_reseeds(tiny_target):
+    drafter = init_drafter(DrafterConfig.for_target("eagle1", tiny_target.cfg))
+    engine = DrafterEngine(drafter, tiny_target.embed, tiny_target.lm_head)
+    engine.open_session("r", 64)
+    engine.propose("r", make_seed(tiny_target, "eagle1", n=5), TreeSpec())
+    s = engine.sessions["r"]
+    assert s.committed_len == 5 and s.provisional_len > 0
+    with pytest.raises(ValueError, match="unpublished"):
+        engine.propose("r", make_seed(tiny_target, "eagle1", n=2), TreeSpec())
+    engine.publish("r")
+    assert s.provisional_len == 0
+    with pytest.raises(ValueError, match="start_position"):
+        engine.propose("r", make_seed(tiny_target, "eagle1", n=2), TreeSpec())  # must start at 5
+    nxt = Seed(torch.randn(2, tiny_target.cfg.hidden_size), torch.tensor([1, 2]), 5, 1)
+    engine.propose("r", nxt, TreeSpec())
+    assert s.committed_len == 7
+
+
+def test_tree_spec_validation():
+    with pytest.raises(ValueError, match="tree.kind"):
+        TreeSpec(kind="bushy")
+    with pytest.raises(ValueError, match="tree.expand_width"):
+        TreeSpec(expand_width=0)
+    with pytest.raises(ValueError, match="tree.verify_budget"):
+        TreeSpec(verify_budget=-1)
+
+
+def test_feature_address_widths(tiny_target):
+    assert len(eagle1_feature_address(tiny_target.cfg)) == 1
+    assert len(eagle3_feature_address(tiny_target.cfg)) == 3

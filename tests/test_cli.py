@@ -1,0 +1,48 @@
+"""The eyas command line: machine-readable output and clear errors naming the field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eyas.cli import main
+
+JSON_KEYS = {"method", "token_ids", "text", "new_tokens", "target_forwards", "accept_length_mean", "wall_s",
+             "tokens_per_s"}
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--prompt", ""], "prompt"),
+    (["--prompt", "   "], "prompt"),
+    (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
+    (["--prompt", "hi", "--top-p", "0"], "top_p"),
+    (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+    (["--prompt", "hi", "--top-k", "-1"], "top_k"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prompt", "hi", "--method", "medusa"], "method"),
+    (["--prompt", "hi", "--tree-width", "0"], "tree_width"),
+    (["--prompt-ids", "1,x,3"], "prompt_ids"),
+    (["--prompt-ids", "1,-4"], "prompt_ids"),
+])
+def test_bad_input_names_the_field(capsys, argv, field):
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {field}:"), err
+
+
+def test_bad_training_config_names_the_field(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("method: eagle3\nttt_steps: 0\n")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "config.ttt_steps" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_generate_json_and_out_of_vocabulary_ids(capsys, real_eyas):
+    assert main(["generate", "--prompt", "Say hi.", "--method", "target", "--max-new-tokens", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert JSON_KEYS <= set(report)
+    assert report["new_tokens"] == len(report["token_ids"]) <= 4
+    assert report["accept_length_mean"] == pytest.approx(report["new_tokens"] / max(report["target_forwards"], 1))
+    assert main(["generate", "--prompt-ids", "1,2,4000000", "--method", "target"]) == 2
+    assert capsys.readouterr().err.startswith("error: prompt_ids:")
