@@ -86,10 +86,10 @@ def find_drafters(root: Path = REPO_DRAFTERS) -> tuple[list[tuple[Path, object]]
     return found, notes
 
 
-def build_methods(eyas: Eyas, tree_overrides: dict) -> tuple[list[Method], list[str]]:
+def build_methods(eyas: Eyas, tree_overrides: dict, root: Path = REPO_DRAFTERS) -> tuple[list[Method], list[str]]:
     """target, then each drafter on a dynamic tree (and eagle1-architecture ones on a chain too)."""
     methods = [Method("target", {"method": "target"})]
-    drafters, notes = find_drafters()
+    drafters, notes = find_drafters(root)
     entries = [(f.name, f.resolve(), m.method, m.recipe.get("trained_as", m.method)) for f, m in drafters]
     if not entries:
         entries = [(f"random-init-{m}", None, m, None) for m in ("eagle1", "eagle3")]
@@ -237,6 +237,8 @@ def plot(methods: list[Method], summary: dict[str, dict], path: Path) -> None:
         if fracs:
             ax2.plot(range(1, len(fracs) + 1), [100 * f for f in fracs], marker="o",
                      ls="--" if m.request.get("tree_kind") == "chain" else "-", label=m.name)
+    depth = max((len(summary[m.name]["accept_by_depth"]) for m in methods), default=0)
+    ax2.set_xticks(list(range(1, depth + 1)))
     ax2.set_xlabel("depth k")
     ax2.set_ylabel("% of rounds accepting >= k drafted tokens")
     ax2.set_ylim(0, 100)

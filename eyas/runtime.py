@@ -83,8 +83,8 @@ class Eyas:
             drafter = init_drafter(DrafterConfig.for_target(method, self.cfg))
             taps = eagle1_feature_address(self.cfg) if method == "eagle1" else eagle3_feature_address(self.cfg)
             source, default_tree = "random-init", TreeSpec()
-        handle = DrafterHandle(DrafterEngine(drafter, self.model.embed, self.model.lm_head), taps, source,
-                               default_tree)
+        handle = DrafterHandle(DrafterEngine(drafter, self.model.embed, self.model.lm_head, int8_head=True),
+                               taps, source, default_tree)
         self._drafters[key] = handle
         return handle
 

@@ -80,10 +80,22 @@ class DraftSession:
 
 
 class DrafterEngine:
-    def __init__(self, drafter: Drafter, embed: nn.Embedding, lm_head: nn.Module):
+    def __init__(self, drafter: Drafter, embed: nn.Embedding, lm_head: nn.Module, int8_head: bool = False):
+        """``int8_head``: draft through an int8 copy of the target LM head (EAGLE-1 only).
+
+        Draft confidences only rank candidates; the target decides acceptance, so a cheaper head
+        changes speed and acceptance rate, never the output (the head is 49152 x 576 here, 18 ms
+        a row at fp32 against about 3 ms at int8 on this CPU).
+        """
         self.drafter = drafter.eval().requires_grad_(False)
         self.embed = embed          # frozen target embedding (not owned)
         self.lm_head = lm_head      # frozen target LM head (not owned)
+        if int8_head and drafter.head is None and isinstance(lm_head, nn.Linear):
+            from torch.ao.quantization import quantize_dynamic
+
+            copy = nn.Linear(lm_head.in_features, lm_head.out_features, bias=False)
+            copy.weight = nn.Parameter(lm_head.weight.detach().clone(), requires_grad=False)
+            self.lm_head = quantize_dynamic(nn.Sequential(copy), {nn.Linear}, dtype=torch.qint8)[0]
         self.sessions: dict[str, DraftSession] = {}
 
     def open_session(self, request_id: str, max_slots: int) -> None:
