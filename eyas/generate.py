@@ -116,10 +116,10 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
         target.close_session(request_id)
         if drafter is not None:
             drafter.close_session(request_id)
-    return GenerationResult(*_finish(out, max_new_tokens, stop_ids), prefill_s, wall_s, tuple(rounds))
+    return GenerationResult(*finish_tokens(out, max_new_tokens, stop_ids), prefill_s, wall_s, tuple(rounds))
 
 
-def _finish(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> tuple[list[int], str]:
+def finish_tokens(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> tuple[list[int], str]:
     """Cut at the first stop token (kept) or at ``max_new_tokens``."""
     for i, tok in enumerate(out[:max_new_tokens]):
         if tok in stop_ids:
