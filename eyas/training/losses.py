@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eyas.protocol.checks import check_tensor as _check
+
 LOSS_DTYPE = torch.float32  # declared accumulation dtype of every loss (seed 0x04D)
 
 EAGLE1_REG_WEIGHT: float = 1.0  # v_w, paper + pinned code (seed 0x04B)
@@ -39,12 +41,6 @@ NOISE_KINDS: tuple[str, ...] = ("paper", "pinned", "none")
 # --------------------------------------------------------------------------------------------
 
 
-def _check(value: object, name: str, ndim: int) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if value.ndim != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(value.shape)}")
-    return value
 
 
 def _check_float(value: Tensor, name: str) -> None:

@@ -27,15 +27,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from eyas.protocol.checks import check_tensor as _check
 
-def _check(value: object, name: str, ndim: int, dtype: torch.dtype | None = None) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if value.ndim != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(value.shape)}")
-    if dtype is not None and value.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {dtype}, got {value.dtype}")
-    return value
+
 
 
 def _check_steps(steps: object) -> int:

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from eyas.protocol.checks import check_tensor as _check
+
 INVALID_ROW_TOKEN: int = 0  # dense layout: advanced token written into a row that is not b_t = 1
 INVALID_ROW_FEATURE: float = 0.0  # dense layout: feature value written into such a row
 
@@ -53,14 +55,6 @@ INVALID_ROW_FEATURE: float = 0.0  # dense layout: feature value written into suc
 # --------------------------------------------------------------------------------------------
 
 
-def _check(value: object, name: str, ndim: int, dtype: torch.dtype | None = None) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if value.ndim != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(value.shape)}")
-    if dtype is not None and value.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {dtype}, got {value.dtype}")
-    return value
 
 
 def _check_grid(**named: Tensor) -> tuple[int, int]:

@@ -1,0 +1,16 @@
+"""Boundary checks on tensors shared by every module that takes tensors in (a ValueError names the field)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_tensor(value: object, name: str, ndim: int, dtype: torch.dtype | None = None) -> Tensor:
+    """``value`` must be a ``ndim``-D tensor (of ``dtype`` when given); the error starts with ``name``."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(value.shape)}")
+    if dtype is not None and value.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {value.dtype}")
+    return value
