@@ -91,10 +91,16 @@ def eagle1_feature_address(cfg: TargetConfig) -> tuple[FeatureTap, ...]:
     return (FeatureTap(cfg.num_layers, True),)
 
 
-def eagle3_feature_address(cfg: TargetConfig) -> tuple[FeatureTap, ...]:
-    """Low/mid/high residual streams after layers 2, L//2, L-3 (seed 0x08B, pinned EAGLE-3)."""
+def eagle3_feature_address(cfg: TargetConfig, normed: bool = True) -> tuple[FeatureTap, ...]:
+    """Low/mid/high residual streams after layers 2, L//2, L-3 (seed 0x08B, pinned EAGLE-3).
+
+    Eyas serves them through the target's final RMSNorm (``normed=True``), unlike the pinned
+    reference: SmolLM2's mid/high residual streams carry massive activations (RMS about 55, single
+    channels near 25,000), which the final norm's weights scale back to the range of the LM-head
+    input. The choice is part of the feature address and recorded in the manifest.
+    """
     n = cfg.num_layers
-    return tuple(FeatureTap(k, False) for k in (min(2, n), n // 2, max(n - 3, 0)))
+    return tuple(FeatureTap(k, normed) for k in (min(2, n), n // 2, max(n - 3, 0)))
 
 
 class RMSNorm(nn.Module):

@@ -27,7 +27,9 @@ FEATURE_DTYPE = torch.float16
 
 
 def training_taps(model: TargetModel) -> tuple[FeatureTap, ...]:
-    return eagle3_feature_address(model.cfg) + eagle1_feature_address(model.cfg)
+    """Raw low/mid/high residual streams plus the LM-head input; the trainer applies the final
+    norm to the first three when the served address is normed (it is a fixed function)."""
+    return eagle3_feature_address(model.cfg, normed=False) + eagle1_feature_address(model.cfg)
 
 
 def _taps_json(taps) -> list[dict]:

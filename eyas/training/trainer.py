@@ -117,7 +117,9 @@ class DrafterTrainer:
         supervised = rollout_valid(valid, seg, fb.loss_mask, steps)                      # [steps, S]
         visible = rollout_visibility(seg, row_valid, steps)                               # [steps, S, steps*S]
         if cfg.method == "eagle3":
-            state = self.drafter.target_state(feats[:, :3 * d])                           # [S, d]
+            taps = [feats[:, k * d:(k + 1) * d] for k in range(3)]                        # raw low/mid/high
+            taps = [self.target.norm(t) if tap.normed else t for t, tap in zip(taps, self.serve_taps)]
+            state = self.drafter.target_state(torch.cat(taps, dim=-1))                   # [S, d]
             head_draft = self.target.lm_head.weight[self.drafter.d2t]                     # [Vd, d]
         else:
             state = final + (feature_noise(final[None], cfg.noise, self.noise_gen)[0] if noise else 0.0)
