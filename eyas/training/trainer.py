@@ -190,11 +190,12 @@ class DrafterTrainer:
         assert any(p.grad is not None for p in self.drafter.parameters()), "drafter has no gradient"
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Held-out loss and draft top-1/top-3 accuracy against the target argmax, per rollout step."""
+    def evaluate(self, data: list[FeatureBatch] | None = None) -> dict:
+        """Loss and draft top-1/top-3 accuracy against the target argmax, per rollout step, on
+        ``data`` (default: the held-out split)."""
         self.drafter.eval()
         stats: dict = {}
-        for fb in self.heldout_data:
+        for fb in self.heldout_data if data is None else data:
             self.sample_loss(fb, noise=False, stats=stats)
         rows = [max(r, 1) for r in stats.get("rows", [1])]
         return {"top1": [t / r for t, r in zip(stats.get("top1", [0]), rows)],

@@ -42,19 +42,21 @@ def tiny_setup(tmp_path_factory):
 
 
 def make(cfg_kwargs, tiny_setup, out):
+    cfg_kwargs = {"lr": 3e-3, **cfg_kwargs}
     model, train, heldout = tiny_setup
-    cfg = TrainConfig(batch_samples=4, lr=3e-3, warmup_steps=2, eval_every=1000, checkpoint_every=1000,
+    cfg = TrainConfig(batch_samples=4, warmup_steps=2, eval_every=1000, checkpoint_every=1000,
                       draft_vocab_size=32, hass_steps=2, ttt_steps=3, out=str(out), **cfg_kwargs)
     return DrafterTrainer(cfg, model, FINGERPRINT, train, heldout)
 
 
 @pytest.mark.parametrize("method", ["eagle1", "hass", "eagle3"])
 def test_loss_decreases(tiny_setup, tmp_path, method):
-    trainer = make({"method": method, "epochs": 10, "noise": "none"}, tiny_setup, tmp_path)
-    before = trainer.evaluate()["loss"][0]
+    """The training loss (every rollout step, noise off) falls by a tenth or more within 150 steps."""
+    trainer = make({"method": method, "epochs": 25, "lr": 1e-2, "noise": "none"}, tiny_setup, tmp_path)
+    before = sum(trainer.evaluate(trainer.train_data)["loss"])
     trainer.fit()
-    after = trainer.evaluate()["loss"][0]
-    assert after < 0.9 * before, (before, after)
+    after = sum(trainer.evaluate(trainer.train_data)["loss"])
+    assert after < 0.9 * before, (before, after)  # no update at all gives exactly 1.0
 
 
 def test_resume_equals_unbroken_run(tiny_setup, tmp_path):
