@@ -99,7 +99,7 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
         out = list(ack.output_tokens)
         prefill_s = time.perf_counter() - t_start
         rounds: list[RoundStats] = []
-        while len(out) < max_new_tokens and not (stop_ids and out[-1] in stop_ids):
+        while len(out) < max_new_tokens and not any(t in stop_ids for t in ack.output_tokens):
             t0 = time.perf_counter()
             draft = drafter.propose(request_id, seed_state, tree) if drafter else DraftTree.empty()   # propose
             t1 = time.perf_counter()

@@ -78,6 +78,22 @@ def test_oracle_chain_accepts_depth_plus_one_every_round(tiny_target, depth):
     assert spec.target_forwards == -(-(30 - 1) // (depth + 1))
 
 
+def test_stop_token_inside_a_round_ends_generation(tiny_target):
+    """A stop token accepted mid-round ends the request after that round, cut after the stop.
+
+    Worked example: the oracle accepts 4 + 1 tokens a round, so output token k (k >= 1) is emitted
+    in round ceil(k / 5); a stop at index ``first`` needs exactly that many verify rounds.
+    """
+    prompt = [4, 8, 15, 16, 23, 42]
+    base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=30, stop_ids=())
+    stop = base.token_ids[7]
+    first = base.token_ids.index(stop)
+    spec = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=30, stop_ids=(stop,),
+                    drafter=TargetChainOracle(tiny_target, prompt), tree=TreeSpec(kind="chain", max_depth=4))
+    assert spec.token_ids == base.token_ids[:first + 1] and spec.finish_reason == "stop"
+    assert spec.target_forwards == -(-first // 5)
+
+
 def test_greedy_identity_int8_served_precision():
     """int8 is a served precision: speculative equals target-only *at that precision*."""
     model = quantize_int8(ours_from_hf(tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=3)))
