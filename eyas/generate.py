@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -24,7 +25,7 @@ from eyas.target.engine import TargetEngine, Verified
 from eyas.verification.accept import greedy_accept, stochastic_accept
 from eyas.verification.sampling import SamplingParams, sample, target_probs
 
-FINISH_STOP, FINISH_LENGTH = "stop", "length"
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 
 
 @dataclass(frozen=True)
@@ -34,15 +35,18 @@ class RoundStats:
     tree_nodes: int      # candidate rows verified (the root excluded)
     draft_s: float
     verify_s: float
+    hop_s: float = 0.0   # remote loops: round wall time outside the workers' own compute
 
 
 @dataclass(frozen=True)
 class GenerationResult:
     token_ids: list[int]         # generated ids only (a stop token included, if one was emitted)
-    finish_reason: str           # "stop" | "length"
+    finish_reason: str           # "stop" | "length" | "cancelled"
     prefill_s: float
     wall_s: float
     rounds: tuple[RoundStats, ...] = field(default_factory=tuple)
+    drafter_fallback: bool = False   # the drafter failed and the rest of the request ran target-only
+    drafter_reseeds: int = 0         # times the drafter was reseeded from the target's committed state
 
     @property
     def target_forwards(self) -> int:
@@ -61,6 +65,10 @@ class GenerationResult:
     @property
     def verify_s(self) -> float:
         return sum(r.verify_s for r in self.rounds)
+
+    @property
+    def hop_s(self) -> float:
+        return sum(r.hop_s for r in self.rounds)
 
 
 def decide(v: Verified, prompt_ids: list[int], sampling: SamplingParams,
@@ -82,8 +90,11 @@ def decide(v: Verified, prompt_ids: list[int], sampling: SamplingParams,
 def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), drafter: DrafterEngine | None = None,
              tree: TreeSpec = TreeSpec(), seed: int = 0, request_id: str = "local",
-             stop_ids: tuple[int, ...] | None = None) -> GenerationResult:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids``; speculative when ``drafter`` is given."""
+             stop_ids: tuple[int, ...] | None = None,
+             on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``; speculative when ``drafter`` is given.
+
+    on_tokens: called with each publish's new tokens; returning True stops (finish reason "stop")."""
     if type(max_new_tokens) is not int or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
     stop_ids = tuple(target.cfg.eos_token_ids if stop_ids is None else stop_ids)
@@ -97,9 +108,10 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
         verified = target.prefill(request_id)
         seed_state, ack = target.publish(request_id, verified.round, decide(verified, prompt_ids, sampling, generator))
         out = list(ack.output_tokens)
+        stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
         prefill_s = time.perf_counter() - t_start
         rounds: list[RoundStats] = []
-        while len(out) < max_new_tokens and not any(t in stop_ids for t in ack.output_tokens):
+        while len(out) < max_new_tokens and not stopped and not any(t in stop_ids for t in ack.output_tokens):
             t0 = time.perf_counter()
             draft = drafter.propose(request_id, seed_state, tree) if drafter else DraftTree.empty()   # propose
             t1 = time.perf_counter()
@@ -110,13 +122,17 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
             if drafter:
                 drafter.publish(request_id)
             out.extend(ack.output_tokens)
+            stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
             rounds.append(RoundStats(decision.accept_length, decision.num_new_tokens, draft.num_nodes, t1 - t0, t2 - t1))
         wall_s = time.perf_counter() - t_start
     finally:
         target.close_session(request_id)
         if drafter is not None:
             drafter.close_session(request_id)
-    return GenerationResult(*finish_tokens(out, max_new_tokens, stop_ids), prefill_s, wall_s, tuple(rounds))
+    token_ids, finish = finish_tokens(out, max_new_tokens, stop_ids)
+    if stopped and len(out) <= max_new_tokens:
+        finish = FINISH_STOP
+    return GenerationResult(token_ids, finish, prefill_s, wall_s, tuple(rounds))
 
 
 def finish_tokens(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> tuple[list[int], str]:

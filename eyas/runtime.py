@@ -19,7 +19,7 @@ from eyas.drafting.model import DrafterConfig, init_drafter
 from eyas.generate import GenerationResult, generate
 from eyas.protocol.schema import GenerateRequest
 from eyas.target.engine import TargetEngine
-from eyas.target.loader import DEFAULT_TARGET, LoadedTarget, load_target
+from eyas.target.loader import DEFAULT_TARGET, LoadedTarget, encode_prompt, load_target
 from eyas.target.model import FeatureTap, eagle1_feature_address, eagle3_feature_address
 from eyas.verification.sampling import SamplingParams
 
@@ -51,12 +51,7 @@ class Eyas:
 
     # --- tokens -----------------------------------------------------------------------------------
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
-        if not prompt or not prompt.strip():
-            raise ValueError("prompt: must be a non-empty string")
-        if not raw and getattr(self.tokenizer, "chat_template", None):
-            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                        add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(prompt, add_special_tokens=raw)["input_ids"])
+        return encode_prompt(self.tokenizer, prompt, raw)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -83,8 +78,8 @@ class Eyas:
             drafter = init_drafter(DrafterConfig.for_target(method, self.cfg))
             taps = eagle1_feature_address(self.cfg) if method == "eagle1" else eagle3_feature_address(self.cfg)
             source, default_tree = "random-init", TreeSpec()
-        handle = DrafterHandle(DrafterEngine(drafter, self.model.embed, self.model.lm_head, int8_head=True),
-                               taps, source, default_tree)
+        handle = DrafterHandle(DrafterEngine(drafter, self.model.embed, self.model.lm_head, int8_head=True,
+                                             taps=taps), taps, source, default_tree)
         self._drafters[key] = handle
         return handle
 
@@ -98,11 +93,7 @@ class Eyas:
         return self.encode(req.prompt, req.raw)
 
     def tree_for(self, req: GenerateRequest, handle: DrafterHandle | None) -> TreeSpec:
-        base = handle.default_tree if handle else TreeSpec()
-        return TreeSpec(kind=req.tree_kind,
-                        expand_width=req.tree_width if req.tree_width is not None else base.expand_width,
-                        max_depth=req.tree_depth if req.tree_depth is not None else base.max_depth,
-                        verify_budget=req.tree_budget if req.tree_budget is not None else base.verify_budget)
+        return tree_for(req, handle.default_tree if handle else TreeSpec())
 
     def generate(self, req: GenerateRequest) -> tuple[GenerationResult, dict]:
         ids = self.prompt_ids(req)
@@ -110,31 +101,72 @@ class Eyas:
         handle = None if req.method == "target" else self.drafter(req.method, req.drafter)
         tree = self.tree_for(req, handle)
         engine = self.target_engine(handle.taps if handle else ())
+        stops = StopStrings(self.tokenizer, req.stop)
         result = generate(engine, ids, max_new_tokens=req.max_new_tokens, sampling=sampling,
                           drafter=handle.engine if handle else None, tree=tree, seed=req.seed,
-                          request_id=req.request_id or uuid.uuid4().hex)
+                          request_id=req.request_id or uuid.uuid4().hex, on_tokens=stops.on_tokens)
         return result, self.report(req, result, handle, tree)
 
     def report(self, req: GenerateRequest, r: GenerationResult, handle: DrafterHandle | None,
                tree: TreeSpec) -> dict:
-        """The machine-readable output of ``eyas generate --json``."""
-        return {
-            "method": req.method,
-            "token_ids": r.token_ids,
-            "text": self.decode(r.token_ids),
-            "new_tokens": len(r.token_ids),
-            "target_forwards": r.target_forwards,
-            "accept_length_mean": r.accept_length_mean,
-            "wall_s": r.wall_s,
-            "tokens_per_s": len(r.token_ids) / r.wall_s if r.wall_s > 0 else 0.0,
-            "finish_reason": r.finish_reason,
-            "prefill_s": r.prefill_s,
-            "draft_s": r.draft_s,
-            "verify_s": r.verify_s,
-            "precision": self.loaded.precision,
-            "drafter": handle.source if handle else None,
-            "tree": None if handle is None else {"kind": tree.kind, "expand_width": tree.expand_width,
-                                                  "max_depth": tree.max_depth, "verify_budget": tree.verify_budget},
-            "rounds": [{"accept_length": x.accept_length, "new_tokens": x.new_tokens, "tree_nodes": x.tree_nodes,
-                        "draft_ms": 1000 * x.draft_s, "verify_ms": 1000 * x.verify_s} for x in r.rounds],
-        }
+        return build_report(req, r, StopStrings(self.tokenizer, req.stop).text(r.token_ids), self.loaded.precision,
+                            handle.source if handle else None, tree)
+
+
+def tree_for(req: GenerateRequest, base: TreeSpec) -> TreeSpec:
+    """The request's tree: its own knobs where given, else the drafter's defaults ``base``."""
+    return TreeSpec(kind=req.tree_kind,
+                    expand_width=req.tree_width if req.tree_width is not None else base.expand_width,
+                    max_depth=req.tree_depth if req.tree_depth is not None else base.max_depth,
+                    verify_budget=req.tree_budget if req.tree_budget is not None else base.verify_budget)
+
+
+class StopStrings:
+    """Stop strings: generation ends after the round whose text first contains one; the text is cut
+    before it (the token ids keep the whole round, as the target committed it)."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = [x for x in stop if x]
+        self.ids: list[int] = []
+
+    def on_tokens(self, new_ids: list[int]) -> bool:
+        if not self.stop:
+            return False
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return any(x in text for x in self.stop)
+
+    def text(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cuts = [text.index(x) for x in self.stop if x in text]
+        return text[:min(cuts)] if cuts else text
+
+
+def build_report(req: GenerateRequest, r: GenerationResult, text: str, precision: str, drafter: str | None,
+                 tree: TreeSpec | None) -> dict:
+    """The machine-readable output of ``eyas generate --json`` (in-process and over ``--server``)."""
+    return {
+        "method": req.method,
+        "token_ids": r.token_ids,
+        "text": text,
+        "new_tokens": len(r.token_ids),
+        "target_forwards": r.target_forwards,
+        "accept_length_mean": r.accept_length_mean,
+        "wall_s": r.wall_s,
+        "tokens_per_s": len(r.token_ids) / r.wall_s if r.wall_s > 0 else 0.0,
+        "finish_reason": r.finish_reason,
+        "prefill_s": r.prefill_s,
+        "draft_s": r.draft_s,
+        "verify_s": r.verify_s,
+        "hop_s": r.hop_s,
+        "drafter_fallback": r.drafter_fallback,
+        "drafter_reseeds": r.drafter_reseeds,
+        "precision": precision,
+        "drafter": drafter if req.method != "target" else None,
+        "tree": None if req.method == "target" or tree is None else {
+            "kind": tree.kind, "expand_width": tree.expand_width, "max_depth": tree.max_depth,
+            "verify_budget": tree.verify_budget},
+        "rounds": [{"accept_length": x.accept_length, "new_tokens": x.new_tokens, "tree_nodes": x.tree_nodes,
+                    "draft_ms": 1000 * x.draft_s, "verify_ms": 1000 * x.verify_s} for x in r.rounds],
+    }

@@ -1,33 +1,44 @@
-"""The drafter side of the ``Verifier`` service: :class:`RemoteVerifier` and :func:`generate_remote`.
+"""The drafter side of the ``Verifier`` messages: :class:`RemoteVerifier` and :func:`generate_remote`.
 
 ``RemoteVerifier`` offers the target-side steps the decode loop needs (open, prefill, verify,
-publish, close) over a gRPC channel, and validates every reply before use (DESIGN.md, "The wire
-contract"). It tracks the round, the committed length and the frontier token from the acks, so a
-caller hands ``verify`` a ``DraftTree`` exactly as it would hand ``TargetEngine.verify``.
+publish, close, reseed) over a *transport*, and validates every reply before use (DESIGN.md, "The
+wire contract"). A transport carries one ``Verifier`` message to a ``TargetWorker`` and brings its
+reply back: :class:`GrpcTransport` over a gRPC channel (a drafter in another cluster), or
+``eyas.actors.ray_actors.RayTransport`` over a Ray actor handle. The client tracks the round, the
+committed length and the frontier token from the acks, so a caller hands ``verify`` a
+``DraftTree`` exactly as it would hand ``TargetEngine.verify``.
 
-``generate_remote`` is ``eyas.generate.generate`` with the target behind that channel: the
-drafter proposes locally, the remote target verifies, decides and publishes (seed 0x05A-0x05D).
+``generate_remote`` is ``eyas.generate.generate`` with the target behind that transport and the
+drafter local or remote: propose -> verify (+ the target's accept) -> publish (seed 0x05A-0x05D).
+When the drafter fails or times out it reseeds once from the target's committed state (seed 0x05D),
+and if that fails too the request goes on target-only: the same greedy tokens, ``drafter_fallback``.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import grpc
 
-from eyas.drafting.engine import DrafterEngine, TreeSpec
-from eyas.generate import GenerationResult, RoundStats, finish_tokens
+from eyas.drafting.engine import TreeSpec
+from eyas.generate import FINISH_CANCELLED, FINISH_STOP, GenerationResult, RoundStats, finish_tokens
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import eyas_pb2_grpc
 from eyas.protocol import wire
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
-from eyas.protocol.tree import DraftTree, flatten_tree
+from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.cluster.verifier_server import GRPC_OPTIONS
 from eyas.verification.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S: float = 60.0
 REJECTED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
 NOT_PUBLISHED = -1  # RemoteSession.round before round 0 (the prefill) is published
+MAX_DRAFTER_RESEEDS = 1  # reseed attempts per request before it falls back to target-only
 
 
 class RemoteRejected(ValueError):
@@ -36,6 +47,61 @@ class RemoteRejected(ValueError):
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
         self.code = code
+
+
+class DrafterUnavailable(RuntimeError):
+    """The drafter died, timed out or lost the session; the decode loop reseeds or goes target-only."""
+
+
+class Transport(Protocol):
+    """Carries one Verifier message (rpc name as in eyas.proto) and returns the reply message.
+
+    Raises :class:`RemoteRejected` when the worker refuses the message."""
+
+    def __call__(self, rpc: str, request, timeout_s: float): ...
+
+    def close(self) -> None: ...
+
+
+class GrpcTransport:
+    """The ``Verifier`` service over a gRPC channel."""
+
+    def __init__(self, target: str | grpc.Channel):
+        self._own_channel = isinstance(target, str)
+        self.channel = grpc.insecure_channel(target, options=GRPC_OPTIONS) if self._own_channel else target
+        self.stub = eyas_pb2_grpc.VerifierStub(self.channel)
+
+    def __call__(self, rpc: str, request, timeout_s: float):
+        try:
+            return getattr(self.stub, rpc)(request, timeout=timeout_s)
+        except grpc.RpcError as err:
+            if err.code() in REJECTED_CODES:
+                raise RemoteRejected(err.code(), err.details()) from None
+            raise
+
+    def close(self) -> None:
+        if self._own_channel:
+            self.channel.close()
+
+
+class LocalTransport:
+    """The ``Verifier`` messages to a ``TargetWorker`` in this process (tests, single-process tools)."""
+
+    def __init__(self, worker):
+        from eyas.actors.target_worker import RPC_METHODS, SessionNotFound
+
+        self.worker, self._methods, self._not_found = worker, RPC_METHODS, SessionNotFound
+
+    def __call__(self, rpc: str, request, timeout_s: float):
+        try:
+            return getattr(self.worker, self._methods[rpc])(request)
+        except self._not_found as err:
+            raise RemoteRejected(grpc.StatusCode.NOT_FOUND, str(err.args[0])) from None
+        except ValueError as err:
+            raise RemoteRejected(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -54,6 +120,10 @@ class RemoteVerdict:
 
     round: int
     decision: AcceptDecision
+    compute_s: float = 0.0   # the worker's forward + decision time
+    accept_s: float = 0.0    # of which the decision
+    flat: FlatTree | None = None  # the rows this client sent (None for the prefill)
+    pack_s: float = 0.0      # flattening and encoding them
 
 
 @dataclass
@@ -64,21 +134,19 @@ class RemoteSession:
     round: int = NOT_PUBLISHED     # the last published round
     committed_len: int = 0
     frontier_token: int | None = None
+    publish_compute_s: float = 0.0  # the worker's time in the last publish
 
 
 class RemoteVerifier:
-    """A ``Verifier`` client. ``target``: an address ("127.0.0.1:50051") or an open channel."""
+    """A ``Verifier`` client. ``target``: an address ("127.0.0.1:50051"), an open channel, or a transport."""
 
-    def __init__(self, target: str | grpc.Channel, *, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self._own_channel = isinstance(target, str)
-        self.channel = grpc.insecure_channel(target, options=GRPC_OPTIONS) if self._own_channel else target
-        self.stub = eyas_pb2_grpc.VerifierStub(self.channel)
+    def __init__(self, target: str | grpc.Channel | Transport, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.transport = GrpcTransport(target) if isinstance(target, (str, grpc.Channel)) else target
         self.timeout_s = timeout_s
         self.sessions: dict[str, RemoteSession] = {}
 
     def close(self) -> None:
-        if self._own_channel:
-            self.channel.close()
+        self.transport.close()
 
     def __enter__(self) -> RemoteVerifier:
         return self
@@ -86,13 +154,8 @@ class RemoteVerifier:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _rpc(self, method, request):
-        try:
-            return method(request, timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            if err.code() in REJECTED_CODES:
-                raise RemoteRejected(err.code(), err.details()) from None
-            raise
+    def _rpc(self, rpc: str, request):
+        return self.transport(rpc, request, self.timeout_s)
 
     def _session(self, request_id: str) -> RemoteSession:
         if request_id not in self.sessions:
@@ -101,10 +164,12 @@ class RemoteVerifier:
 
     # --- the steps of a round ------------------------------------------------------------------
     def open_session(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, max_tree_rows: int, *,
-                     sampling: SamplingParams = SamplingParams(), seed: int = 0) -> SessionInfo:
+                     sampling: SamplingParams = SamplingParams(), seed: int = 0,
+                     taps: tuple[tuple[int, bool], ...] = ()) -> SessionInfo:
+        """``taps``: the drafter's feature address as (layers_applied, normed) pairs; () for none."""
         spec = wire.SessionSpec(request_id, tuple(prompt_ids), max_new_tokens, max_tree_rows,
-                                sampling.temperature, sampling.top_p, sampling.top_k, seed)
-        reply = self._rpc(self.stub.OpenSession, wire.session_spec_to_proto(spec))
+                                sampling.temperature, sampling.top_p, sampling.top_k, seed, tuple(taps))
+        reply = self._rpc("OpenSession", wire.session_spec_to_proto(spec))
         if reply.request_id != request_id or reply.max_tree_rows != max_tree_rows:
             raise wire.WireError(f"request_id: the verifier opened {reply.request_id!r} "
                                  f"with {reply.max_tree_rows} rows, not {request_id!r} with {max_tree_rows}")
@@ -115,11 +180,11 @@ class RemoteVerifier:
 
     def prefill(self, request_id: str) -> RemoteVerdict:
         s = self._session(request_id)
-        reply = self._rpc(self.stub.Prefill, pb.PrefillRequest(request_id=request_id))
+        reply = self._rpc("Prefill", pb.PrefillRequest(request_id=request_id))
         round_ = s.round + 1
         decision = wire.decision_from_proto(reply, request_id=request_id, round=round_,
                                             vocab_size=s.info.vocab_size, max_rows=s.info.prompt_len)
-        return RemoteVerdict(round_, decision)
+        return RemoteVerdict(round_, decision, reply.compute_ms / 1000, reply.accept_ms / 1000)
 
     def verify(self, request_id: str, tree: DraftTree) -> RemoteVerdict:
         """Send the frontier token plus ``tree`` as this round's FlatTree; return the target's verdict."""
@@ -127,66 +192,175 @@ class RemoteVerifier:
         if s.frontier_token is None:
             raise ValueError(f"request_id: {request_id!r} has no frontier token (prefill and publish first)")
         round_ = s.round + 1
-        flat = flatten_tree(tree, s.frontier_token, s.committed_len)
-        reply = self._rpc(self.stub.Verify, wire.flat_tree_to_proto(flat, request_id=request_id, round=round_,
-                                                                     base_position=s.committed_len))
+        t0 = time.perf_counter()
+        flat = flatten_tree(tree, s.frontier_token, s.committed_len)                          # pack
+        msg = wire.flat_tree_to_proto(flat, request_id=request_id, round=round_, base_position=s.committed_len)
+        pack_s = time.perf_counter() - t0
+        reply = self._rpc("Verify", msg)
         decision = wire.decision_from_proto(reply, request_id=request_id, round=round_,
                                             vocab_size=s.info.vocab_size, max_rows=flat.num_rows)
         rows = decision.accepted_rows
         if int(rows.max()) >= flat.num_rows or not bool((flat.tokens[rows[1:]] == decision.accepted_tokens).all()):
             raise wire.WireError("accepted_tokens: do not match the rows this client sent")
-        return RemoteVerdict(round_, decision)
+        return RemoteVerdict(round_, decision, reply.compute_ms / 1000, reply.accept_ms / 1000, flat, pack_s)
 
     def publish(self, request_id: str, round: int) -> tuple[Seed, PublishAck]:
         s = self._session(request_id)
-        reply = self._rpc(self.stub.Publish, pb.PublishRequest(request_id=request_id, round=round))
+        reply = self._rpc("Publish", pb.PublishRequest(request_id=request_id, round=round))
         seed, ack = wire.ack_from_proto(reply, request_id=request_id, round=round, feature_dim=s.info.feature_dim,
                                         vocab_size=s.info.vocab_size,
                                         max_rows=max(s.info.prompt_len, s.info.max_tree_rows))
         if ack.round > s.round:  # a duplicate publish returns an ack the session already holds
             s.round, s.committed_len, s.frontier_token = ack.round, ack.committed_len, ack.output_tokens[-1]
+        s.publish_compute_s = reply.compute_ms / 1000
         return seed, ack
+
+    def reseed(self, request_id: str) -> Seed:
+        """Every committed row's verified feature from position 0 (for a drafter that lost its session)."""
+        s = self._session(request_id)
+        reply = self._rpc("Reseed", pb.ReseedRequest(request_id=request_id))
+        seed = wire.seed_from_proto(reply, feature_dim=s.info.feature_dim, vocab_size=s.info.vocab_size,
+                                    max_rows=s.committed_len)
+        if seed.start_position != 0 or seed.features.shape[0] != s.committed_len:
+            raise wire.WireError(f"seed.features: a reseed must cover the {s.committed_len} committed rows from 0")
+        return seed
 
     def close_session(self, request_id: str) -> bool:
         self.sessions.pop(request_id, None)
-        return self._rpc(self.stub.CloseSession, pb.CloseSessionRequest(request_id=request_id)).closed
+        return self._rpc("CloseSession", pb.CloseSessionRequest(request_id=request_id)).closed
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One finished round, for observers (``eyas.cluster.telemetry``): what was sent and decided, and
+    when each step ran (``time.time_ns`` at the round's start plus perf-counter offsets in seconds)."""
+
+    request_id: str
+    round: int
+    flat: FlatTree | None          # the verified rows (None: target-only, one root row)
+    decision: AcceptDecision
+    start_ns: int
+    draft_s: float                 # the propose call
+    pack_s: float                  # flattening + encoding the tree
+    verify_s: float                # the Verify call, pack excluded (the forward and the decision inside)
+    accept_s: float                # the target's decision, inside verify_s
+    publish_s: float               # the Publish call
+    fallback: bool                 # the drafter was given up before this round
+
+
+def _draft_slots(prompt_len: int, max_new_tokens: int, max_rows: int, tree: TreeSpec) -> int:
+    return prompt_len + max_new_tokens + max_rows + tree.max_draft_rows + 1
+
+
+def _propose(drafter, request_id: str, seed: Seed, tree: TreeSpec) -> tuple[DraftTree, float]:
+    """-> (tree, the drafter's own compute seconds, when it reports them)."""
+    out = drafter.propose(request_id, seed, tree)
+    return out if isinstance(out, tuple) else (out, 0.0)
 
 
 def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_tokens: int,
-                    sampling: SamplingParams = SamplingParams(), drafter: DrafterEngine | None = None,
+                    sampling: SamplingParams = SamplingParams(), drafter=None,
                     tree: TreeSpec = TreeSpec(), seed: int = 0, request_id: str = "remote",
-                    stop_ids: tuple[int, ...] | None = None) -> GenerationResult:
+                    stop_ids: tuple[int, ...] | None = None, taps: tuple[tuple[int, bool], ...] | None = None,
+                    cancel: threading.Event | None = None,
+                    on_tokens: Callable[[list[int]], bool | None] | None = None,
+                    on_round: Callable[[RoundRecord], None] | None = None) -> GenerationResult:
     """``eyas.generate.generate`` with the target behind ``verifier``; the same tokens for the same
-    seed, since the remote target decides with the same sampler in the same order."""
+    seed, since the remote target decides with the same sampler in the same order.
+
+    drafter: anything with ``open_session / propose / publish / close_session`` (a ``DrafterEngine``, or
+    ``eyas.actors.ray_actors.RayDrafter``); its ``taps`` name the feature address unless ``taps`` does.
+    cancel: set it to stop at the next round boundary (finish reason "cancelled").
+    on_tokens: called with each publish's new tokens; returning True stops (finish reason "stop").
+    on_round: called with a :class:`RoundRecord` after each round (spans and metrics).
+    """
     if type(max_new_tokens) is not int or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
+    if taps is None:
+        taps = tuple((t.layers_applied, t.normed) for t in getattr(drafter, "taps", ())) if drafter else ()
     max_rows = tree.max_candidates + 1 if drafter is not None else 1
-    info = verifier.open_session(request_id, prompt_ids, max_new_tokens, max_rows, sampling=sampling, seed=seed)
+    info = verifier.open_session(request_id, prompt_ids, max_new_tokens, max_rows, sampling=sampling, seed=seed,
+                                 taps=taps)
     stop_ids = tuple(info.eos_token_ids if stop_ids is None else stop_ids)
+    slots = _draft_slots(len(prompt_ids), max_new_tokens, max_rows, tree)
+    fallback, reseeds, stopped, cancelled = False, 0, False, False
     try:
         if drafter is not None:
-            drafter.open_session(request_id, len(prompt_ids) + max_new_tokens + max_rows + tree.max_draft_rows + 1)
+            try:
+                drafter.open_session(request_id, slots)
+            except DrafterUnavailable as err:
+                log.warning("request %s: drafter unavailable at open (%s); target-only", request_id, err)
+                drafter, fallback = None, True
         t_start = time.perf_counter()
         verdict = verifier.prefill(request_id)
         seed_state, ack = verifier.publish(request_id, verdict.round)
         out = list(ack.output_tokens)
+        stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
         prefill_s = time.perf_counter() - t_start
         rounds: list[RoundStats] = []
-        while len(out) < max_new_tokens and not any(t in stop_ids for t in ack.output_tokens):
-            t0 = time.perf_counter()
-            draft = drafter.propose(request_id, seed_state, tree) if drafter else DraftTree.empty()   # propose
+        while len(out) < max_new_tokens and not stopped and not any(t in stop_ids for t in ack.output_tokens):
+            if cancel is not None and cancel.is_set():
+                cancelled = True
+                break
+            t0, start_ns = time.perf_counter(), time.time_ns()
+            draft, draft_compute_s = DraftTree.empty(), 0.0
+            while drafter is not None:                                                                 # propose
+                try:
+                    draft, draft_compute_s = _propose(drafter, request_id, seed_state, tree)
+                    break
+                except DrafterUnavailable as err:
+                    drafter, seed_state, reseeds, fallback = _recover_drafter(
+                        drafter, verifier, request_id, slots, reseeds, err)
             t1 = time.perf_counter()
             verdict = verifier.verify(request_id, draft)                                               # verify+accept
             t2 = time.perf_counter()
             seed_state, ack = verifier.publish(request_id, verdict.round)                              # publish
-            if drafter:
+            if drafter is not None:
                 drafter.publish(request_id)
+            t3 = time.perf_counter()
             out.extend(ack.output_tokens)
+            stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
             d = verdict.decision
-            rounds.append(RoundStats(d.accept_length, d.num_new_tokens, draft.num_nodes, t1 - t0, t2 - t1))
+            if on_round is not None:
+                on_round(RoundRecord(request_id, verdict.round, verdict.flat if draft.num_nodes else None, d, start_ns,
+                                     t1 - t0, verdict.pack_s, t2 - t1 - verdict.pack_s, verdict.accept_s, t3 - t2,
+                                     fallback))
+            hop_s = (t3 - t0) - draft_compute_s - verdict.compute_s - verifier.sessions[request_id].publish_compute_s
+            rounds.append(RoundStats(d.accept_length, d.num_new_tokens, draft.num_nodes, t1 - t0, t2 - t1,
+                                     hop_s=max(hop_s, 0.0) if draft_compute_s or verdict.compute_s else 0.0))
         wall_s = time.perf_counter() - t_start
     finally:
         verifier.close_session(request_id)
         if drafter is not None:
+            try:
+                drafter.close_session(request_id)
+            except DrafterUnavailable:
+                pass
+    token_ids, finish = finish_tokens(out, max_new_tokens, stop_ids)
+    if cancelled:
+        finish = FINISH_CANCELLED
+    elif stopped and len(out) <= max_new_tokens:
+        finish = FINISH_STOP
+    return GenerationResult(token_ids, finish, prefill_s, wall_s, tuple(rounds), drafter_fallback=fallback,
+                            drafter_reseeds=reseeds)
+
+
+def _recover_drafter(drafter, verifier: RemoteVerifier, request_id: str, slots: int, reseeds: int,
+                     err: Exception) -> tuple[object | None, Seed | None, int, bool]:
+    """Reseed ``drafter`` from the target's committed state (seed 0x05D), or give it up.
+
+    -> (drafter or None, the seed to propose from, reseeds so far, fell back)."""
+    if reseeds >= MAX_DRAFTER_RESEEDS:
+        log.warning("request %s: drafter failed again (%s); target-only from here", request_id, err)
+        return None, None, reseeds, True
+    log.warning("request %s: drafter failed (%s); reseeding from the committed state", request_id, err)
+    try:
+        try:
             drafter.close_session(request_id)
-    return GenerationResult(*finish_tokens(out, max_new_tokens, stop_ids), prefill_s, wall_s, tuple(rounds))
+        except Exception:
+            pass
+        drafter.open_session(request_id, slots)
+        return drafter, verifier.reseed(request_id), reseeds + 1, False
+    except DrafterUnavailable as again:
+        log.warning("request %s: drafter reseed failed (%s); target-only from here", request_id, again)
+        return None, None, reseeds + 1, True

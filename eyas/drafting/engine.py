@@ -23,7 +23,7 @@ from eyas.drafting.model import Drafter
 from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.drafting.tree import (DEFAULT_STATIC_CHOICES, DynamicTreeBuilder,
                                 StaticTreeBuilder, chain_choices)
-from eyas.target.model import KVCache
+from eyas.target.model import FeatureTap, KVCache
 
 TREE_KINDS = ("dynamic", "static", "chain")
 
@@ -80,8 +80,10 @@ class DraftSession:
 
 
 class DrafterEngine:
-    def __init__(self, drafter: Drafter, embed: nn.Embedding, lm_head: nn.Module, int8_head: bool = False):
+    def __init__(self, drafter: Drafter, embed: nn.Embedding, lm_head: nn.Module, int8_head: bool = False,
+                 taps: tuple[FeatureTap, ...] = ()):
         """``int8_head``: draft through an int8 copy of the target LM head (EAGLE-1 only).
+        ``taps``: the feature address this drafter reads (what a remote target must tap for it).
 
         Draft confidences only rank candidates; the target decides acceptance, so a cheaper head
         changes speed and acceptance rate, never the output (the head is 49152 x 576 here, 18 ms
@@ -96,7 +98,11 @@ class DrafterEngine:
             copy = nn.Linear(lm_head.in_features, lm_head.out_features, bias=False)
             copy.weight = nn.Parameter(lm_head.weight.detach().clone(), requires_grad=False)
             self.lm_head = quantize_dynamic(nn.Sequential(copy), {nn.Linear}, dtype=torch.qint8)[0]
+        self.taps = tuple(taps)
         self.sessions: dict[str, DraftSession] = {}
+
+    def kv_slots_allocated(self) -> int:
+        return sum(s.cache.max_slots for s in self.sessions.values())
 
     def open_session(self, request_id: str, max_slots: int) -> None:
         if request_id in self.sessions:

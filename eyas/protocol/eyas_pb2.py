@@ -24,43 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65yas/protocol/eyas.proto\x12\x07\x65yas.v1\"\xfa\x03\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x0b\n\x03raw\x18\x03 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x17\n\nrequest_id\x18\n \x01(\tH\x06\x88\x01\x01\x12\x13\n\x06method\x18\x0b \x01(\tH\x07\x88\x01\x01\x12\x16\n\ttree_kind\x18\x0c \x01(\tH\x08\x88\x01\x01\x12\x17\n\ntree_depth\x18\r \x01(\x05H\t\x88\x01\x01\x12\x17\n\ntree_width\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x18\n\x0btree_budget\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x42\t\n\x07_promptB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_request_idB\t\n\x07_methodB\x0c\n\n_tree_kindB\r\n\x0b_tree_depthB\r\n\x0b_tree_widthB\x0e\n\x0c_tree_budget\"\x7f\n\rGenerateStats\x12\x0b\n\x03tau\x18\x01 \x01(\x01\x12\x0e\n\x06rounds\x18\x02 \x01(\x05\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x11\n\tverify_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x18\n\x10\x64rafter_fallback\x18\x06 \x01(\x08\"q\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.eyas.v1.GenerateStats\"n\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.eyas.v1.GenerateStats\"\xdf\x01\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x03\x12\x15\n\rmax_tree_rows\x18\x04 \x01(\x03\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x03\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_k\"\x80\x01\n\x13OpenSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x03 \x01(\x03\x12\x15\n\rmax_tree_rows\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\"$\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"l\n\x04Seed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x16\n\x0estart_position\x18\x03 \x01(\x03\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0c\x12\x17\n\x0f\x61\x64vanced_tokens\x18\x05 \x01(\x0c\"\xe7\x01\n\x08\x46latTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x15\n\rbase_position\x18\x03 \x01(\x03\x12\x0e\n\x06tokens\x18\x04 \x01(\x0c\x12\x0f\n\x07parents\x18\x05 \x01(\x0c\x12\x0e\n\x06\x64\x65pths\x18\x06 \x01(\x0c\x12\x11\n\tpositions\x18\x07 \x01(\x0c\x12\x13\n\x0b\x64raft_probs\x18\x08 \x01(\x0c\x12\x16\n\ttree_mask\x18\t \x01(\x0cH\x00\x88\x01\x01\x12\x15\n\x08retrieve\x18\n \x01(\x0cH\x01\x88\x01\x01\x42\x0c\n\n_tree_maskB\x0b\n\t_retrieve\"{\n\x0e\x41\x63\x63\x65ptDecision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x15\n\raccepted_rows\x18\x03 \x01(\x0c\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x0c\x12\x16\n\x0e\x66rontier_token\x18\x05 \x01(\x03\"3\n\x0ePublishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\"z\n\nPublishAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x15\n\rcommitted_len\x18\x03 \x01(\x03\x12\x15\n\routput_tokens\x18\x04 \x03(\x03\x12\x1b\n\x04seed\x18\x05 \x01(\x0b\x32\r.eyas.v1.Seed\")\n\x13\x43loseSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\x32\x8d\x01\n\x04\x45yas\x12?\n\x08Generate\x12\x18.eyas.v1.GenerateRequest\x1a\x19.eyas.v1.GenerateResponse\x12\x44\n\x0eGenerateStream\x12\x18.eyas.v1.GenerateRequest\x1a\x16.eyas.v1.GenerateChunk0\x01\x32\xcd\x02\n\x08Verifier\x12H\n\x0bOpenSession\x12\x1b.eyas.v1.OpenSessionRequest\x1a\x1c.eyas.v1.OpenSessionResponse\x12;\n\x07Prefill\x12\x17.eyas.v1.PrefillRequest\x1a\x17.eyas.v1.AcceptDecision\x12\x34\n\x06Verify\x12\x11.eyas.v1.FlatTree\x1a\x17.eyas.v1.AcceptDecision\x12\x37\n\x07Publish\x12\x17.eyas.v1.PublishRequest\x1a\x13.eyas.v1.PublishAck\x12K\n\x0c\x43loseSession\x12\x1c.eyas.v1.CloseSessionRequest\x1a\x1d.eyas.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65yas/protocol/eyas.proto\x12\x07\x65yas.v1\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"\xfa\x03\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x0b\n\x03raw\x18\x03 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x17\n\nrequest_id\x18\n \x01(\tH\x06\x88\x01\x01\x12\x13\n\x06method\x18\x0b \x01(\tH\x07\x88\x01\x01\x12\x16\n\ttree_kind\x18\x0c \x01(\tH\x08\x88\x01\x01\x12\x17\n\ntree_depth\x18\r \x01(\x05H\t\x88\x01\x01\x12\x17\n\ntree_width\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x18\n\x0btree_budget\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x42\t\n\x07_promptB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_request_idB\t\n\x07_methodB\x0c\n\n_tree_kindB\r\n\x0b_tree_depthB\r\n\x0b_tree_widthB\x0e\n\x0c_tree_budget\"\xcd\x01\n\rGenerateStats\x12\x0b\n\x03tau\x18\x01 \x01(\x01\x12\x0e\n\x06rounds\x18\x02 \x01(\x05\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x11\n\tverify_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x18\n\x10\x64rafter_fallback\x18\x06 \x01(\x08\x12\x0f\n\x07wall_ms\x18\x07 \x01(\x01\x12\x12\n\nnew_tokens\x18\x08 \x01(\x05\x12\x0e\n\x06hop_ms\x18\t \x01(\x01\x12\x17\n\x0f\x64rafter_reseeds\x18\n \x01(\x05\"\x86\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.eyas.v1.GenerateStats\x12\x13\n\x0breport_json\x18\x05 \x01(\t\"n\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.eyas.v1.GenerateStats\"#\n\rReseedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x87\x02\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x03\x12\x15\n\rmax_tree_rows\x18\x04 \x01(\x03\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x03\x12\x12\n\ntap_layers\x18\t \x03(\x03\x12\x12\n\ntap_normed\x18\n \x03(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_k\"\x80\x01\n\x13OpenSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x03 \x01(\x03\x12\x15\n\rmax_tree_rows\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\"$\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"l\n\x04Seed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x16\n\x0estart_position\x18\x03 \x01(\x03\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0c\x12\x17\n\x0f\x61\x64vanced_tokens\x18\x05 \x01(\x0c\"\xe7\x01\n\x08\x46latTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x15\n\rbase_position\x18\x03 \x01(\x03\x12\x0e\n\x06tokens\x18\x04 \x01(\x0c\x12\x0f\n\x07parents\x18\x05 \x01(\x0c\x12\x0e\n\x06\x64\x65pths\x18\x06 \x01(\x0c\x12\x11\n\tpositions\x18\x07 \x01(\x0c\x12\x13\n\x0b\x64raft_probs\x18\x08 \x01(\x0c\x12\x16\n\ttree_mask\x18\t \x01(\x0cH\x00\x88\x01\x01\x12\x15\n\x08retrieve\x18\n \x01(\x0cH\x01\x88\x01\x01\x42\x0c\n\n_tree_maskB\x0b\n\t_retrieve\"\xa2\x01\n\x0e\x41\x63\x63\x65ptDecision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x15\n\raccepted_rows\x18\x03 \x01(\x0c\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x0c\x12\x16\n\x0e\x66rontier_token\x18\x05 \x01(\x03\x12\x12\n\ncompute_ms\x18\x06 \x01(\x01\x12\x11\n\taccept_ms\x18\x07 \x01(\x01\"3\n\x0ePublishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\"\x8e\x01\n\nPublishAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x15\n\rcommitted_len\x18\x03 \x01(\x03\x12\x15\n\routput_tokens\x18\x04 \x03(\x03\x12\x1b\n\x04seed\x18\x05 \x01(\x0b\x32\r.eyas.v1.Seed\x12\x12\n\ncompute_ms\x18\x06 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\x32\xc5\x01\n\x04\x45yas\x12?\n\x08Generate\x12\x18.eyas.v1.GenerateRequest\x1a\x19.eyas.v1.GenerateResponse\x12\x44\n\x0eGenerateStream\x12\x18.eyas.v1.GenerateRequest\x1a\x16.eyas.v1.GenerateChunk0\x01\x12\x36\n\x05Stats\x12\x15.eyas.v1.StatsRequest\x1a\x16.eyas.v1.StatsResponse2\xfe\x02\n\x08Verifier\x12H\n\x0bOpenSession\x12\x1b.eyas.v1.OpenSessionRequest\x1a\x1c.eyas.v1.OpenSessionResponse\x12;\n\x07Prefill\x12\x17.eyas.v1.PrefillRequest\x1a\x17.eyas.v1.AcceptDecision\x12\x34\n\x06Verify\x12\x11.eyas.v1.FlatTree\x1a\x17.eyas.v1.AcceptDecision\x12\x37\n\x07Publish\x12\x17.eyas.v1.PublishRequest\x1a\x13.eyas.v1.PublishAck\x12K\n\x0c\x43loseSession\x12\x1c.eyas.v1.CloseSessionRequest\x1a\x1d.eyas.v1.CloseSessionResponse\x12/\n\x06Reseed\x12\x16.eyas.v1.ReseedRequest\x1a\r.eyas.v1.Seedb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'eyas.protocol.eyas_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=38
-  _globals['_GENERATEREQUEST']._serialized_end=544
-  _globals['_GENERATESTATS']._serialized_start=546
-  _globals['_GENERATESTATS']._serialized_end=673
-  _globals['_GENERATERESPONSE']._serialized_start=675
-  _globals['_GENERATERESPONSE']._serialized_end=788
-  _globals['_GENERATECHUNK']._serialized_start=790
-  _globals['_GENERATECHUNK']._serialized_end=900
-  _globals['_OPENSESSIONREQUEST']._serialized_start=903
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1126
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=1129
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=1257
-  _globals['_PREFILLREQUEST']._serialized_start=1259
-  _globals['_PREFILLREQUEST']._serialized_end=1295
-  _globals['_SEED']._serialized_start=1297
-  _globals['_SEED']._serialized_end=1405
-  _globals['_FLATTREE']._serialized_start=1408
-  _globals['_FLATTREE']._serialized_end=1639
-  _globals['_ACCEPTDECISION']._serialized_start=1641
-  _globals['_ACCEPTDECISION']._serialized_end=1764
-  _globals['_PUBLISHREQUEST']._serialized_start=1766
-  _globals['_PUBLISHREQUEST']._serialized_end=1817
-  _globals['_PUBLISHACK']._serialized_start=1819
-  _globals['_PUBLISHACK']._serialized_end=1941
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1943
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1984
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1986
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2024
-  _globals['_EYAS']._serialized_start=2027
-  _globals['_EYAS']._serialized_end=2168
-  _globals['_VERIFIER']._serialized_start=2171
-  _globals['_VERIFIER']._serialized_end=2504
+  _globals['_STATSREQUEST']._serialized_start=37
+  _globals['_STATSREQUEST']._serialized_end=51
+  _globals['_STATSRESPONSE']._serialized_start=53
+  _globals['_STATSRESPONSE']._serialized_end=82
+  _globals['_GENERATEREQUEST']._serialized_start=85
+  _globals['_GENERATEREQUEST']._serialized_end=591
+  _globals['_GENERATESTATS']._serialized_start=594
+  _globals['_GENERATESTATS']._serialized_end=799
+  _globals['_GENERATERESPONSE']._serialized_start=802
+  _globals['_GENERATERESPONSE']._serialized_end=936
+  _globals['_GENERATECHUNK']._serialized_start=938
+  _globals['_GENERATECHUNK']._serialized_end=1048
+  _globals['_RESEEDREQUEST']._serialized_start=1050
+  _globals['_RESEEDREQUEST']._serialized_end=1085
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1088
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1351
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=1354
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1482
+  _globals['_PREFILLREQUEST']._serialized_start=1484
+  _globals['_PREFILLREQUEST']._serialized_end=1520
+  _globals['_SEED']._serialized_start=1522
+  _globals['_SEED']._serialized_end=1630
+  _globals['_FLATTREE']._serialized_start=1633
+  _globals['_FLATTREE']._serialized_end=1864
+  _globals['_ACCEPTDECISION']._serialized_start=1867
+  _globals['_ACCEPTDECISION']._serialized_end=2029
+  _globals['_PUBLISHREQUEST']._serialized_start=2031
+  _globals['_PUBLISHREQUEST']._serialized_end=2082
+  _globals['_PUBLISHACK']._serialized_start=2085
+  _globals['_PUBLISHACK']._serialized_end=2227
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=2229
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2270
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2272
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2310
+  _globals['_EYAS']._serialized_start=2313
+  _globals['_EYAS']._serialized_end=2510
+  _globals['_VERIFIER']._serialized_start=2513
+  _globals['_VERIFIER']._serialized_end=2895
 # @@protoc_insertion_point(module_scope)

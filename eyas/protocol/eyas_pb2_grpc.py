@@ -45,6 +45,11 @@ class EyasStub:
                 request_serializer=eyas_dot_protocol_dot_eyas__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=eyas_dot_protocol_dot_eyas__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/eyas.v1.Eyas/Stats',
+                request_serializer=eyas_dot_protocol_dot_eyas__pb2.StatsRequest.SerializeToString,
+                response_deserializer=eyas_dot_protocol_dot_eyas__pb2.StatsResponse.FromString,
+                _registered_method=True)
 
 
 class EyasServicer:
@@ -65,6 +70,14 @@ class EyasServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """Counters, histograms and the latest per-round spans, from the in-memory OpenTelemetry readers
+        of the serving replica (no collector needed), plus the workers' leak invariant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EyasServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_EyasServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=eyas_dot_protocol_dot_eyas__pb2.GenerateRequest.FromString,
                     response_serializer=eyas_dot_protocol_dot_eyas__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=eyas_dot_protocol_dot_eyas__pb2.StatsRequest.FromString,
+                    response_serializer=eyas_dot_protocol_dot_eyas__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -144,6 +162,33 @@ class Eyas:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/eyas.v1.Eyas/Stats',
+            eyas_dot_protocol_dot_eyas__pb2.StatsRequest.SerializeToString,
+            eyas_dot_protocol_dot_eyas__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class VerifierStub:
     """The draft/verify round over one target (seed 0x05A-0x05D): a drafter drives it; the target
@@ -180,6 +225,11 @@ class VerifierStub:
                 '/eyas.v1.Verifier/CloseSession',
                 request_serializer=eyas_dot_protocol_dot_eyas__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=eyas_dot_protocol_dot_eyas__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
+        self.Reseed = channel.unary_unary(
+                '/eyas.v1.Verifier/Reseed',
+                request_serializer=eyas_dot_protocol_dot_eyas__pb2.ReseedRequest.SerializeToString,
+                response_deserializer=eyas_dot_protocol_dot_eyas__pb2.Seed.FromString,
                 _registered_method=True)
 
 
@@ -222,6 +272,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reseed(self, request, context):
+        """Every committed row's verified feature from position 0, for a drafter that lost its session
+        (seed 0x05D: a drafter reseeds from committed state only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +307,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=eyas_dot_protocol_dot_eyas__pb2.CloseSessionRequest.FromString,
                     response_serializer=eyas_dot_protocol_dot_eyas__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'Reseed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reseed,
+                    request_deserializer=eyas_dot_protocol_dot_eyas__pb2.ReseedRequest.FromString,
+                    response_serializer=eyas_dot_protocol_dot_eyas__pb2.Seed.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -388,6 +451,33 @@ class Verifier:
             '/eyas.v1.Verifier/CloseSession',
             eyas_dot_protocol_dot_eyas__pb2.CloseSessionRequest.SerializeToString,
             eyas_dot_protocol_dot_eyas__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reseed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/eyas.v1.Verifier/Reseed',
+            eyas_dot_protocol_dot_eyas__pb2.ReseedRequest.SerializeToString,
+            eyas_dot_protocol_dot_eyas__pb2.Seed.FromString,
             options,
             channel_credentials,
             insecure,

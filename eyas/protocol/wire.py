@@ -280,13 +280,15 @@ class SessionSpec:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    taps: tuple[tuple[int, bool], ...] = ()   # (layers_applied, normed) per feature tap; () = none
 
 
 def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
     return pb.OpenSessionRequest(request_id=spec.request_id, prompt_ids=list(spec.prompt_ids),
                                  max_new_tokens=spec.max_new_tokens, max_tree_rows=spec.max_tree_rows,
                                  temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-                                 seed=spec.seed)
+                                 seed=spec.seed, tap_layers=[t[0] for t in spec.taps],
+                                 tap_normed=[t[1] for t in spec.taps])
 
 
 def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> SessionSpec:
@@ -295,6 +297,10 @@ def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> S
         raise WireError("prompt_ids: must hold at least one token")
     _in_vocab(list(msg.prompt_ids), vocab_size, "prompt_ids")
     defaults = SessionSpec("", (), 0, 0)
+    if len(msg.tap_layers) != len(msg.tap_normed):
+        raise WireError(f"tap_normed: {len(msg.tap_normed)} entries for {len(msg.tap_layers)} tap_layers")
+    if any(layer < 0 for layer in msg.tap_layers):
+        raise WireError(f"tap_layers: {list(msg.tap_layers)} must be >= 0")
     return SessionSpec(
         request_id=msg.request_id,
         prompt_ids=tuple(msg.prompt_ids),
@@ -304,6 +310,7 @@ def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> S
         top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
         top_k=msg.top_k if msg.HasField("top_k") else defaults.top_k,
         seed=msg.seed,
+        taps=tuple(zip((int(x) for x in msg.tap_layers), (bool(x) for x in msg.tap_normed))),
     )
 
 

@@ -52,6 +52,7 @@ class TargetSession:
     last_ack: PublishAck | None = None
     last_seed: Seed | None = None
     tokens: list[int] = field(default_factory=list)  # committed tokens (prompt + accepted)
+    features: list[torch.Tensor] = field(default_factory=list)  # per publish [A, F]: committed rows' features
 
 
 class TargetEngine:
@@ -83,7 +84,20 @@ class TargetEngine:
         self.sessions.pop(request_id, None)
 
     def kv_slots_allocated(self) -> int:
+        """KV slots held by live sessions (the leak invariant: 0 once every session is closed)."""
         return sum(s.cache.max_slots for s in self.sessions.values())
+
+    def kv_bytes_allocated(self) -> int:
+        return sum(s.cache.max_slots * s.cache.bytes_per_slot for s in self.sessions.values())
+
+    def committed_seed(self, request_id: str) -> Seed:
+        """A reseed for a drafter that lost its state: every committed row's verified feature from
+        position 0 (seed 0x05D: a drafter reseeds from committed state, never an unverified row)."""
+        s = self._session(request_id)
+        if s.frontier_token is None or not s.features:
+            raise ValueError(f"request_id: {request_id!r} has nothing committed yet (prefill and publish first)")
+        return Seed(torch.cat(s.features), torch.tensor(s.tokens[1:] + [s.frontier_token], dtype=torch.int64),
+                    start_position=0, round=s.round)
 
     def _session(self, request_id: str) -> TargetSession:
         if request_id not in self.sessions:
@@ -162,6 +176,7 @@ class TargetEngine:
         if v.flat is not None:
             s.cache.gather_commit(n + rows, n)  # provisional slot n + r -> committed slot n + i
         s.tokens = committed_tokens
+        s.features.append(seed.features)
         s.frontier_token = decision.frontier_token
         s.pending, s.round, s.last_ack, s.last_seed = None, round, ack, seed
         s.committed_len = n + a

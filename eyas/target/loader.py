@@ -135,6 +135,35 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def checkpoint_folder(source: str | os.PathLike = DEFAULT_TARGET) -> Path:
+    """The HF-style folder that ``source`` names (a GGUF is dequantized into the cache once)."""
+    if str(source) == DEFAULT_TARGET:
+        return _materialize_gguf(default_gguf_path())
+    if str(source).endswith(".gguf"):
+        return _materialize_gguf(Path(source))
+    folder = Path(source)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"target: {folder} is not a checkpoint directory (no config.json)")
+    return folder
+
+
+def load_tokenizer(source: str | os.PathLike = DEFAULT_TARGET):
+    """The target's tokenizer alone (a serving front end needs no weights)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint_folder(source))
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
+    """Token ids of a user message, wrapped in the chat template unless ``raw``."""
+    if not prompt or not prompt.strip():
+        raise ValueError("prompt: must be a non-empty string")
+    if not raw and getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(prompt, add_special_tokens=raw)["input_ids"])
+
+
 def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp32",
                 device: str = "cpu") -> LoadedTarget:
     """Load the target as served.
@@ -145,14 +174,7 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: {precision!r} is not one of {PRECISIONS}")
-    if str(source) == DEFAULT_TARGET:
-        folder = _materialize_gguf(default_gguf_path())
-    elif str(source).endswith(".gguf"):
-        folder = _materialize_gguf(Path(source))
-    else:
-        folder = Path(source)
-        if not (folder / "config.json").exists():
-            raise FileNotFoundError(f"target: {folder} is not a checkpoint directory (no config.json)")
+    folder = checkpoint_folder(source)
     cfg_dict = json.loads((folder / "config.json").read_text())
     cfg = TargetConfig.from_hf(cfg_dict)
     from transformers import AutoTokenizer

@@ -28,7 +28,7 @@ TREE = TreeSpec(expand_width=2, max_depth=3, verify_budget=6)  # 7 verify rows a
 
 @pytest.fixture(scope="module")
 def server(tiny_target):
-    running = serve_verifier(TargetEngine(tiny_target, eagle1_feature_address(tiny_target.cfg)), max_workers=2)
+    running = serve_verifier(tiny_target, max_workers=2)
     yield running
     running.stop(None)
 
@@ -42,7 +42,8 @@ def client(server):
 @pytest.fixture(scope="module")
 def drafter(tiny_target):
     cfg = tiny_target.cfg
-    return DrafterEngine(init_drafter(DrafterConfig.for_target("eagle1", cfg)), tiny_target.embed, tiny_target.lm_head)
+    return DrafterEngine(init_drafter(DrafterConfig.for_target("eagle1", cfg)), tiny_target.embed, tiny_target.lm_head,
+                         taps=eagle1_feature_address(cfg))
 
 
 def test_greedy_decode_over_grpc_equals_in_process_target_only(tiny_target, client, drafter):
@@ -78,8 +79,8 @@ def test_sampled_decode_over_grpc_equals_in_process(tiny_target, client, drafter
 
 def committed_state(server, request_id: str) -> dict:
     """Everything a bad message must leave alone: the whole KV cache and the session's bookkeeping."""
-    t = server.servicer.engine.sessions[request_id]
-    s = server.servicer.sessions[request_id]
+    s = server.servicer.worker.sessions[request_id]
+    t = s.engine.sessions[request_id]
     return dict(k=t.cache.k.clone(), v=t.cache.v.clone(), committed_len=t.committed_len, tokens=list(t.tokens),
                 frontier=t.frontier_token, round=t.round, pending=t.pending, last_ack=t.last_ack,
                 server_pending=s.pending, server_published=s.published)
@@ -105,7 +106,7 @@ def expect_rejection(call, code: grpc.StatusCode, field: str, label: str = "") -
 def open_and_advance(client, drafter, request_id: str, rounds: int):
     """A session one prefill and ``rounds`` speculation rounds in; returns (drafter seed, output so far)."""
     prompt = PROMPTS[1]
-    client.open_session(request_id, prompt, 40, TREE.max_candidates + 1)
+    client.open_session(request_id, prompt, 40, TREE.max_candidates + 1, taps=tuple((t.layers_applied, t.normed) for t in drafter.taps))
     drafter.open_session(request_id, len(prompt) + 40 + TREE.max_candidates + 1 + TREE.max_draft_rows + 1)
     seed, ack = client.publish(request_id, client.prefill(request_id).round)
     out = list(ack.output_tokens)
@@ -159,17 +160,17 @@ def test_malformed_messages_are_refused_and_touch_nothing(tiny_target, server, c
     ]
     before = committed_state(server, rid)
     for label, msg, field in bad_trees:
-        expect_rejection(lambda: client.stub.Verify(msg, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, field, label)
+        expect_rejection(lambda: client.transport.stub.Verify(msg, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, field, label)
         assert_same_state(before, committed_state(server, rid))
     for bad_round in (rnd - 2, rnd + 5, rnd):  # stale, future, and the undecided next round
-        expect_rejection(lambda: client.stub.Publish(pb.PublishRequest(request_id=rid, round=bad_round), timeout=30),
+        expect_rejection(lambda: client.transport.stub.Publish(pb.PublishRequest(request_id=rid, round=bad_round), timeout=30),
                          grpc.StatusCode.INVALID_ARGUMENT, "round")
         assert_same_state(before, committed_state(server, rid))
-    expect_rejection(lambda: client.stub.Verify(flat_msg(request_id="nobody"), timeout=30),
+    expect_rejection(lambda: client.transport.stub.Verify(flat_msg(request_id="nobody"), timeout=30),
                      grpc.StatusCode.NOT_FOUND, "request_id")
-    expect_rejection(lambda: client.stub.Publish(pb.PublishRequest(request_id="nobody", round=1), timeout=30),
+    expect_rejection(lambda: client.transport.stub.Publish(pb.PublishRequest(request_id="nobody", round=1), timeout=30),
                      grpc.StatusCode.NOT_FOUND, "request_id")
-    expect_rejection(lambda: client.stub.Prefill(pb.PrefillRequest(request_id=rid), timeout=30),
+    expect_rejection(lambda: client.transport.stub.Prefill(pb.PrefillRequest(request_id=rid), timeout=30),
                      grpc.StatusCode.INVALID_ARGUMENT, "request_id")  # already prefilled
     assert_same_state(before, committed_state(server, rid))
 
@@ -190,11 +191,11 @@ def test_duplicate_publish_returns_the_same_ack_and_changes_nothing(server, clie
     seed, _ = open_and_advance(client, drafter, rid, rounds=1)
     verdict = client.verify(rid, drafter.propose(rid, seed, TREE))
     request = pb.PublishRequest(request_id=rid, round=verdict.round)
-    first = client.stub.Publish(request, timeout=30)
+    first = client.transport.stub.Publish(request, timeout=30)
     drafter.publish(rid)
     after_first = committed_state(server, rid)
     for _ in range(2):
-        assert client.stub.Publish(request, timeout=30) == first
+        assert client.transport.stub.Publish(request, timeout=30) == first
         assert_same_state(after_first, committed_state(server, rid))
     seed2, ack = client.publish(rid, verdict.round)  # through the validating client too
     assert ack.round == verdict.round and list(ack.output_tokens) == list(first.output_tokens)
@@ -211,12 +212,12 @@ def test_retried_verify_gets_the_same_decision_and_another_tree_is_refused(serve
     flat = flatten_tree(drafter.propose(rid, seed, TREE), s.frontier_token, s.committed_len)
     msg = wire.flat_tree_to_proto(flat, request_id=rid, round=s.round + 1, base_position=s.committed_len,
                                   include_derived=True)
-    first = client.stub.Verify(msg, timeout=30)
+    first = client.transport.stub.Verify(msg, timeout=30)
     pending = committed_state(server, rid)
-    assert client.stub.Verify(msg, timeout=30) == first
+    assert client.transport.stub.Verify(msg, timeout=30) == first
     other = wire.draft_tree_to_proto(chain(2, token=1), frontier_token=s.frontier_token, request_id=rid,
                                      round=s.round + 1, base_position=s.committed_len)
-    expect_rejection(lambda: client.stub.Verify(other, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, "round")
+    expect_rejection(lambda: client.transport.stub.Verify(other, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, "round")
     assert_same_state(pending, committed_state(server, rid))
     client.publish(rid, first.round)
     drafter.publish(rid)
@@ -228,7 +229,7 @@ def test_client_raises_value_errors_and_sessions_are_checked(client):
     with pytest.raises(RemoteRejected) as err:
         client.open_session("bad-prompt", [1, 10_000], 4, 1)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and str(err.value).startswith("prompt_ids: ")
-    expect_rejection(lambda: client.stub.OpenSession(pb.OpenSessionRequest(
+    expect_rejection(lambda: client.transport.stub.OpenSession(pb.OpenSessionRequest(
         request_id="bad-sampling", prompt_ids=[1, 2], max_new_tokens=4, max_tree_rows=1, temperature=-1.0),
         timeout=30), grpc.StatusCode.INVALID_ARGUMENT, "temperature")
     with pytest.raises(RemoteRejected, match="^max_new_tokens: "):
@@ -238,7 +239,7 @@ def test_client_raises_value_errors_and_sessions_are_checked(client):
         client.open_session("twice", [1, 2], 4, 1)
     early = wire.draft_tree_to_proto(DraftTree.empty(), frontier_token=0, request_id="twice", round=1,
                                      base_position=0)  # verify before the prefill is published
-    expect_rejection(lambda: client.stub.Verify(early, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, "round")
+    expect_rejection(lambda: client.transport.stub.Verify(early, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, "round")
     with pytest.raises(ValueError, match="^request_id: "):  # the client knows no such session
         client.verify("nobody", DraftTree.empty())
     assert client.close_session("twice")

@@ -1,0 +1,97 @@
+"""``DrafterWorker``: the owner of drafter weights and draft KV for one or more drafting methods.
+
+A plain class; ``eyas.actors.ray_actors`` makes the Ray actor of it (the ``DrafterWorker`` of
+DESIGN.md). Per request it holds one draft session in the :class:`DrafterEngine` of the request's
+method. A round: ``propose(request_id, seed, tree)`` first discards the previous round's provisional
+tree rows (the seed proves that round was published), appends the seed's verified context rows and
+grows the next tree (seed 0x05B, 0x06B). The seed arrives as the wire message (``pb.Seed``) and is
+validated before use. A drafter that lost a session is reseeded with a seed that covers every
+committed row from position 0 (seed 0x05D); it never builds context on an unverified feature.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from eyas.drafting.engine import DrafterEngine, TreeSpec
+from eyas.protocol import eyas_pb2 as pb
+from eyas.protocol import wire
+from eyas.protocol.messages import Seed
+from eyas.protocol.tree import DraftTree
+
+
+class DrafterWorker:
+    def __init__(self, engines: dict[str, DrafterEngine], vocab_size: int, sources: dict[str, str] | None = None,
+                 default_trees: dict[str, TreeSpec] | None = None, name: str = "drafter"):
+        if not engines:
+            raise ValueError("methods: a drafter worker needs at least one drafting method")
+        self.engines = engines
+        self.vocab_size = vocab_size
+        self.sources = sources or {m: "in-memory" for m in engines}
+        self.default_trees = default_trees or {m: TreeSpec() for m in engines}
+        self.name = name
+        self.session_method: dict[str, str] = {}   # request id -> method
+
+    @classmethod
+    def load(cls, target: str, methods: tuple[str, ...] = ("eagle3",), drafter_dirs: dict[str, str] | None = None,
+             threads: int | None = None) -> DrafterWorker:
+        """Load the target's embedding and LM head plus a drafter per method (shipped ones by default)."""
+        from eyas.runtime import Eyas
+
+        if threads:
+            torch.set_num_threads(threads)
+        rt = Eyas(target)
+        handles = {m: rt.drafter(m, (drafter_dirs or {}).get(m)) for m in methods}
+        return cls({m: h.engine for m, h in handles.items()}, rt.cfg.vocab_size,
+                   {m: h.source for m, h in handles.items()}, {m: h.default_tree for m, h in handles.items()},
+                   name=f"{target}/{'+'.join(methods)}")
+
+    def info(self) -> dict:
+        """Per method: the feature address a target must tap, the checkpoint, the default tree."""
+        return {m: {"taps": [(t.layers_applied, t.normed) for t in e.taps], "source": self.sources[m],
+                    "default_tree": self.default_trees[m]} for m, e in self.engines.items()}
+
+    def open_session(self, request_id: str, method: str, max_slots: int) -> None:
+        wire.check_request_id(request_id)
+        if method not in self.engines:
+            raise ValueError(f"method: this drafter worker serves {sorted(self.engines)}, not {method!r}")
+        if request_id in self.session_method:
+            raise ValueError(f"request_id: {request_id!r} already has a live draft session")
+        self.engines[method].open_session(request_id, max_slots)
+        self.session_method[request_id] = method
+
+    def propose(self, request_id: str, seed: pb.Seed | Seed, tree: TreeSpec) -> tuple[DraftTree, float]:
+        """-> (the next tree, seconds of drafter compute)."""
+        t0 = time.perf_counter()
+        engine = self._engine(request_id)
+        if isinstance(seed, pb.Seed):
+            dims = {"feature_dim": len(engine.taps) * engine.embed.weight.shape[1]} if engine.taps else {}
+            seed = wire.seed_from_proto(seed, vocab_size=self.vocab_size, **dims)
+        if engine.sessions[request_id].provisional_len:
+            engine.publish(request_id)  # a new seed: the previous round was published
+        draft = engine.propose(request_id, seed, tree)
+        return draft, time.perf_counter() - t0
+
+    def publish(self, request_id: str) -> None:
+        self._engine(request_id).publish(request_id)
+
+    def close_session(self, request_id: str) -> bool:
+        method = self.session_method.pop(request_id, None)
+        if method is not None:
+            self.engines[method].close_session(request_id)
+        return method is not None
+
+    def leak_check(self) -> dict:
+        engine_ids = {rid for e in self.engines.values() for rid in e.sessions}
+        allocated = sum(e.kv_slots_allocated() for e in self.engines.values())
+        nbytes = sum(s.cache.max_slots * s.cache.bytes_per_slot for e in self.engines.values() for s in e.sessions.values())
+        return {"worker": self.name, "live_sessions": len(self.session_method), "kv_slots_allocated": allocated,
+                "kv_bytes_allocated": nbytes,
+                "orphans": sorted(engine_ids ^ set(self.session_method)),
+                "ok": engine_ids == set(self.session_method) and (allocated == 0) == (not self.session_method)}
+
+    def _engine(self, request_id: str) -> DrafterEngine:
+        if request_id not in self.session_method:
+            raise ValueError(f"request_id: {request_id!r} has no live draft session")
+        return self.engines[self.session_method[request_id]]

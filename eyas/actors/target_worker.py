@@ -1,0 +1,199 @@
+"""``TargetWorker``: the owner of one target's device state, speaking the ``Verifier`` messages.
+
+It is a plain class. ``eyas.actors.ray_actors`` makes a Ray actor of it (the ``TargetWorker``
+of DESIGN.md), ``eyas.cluster.verifier_server`` serves it over plain gRPC, and the tests call it
+directly. Each method takes and returns the protobuf messages of ``eyas.proto``, so the same
+messages travel inside Ray and across clusters (DESIGN.md, "The wire contract").
+
+State it owns: the target weights, and per request one session (through :class:`TargetEngine`:
+committed KV, provisional branch KV) plus the session's sampler and the decided-but-unpublished
+verdict. A round (seed 0x05A-0x05D):
+
+    OpenSession -> Prefill -> Publish(0) -> [Verify(FlatTree) -> Publish(round)]* -> CloseSession
+
+The target decides: ``verify`` validates the inbound ``FlatTree`` against the session (round,
+committed length, frontier token, vocabulary, row budget), runs ``TargetEngine.verify`` and decides
+acceptance with ``eyas.generate.decide`` under the session's sampling parameters. ``publish`` commits
+the decision *this worker* made for that round (a drafter cannot substitute another); it is
+idempotent and refuses a stale or future round (``TargetEngine.publish``). Every check runs before
+the first write, so a bad message leaves the committed KV, features and output unchanged.
+
+Errors: ``ValueError`` (``WireError`` included) names the field; ``SessionNotFound`` for an unknown
+request id. Calls are serialized by the caller (one lock in the gRPC server; a Ray actor runs one
+call at a time).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from eyas.generate import decide
+from eyas.protocol import eyas_pb2 as pb
+from eyas.protocol import wire
+from eyas.protocol.messages import AcceptDecision
+from eyas.protocol.tree import FlatTree
+from eyas.target.engine import TargetEngine
+from eyas.target.model import FeatureTap, TargetModel
+from eyas.verification.sampling import SamplingParams
+
+RPC_METHODS = {"OpenSession": "open_session", "Prefill": "prefill", "Verify": "verify", "Publish": "publish",
+               "CloseSession": "close_session", "Reseed": "reseed"}  # Verifier rpc -> TargetWorker method
+FLAT_FIELDS = ("tokens", "positions", "parents", "depths", "tree_mask", "retrieve", "draft_probs")
+
+
+class SessionNotFound(LookupError):
+    """No live session for a request id (gRPC NOT_FOUND)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One decided round, kept until it is published (and after, to answer a duplicate publish)."""
+
+    round: int
+    flat: FlatTree | None          # None for the prefill
+    decision: AcceptDecision
+    reply: pb.AcceptDecision
+
+
+@dataclass
+class WorkerSession:
+    """The worker's per-request state beside the engine's ``TargetSession``."""
+
+    engine: TargetEngine           # the engine of this session's feature address
+    prompt_ids: list[int]
+    max_tree_rows: int
+    sampling: SamplingParams
+    generator: torch.Generator
+    pending: Verdict | None = None     # decided, not yet published
+    published: Verdict | None = None   # the last published round
+    published_reply: pb.PublishAck | None = None  # its ack, returned again to a duplicate publish
+
+
+def _same_rows(a: FlatTree, b: FlatTree) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in FLAT_FIELDS)
+
+
+class TargetWorker:
+    """One target model; one :class:`TargetEngine` per feature address that sessions ask for."""
+
+    def __init__(self, model: TargetModel, name: str = "target"):
+        self.model = model
+        self.cfg = model.cfg
+        self.name = name
+        self.vocab_size = model.cfg.vocab_size
+        self.engines: dict[tuple[FeatureTap, ...], TargetEngine] = {}
+        self.sessions: dict[str, WorkerSession] = {}
+
+    @classmethod
+    def load(cls, target: str, precision: str = "fp32", threads: int | None = None) -> TargetWorker:
+        """Load ``target`` (see ``eyas.target.loader.load_target``); ``threads``: torch CPU threads."""
+        from eyas.target.loader import load_target
+
+        if threads:
+            torch.set_num_threads(threads)
+        return cls(load_target(target, precision).model, name=f"{target}/{precision}")
+
+    def engine_for(self, taps: tuple[FeatureTap, ...]) -> TargetEngine:
+        for tap in taps:
+            if not 0 <= tap.layers_applied <= self.cfg.num_layers:
+                raise ValueError(f"tap_layers: {tap.layers_applied} is outside [0, {self.cfg.num_layers}]")
+        if taps not in self.engines:
+            self.engines[taps] = TargetEngine(self.model, taps)
+        return self.engines[taps]
+
+    # --- the Verifier messages -------------------------------------------------------------------
+    def open_session(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
+        spec = wire.session_spec_from_proto(request, vocab_size=self.vocab_size)
+        sampling = SamplingParams(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
+        if spec.request_id in self.sessions:
+            raise ValueError(f"request_id: {spec.request_id!r} already has a live session")
+        engine = self.engine_for(tuple(FeatureTap(layer, normed) for layer, normed in spec.taps))
+        engine.open_session(spec.request_id, list(spec.prompt_ids), spec.max_new_tokens, spec.max_tree_rows)
+        self.sessions[spec.request_id] = WorkerSession(engine, list(spec.prompt_ids), spec.max_tree_rows, sampling,
+                                                       torch.Generator().manual_seed(spec.seed))
+        return pb.OpenSessionResponse(request_id=spec.request_id, vocab_size=self.vocab_size,
+                                      feature_dim=len(engine.taps) * self.cfg.hidden_size,
+                                      max_tree_rows=spec.max_tree_rows, eos_token_ids=list(self.cfg.eos_token_ids))
+
+    def prefill(self, request: pb.PrefillRequest) -> pb.AcceptDecision:
+        s = self._session(request.request_id)
+        if s.pending is not None and s.pending.flat is None:
+            return s.pending.reply  # a retried prefill: the same decision
+        t0 = time.perf_counter()
+        verified = s.engine.prefill(request.request_id)
+        return self._decided(request.request_id, s, verified, t0)
+
+    def verify(self, request: pb.FlatTree) -> pb.AcceptDecision:
+        s = self._session(request.request_id)
+        t = s.engine.sessions[request.request_id]
+        if t.frontier_token is None:
+            raise ValueError("round: the session has no frontier token yet (prefill and publish round 0 first)")
+        flat = wire.flat_tree_from_proto(request, vocab_size=self.vocab_size, max_rows=s.max_tree_rows,
+                                         base_position=t.committed_len, round=t.round + 1,
+                                         frontier_token=t.frontier_token)
+        if s.pending is not None:  # this round is decided but unpublished: only a retry is answered
+            if s.pending.flat is not None and _same_rows(s.pending.flat, flat):
+                return s.pending.reply
+            raise ValueError(f"round: {request.round} is already verified with another tree; publish it first")
+        t0 = time.perf_counter()
+        verified = s.engine.verify(request.request_id, wire.draft_tree_from_flat(flat))
+        return self._decided(request.request_id, s, verified, t0)
+
+    def publish(self, request: pb.PublishRequest) -> pb.PublishAck:
+        s = self._session(request.request_id)
+        verdict = next((v for v in (s.pending, s.published) if v is not None and v.round == request.round), None)
+        if verdict is None:
+            last = s.published.round if s.published is not None else "none"
+            raise ValueError(f"round: {request.round} is stale, undecided or from the future "
+                             f"(last published {last}, decided {s.pending.round if s.pending else 'none'})")
+        if verdict is s.published and s.published_reply is not None:
+            return s.published_reply  # applied twice: a no-op with the same ack
+        t0 = time.perf_counter()
+        seed, ack = s.engine.publish(request.request_id, request.round, verdict.decision)
+        reply = wire.ack_to_proto(ack, seed)
+        reply.compute_ms = 1000 * (time.perf_counter() - t0)
+        s.pending, s.published, s.published_reply = None, verdict, reply
+        return reply
+
+    def close_session(self, request: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
+        wire.check_request_id(request.request_id)
+        s = self.sessions.pop(request.request_id, None)
+        if s is not None:
+            s.engine.close_session(request.request_id)
+        return pb.CloseSessionResponse(closed=s is not None)
+
+    def reseed(self, request: pb.ReseedRequest) -> pb.Seed:
+        """The committed state as one seed from position 0, for a drafter that lost its session."""
+        s = self._session(request.request_id)
+        return wire.seed_to_proto(s.engine.committed_seed(request.request_id), request_id=request.request_id)
+
+    # --- the leak invariant --------------------------------------------------------------------
+    def leak_check(self) -> dict:
+        """KV slots allocated == the sum over live sessions; no engine session without a worker one."""
+        engine_ids = {rid for e in self.engines.values() for rid in e.sessions}
+        allocated = sum(e.kv_slots_allocated() for e in self.engines.values())
+        expected = sum(s.engine.sessions[rid].cache.max_slots for rid, s in self.sessions.items()
+                       if rid in s.engine.sessions)
+        return {"worker": self.name, "live_sessions": len(self.sessions), "kv_slots_allocated": allocated,
+                "kv_slots_live": expected, "kv_bytes_allocated": sum(e.kv_bytes_allocated() for e in self.engines.values()),
+                "orphans": sorted(engine_ids ^ set(self.sessions)),
+                "ok": allocated == expected and engine_ids == set(self.sessions)}
+
+    # --- internals -------------------------------------------------------------------------------
+    def _session(self, request_id: str) -> WorkerSession:
+        wire.check_request_id(request_id)
+        s = self.sessions.get(request_id)
+        if s is None or request_id not in s.engine.sessions:
+            raise SessionNotFound(f"request_id: {request_id!r} has no live session")
+        return s
+
+    def _decided(self, request_id: str, s: WorkerSession, verified, t0: float) -> pb.AcceptDecision:
+        t1 = time.perf_counter()
+        decision = decide(verified, s.prompt_ids, s.sampling, s.generator)
+        reply = wire.decision_to_proto(decision, request_id=request_id, round=verified.round)
+        t2 = time.perf_counter()
+        reply.compute_ms, reply.accept_ms = 1000 * (t2 - t0), 1000 * (t2 - t1)
+        s.pending = Verdict(verified.round, verified.flat, decision, reply)
+        return reply

@@ -1,0 +1,193 @@
+"""TargetWorker and DrafterWorker without Ray: reseeding, fallback, cancellation, leaks, publish atomicity.
+
+The decode loop runs over ``LocalTransport`` (the Verifier messages to an in-process TargetWorker),
+so everything here is the code the Ray actors run, minus the process boundary.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from eyas.actors.drafter_worker import DrafterWorker
+from eyas.actors.target_worker import TargetWorker
+from eyas.cluster.verifier_client import (DrafterUnavailable, LocalTransport, RemoteVerifier,
+                                          generate_remote)
+from eyas.drafting.engine import DrafterEngine, TreeSpec
+from eyas.drafting.model import DrafterConfig, init_drafter
+from eyas.generate import generate
+from eyas.protocol import eyas_pb2 as pb
+from eyas.target.engine import TargetEngine
+from eyas.target.model import eagle1_feature_address
+
+PROMPT = [7, 7, 7, 7, 7, 9, 30, 11]
+TREE = TreeSpec(expand_width=2, max_depth=3, verify_budget=6)
+
+
+@pytest.fixture()
+def worker(tiny_target):
+    return TargetWorker(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def drafter_engine(tiny_target):
+    torch.manual_seed(3)
+    cfg = tiny_target.cfg
+    return DrafterEngine(init_drafter(DrafterConfig.for_target("eagle1", cfg)), tiny_target.embed,
+                         tiny_target.lm_head, taps=eagle1_feature_address(cfg))
+
+
+def baseline(tiny_target, n=30):
+    return generate(TargetEngine(tiny_target, ()), PROMPT, max_new_tokens=n).token_ids
+
+
+class Flaky:
+    """A drafter that raises DrafterUnavailable on the given propose calls (0-based), and loses its
+    session when it does (as a restarted actor would)."""
+
+    def __init__(self, engine: DrafterEngine, fail_at: set[int] | None = None, always: bool = False):
+        self.engine, self.fail_at, self.always, self.calls = engine, fail_at or set(), always, 0
+        self.taps = engine.taps
+
+    def open_session(self, request_id, slots):
+        if self.always:
+            raise DrafterUnavailable("drafter: down")
+        self.engine.open_session(request_id, slots)
+
+    def propose(self, request_id, seed, tree):
+        self.calls += 1
+        if self.always or self.calls - 1 in self.fail_at:
+            self.engine.close_session(request_id)
+            raise DrafterUnavailable("drafter: the actor died (test)")
+        return self.engine.propose(request_id, seed, tree)
+
+    def publish(self, request_id):
+        self.engine.publish(request_id)
+
+    def close_session(self, request_id):
+        self.engine.close_session(request_id)
+
+
+def test_a_drafter_that_dies_mid_request_is_reseeded_and_the_output_is_unchanged(tiny_target, worker, drafter_engine):
+    flaky = Flaky(drafter_engine, fail_at={3})
+    out = generate_remote(RemoteVerifier(LocalTransport(worker)), PROMPT, max_new_tokens=30, drafter=flaky, tree=TREE,
+                          request_id="reseed")
+    assert out.token_ids == baseline(tiny_target)
+    assert out.drafter_reseeds == 1 and not out.drafter_fallback
+    assert all(r.tree_nodes > 0 for r in out.rounds)  # every round after the reseed still speculated
+    assert worker.leak_check()["ok"] and not worker.sessions and not drafter_engine.sessions
+
+
+def test_a_drafter_that_stays_down_falls_back_to_target_only_with_the_same_tokens(tiny_target, worker, drafter_engine):
+    for flaky in (Flaky(drafter_engine, fail_at={2, 3, 4, 5}), Flaky(drafter_engine, always=True)):
+        out = generate_remote(RemoteVerifier(LocalTransport(worker)), PROMPT, max_new_tokens=30, drafter=flaky,
+                              tree=TREE, request_id="fallback")
+        assert out.token_ids == baseline(tiny_target)
+        assert out.drafter_fallback
+        assert out.rounds[-1].tree_nodes == 0
+    assert worker.leak_check()["ok"] and not worker.sessions and not drafter_engine.sessions
+
+
+def test_a_reseeded_drafter_proposes_what_the_continuing_one_would(tiny_target, worker, drafter_engine):
+    """Seed 0x05D: the committed state alone (every verified feature from position 0) rebuilds the
+    draft context; the next tree equals the one the drafter that followed every round proposes."""
+    verifier = RemoteVerifier(LocalTransport(worker))
+    taps = tuple((t.layers_applied, t.normed) for t in drafter_engine.taps)
+    verifier.open_session("follow", PROMPT, 40, TREE.max_candidates + 1, taps=taps)
+    drafter_engine.open_session("follow", 200)
+    seed, _ = verifier.publish("follow", verifier.prefill("follow").round)
+    for _ in range(4):
+        verdict = verifier.verify("follow", drafter_engine.propose("follow", seed, TREE))
+        seed, _ = verifier.publish("follow", verdict.round)
+        drafter_engine.publish("follow")
+    continuing = drafter_engine.propose("follow", seed, TREE)
+    fresh = DrafterWorker({"eagle1": drafter_engine}, tiny_target.cfg.vocab_size)
+    drafter_engine.close_session("follow")
+    fresh.open_session("follow", "eagle1", 200)
+    reseed = worker.reseed(pb.ReseedRequest(request_id="follow"))
+    assert reseed.start_position == 0
+    rebuilt, _ = fresh.propose("follow", reseed, TREE)
+    assert torch.equal(rebuilt.tokens, continuing.tokens) and torch.equal(rebuilt.parents, continuing.parents)
+    torch.testing.assert_close(rebuilt.draft_probs, continuing.draft_probs, rtol=1e-4, atol=1e-5)
+    fresh.close_session("follow")
+    verifier.close_session("follow")
+
+
+def test_cancel_stops_at_a_round_boundary_and_releases_every_session(tiny_target, worker, drafter_engine):
+    cancel = threading.Event()
+    seen = []
+
+    def on_tokens(new):
+        seen.append(new)
+        if len(seen) == 3:
+            cancel.set()
+
+    out = generate_remote(RemoteVerifier(LocalTransport(worker)), PROMPT, max_new_tokens=40, drafter=drafter_engine,
+                          tree=TREE, request_id="cancel", cancel=cancel, on_tokens=on_tokens)
+    assert out.finish_reason == "cancelled" and len(out.rounds) == 2
+    assert out.token_ids == baseline(tiny_target)[:len(out.token_ids)]
+    assert worker.leak_check() | {"worker": None} == {"worker": None, "live_sessions": 0, "kv_slots_allocated": 0,
+                                                      "kv_slots_live": 0, "kv_bytes_allocated": 0, "orphans": [],
+                                                      "ok": True}
+    assert not drafter_engine.sessions
+
+
+def test_an_error_mid_request_releases_every_session(worker, drafter_engine):
+    def boom(new):
+        raise RuntimeError("client handler failed")
+
+    with pytest.raises(RuntimeError):
+        generate_remote(RemoteVerifier(LocalTransport(worker)), PROMPT, max_new_tokens=20, drafter=drafter_engine,
+                        tree=TREE, request_id="boom", on_tokens=boom)
+    assert worker.leak_check()["ok"] and worker.leak_check()["live_sessions"] == 0 and not drafter_engine.sessions
+
+
+def test_a_publish_that_fails_half_way_changes_nothing_and_can_be_retried(tiny_target, worker, drafter_engine,
+                                                                          monkeypatch):
+    verifier = RemoteVerifier(LocalTransport(worker))
+    taps = tuple((t.layers_applied, t.normed) for t in drafter_engine.taps)
+    verifier.open_session("atomic", PROMPT, 30, TREE.max_candidates + 1, taps=taps)
+    drafter_engine.open_session("atomic", 200)
+    seed, ack = verifier.publish("atomic", verifier.prefill("atomic").round)
+    out = list(ack.output_tokens)
+    failed = 0
+    while len(out) < 20:
+        verdict = verifier.verify("atomic", drafter_engine.propose("atomic", seed, TREE))
+        t = worker.sessions["atomic"].engine.sessions["atomic"]
+        if verdict.decision.accept_length and not failed:
+            before = (t.cache.k[..., :t.committed_len, :].clone(), t.committed_len, list(t.tokens), t.round,
+                      len(t.features), t.frontier_token)
+
+            def broken(*_a, **_k):
+                raise RuntimeError("device error during the KV gather")
+
+            monkeypatch.setattr(t.cache, "gather_commit", broken)
+            with pytest.raises(RuntimeError):
+                verifier.publish("atomic", verdict.round)
+            monkeypatch.undo()
+            after = (t.cache.k[..., :t.committed_len, :], t.committed_len, list(t.tokens), t.round,
+                     len(t.features), t.frontier_token)
+            assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+            failed += 1
+        seed, ack = verifier.publish("atomic", verdict.round)  # the retry commits the same decision
+        drafter_engine.publish("atomic")
+        out.extend(ack.output_tokens)
+    assert failed == 1
+    assert out[:20] == baseline(tiny_target, 20)
+    verifier.close_session("atomic")
+    drafter_engine.close_session("atomic")
+
+
+def test_bad_seeds_and_unknown_methods_are_refused_naming_the_field(tiny_target, drafter_engine):
+    w = DrafterWorker({"eagle1": drafter_engine}, tiny_target.cfg.vocab_size)
+    with pytest.raises(ValueError, match="^method: "):
+        w.open_session("x", "eagle3", 64)
+    w.open_session("x", "eagle1", 64)
+    bad = pb.Seed(request_id="x", round=1)  # no advanced tokens, no features
+    with pytest.raises(ValueError, match="^seed.advanced_tokens: "):
+        w.propose("x", bad, TREE)
+    with pytest.raises(ValueError, match="^request_id: "):
+        w.propose("nobody", bad, TREE)
+    assert w.close_session("x") and not w.close_session("x")
+    assert w.leak_check()["ok"]
