@@ -3,7 +3,11 @@
     eyas generate --prompt TEXT [--method target|eagle1|eagle3] [--drafter PATH] [--max-new-tokens N]
                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--tree-kind dynamic|static|chain]
                   [--tree-depth D --tree-width W --tree-budget B] [--precision fp32|int8] [--raw] [--json]
+    eyas generate --server HOST:PORT ...   the same flags and --json output, over the Eyas gRPC service
     eyas demo [--prompt TEXT]     speculative vs target-only on the default model, with the speedup
+    eyas serve [--config ray_configs/serve.yaml] [--grpc-port 9000] [--http-port 8000]
+                                  start a local Ray and the Serve application (Ctrl-C stops it)
+    eyas stats --server HOST:PORT  the serving replica's telemetry and the workers' leak invariant
 
 Bad input exits with status 2 and one line ``error: <field>: <why>``.
 """
@@ -51,20 +55,48 @@ def _request(args, method: str | None = None):
 
 
 def cmd_generate(args) -> int:
+    req = _request(args)  # validate before the (slow) model load
+    if args.server:
+        return _generate_remote(args, req)
     from eyas.runtime import Eyas, set_threads
 
-    req = _request(args)  # validate before the (slow) model load
     set_threads(args.threads)
     eyas = Eyas(args.target, args.precision)
     _, report = eyas.generate(req)
     if args.json:
         print(json.dumps(report))
     else:
-        print(report["text"])
-        print(f"\n[{report['method']}] {report['new_tokens']} tokens in {report['wall_s']:.2f} s "
+        _print_report(report)
+    return 0
+
+
+def _generate_remote(args, req) -> int:
+    from eyas.cluster.client import EyasClient
+
+    if req.drafter is not None:
+        raise ValueError("drafter: --drafter is a server-side choice (ray_configs/serve.yaml), not a request field")
+    fields = req.model_dump(exclude_none=True)
+    with EyasClient(args.server) as client:
+        if args.json:
+            print(json.dumps(client.generate(**fields)))
+            return 0
+        stats = None
+        for chunk in client.stream(**fields):
+            print(chunk.text, end="", flush=True)
+            stats = chunk.stats if chunk.finish_reason else stats
+        print()
+        if stats is not None:
+            print(f"[{req.method}] {stats.new_tokens} tokens in {stats.wall_ms / 1000:.2f} s, {stats.rounds} target "
+                  f"forwards, tau = {stats.tau:.2f}{' (drafter fallback)' if stats.drafter_fallback else ''}",
+                  file=sys.stderr)
+    return 0
+
+
+def _print_report(report: dict) -> None:
+    print(report["text"])
+    print(f"\n[{report['method']}] {report['new_tokens']} tokens in {report['wall_s']:.2f} s "
               f"({report['tokens_per_s']:.1f} tok/s), {report['target_forwards']} target forwards, "
               f"tau = {report['accept_length_mean']:.2f}", file=sys.stderr)
-    return 0
 
 
 def cmd_demo(args) -> int:
@@ -110,12 +142,59 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import os
+    import signal
+    import time
+
+    import yaml
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local: `serve status/deploy` need no token
+    from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app, parse_config
+
+    app_args = {}
+    if args.config:
+        doc = yaml.safe_load(open(args.config))
+        apps = [a for a in (doc.get("applications") or []) if a.get("name", "eyas") == "eyas"]
+        app_args = dict(apps[0].get("args") or {}) if apps else {}
+    parse_config(app_args)  # a bad config fails here, naming the field
+    import ray
+    from ray import serve
+
+    ray.init(address=args.address, include_dashboard=False,
+             **({"num_cpus": args.num_cpus} if args.num_cpus and not args.address else {}))
+    serve.start(http_options={"host": args.host, "port": args.http_port},
+                grpc_options={"port": args.grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+    serve.run(build_app(app_args), name="eyas", route_prefix="/")
+    print(f"eyas serving: gRPC {args.host}:{args.grpc_port} (eyas.v1.Eyas), HTTP http://{args.host}:{args.http_port}/"
+          f"  -- try: eyas generate --server 127.0.0.1:{args.grpc_port} --prompt 'Hello'", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from eyas.cluster.client import EyasClient
+
+    with EyasClient(args.server) as client:
+        print(json.dumps(client.stats(), indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eyas", description="EAGLE-family speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate an answer")
     _add_generate_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--server", help="HOST:PORT of a running `eyas serve` / `serve run` (gRPC); default: in-process")
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="speculative vs target-only on the default model")
     _add_generate_flags(d)
@@ -125,6 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--config", required=True, help="a training YAML (see configs/)")
     t.add_argument("--out", help="overrides the config's output folder")
     t.set_defaults(func=cmd_train)
+    s = sub.add_parser("serve", help="start a local Ray and the Eyas Serve application")
+    s.add_argument("--config", help="a Serve config (ray_configs/serve.yaml); its eyas application's args are used")
+    s.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
+    s.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray (default: all cores)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--grpc-port", type=int, default=9000)
+    s.add_argument("--http-port", type=int, default=8000)
+    s.set_defaults(func=cmd_serve)
+    st = sub.add_parser("stats", help="telemetry of a running server")
+    st.add_argument("--server", default="127.0.0.1:9000")
+    st.set_defaults(func=cmd_stats)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -1,0 +1,85 @@
+"""``EyasClient``: a small Python client for the ``Eyas`` gRPC service (Ray Serve's gRPC proxy).
+
+    with EyasClient("127.0.0.1:9000") as client:
+        report = client.generate(prompt="Name three planets.", max_new_tokens=64)   # the --json report
+        for chunk in client.stream(prompt="Count to ten.", method="eagle3"):         # one chunk per round
+            print(chunk.text, end="", flush=True)
+        print(client.stats()["metrics"]["eyas.accept_length"])
+
+Requests are validated here first (``eyas.protocol.schema``), so a bad field fails before the
+network with the same ``ValueError("<field>: <why>")`` the server would send as INVALID_ARGUMENT.
+A server refusal raises :class:`ServerRejected` (a ``ValueError``) with the server's message.
+Closing a stream early (``break``, or ``close()`` on the iterator) cancels the call; the server stops
+the request at its next round and frees its sessions.
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+import grpc
+
+from eyas.protocol import eyas_pb2 as pb
+from eyas.protocol import eyas_pb2_grpc
+from eyas.protocol import wire
+from eyas.protocol.schema import parse_request
+
+APPLICATION_METADATA = "application"  # Serve's gRPC proxy routes by this key when it hosts several apps
+
+
+class ServerRejected(ValueError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+
+
+class EyasClient:
+    def __init__(self, address: str = "127.0.0.1:9000", *, application: str | None = "eyas",
+                 timeout_s: float = 600.0):
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        self.stub = eyas_pb2_grpc.EyasStub(self.channel)
+        self.metadata = ((APPLICATION_METADATA, application),) if application else ()
+        self.timeout_s = timeout_s
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> EyasClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def request(**fields) -> pb.GenerateRequest:
+        return wire.generate_request_to_proto(parse_request(**fields))
+
+    def generate(self, **fields) -> dict:
+        """The report ``eyas generate --json`` prints, for the fields of ``GenerateRequest``."""
+        reply = self._call(self.stub.Generate, self.request(**fields))
+        return json.loads(reply.report_json)
+
+    def stream(self, **fields) -> Iterator[pb.GenerateChunk]:
+        call = self.stub.GenerateStream(self.request(**fields), timeout=self.timeout_s, metadata=self.metadata)
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise self._mapped(err) from None
+        finally:
+            call.cancel()  # a no-op once the stream ended; cancels the request when the caller stops early
+
+    def stats(self) -> dict:
+        return json.loads(self._call(self.stub.Stats, pb.StatsRequest()).json)
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout_s, metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise self._mapped(err) from None
+
+    @staticmethod
+    def _mapped(err: grpc.RpcError) -> Exception:
+        if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+            return ServerRejected(err.code(), err.details())
+        return err

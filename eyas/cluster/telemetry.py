@@ -1,0 +1,196 @@
+"""Observability with opentelemetry-sdk (seed 0x0C): per-round spans and speculation metrics.
+
+No collector is needed. Spans go to an in-memory exporter (the newest ``max_spans`` are kept) and
+metrics to an ``InMemoryMetricReader``; :meth:`Telemetry.snapshot` turns both into the JSON that the
+``Stats`` RPC returns and ``eyas stats`` prints. ``console=True`` also prints spans; an OTLP
+endpoint can be added with ``otlp_endpoint`` when ``opentelemetry-exporter-otlp`` is installed.
+
+Spans, one tree per round: ``eyas.round`` with children ``draft``, ``pack``, ``verify``, ``accept``
+(inside verify: the target's decision) and ``publish``, built from the loop's
+:class:`~eyas.cluster.verifier_client.RoundRecord` after the round (so the loop imports no OTel).
+
+Metrics (instrument names):
+
+- ``eyas.accept_length`` (histogram): candidate tokens accepted per round.
+- ``eyas.draft.proposed`` / ``eyas.draft.accepted`` (counters, attribute ``depth``): tree nodes
+  verified and accepted at each depth, so acceptance by depth = accepted / proposed.
+- ``eyas.draft.confidence.proposed`` / ``.accepted`` (counters, attribute ``bucket``, 10 buckets of
+  the drafter's path confidence): calibration of draft confidence against observed acceptance.
+- ``eyas.tree_nodes``, ``eyas.verify_rows`` (histograms per round).
+- ``eyas.kv_bytes`` (observable gauge, attribute ``side`` = target | draft): bytes held by live sessions.
+- ``eyas.requests`` (counter, attributes ``method``, ``finish_reason``) and ``eyas.drafter_fallbacks``.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from typing import Callable
+
+from opentelemetry import trace
+from opentelemetry.metrics import Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter,
+                                            SpanExportResult)
+
+from eyas.cluster.verifier_client import RoundRecord
+
+CONFIDENCE_BUCKETS = 10
+ROUND_STEPS = ("draft", "pack", "verify", "accept", "publish")
+
+
+def confidence_bucket(p: float) -> str:
+    """'0.0-0.1' ... '0.9-1.0' (1.0 falls in the last)."""
+    i = min(int(p * CONFIDENCE_BUCKETS), CONFIDENCE_BUCKETS - 1)
+    return f"{i / CONFIDENCE_BUCKETS:.1f}-{(i + 1) / CONFIDENCE_BUCKETS:.1f}"
+
+
+class _RingExporter(SpanExporter):
+    """Keeps the newest ``maxlen`` finished spans."""
+
+    def __init__(self, maxlen: int):
+        self.spans: deque[ReadableSpan] = deque(maxlen=maxlen)
+        self.lock = threading.Lock()
+
+    def export(self, spans):
+        with self.lock:
+            self.spans.extend(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        pass
+
+    def snapshot(self) -> list[ReadableSpan]:
+        with self.lock:
+            return list(self.spans)
+
+
+class Telemetry:
+    def __init__(self, service_name: str = "eyas", *, max_spans: int = 512, console: bool = False,
+                 otlp_endpoint: str | None = None):
+        resource = Resource.create({"service.name": service_name})
+        self.spans = _RingExporter(max_spans)
+        self.tracer_provider = TracerProvider(resource=resource)
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
+        if console:
+            self.tracer_provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+        if otlp_endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            self.tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint)))
+        self.tracer = self.tracer_provider.get_tracer("eyas")
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader], resource=resource)
+        meter = self.meter_provider.get_meter("eyas")
+        self.accept_length = meter.create_histogram("eyas.accept_length", unit="{token}")
+        self.tree_nodes = meter.create_histogram("eyas.tree_nodes", unit="{node}")
+        self.verify_rows = meter.create_histogram("eyas.verify_rows", unit="{row}")
+        self.proposed = meter.create_counter("eyas.draft.proposed", unit="{node}")
+        self.accepted = meter.create_counter("eyas.draft.accepted", unit="{node}")
+        self.conf_proposed = meter.create_counter("eyas.draft.confidence.proposed", unit="{node}")
+        self.conf_accepted = meter.create_counter("eyas.draft.confidence.accepted", unit="{node}")
+        self.requests = meter.create_counter("eyas.requests", unit="{request}")
+        self.fallbacks = meter.create_counter("eyas.drafter_fallbacks", unit="{request}")
+        self._kv_sources: list[Callable[[], dict[str, int]]] = []
+        meter.create_observable_gauge("eyas.kv_bytes", callbacks=[self._observe_kv], unit="By")
+
+    # --- recording --------------------------------------------------------------------------------
+    def add_kv_source(self, source: Callable[[], dict[str, int]]) -> None:
+        """``source() -> {"target": bytes, "draft": bytes}``, read at each metrics collection."""
+        self._kv_sources.append(source)
+
+    def _observe_kv(self, _options):
+        totals: dict[str, int] = {}
+        for source in self._kv_sources:
+            try:
+                for side, n in source().items():
+                    totals[side] = totals.get(side, 0) + int(n)
+            except Exception:  # an unreachable worker must not break metric collection
+                continue
+        return [Observation(n, {"side": side}) for side, n in totals.items()]
+
+    def record_round(self, rec: RoundRecord) -> None:
+        """Spans and metrics of one round (seed 0x0C)."""
+        d = rec.decision
+        attrs = {"eyas.request_id": rec.request_id, "eyas.round": rec.round, "eyas.accept_length": d.accept_length,
+                 "eyas.tree_nodes": 0 if rec.flat is None else rec.flat.num_rows - 1, "eyas.fallback": rec.fallback}
+        root = self.tracer.start_span("eyas.round", start_time=rec.start_ns, attributes=attrs)
+        ctx = trace.set_span_in_context(root)
+        t = rec.start_ns
+        steps = (("draft", rec.draft_s), ("pack", rec.pack_s), ("verify", rec.verify_s))
+        for name, seconds in steps:
+            end = t + int(seconds * 1e9)
+            self.tracer.start_span(name, context=ctx, start_time=t).end(end_time=end)
+            if name == "verify":  # the decision closes the verify call, on the target
+                self.tracer.start_span("accept", context=ctx, start_time=end - int(rec.accept_s * 1e9)).end(end_time=end)
+            t = end
+        end = t + int(rec.publish_s * 1e9)
+        self.tracer.start_span("publish", context=ctx, start_time=t).end(end_time=end)
+        root.end(end_time=end)
+
+        self.accept_length.record(d.accept_length)
+        rows = 1 if rec.flat is None else rec.flat.num_rows
+        self.verify_rows.record(rows)
+        self.tree_nodes.record(rows - 1)
+        if rec.flat is None:
+            return
+        accepted = set(d.accepted_rows.tolist())
+        depths = rec.flat.depths.tolist()
+        probs = rec.flat.draft_probs.tolist()
+        for row in range(1, rows):
+            depth = {"depth": int(depths[row])}
+            bucket = {"bucket": confidence_bucket(float(probs[row]))}
+            self.proposed.add(1, depth)
+            self.conf_proposed.add(1, bucket)
+            if row in accepted:
+                self.accepted.add(1, depth)
+                self.conf_accepted.add(1, bucket)
+
+    def record_request(self, method: str, finish_reason: str, fallback: bool) -> None:
+        self.requests.add(1, {"method": method, "finish_reason": finish_reason})
+        if fallback:
+            self.fallbacks.add(1, {"method": method})
+
+    # --- reading ----------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """{instrument: [{"attributes": {...}, "value"|"count"/"sum"/"buckets": ...}]}."""
+        out: dict[str, list] = {}
+        data = self.reader.get_metrics_data()
+        for rm in data.resource_metrics if data else ():
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    points = []
+                    for p in metric.data.data_points:
+                        point = {"attributes": dict(p.attributes or {})}
+                        if hasattr(p, "bucket_counts"):
+                            point.update(count=p.count, sum=p.sum, min=p.min, max=p.max,
+                                         bounds=list(p.explicit_bounds), buckets=list(p.bucket_counts))
+                        else:
+                            point["value"] = p.value
+                        points.append(point)
+                    out[metric.name] = points
+        return out
+
+    def recent_spans(self, limit: int = 60) -> list[dict]:
+        spans = self.spans.snapshot()[-limit:]
+        return [{"name": s.name, "trace_id": f"{s.context.trace_id:032x}",
+                 "parent": f"{s.parent.span_id:016x}" if s.parent else None, "span_id": f"{s.context.span_id:016x}",
+                 "duration_ms": (s.end_time - s.start_time) / 1e6, "attributes": dict(s.attributes or {})}
+                for s in spans]
+
+    def snapshot(self, **extra) -> dict:
+        return {"metrics": self.metrics(), "spans": self.recent_spans(), **extra}
+
+    def snapshot_json(self, **extra) -> str:
+        return json.dumps(self.snapshot(**extra), default=str)
+
+
+def acceptance_by(metrics: dict, proposed: str, accepted: str, key: str) -> dict[str, float]:
+    """accepted / proposed per attribute value ``key`` (depth or bucket), from :meth:`Telemetry.metrics`."""
+    tot = {str(p["attributes"][key]): p["value"] for p in metrics.get(proposed, [])}
+    acc = {str(p["attributes"][key]): p["value"] for p in metrics.get(accepted, [])}
+    return {k: acc.get(k, 0) / n for k, n in sorted(tot.items()) if n}

@@ -1,0 +1,55 @@
+"""Telemetry: per-round spans and the speculation metrics, from one hand-built round."""
+from __future__ import annotations
+
+import torch
+
+from eyas.cluster.telemetry import Telemetry, acceptance_by, confidence_bucket
+from eyas.cluster.verifier_client import RoundRecord
+from eyas.protocol.messages import AcceptDecision
+from eyas.protocol.tree import PARENT_IS_SEED, DraftTree, flatten_tree
+
+
+def one_round() -> RoundRecord:
+    """Tree: A (depth 1, p .95) -> A1 (depth 2, p .45); B (depth 1, p .05). Flat rows [root, A, A1, B].
+    The target accepts A only: accepted_rows [0, 1], frontier 42."""
+    tree = DraftTree(torch.tensor([10, 11, 20]), torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED]),
+                     torch.tensor([1, 2, 1]), torch.tensor([.95, .45, .05]))
+    flat = flatten_tree(tree, 5, 100)
+    assert flat.tokens.tolist() == [5, 10, 11, 20]
+    decision = AcceptDecision(torch.tensor([0, 1]), torch.tensor([10]), 42)
+    return RoundRecord("r1", 3, flat, decision, start_ns=1_000_000_000, draft_s=.010, pack_s=.001, verify_s=.030,
+                       accept_s=.002, publish_s=.003, fallback=False)
+
+
+def test_confidence_buckets():
+    assert [confidence_bucket(p) for p in (0.0, 0.05, 0.45, 0.95, 1.0)] == \
+        ["0.0-0.1", "0.0-0.1", "0.4-0.5", "0.9-1.0", "0.9-1.0"]
+
+
+def test_one_round_gives_acceptance_by_depth_and_by_confidence():
+    t = Telemetry()
+    t.add_kv_source(lambda: {"target": 1000, "draft": 10})
+    t.add_kv_source(lambda: {"target": 24})
+    t.record_round(one_round())
+    t.record_request("eagle3", "length", fallback=False)
+    m = t.metrics()
+    assert acceptance_by(m, "eyas.draft.proposed", "eyas.draft.accepted", "depth") == {"1": 0.5, "2": 0.0}
+    assert acceptance_by(m, "eyas.draft.confidence.proposed", "eyas.draft.confidence.accepted", "bucket") == \
+        {"0.0-0.1": 0.0, "0.4-0.5": 0.0, "0.9-1.0": 1.0}
+    (rows,) = m["eyas.verify_rows"]
+    assert rows["count"] == 1 and rows["sum"] == 4
+    assert m["eyas.accept_length"][0]["sum"] == 1
+    assert {p["attributes"]["side"]: p["value"] for p in m["eyas.kv_bytes"]} == {"target": 1024, "draft": 10}
+    assert m["eyas.requests"][0] == {"attributes": {"method": "eagle3", "finish_reason": "length"}, "value": 1}
+
+
+def test_one_round_gives_a_span_tree_with_every_step():
+    t = Telemetry()
+    t.record_round(one_round())
+    spans = {s["name"]: s for s in t.recent_spans()}
+    assert set(spans) == {"eyas.round", "draft", "pack", "verify", "accept", "publish"}
+    root = spans["eyas.round"]
+    assert root["parent"] is None and root["attributes"]["eyas.accept_length"] == 1
+    assert all(spans[n]["parent"] == root["span_id"] for n in ("draft", "pack", "verify", "accept", "publish"))
+    assert abs(root["duration_ms"] - 44.0) < 1e-6   # draft + pack + verify + publish; accept lies inside verify
+    assert abs(spans["accept"]["duration_ms"] - 2.0) < 1e-6

