@@ -1,0 +1,213 @@
+"""Serving load: N concurrent gRPC clients against the Eyas Serve application, speculative vs target-only.
+
+One run starts a local Ray and the application of ray_configs/serve.yaml's defaults (or uses
+``--server HOST:PORT``), then for each concurrency level (1, 4, 16 by default) and each method
+(``target``: target-only decoding on the same TargetWorker; ``eagle3``: speculative) it sends
+``--requests`` streaming requests over MT-bench first turns from that many concurrent clients
+(threads, each with its own gRPC channel), in a rotating method order so that the noise of a shared
+machine hits both alike. Greedy, ``--max-new-tokens`` tokens each.
+
+Per (method, concurrency):
+    p50 / p99 latency     request start -> last chunk, seconds
+    p50 / p99 TTFT        request start -> first chunk (the prompt's prefill and its first token)
+    p50 / p99 per-token   latency / new tokens
+    tok/s                 all new tokens / the level's wall time (throughput)
+    tau                   new tokens per target forward (from the server's stats)
+    hop ms/round          time per round outside the draft and verify forwards: the Ray calls, the
+                          message encoding and the scheduling of this replica (server stats)
+    speedup               tok/s against target-only at the same concurrency, in this run
+
+Run:
+    .venv/bin/python bench/serve_load.py                               # 1, 4, 16 clients, 32 tokens
+    .venv/bin/python bench/serve_load.py --concurrency 1 4 --requests 8 --max-new-tokens 64
+    .venv/bin/python bench/serve_load.py --server 127.0.0.1:9000       # against `eyas serve`
+
+Writes bench/results/serve_load.json and .png (latency, TTFT and throughput against concurrency).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_speed import load_prompts  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+METHODS = ("target", "eagle3")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def one_request(address: str, prompt: str, method: str, max_new_tokens: int) -> dict:
+    from eyas.cluster.client import EyasClient
+
+    with EyasClient(address, timeout_s=1800) as client:
+        t0 = time.perf_counter()
+        first = None
+        tokens = 0
+        stats = None
+        for chunk in client.stream(prompt=prompt, method=method, max_new_tokens=max_new_tokens):
+            if chunk.token_ids and first is None:
+                first = time.perf_counter() - t0
+            tokens += len(chunk.token_ids)
+            if chunk.finish_reason:
+                stats = chunk.stats
+        latency = time.perf_counter() - t0
+    return {"latency_s": latency, "ttft_s": first or latency, "new_tokens": tokens,
+            "tau": stats.tau if stats else 0.0, "rounds": stats.rounds if stats else 0,
+            "hop_ms": stats.hop_ms if stats else 0.0, "fallback": bool(stats and stats.drafter_fallback),
+            "finish_reason": stats and "ok"}
+
+
+def run_level(address: str, prompts: list[str], method: str, concurrency: int, requests: int,
+              max_new_tokens: int, bar) -> dict:
+    jobs = [prompts[i % len(prompts)] for i in range(requests)]
+    lock = threading.Lock()
+
+    def job(p):
+        r = one_request(address, p, method, max_new_tokens)
+        with lock:
+            bar.update(1)
+        return r
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(job, jobs))
+    wall = time.perf_counter() - t0
+    lat = [r["latency_s"] for r in results]
+    ttft = [r["ttft_s"] for r in results]
+    per_tok = [r["latency_s"] / max(r["new_tokens"], 1) for r in results]
+    rounds = sum(r["rounds"] for r in results)
+    return {"method": method, "concurrency": concurrency, "requests": requests, "wall_s": wall,
+            "tokens": sum(r["new_tokens"] for r in results),
+            "tokens_per_s": sum(r["new_tokens"] for r in results) / wall,
+            "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "per_token_p50_ms": 1000 * percentile(per_tok, 50), "per_token_p99_ms": 1000 * percentile(per_tok, 99),
+            "tau": statistics.fmean(r["tau"] for r in results),
+            "hop_ms_per_round": sum(r["hop_ms"] for r in results) / max(rounds, 1),
+            "fallbacks": sum(r["fallback"] for r in results)}
+
+
+def start_local(config: dict) -> tuple[str, callable]:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import socket
+
+    import ray
+    from ray import serve
+
+    from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024 ** 2,
+             num_cpus=max(4, os.cpu_count() or 1))
+    serve.start(http_options={"host": "127.0.0.1", "port": 0 or 8765},
+                grpc_options={"port": port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+    serve.run(build_app(config), name="eyas", route_prefix="/")
+
+    def stop():
+        serve.shutdown()
+        ray.shutdown()
+
+    return f"127.0.0.1:{port}", stop
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for method in METHODS:
+        rs = [r for r in rows if r["method"] == method]
+        c = [r["concurrency"] for r in rs]
+        axes[0].plot(c, [r["latency_p50_s"] for r in rs], "o-", label=f"{method} p50")
+        axes[0].plot(c, [r["latency_p99_s"] for r in rs], "x--", label=f"{method} p99")
+        axes[1].plot(c, [r["ttft_p50_s"] for r in rs], "o-", label=f"{method} p50")
+        axes[1].plot(c, [r["ttft_p99_s"] for r in rs], "x--", label=f"{method} p99")
+        axes[2].plot(c, [r["tokens_per_s"] for r in rs], "o-", label=method)
+    for ax, title in zip(axes, ("request latency (s)", "time to first token (s)", "throughput (tokens/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--server", help="HOST:PORT of a running Eyas gRPC ingress (default: start a local one)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, help="requests per level (default: max(4, concurrency))")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--limit", type=int, default=16, help="MT-bench prompts to cycle through")
+    ap.add_argument("--prompts", help="a .jsonl of {\"prompt\": ...} instead of MT-bench")
+    ap.add_argument("--target-workers", type=int, default=1)
+    ap.add_argument("--drafter-workers", type=int, default=1)
+    ap.add_argument("--json", default=str(RESULTS / "serve_load.json"))
+    args = ap.parse_args(argv)
+
+    from tqdm import tqdm
+
+    prompts = load_prompts(args.prompts, args.limit)
+    stop = None
+    address = args.server
+    if address is None:
+        print("starting a local Ray and the Eyas application ...", flush=True)
+        address, stop = start_local({"methods": ["eagle3"], "target_workers": args.target_workers,
+                                     "drafter_workers": args.drafter_workers})
+    try:
+        for method in METHODS:  # warm-up: first forwards, lazy engine set-up
+            one_request(address, prompts[0], method, 4)
+        levels = [(c, args.requests or max(4, c)) for c in args.concurrency]
+        rows = []
+        with tqdm(total=2 * sum(n for _, n in levels), desc="requests", unit="req") as bar:
+            for i, (c, n) in enumerate(levels):
+                order = METHODS if i % 2 == 0 else METHODS[::-1]
+                for method in order:
+                    rows.append(run_level(address, prompts, method, c, n, args.max_new_tokens, bar))
+    finally:
+        if stop:
+            stop()
+    rows.sort(key=lambda r: (r["concurrency"], METHODS.index(r["method"])))
+    base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == "target"}
+    for r in rows:
+        r["speedup_vs_target"] = r["tokens_per_s"] / base[r["concurrency"]]
+    head = (f"{'method':<8} {'clients':>7} {'req':>4} {'tok/s':>7} {'speedup':>7} {'lat p50':>8} {'lat p99':>8} "
+            f"{'ttft p50':>8} {'ttft p99':>8} {'ms/tok p50':>10} {'tau':>5} {'hop ms/rd':>9}")
+    print("\n" + head)
+    for r in rows:
+        print(f"{r['method']:<8} {r['concurrency']:>7} {r['requests']:>4} {r['tokens_per_s']:>7.1f} "
+              f"{r['speedup_vs_target']:>6.2f}x {r['latency_p50_s']:>8.2f} {r['latency_p99_s']:>8.2f} "
+              f"{r['ttft_p50_s']:>8.2f} {r['ttft_p99_s']:>8.2f} {r['per_token_p50_ms']:>10.0f} {r['tau']:>5.2f} "
+              f"{r['hop_ms_per_round']:>9.1f}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "server": args.server,
+                               "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=1))
+    plot(rows, out.with_suffix(".png"))
+    hop = statistics.fmean(r["hop_ms_per_round"] for r in rows if r["method"] == "eagle3")
+    print(f"\nsummary: {len(rows)} levels; Ray hop cost {hop:.1f} ms per speculative round; "
+          f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
