@@ -30,3 +30,25 @@ def ours_from_hf(hf):
     model = TargetModel(cfg)
     model.load_hf_state_dict(hf.state_dict())
     return model.eval()
+
+
+def tiny_hf_mixtral(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    experts: int = 8, top_k: int = 2, seed: int = 0, init_std: float = 0.2):
+    """A random-weight HF MixtralForCausalLM (a mixture-of-experts target of the Mixtral kind)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                        num_local_experts=experts, num_experts_per_tok=top_k, rms_norm_eps=1e-5,
+                        initializer_range=init_std, tie_word_embeddings=False, sliding_window=None,
+                        eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg.rope_theta = 10000.0
+    model = MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "experts" in name:  # fused expert tensors are not touched by init_std in every version
+                p.normal_(0, init_std)
+    return model

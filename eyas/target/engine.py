@@ -22,7 +22,8 @@ import torch
 
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
-from eyas.target.model import FeatureTap, KVCache, TargetModel
+from eyas.target.experts import expert_bytes, expert_union
+from eyas.target.model import FeatureTap, KVCache, Segment, TargetModel
 
 PREFILL_ROUND = 0  # the round number of the prompt's prefill; speculation rounds count from 1
 
@@ -61,6 +62,8 @@ class TargetEngine:
         self.cfg = model.cfg
         self.taps = taps
         self.sessions: dict[str, TargetSession] = {}
+        self.last_expert_union: tuple[tuple[int, ...], ...] = ()  # MoE: experts the last verify touched, per layer
+        self.last_expert_bytes: int = 0
 
     # --- sessions ------------------------------------------------------------------------------
     def open_session(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, max_tree_rows: int) -> None:
@@ -120,6 +123,54 @@ class TargetEngine:
     @torch.inference_mode()
     def verify(self, request_id: str, tree: DraftTree) -> Verified:
         """Run the frontier token plus ``tree`` as one forward over provisional slots (seed 0x05C)."""
+        s, flat, mask = self._prepare_verify(request_id, tree)
+        out = self.model(flat.tokens.unsqueeze(0), flat.positions.unsqueeze(0), s.cache, s.committed_len,
+                         None if mask is None else mask.unsqueeze(0), self.taps, logits_rows="all")
+        s.pending = Verified(request_id, s.round + 1, flat, out.logits[0], out.features[0])
+        self._account_experts()
+        return s.pending
+
+    def _account_experts(self) -> None:
+        """Record the union of experts the forward's rows routed to, and its weight bytes (seed 0x09A)."""
+        if self.cfg.num_experts:
+            self.last_expert_union = expert_union(self.model.expert_routing())
+            self.last_expert_bytes = expert_bytes(self.last_expert_union, self.cfg.expert_bytes_per_expert)
+
+    @torch.inference_mode()
+    def verify_batch(self, items: list[tuple[str, DraftTree]]) -> list[Verified | ValueError]:
+        """Verify several requests' trees in ONE forward (a ragged batch: each request keeps its own
+        KV cache, positions and tree mask; no row sees another request's keys).
+
+        A request whose tree fails validation gets its ``ValueError`` in its place of the result and
+        is left out of the forward; every other request is verified as if alone.
+        """
+        if len({rid for rid, _ in items}) != len(items):
+            raise ValueError("request_id: a request appears twice in one batch")
+        prepared: list[tuple[TargetSession, FlatTree, torch.Tensor | None] | ValueError] = []
+        for request_id, tree in items:
+            try:
+                prepared.append(self._prepare_verify(request_id, tree))
+            except ValueError as err:
+                prepared.append(err)
+        ok = [p for p in prepared if not isinstance(p, ValueError)]
+        outs = iter(self.model.forward_packed(
+            [Segment(flat.tokens, flat.positions, s.cache, s.committed_len, mask) for s, flat, mask in ok],
+            self.taps) if ok else [])
+        if ok:
+            self._account_experts()
+        results: list[Verified | ValueError] = []
+        for p in prepared:
+            if isinstance(p, ValueError):
+                results.append(p)
+                continue
+            s, flat, _ = p
+            out = next(outs)
+            s.pending = Verified(s.request_id, s.round + 1, flat, out.logits[0], out.features[0])
+            results.append(s.pending)
+        return results
+
+    def _prepare_verify(self, request_id: str, tree: DraftTree) -> tuple[TargetSession, FlatTree, torch.Tensor | None]:
+        """Every check of a verify, before any forward: -> (session, flat rows, mask [R, n+R] or None)."""
         s = self._session(request_id)
         if s.pending is not None:
             raise ValueError(f"round: {s.pending.round} of {request_id!r} is not yet published")
@@ -131,11 +182,8 @@ class TargetEngine:
         if n + rows > s.cache.max_slots:
             raise ValueError(f"rows: {rows} tree rows exceed the session's KV budget "
                              f"({s.cache.max_slots - n} slots left)")
-        mask = torch.cat([torch.ones(rows, n, dtype=torch.bool), flat.tree_mask], dim=1).unsqueeze(0)
-        out = self.model(flat.tokens.unsqueeze(0), flat.positions.unsqueeze(0), s.cache, n,
-                         mask if rows > 1 else None, self.taps, logits_rows="all")
-        s.pending = Verified(request_id, s.round + 1, flat, out.logits[0], out.features[0])
-        return s.pending
+        mask = torch.cat([torch.ones(rows, n, dtype=torch.bool), flat.tree_mask], dim=1) if rows > 1 else None
+        return s, flat, mask
 
     # --- the publish transaction (seed 0x05D) ------------------------------------------------------
     def publish(self, request_id: str, round: int, decision: AcceptDecision) -> tuple[Seed, PublishAck]:

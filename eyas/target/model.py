@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import hashlib
+import dataclasses
 from dataclasses import dataclass, asdict, field
 
 import torch
@@ -40,14 +41,18 @@ class TargetConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0            # mixture of experts (Mixtral kind): experts per layer; 0 = dense MLP
+    experts_per_token: int = 0      # router top-k
 
     @classmethod
     def from_hf(cls, hf_config) -> "TargetConfig":
         """Read a transformers ``LlamaConfig`` (or a dict of one)."""
         cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"config.model_type: {model_type!r} is not a Llama-family decoder")
+        if model_type not in ("llama", "mistral", "qwen2", "mixtral"):
+            raise ValueError(f"config.model_type: {model_type!r} is not a Llama-family decoder"
+                             + (" (MoE: only the Mixtral kind yet)" if "moe" in model_type else ""))
+        experts = cfg.get("num_local_experts", 0) if model_type == "mixtral" else 0
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -71,11 +76,21 @@ class TargetConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
+            num_experts=int(experts),
+            experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if experts else 0,
         )
 
     def digest(self) -> str:
         """sha256 of the canonical JSON of this config (the fingerprint's config part)."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        fields = asdict(self)
+        if not self.num_experts:  # a dense config hashes as it did before MoE support existed
+            fields.pop("num_experts"), fields.pop("experts_per_token")
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def expert_bytes_per_expert(self) -> int:
+        """fp32 bytes of one expert's weights (gate, up, down)."""
+        return 3 * self.hidden_size * self.intermediate_size * 4 if self.num_experts else 0
 
 
 @dataclass(frozen=True)
@@ -231,6 +246,42 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, T, self.heads * hd))
 
 
+    def forward_segments(self, x, cos, sin, segments: list["Segment"], layer: int):
+        """Packed rows of several requests: x [1, T, d] holds each segment's rows at ``rows``.
+
+        The projections run once over all rows (the weights are read once per batch); attention runs
+        per segment, against that segment's own cache and mask only, so no row sees another
+        request's keys (the ragged batch of the scheduler issue).
+        """
+        _, T, _ = x.shape
+        hd = self.head_dim
+        q, k, v = self.wqkv(x).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q = apply_rotary(q.view(1, T, self.heads, hd).transpose(1, 2), cos, sin)     # [1, H, T, hd]
+        k = apply_rotary(k.view(1, T, self.kv_heads, hd).transpose(1, 2), cos, sin)  # [1, H_kv, T, hd]
+        v = v.view(1, T, self.kv_heads, hd).transpose(1, 2)
+        outs = []
+        for seg in segments:
+            lo, hi = seg.rows
+            keys, values = seg.cache.write(layer, seg.start, k[:, :, lo:hi], v[:, :, lo:hi])
+            attn_mask = None if seg.mask is None else seg.mask[None, None]  # [1, 1, T_i, start+T_i]
+            outs.append(F.scaled_dot_product_attention(q[:, :, lo:hi], keys, values, attn_mask=attn_mask,
+                                                       enable_gqa=self.heads != self.kv_heads))
+        out = torch.cat(outs, dim=2)  # [1, H, T, hd]
+        return self.wo(out.transpose(1, 2).reshape(1, T, self.heads * hd))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's rows inside a packed forward (``TargetModel.forward_packed``)."""
+
+    tokens: torch.Tensor          # [T_i] int64
+    positions: torch.Tensor       # [T_i] int64
+    cache: "KVCache"              # this request's own cache
+    start: int                    # slot of its first row (its committed length)
+    mask: torch.Tensor | None     # [T_i, start + T_i] bool, or None for one row that sees everything
+    rows: tuple[int, int] = (0, 0)  # [lo, hi) of its rows in the packed batch (set by forward_packed)
+
+
 class MLP(nn.Module):
     def __init__(self, d: int, ffn: int):
         super().__init__()
@@ -243,16 +294,53 @@ class MLP(nn.Module):
         return self.w_down(F.silu(gate) * up)
 
 
+class MoE(nn.Module):
+    """A sparse mixture-of-experts MLP of the Mixtral kind: softmax router, top-k, the top-k weights
+    renormalised, SiLU-gated experts (seed 0x09A).
+
+    Each forward records the experts every row routed to in ``last_routing`` ([N, k] int64, rows in
+    input order), so the engine can count the union of experts a verify touched.
+    """
+
+    def __init__(self, d: int, ffn: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.ffn, self.num_experts, self.top_k = ffn, num_experts, top_k
+        self.router = nn.Linear(d, num_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn, d))  # [E, 2f, d]
+        self.down = nn.Parameter(torch.empty(num_experts, d, ffn))         # [E, d, f]
+        self.last_routing: torch.Tensor | None = None
+
+    def forward(self, x):  # [..., d]
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        probs = torch.softmax(self.router(h).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)                  # [N, k]
+        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
+        self.last_routing = experts
+        out = torch.zeros_like(h)
+        for e in experts.unique().tolist():                                 # increasing expert id
+            slot, row = torch.where(experts.T == e)                         # (k slot, row) pairs
+            gate, up = F.linear(h[row], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[row, slot, None]
+            out.index_add_(0, row, y)
+        return out.reshape(shape)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float):
+    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float,
+                 num_experts: int = 0, top_k: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(d, eps)
         self.attn = Attention(d, heads, kv_heads, head_dim)
         self.mlp_norm = RMSNorm(d, eps)
-        self.mlp = MLP(d, ffn)
+        self.mlp = MoE(d, ffn, num_experts, top_k) if num_experts else MLP(d, ffn)
 
     def forward(self, x, cos, sin, cache, layer, start, mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, start, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_segments(self, x, cos, sin, segments, layer):
+        x = x + self.attn.forward_segments(self.attn_norm(x), cos, sin, segments, layer)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -271,7 +359,8 @@ class TargetModel(nn.Module):
         d = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(
-            DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+            DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
+                         cfg.num_experts, cfg.experts_per_token)
             for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -304,11 +393,40 @@ class TargetModel(nn.Module):
         if start + T > cache.max_slots:
             raise ValueError(f"rows: {start + T} slots exceed the KV cache ({cache.max_slots})")
         cos, sin = self.rope(positions)
-        x = self.embed(tokens)
+        return self._run(self.embed(tokens), taps, logits_rows,
+                         lambda i, layer, x: layer(x, cos, sin, cache, i, start, mask))
+
+    def forward_packed(self, segments: list[Segment], taps: tuple[FeatureTap, ...]) -> list[ForwardOut]:
+        """Several requests' rows in one forward (each with its own KV cache and mask); one
+        :class:`ForwardOut` per segment, with logits of every row."""
+        assert segments, "segments: at least one"
+        placed, lo = [], 0
+        for seg in segments:
+            t = seg.tokens.shape[0]
+            assert seg.tokens.ndim == 1 and seg.tokens.dtype == torch.int64 and seg.positions.shape == seg.tokens.shape
+            if seg.mask is None and t > 1:
+                raise ValueError("mask: required when a segment feeds more than one row")
+            if seg.mask is not None:
+                assert seg.mask.shape == (t, seg.start + t) and seg.mask.dtype == torch.bool, "mask: [T_i, start+T_i]"
+            if seg.start + t > seg.cache.max_slots:
+                raise ValueError(f"rows: {seg.start + t} slots exceed a segment's KV cache ({seg.cache.max_slots})")
+            placed.append(dataclasses.replace(seg, rows=(lo, lo + t)))
+            lo += t
+        tokens = torch.cat([s.tokens for s in placed])[None]       # [1, T]
+        cos, sin = self.rope(torch.cat([s.positions for s in placed])[None])
+        out = self._run(self.embed(tokens), taps, "all",
+                        lambda i, layer, x: layer.forward_segments(x, cos, sin, placed, i))
+        return [ForwardOut(out.logits[:, a:b], out.features[:, a:b]) for a, b in (s.rows for s in placed)]
+
+    def expert_routing(self) -> list[torch.Tensor]:
+        """Per MoE layer, the experts each row of the last forward routed to ([N, k] each; [] if dense)."""
+        return [layer.mlp.last_routing for layer in self.layers if isinstance(layer.mlp, MoE)]
+
+    def _run(self, x, taps, logits_rows, step) -> ForwardOut:
         wanted = {t.layers_applied for t in taps}
         tapped: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, start, mask)
+            x = step(i, layer, x)
             if i + 1 in wanted:
                 tapped[i + 1] = x
         final = self.norm(x)
@@ -343,9 +461,14 @@ class TargetModel(nn.Module):
                                                         get(p + "self_attn.k_proj.weight"),
                                                         get(p + "self_attn.v_proj.weight")], 0))
                 layer.attn.wo.weight.copy_(get(p + "self_attn.o_proj.weight"))
-                layer.mlp.w_gate_up.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"),
-                                                           get(p + "mlp.up_proj.weight")], 0))
-                layer.mlp.w_down.weight.copy_(get(p + "mlp.down_proj.weight"))
+                if c.num_experts:  # transformers' fused Mixtral experts: gate_up [E, 2f, d], down [E, d, f]
+                    layer.mlp.router.weight.copy_(get(p + "mlp.gate.weight"))
+                    layer.mlp.gate_up.copy_(get(p + "mlp.experts.gate_up_proj"))
+                    layer.mlp.down.copy_(get(p + "mlp.experts.down_proj"))
+                else:
+                    layer.mlp.w_gate_up.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"),
+                                                               get(p + "mlp.up_proj.weight")], 0))
+                    layer.mlp.w_down.weight.copy_(get(p + "mlp.down_proj.weight"))
                 layer.attn_norm.weight.copy_(get(p + "input_layernorm.weight"))
                 layer.mlp_norm.weight.copy_(get(p + "post_attention_layernorm.weight"))
             self.norm.weight.copy_(get("model.norm.weight"))

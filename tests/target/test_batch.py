@@ -1,0 +1,95 @@
+"""Batched ragged verification: several requests' trees in one forward equal each verified alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
+from eyas.target.engine import TargetEngine
+from eyas.target.model import eagle1_feature_address
+from eyas.verification.accept import greedy_accept
+
+PROMPTS = {"a": [1, 2, 3], "b": [7, 7, 7, 7, 7, 9, 30, 11], "c": [5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3]}
+
+
+def tree(tokens, parents, depths) -> DraftTree:
+    n = len(tokens)
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.full((n,), .5))
+
+
+TREES = {  # different sizes and shapes per request
+    "a": tree([4, 9, 6, 2], [PARENT_IS_SEED, 0, PARENT_IS_SEED, 1], [1, 2, 1, 3]),
+    "b": DraftTree.empty(),
+    "c": tree([11, 12, 13, 14, 15, 16], [PARENT_IS_SEED, 0, 1, PARENT_IS_SEED, 3, 0], [1, 2, 3, 1, 2, 2]),
+}
+
+
+def started(model, rounds_before=None) -> TargetEngine:
+    """An engine with the three sessions prefilled and published, then advanced ``rounds_before[rid]``
+    plain rounds, so that the committed lengths (the prefixes) differ."""
+    e = TargetEngine(model, eagle1_feature_address(model.cfg))
+    for rid, prompt in PROMPTS.items():
+        e.open_session(rid, prompt, 30, 8)
+        v = e.prefill(rid)
+        rows = torch.arange(len(prompt))
+        from eyas.protocol.messages import AcceptDecision
+
+        e.publish(rid, v.round, AcceptDecision(rows, torch.tensor(prompt[1:]), int(v.logits[-1].argmax())))
+        for _ in range((rounds_before or {}).get(rid, 0)):
+            v = e.verify(rid, DraftTree.empty())
+            e.publish(rid, v.round, greedy_accept(v.flat, v.logits))
+    return e
+
+
+def test_batch_equals_single_in_logits_acceptance_and_committed_kv(tiny_target):
+    before = {"a": 3, "b": 0, "c": 1}
+    alone, batched = started(tiny_target, before), started(tiny_target, before)
+    singles = {rid: alone.verify(rid, TREES[rid]) for rid in PROMPTS}
+    together = dict(zip(PROMPTS, batched.verify_batch([(rid, TREES[rid]) for rid in PROMPTS])))
+    for rid in PROMPTS:
+        s, b = singles[rid], together[rid]
+        assert torch.equal(s.flat.tokens, b.flat.tokens)
+        torch.testing.assert_close(b.logits, s.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.features, s.features, rtol=1e-4, atol=1e-4)
+        ds, db = greedy_accept(s.flat, s.logits), greedy_accept(b.flat, b.logits)
+        assert torch.equal(ds.accepted_rows, db.accepted_rows) and ds.frontier_token == db.frontier_token
+        alone.publish(rid, s.round, ds)
+        batched.publish(rid, b.round, db)
+        ta, tb = alone.sessions[rid], batched.sessions[rid]
+        n = ta.committed_len
+        assert n == tb.committed_len and ta.tokens == tb.tokens
+        torch.testing.assert_close(tb.cache.k[..., :n, :], ta.cache.k[..., :n, :], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(tb.cache.v[..., :n, :], ta.cache.v[..., :n, :], rtol=1e-4, atol=1e-5)
+
+
+def test_each_requests_tree_rows_equal_its_own_per_branch_causal_forward(tiny_target, tiny_pair):
+    """Ragged tree attention with prefixes > 0 and batch 3: row r of request q equals HF's causal
+    forward over q's committed tokens + the root + r's ancestors + r."""
+    hf, _ = tiny_pair
+    e = started(tiny_target, {"a": 2, "c": 1})
+    out = dict(zip(PROMPTS, e.verify_batch([(rid, TREES[rid]) for rid in PROMPTS])))
+    for rid, v in out.items():
+        committed = e.sessions[rid].tokens
+        for row in range(v.flat.num_rows):
+            path, walk = [], row
+            while walk >= 0:
+                path.append(int(v.flat.tokens[walk]))
+                walk = int(v.flat.parents[walk])
+            with torch.no_grad():
+                ref = hf(torch.tensor([committed + path[::-1]])).logits[0, -1]
+            torch.testing.assert_close(v.logits[row], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_request_that_fails_validation_mid_batch_leaves_the_others_unchanged(tiny_target):
+    alone, batched = started(tiny_target), started(tiny_target)
+    batched.verify("b", DraftTree.empty())  # b has an unpublished round: its next verify must fail
+    state_b = (batched.sessions["b"].committed_len, list(batched.sessions["b"].tokens), batched.sessions["b"].round)
+    huge = tree(list(range(1, 46)), list(range(-1, 44)), list(range(1, 46)))  # 46 rows > the 39 KV slots c has left
+    res = batched.verify_batch([("a", TREES["a"]), ("b", TREES["b"]), ("c", huge)])
+    assert isinstance(res[1], ValueError) and str(res[1]).startswith("round: ")
+    assert isinstance(res[2], ValueError) and str(res[2]).startswith("rows: ")
+    torch.testing.assert_close(res[0].logits, alone.verify("a", TREES["a"]).logits, rtol=1e-4, atol=1e-4)
+    s = batched.sessions["b"]
+    assert (s.committed_len, s.tokens, s.round) == state_b and batched.sessions["c"].pending is None
+    with pytest.raises(ValueError, match="^request_id: "):
+        batched.verify_batch([("a", TREES["a"]), ("a", TREES["a"])])
