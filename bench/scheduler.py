@@ -1,0 +1,217 @@
+"""Scheduler policies under a mixed workload: target-only batching vs prompt-length vs tree-work.
+
+In one process, on the real default target (fp32 unless --precision int8) and the shipped EAGLE-3
+drafter, a closed loop keeps C requests in flight (C = 1, 4, 16): whenever one finishes the next is
+submitted. Every round runs ONE batched target forward over the planned requests' rows
+(``TargetEngine.verify_batch``). The workload mixes short and long prompts and chatty (MT-bench
+first turns) and repetitive text (prompts that ask to repeat or continue a list), so acceptance
+varies between requests.
+
+Policies, in the same run and on the same requests (rotating order per level):
+    target-only      continuous batching, no drafting (every request 1 row a round)
+    prompt-length    batches of similar prompt lengths, a fixed EAGLE-2 tree (width 4, depth 5, budget 16)
+    tree-work        the Eyas policy: batch and per-request trees chosen from the latency curve and
+                     each request's recent acceptance (eyas/scheduler/policy.py)
+
+The latency curve (verify ms against total rows) is measured at start-up on this machine and updated
+from live rounds; it is printed and plotted.
+
+Reported per (policy, concurrency): throughput (tokens/s), goodput (tokens/s of requests that met
+the latency target: mean time per output token <= --slo-ms-per-token, time to first token
+excluded), p50/p99 per-token latency, rounds, mean batch, mean verify rows, and the ratio of goodput
+to the prompt-length policy's.
+
+Run:
+    .venv/bin/python bench/scheduler.py                               # C = 1, 4, 16
+    .venv/bin/python bench/scheduler.py --concurrency 4 16 --requests 24 --max-new-tokens 48
+
+Writes bench/results/scheduler.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_speed import load_prompts  # noqa: E402
+
+from eyas.cluster.batcher import BatchRunner  # noqa: E402
+from eyas.runtime import Eyas, set_threads  # noqa: E402
+from eyas.scheduler.latency import measure_curve  # noqa: E402
+from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy  # noqa: E402
+from eyas.protocol.tree import DraftTree  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+POLICIES = ("target-only", "prompt-length", "tree-work")
+REPETITIVE = [
+    "Repeat the following list exactly three times: apple, banana, cherry, date, elderberry, fig.",
+    "Count from 1 to 40, separated by commas.",
+    "Write the alphabet in capital letters, one letter per line.",
+    "Continue the pattern: red blue green red blue green red blue green",
+]
+
+
+def workload(n: int, limit: int) -> list[str]:
+    chatty = load_prompts(None, limit)
+    long_ctx = [p + "\n\nContext: " + " ".join(chatty[(i + 3) % len(chatty)].split()[:150]) for i, p in enumerate(chatty)]
+    mix = []
+    for i in range(n):
+        kind = i % 4
+        mix.append(chatty[i % len(chatty)] if kind == 0 else REPETITIVE[i % len(REPETITIVE)] if kind == 1
+                   else long_ctx[i % len(long_ctx)] if kind == 2 else REPETITIVE[(i + 1) % len(REPETITIVE)])
+    return mix
+
+
+def measure(eyas: Eyas, taps) -> "LatencyCurve":
+    """Verify latency against total rows, at a 128-token committed prefix, on this machine."""
+    engine = eyas.target_engine(taps)
+    ids = list(range(100, 228))
+    rows_list = (1, 2, 4, 8, 16, 32, 64, 128)
+
+    def run(rows: int) -> None:
+        engine.open_session("curve", ids, 8, rows)
+        try:
+            v = engine.prefill("curve")
+            from eyas.protocol.messages import AcceptDecision
+
+            engine.publish("curve", v.round, AcceptDecision(torch.arange(len(ids)), torch.tensor(ids[1:]), 5))
+            n = rows - 1
+            tree = DraftTree(torch.full((n,), 7), torch.arange(-1, n - 1), torch.arange(1, n + 1), torch.full((n,), .5)) \
+                if n else DraftTree.empty()
+            engine.verify("curve", tree)
+        finally:
+            engine.close_session("curve")
+
+    return measure_curve(run, rows_list, repeats=3, warmup=1)
+
+
+def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], max_new_tokens: int, curve,
+               handle, slo_ms: float, bar) -> dict:
+    budgets = Budgets(max_batch=max(concurrency, 1), max_verify_rows=256)
+    pol = {"target-only": lambda: TreeWorkPolicy(budgets, speculate=False),
+           "prompt-length": lambda: PromptLengthPolicy(budgets),
+           "tree-work": lambda: TreeWorkPolicy(budgets)}[policy]()
+    drafter = None if policy == "target-only" else handle.engine
+    runner = BatchRunner(eyas.target_engine(handle.taps), drafter, pol, curve)
+    queue = [(f"{policy}-{concurrency}-{i}", eyas.encode(p)) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    while queue or runner.running:
+        while queue and len(runner.running) < concurrency:
+            rid, ids = queue.pop(0)
+            runner.submit(rid, ids, max_new_tokens)
+        runner.step()
+        bar.update(len(runner.finished) - bar.n_done)
+        bar.n_done = len(runner.finished)
+    wall = time.perf_counter() - t0
+    fin = list(runner.finished.values())
+    per_tok = [1000 * (f.finished_s - f.first_token_s) / max(len(f.token_ids) - 1, 1) for f in fin]
+    tokens = sum(len(f.token_ids) for f in fin)
+    good = sum(len(f.token_ids) for f, ms in zip(fin, per_tok) if ms <= slo_ms)
+    logs = runner.log
+    return {"policy": policy, "concurrency": concurrency, "requests": len(fin), "wall_s": wall, "tokens": tokens,
+            "throughput": tokens / wall, "goodput": good / wall, "slo_met": sum(ms <= slo_ms for ms in per_tok),
+            "per_token_p50_ms": statistics.median(per_tok), "per_token_p99_ms": sorted(per_tok)[
+                min(len(per_tok) - 1, round(0.99 * (len(per_tok) - 1)))],
+            "rounds": len(logs), "mean_batch": statistics.fmean(r.batch for r in logs),
+            "mean_verify_rows": statistics.fmean(r.verify_rows for r in logs),
+            "speculative_rounds": sum(f.speculative_rounds for f in fin),
+            "outputs": {rid.split("-")[-1]: f.token_ids for rid, f in runner.finished.items()}}
+
+
+def plot(rows: list[dict], curve: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    axes[0].plot(curve["rows"], curve["ms"], "o-")
+    axes[0].set(title="verify latency curve", xlabel="total verify rows", ylabel="ms", xscale="log")
+    for p in POLICIES:
+        rs = [r for r in rows if r["policy"] == p]
+        axes[1].plot([r["concurrency"] for r in rs], [r["goodput"] for r in rs], "o-", label=p)
+        axes[2].plot([r["concurrency"] for r in rs], [r["per_token_p99_ms"] for r in rs], "o-", label=p)
+    axes[1].set(title="goodput (tokens/s within the SLO)", xlabel="concurrency", xscale="log")
+    axes[2].set(title="p99 per-token latency (ms)", xlabel="concurrency", xscale="log")
+    for ax in axes[1:]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, help="requests per level (default: 2 x concurrency, at least 4)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--limit", type=int, default=24, help="MT-bench prompts in the mix")
+    ap.add_argument("--slo-ms-per-token", type=float, default=400.0,
+                    help="the latency target of goodput: mean ms per output token after the first")
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--json", default=str(RESULTS / "scheduler.json"))
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    warnings.filterwarnings("ignore")
+    set_threads(args.threads)
+    eyas = Eyas(precision=args.precision)
+    handle = eyas.drafter("eagle3")
+    print("measuring the verify latency curve ...", flush=True)
+    curve = measure(eyas, handle.taps)
+    print("curve (rows: ms): " + ", ".join(f"{r}: {m:.0f}" for r, m in zip(curve.rows, curve.ms)), flush=True)
+    start_curve = curve.to_dict()
+    levels = [(c, args.requests or max(4, 2 * c)) for c in args.concurrency]
+    rows = []
+    with tqdm(total=len(POLICIES) * sum(n for _, n in levels), desc="requests", unit="req") as bar:
+        for i, (c, n) in enumerate(levels):
+            prompts = workload(n, args.limit)
+            order = POLICIES[i % 3:] + POLICIES[:i % 3]
+            for p in order:
+                bar.n_done = 0
+                rows.append(run_policy(eyas, p, c, prompts, args.max_new_tokens, curve, handle,
+                                       args.slo_ms_per_token, bar))
+    rows.sort(key=lambda r: (r["concurrency"], POLICIES.index(r["policy"])))
+    identical = {}
+    for c, _ in levels:
+        base = next(r for r in rows if r["concurrency"] == c and r["policy"] == "target-only")["outputs"]
+        for r in rows:
+            if r["concurrency"] == c:
+                r["identical_to_target_only"] = sum(r["outputs"][k] == base[k] for k in base)
+                pl = next(x for x in rows if x["concurrency"] == c and x["policy"] == "prompt-length")
+                r["goodput_vs_prompt_length"] = r["goodput"] / pl["goodput"] if pl["goodput"] else float("nan")
+        identical[c] = all(r["identical_to_target_only"] == r["requests"] for r in rows if r["concurrency"] == c)
+    print(f"\n{'policy':<14} {'C':>3} {'req':>4} {'tok/s':>7} {'goodput':>8} {'vs PL':>6} {'p50 ms/t':>9} "
+          f"{'p99 ms/t':>9} {'batch':>6} {'rows':>6} {'spec rd':>7} {'same':>5}")
+    for r in rows:
+        print(f"{r['policy']:<14} {r['concurrency']:>3} {r['requests']:>4} {r['throughput']:>7.1f} {r['goodput']:>8.1f} "
+              f"{r['goodput_vs_prompt_length']:>5.2f}x {r['per_token_p50_ms']:>9.0f} {r['per_token_p99_ms']:>9.0f} "
+              f"{r['mean_batch']:>6.1f} {r['mean_verify_rows']:>6.1f} {r['speculative_rounds']:>7} "
+              f"{r['identical_to_target_only']:>2}/{r['requests']}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        r.pop("outputs")
+    out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "precision": args.precision,
+                               "slo_ms_per_token": args.slo_ms_per_token, "max_new_tokens": args.max_new_tokens,
+                               "curve_at_start": start_curve, "curve_at_end": curve.to_dict(), "rows": rows},
+                              indent=1))
+    plot(rows, curve.to_dict(), out.with_suffix(".png"))
+    top = max(c for c, _ in levels)
+    tw = next(r for r in rows if r["concurrency"] == top and r["policy"] == "tree-work")
+    print(f"\nsummary: at concurrency {top} tree-work goodput = {tw['goodput_vs_prompt_length']:.2f}x prompt-length; "
+          f"greedy outputs identical to target-only at every level: {all(identical.values())}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

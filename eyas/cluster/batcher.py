@@ -1,0 +1,204 @@
+"""``BatchRunner``: many requests decoded round by round, each round ONE batched target forward.
+
+Each round (seed 0x09):
+
+    plan    -> the policy picks the batch and each request's tree from the latency curve and the
+               requests' recent acceptance (eyas.scheduler.policy)
+    propose -> the drafter grows each planned request's tree (plain decoding: it only appends the
+               seed's context rows)
+    verify  -> ``TargetEngine.verify_batch``: every request's rows in one forward, each with its own
+               KV cache and tree mask (a ragged batch)
+    accept  -> per request, the same pure decision as the single-request loop
+    publish -> per request, its own transaction: one request's failure never touches another's state
+
+The runner owns the per-request scheduling state (:class:`Running`); the engines own the KV. The
+latency curve is updated from every round's measured verify time, and each request's acceptance
+estimate from its accepted length.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.drafting.engine import DrafterEngine, TreeSpec
+from eyas.generate import FINISH_LENGTH, FINISH_STOP, decide, finish_tokens
+from eyas.protocol.messages import Seed
+from eyas.protocol.tree import DraftTree
+from eyas.scheduler.cost import TreeShape
+from eyas.scheduler.latency import LatencyCurve
+from eyas.scheduler.policy import AcceptanceEstimate, Candidate, Plan
+from eyas.target.engine import TargetEngine
+from eyas.verification.sampling import SamplingParams
+
+CONSUME_SEED_ONLY = TreeSpec(kind="chain", max_depth=0)  # plain decoding: the drafter appends context rows only
+
+
+def tree_spec(shape: TreeShape) -> TreeSpec:
+    if not shape.speculates:
+        return CONSUME_SEED_ONLY
+    return TreeSpec(kind="dynamic", expand_width=max(shape.expand_width, 1), max_depth=shape.max_depth,
+                    verify_budget=shape.verify_budget)
+
+
+@dataclass
+class Running:
+    """One live request's scheduling state. Only :class:`BatchRunner` touches it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator
+    stop_ids: tuple[int, ...]
+    arrival: float
+    acceptance: AcceptanceEstimate
+    seed: Seed | None = None
+    out: list[int] = field(default_factory=list)
+    rounds: int = 0
+    speculative_rounds: int = 0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or len(self.out) >= self.max_new_tokens or any(t in self.stop_ids for t in self.out)
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str
+    rounds: int
+    speculative_rounds: int
+    arrival: float
+    first_token_s: float
+    finished_s: float
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RoundLog:
+    batch: int
+    verify_rows: int
+    verify_ms: float
+    predicted_ms: float
+    new_tokens: int
+
+
+class BatchRunner:
+    def __init__(self, target: TargetEngine, drafter: DrafterEngine | None, policy, curve: LatencyCurve,
+                 max_tree_rows: int = 33):
+        self.target = target
+        self.drafter = drafter
+        self.policy = policy
+        self.curve = curve
+        self.max_tree_rows = max_tree_rows if drafter is not None else 1
+        self.prior = AcceptanceEstimate()
+        self.running: dict[str, Running] = {}
+        self.finished: dict[str, Finished] = {}
+        self.log: list[RoundLog] = []
+
+    # --- admission ------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], max_new_tokens: int,
+               sampling: SamplingParams = SamplingParams(), seed: int = 0) -> None:
+        """Open the request's sessions and run its prefill (validation errors raise here, naming the field)."""
+        self.target.open_session(request_id, prompt_ids, max_new_tokens, self.max_tree_rows)
+        try:
+            if self.drafter is not None:
+                self.drafter.open_session(request_id, len(prompt_ids) + max_new_tokens + 2 * self.max_tree_rows
+                                          + 8 * self.max_tree_rows)
+            r = Running(request_id, list(prompt_ids), max_new_tokens, sampling, torch.Generator().manual_seed(seed),
+                        tuple(self.target.cfg.eos_token_ids), time.perf_counter(),
+                        AcceptanceEstimate.from_prior(self.prior))
+            verified = self.target.prefill(request_id)
+            r.seed, ack = self.target.publish(request_id, verified.round, decide(verified, r.prompt_ids, r.sampling,
+                                                                                  r.generator))
+        except Exception:
+            self._close(request_id)
+            raise
+        r.out.extend(ack.output_tokens)
+        r.first_token_s = time.perf_counter()
+        self.running[request_id] = r
+        if r.done:
+            self._finish(r)
+
+    # --- one round ------------------------------------------------------------------------------
+    def step(self) -> Plan | None:
+        if not self.running:
+            return None
+        candidates = [Candidate(r.request_id, r.arrival, len(r.prompt_ids), len(r.prompt_ids) + len(r.out) - 1,
+                                r.acceptance) for r in self.running.values()]
+        plan = self.policy.plan(candidates, self.curve)                                      # plan
+        if not plan.shapes:
+            raise RuntimeError("scheduler: no request fits the budgets")
+        items = []
+        for rid, shape in plan.shapes.items():                                                # propose
+            r = self.running[rid]
+            tree = DraftTree.empty()
+            if self.drafter is not None:
+                if self.drafter.sessions[rid].provisional_len:
+                    self.drafter.publish(rid)
+                tree = self.drafter.propose(rid, r.seed, tree_spec(shape))
+            items.append((rid, tree))
+        t0 = time.perf_counter()
+        verified = self.target.verify_batch(items)                                            # verify
+        verify_ms = 1000 * (time.perf_counter() - t0)
+        rows = sum(v.flat.num_rows for v in verified if not isinstance(v, ValueError))
+        self.curve.observe(rows, verify_ms)
+        new_tokens = 0
+        for (rid, tree), v in zip(items, verified):
+            r = self.running[rid]
+            try:
+                if isinstance(v, ValueError):
+                    raise v
+                decision = decide(v, r.prompt_ids, r.sampling, r.generator)                  # accept
+                r.seed, ack = self.target.publish(rid, v.round, decision)                    # publish
+            except ValueError as err:
+                r.error = str(err)
+                self._finish(r)
+                continue
+            r.out.extend(ack.output_tokens)
+            new_tokens += len(ack.output_tokens)
+            r.rounds += 1
+            shape = plan.shapes[rid]
+            if tree.num_nodes:
+                r.speculative_rounds += 1
+                r.acceptance.observe(decision.accept_length, shape.depth_cap)
+                self.prior.observe(decision.accept_length, shape.depth_cap, weight=0.05)
+            if r.done:
+                self._finish(r)
+        self.log.append(RoundLog(len(items), rows, verify_ms, plan.predicted_ms, new_tokens))
+        return plan
+
+    def run(self) -> dict[str, Finished]:
+        while self.running:
+            self.step()
+        return self.finished
+
+    def cancel(self, request_id: str) -> None:
+        if request_id in self.running:
+            self.running[request_id].error = "cancelled"
+            self._finish(self.running[request_id])
+
+    # --- internals ------------------------------------------------------------------------------
+    def _finish(self, r: Running) -> None:
+        self.running.pop(r.request_id, None)
+        self._close(r.request_id)
+        tokens, reason = finish_tokens(r.out, r.max_new_tokens, r.stop_ids)
+        if r.error is not None:
+            reason = "cancelled" if r.error == "cancelled" else "error"
+        self.finished[r.request_id] = Finished(r.request_id, tokens, reason if reason else FINISH_LENGTH, r.rounds,
+                                               r.speculative_rounds, r.arrival, r.first_token_s or time.perf_counter(),
+                                               time.perf_counter(), r.error)
+
+    def _close(self, request_id: str) -> None:
+        self.target.close_session(request_id)
+        if self.drafter is not None:
+            self.drafter.close_session(request_id)
+
+
+__all__ = ["BatchRunner", "Finished", "RoundLog", "tree_spec", "FINISH_STOP"]

@@ -1,0 +1,99 @@
+"""The target's verify latency as a function of the total rows in a batch, measured and kept current.
+
+``LatencyCurve`` holds (rows, ms) knots, interpolates linearly between them, and extrapolates past
+the last knot with the last segment's slope (at least flat). It is measured at start-up on the
+machine that serves (:func:`measure_curve`, given a function that runs a verify of R rows) and updated
+from live rounds (:meth:`LatencyCurve.observe`: an exponential moving average into the two knots
+around the observed row count, weighted by distance).
+
+Pure: no model, no Ray.
+"""
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
+EMA_WEIGHT = 0.2
+
+
+@dataclass
+class LatencyCurve:
+    rows: list[int]                    # increasing knot positions (total verify rows in a batch)
+    ms: list[float]                    # latency at each knot
+    observations: int = 0
+    history: list[tuple[int, float]] = field(default_factory=list)  # the newest live observations
+
+    def __post_init__(self):
+        if not self.rows or len(self.rows) != len(self.ms):
+            raise ValueError("latency_curve: rows and ms must be non-empty and of equal length")
+        if any(b <= a for a, b in zip(self.rows, self.rows[1:])) or self.rows[0] < 1:
+            raise ValueError(f"latency_curve.rows: {self.rows} must increase from >= 1")
+        if any(not (m > 0) for m in self.ms):
+            raise ValueError(f"latency_curve.ms: {self.ms} must be positive")
+
+    @classmethod
+    def from_points(cls, points: dict[int, float]) -> LatencyCurve:
+        keys = sorted(points)
+        return cls(keys, [float(points[k]) for k in keys])
+
+    def predict(self, rows: int) -> float:
+        """Milliseconds for a verify of ``rows`` total rows (>= 1)."""
+        if rows <= self.rows[0]:
+            return self.ms[0]
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self.ms[i]
+        if i >= len(self.rows):  # past the last knot: the last slope, never decreasing
+            if len(self.rows) == 1:
+                return self.ms[0]
+            slope = max((self.ms[-1] - self.ms[-2]) / (self.rows[-1] - self.rows[-2]), 0.0)
+            return self.ms[-1] + slope * (rows - self.rows[-1])
+        r0, r1, m0, m1 = self.rows[i - 1], self.rows[i], self.ms[i - 1], self.ms[i]
+        return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
+
+    def marginal_ms(self, rows: int, extra: int) -> float:
+        return self.predict(rows + extra) - self.predict(rows)
+
+    def observe(self, rows: int, ms: float, weight: float = EMA_WEIGHT) -> None:
+        """Fold a live round's (rows, ms) into the knots around ``rows``."""
+        if rows < 1 or not ms > 0:
+            return
+        self.observations += 1
+        self.history = (self.history + [(rows, ms)])[-256:]
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            self.ms[i] += weight * (ms - self.ms[i])
+            return
+        if i == 0 or i >= len(self.rows):
+            j = 0 if i == 0 else len(self.rows) - 1
+            self.ms[j] += weight * (ms - self.predict(rows))  # shift the end knot by the error
+            self.ms[j] = max(self.ms[j], 1e-6)
+            return
+        err = ms - self.predict(rows)
+        r0, r1 = self.rows[i - 1], self.rows[i]
+        t = (rows - r0) / (r1 - r0)
+        self.ms[i - 1] = max(self.ms[i - 1] + weight * (1 - t) * err, 1e-6)
+        self.ms[i] = max(self.ms[i] + weight * t * err, 1e-6)
+
+    def to_dict(self) -> dict:
+        return {"rows": list(self.rows), "ms": [round(m, 4) for m in self.ms], "observations": self.observations}
+
+
+def measure_curve(run_rows: Callable[[int], None], rows: tuple[int, ...] = DEFAULT_ROWS, repeats: int = 5,
+                  warmup: int = 1) -> LatencyCurve:
+    """Time ``run_rows(R)`` (one verify forward of R total rows) ``repeats`` times per R; the median."""
+    points = {}
+    for r in rows:
+        for _ in range(warmup):
+            run_rows(r)
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run_rows(r)
+            samples.append(1000 * (time.perf_counter() - t0))
+        points[r] = statistics.median(samples)
+    return LatencyCurve.from_points(points)

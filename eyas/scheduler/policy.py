@@ -1,0 +1,188 @@
+"""Scheduling policies: which requests go into a round's batch, and each one's tree.
+
+``TreeWorkPolicy`` (the Eyas policy) maximises expected accepted tokens per second of the batch:
+
+    J(batch, trees) = sum_i (1 + E_i[accepted | tree_i]) / latency(sum_i verify_rows_i)
+
+where ``latency`` is the measured :class:`~eyas.scheduler.latency.LatencyCurve` and ``E_i`` comes
+from the request's recent acceptance (:class:`AcceptanceEstimate`: per-depth acceptance rates, an
+exponential average of what its rounds accepted, started from the prior that all requests'
+observed acceptance gives). Every admitted request starts with plain decoding (one row); trees are
+upgraded greedily, one request one step at a time, while J improves and the budgets on verify rows
+and KV bytes hold. When verify rows are expensive (a steep curve) or a request's drafts are rarely
+accepted, no upgrade pays and speculation shrinks to plain decoding, for that request or all.
+
+``PromptLengthPolicy`` (the baseline, selectable by config): batches of requests with similar prompt
+lengths, every one with the same fixed tree.
+
+Pure: counts and curves in, a :class:`Plan` out. No model, no Ray.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eyas.scheduler.cost import PLAIN, RoundWork, TreeShape, round_work
+from eyas.scheduler.latency import LatencyCurve
+
+MAX_DEPTH = 8
+DEFAULT_SHAPES = (PLAIN, TreeShape(1, 1, 1), TreeShape(2, 2, 3), TreeShape(2, 3, 6), TreeShape(4, 4, 10),
+                  TreeShape(4, 5, 16), TreeShape(8, 6, 32))
+PRIOR_RATES = (0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.3, 0.3)  # P(accept depth d | accepted d-1), before any data
+EMA = 0.3
+MIN_GAIN = 1e-3  # relative improvement of J an upgrade must bring
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-depth conditional acceptance rates of one request (or the prior of all requests).
+
+    rate[d-1] = P(at least d candidates accepted | at least d-1 accepted), over rounds whose tree
+    could accept d. Expected accepted tokens of a tree that reaches depth D: sum_{d<=D} prod_{j<=d} rate_j.
+    """
+
+    rates: list[float] = field(default_factory=lambda: list(PRIOR_RATES))
+    rounds: int = 0
+
+    def observe(self, accept_length: int, depth_cap: int, weight: float = EMA) -> None:
+        for d in range(1, min(depth_cap, MAX_DEPTH) + 1):
+            if accept_length >= d - 1:  # the round reached depth d-1, so depth d was a trial
+                hit = 1.0 if accept_length >= d else 0.0
+                self.rates[d - 1] += weight * (hit - self.rates[d - 1])
+        self.rounds += 1
+
+    def expected(self, depth: int) -> float:
+        total, p = 0.0, 1.0
+        for d in range(min(depth, MAX_DEPTH)):
+            p *= self.rates[d]
+            total += p
+        return total
+
+    @classmethod
+    def from_prior(cls, prior: AcceptanceEstimate) -> AcceptanceEstimate:
+        return cls(list(prior.rates), 0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A live request waiting for its next round."""
+
+    request_id: str
+    arrival: float           # monotonic seconds at admission
+    prompt_len: int
+    committed_len: int
+    acceptance: AcceptanceEstimate
+
+
+@dataclass(frozen=True)
+class Budgets:
+    max_batch: int = 16
+    max_verify_rows: int = 128
+    max_kv_bytes: int = 1 << 34
+    target_kv_bytes_per_row: int = 0
+    draft_kv_bytes_per_row: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    shapes: dict[str, TreeShape]       # the batch: request id -> its tree this round (PLAIN = no drafting)
+    work: tuple[RoundWork, ...]
+    predicted_ms: float
+    expected_tokens: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000 * self.expected_tokens / self.predicted_ms if self.predicted_ms > 0 else 0.0
+
+    @property
+    def verify_rows(self) -> int:
+        return sum(w.verify_rows for w in self.work)
+
+
+def _work(c: Candidate, shape: TreeShape, b: Budgets) -> RoundWork:
+    return round_work(c.request_id, shape, committed_len=c.committed_len,
+                      target_kv_bytes_per_row=b.target_kv_bytes_per_row, draft_kv_bytes_per_row=b.draft_kv_bytes_per_row)
+
+
+class TreeWorkPolicy:
+    name = "tree-work"
+
+    def __init__(self, budgets: Budgets = Budgets(), shapes: tuple[TreeShape, ...] = DEFAULT_SHAPES,
+                 speculate: bool = True):
+        self.budgets = budgets
+        self.shapes = tuple(sorted(set(shapes) | {PLAIN}, key=lambda s: (s.verify_rows, s.draft_rows)))
+        self.speculate = speculate
+
+    def plan(self, waiting: list[Candidate], curve: LatencyCurve) -> Plan:
+        b = self.budgets
+        batch: list[Candidate] = []
+        rows = kv = 0
+        for c in sorted(waiting, key=lambda c: c.arrival):  # admission: oldest first, plain work must fit
+            w = _work(c, PLAIN, b)
+            if len(batch) == b.max_batch or rows + w.verify_rows > b.max_verify_rows or kv + w.kv_bytes > b.max_kv_bytes:
+                continue
+            batch.append(c)
+            rows, kv = rows + w.verify_rows, kv + w.kv_bytes
+        level = {c.request_id: 0 for c in batch}  # index into self.shapes
+        if not batch:
+            return Plan({}, (), 0.0, 0.0)
+
+        def tokens(c: Candidate, shape: TreeShape) -> float:
+            return 1.0 + c.acceptance.expected(shape.depth_cap)
+
+        total_tokens = sum(tokens(c, PLAIN) for c in batch)
+        best_j = total_tokens / curve.predict(rows)
+        while self.speculate:
+            best = None
+            for c in batch:
+                cur = self.shapes[level[c.request_id]]
+                for nxt_i in range(level[c.request_id] + 1, len(self.shapes)):
+                    nxt = self.shapes[nxt_i]
+                    d_rows = nxt.verify_rows - cur.verify_rows
+                    d_kv = _work(c, nxt, b).kv_bytes - _work(c, cur, b).kv_bytes
+                    if rows + d_rows > b.max_verify_rows or kv + d_kv > b.max_kv_bytes:
+                        break
+                    j = (total_tokens + tokens(c, nxt) - tokens(c, cur)) / curve.predict(rows + d_rows)
+                    if j > best_j * (1 + MIN_GAIN) and (best is None or j > best[0]):
+                        best = (j, c, nxt_i, d_rows, d_kv, tokens(c, nxt) - tokens(c, cur))
+            if best is None:
+                break
+            best_j, c, nxt_i, d_rows, d_kv, d_tok = best
+            level[c.request_id] = nxt_i
+            rows, kv, total_tokens = rows + d_rows, kv + d_kv, total_tokens + d_tok
+        shapes = {c.request_id: self.shapes[level[c.request_id]] for c in batch}
+        work = tuple(_work(c, shapes[c.request_id], b) for c in batch)
+        return Plan(shapes, work, curve.predict(rows), total_tokens)
+
+
+class PromptLengthPolicy:
+    """The baseline: a batch of requests with the closest prompt lengths, all with one fixed tree."""
+
+    name = "prompt-length"
+
+    def __init__(self, budgets: Budgets = Budgets(), shape: TreeShape = TreeShape(4, 5, 16)):
+        self.budgets = budgets
+        self.shape = shape
+
+    def plan(self, waiting: list[Candidate], curve: LatencyCurve) -> Plan:
+        if not waiting:
+            return Plan({}, (), 0.0, 0.0)
+        b = self.budgets
+        oldest = min(waiting, key=lambda c: c.arrival)
+        by_len = sorted(waiting, key=lambda c: (abs(c.prompt_len - oldest.prompt_len), c.arrival))
+        batch, rows, kv = [], 0, 0
+        for c in by_len:
+            w = _work(c, self.shape, b)
+            if len(batch) == b.max_batch or rows + w.verify_rows > b.max_verify_rows or kv + w.kv_bytes > b.max_kv_bytes:
+                continue
+            batch.append(c)
+            rows, kv = rows + w.verify_rows, kv + w.kv_bytes
+        if not batch:  # the fixed tree does not fit: the oldest request alone, plainly
+            batch, shape = [oldest], PLAIN
+        else:
+            shape = self.shape
+        work = tuple(_work(c, shape, b) for c in batch)
+        expected = sum(1.0 + c.acceptance.expected(shape.depth_cap) for c in batch)
+        return Plan({c.request_id: shape for c in batch}, work, curve.predict(sum(w.verify_rows for w in work)), expected)
+
+
+POLICIES = {"tree-work": TreeWorkPolicy, "prompt-length": PromptLengthPolicy}

@@ -1,0 +1,95 @@
+"""The cost model, the latency curve and the two policies (pure; worked examples in docstrings)."""
+from __future__ import annotations
+
+import pytest
+
+from eyas.scheduler.cost import PLAIN, TreeShape, batch_work, round_work
+from eyas.scheduler.latency import LatencyCurve, measure_curve
+from eyas.scheduler.policy import (AcceptanceEstimate, Budgets, Candidate, PromptLengthPolicy,
+                                   TreeWorkPolicy)
+
+FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 128: 120.0})     # rows nearly free (GPU-like)
+STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 16: 700.0, 64: 2000.0})   # each row costs a forward
+
+
+def cand(rid, arrival=0.0, prompt=10, committed=10, rates=None):
+    est = AcceptanceEstimate() if rates is None else AcceptanceEstimate(list(rates) + [0.0] * (8 - len(rates)))
+    return Candidate(rid, arrival, prompt, committed, est)
+
+
+def test_round_work_counts_rows_nodes_and_bytes():
+    """Worked example: width 4, depth 5, budget 16 at 100 committed tokens, 10 B per target KV row and
+    2 B per draft KV row -> 17 verify rows, 16 nodes, 4*4 = 16 draft rows; committed 1000 B,
+    provisional 170 B, draft (100 + 16) * 2 = 232 B."""
+    w = round_work("a", TreeShape(4, 5, 16), committed_len=100, target_kv_bytes_per_row=10, draft_kv_bytes_per_row=2)
+    assert (w.verify_rows, w.tree_nodes, w.draft_rows) == (17, 16, 16)
+    assert (w.committed_kv_bytes, w.provisional_kv_bytes, w.draft_kv_bytes, w.kv_bytes) == (1000, 170, 232, 1402)
+    plain = round_work("b", PLAIN, committed_len=100, target_kv_bytes_per_row=10, draft_kv_bytes_per_row=2)
+    assert (plain.verify_rows, plain.tree_nodes, plain.draft_rows, plain.draft_kv_bytes) == (1, 0, 0, 0)
+    total = batch_work([w, plain])
+    assert (total.requests, total.verify_rows, total.kv_bytes) == (2, 18, 1402 + 1010)
+    with pytest.raises(ValueError, match="^tree.verify_budget: "):
+        TreeShape(4, 5, -1)
+
+
+def test_latency_curve_interpolates_extrapolates_and_learns():
+    c = LatencyCurve.from_points({1: 10.0, 3: 30.0, 5: 34.0})
+    assert c.predict(2) == 20.0 and c.predict(4) == 32.0 and c.predict(7) == 38.0 and c.predict(1) == 10.0
+    for _ in range(60):
+        c.observe(3, 60.0)  # the machine got slower at 3 rows
+    assert abs(c.predict(3) - 60.0) < 0.1
+    c.observe(2, 100.0, weight=1.0)  # halfway between knots 1 and 3: each knot takes half the error
+    assert c.ms[0] > 10.0 and c.ms[1] > 60.0
+    with pytest.raises(ValueError, match="^latency_curve.rows: "):
+        LatencyCurve([2, 1], [1.0, 2.0])
+    calls = []
+    m = measure_curve(lambda r: calls.append(r), rows=(1, 4), repeats=3, warmup=1)
+    assert m.rows == [1, 4] and calls == [1] * 4 + [4] * 4
+
+
+def test_acceptance_estimate_expected_tokens():
+    """rates (0.8, 0.5, 0.25): E[depth 1] = 0.8; E[depth 3] = 0.8 + 0.4 + 0.1 = 1.3."""
+    e = AcceptanceEstimate([0.8, 0.5, 0.25] + [0.0] * 5)
+    assert e.expected(1) == pytest.approx(0.8) and e.expected(3) == pytest.approx(1.3) and e.expected(0) == 0
+    for _ in range(50):
+        e.observe(accept_length=0, depth_cap=3)  # never accepted: rate 1 -> 0, deeper rates untouched
+    assert e.rates[0] < 0.01 and e.rates[1] == 0.5
+
+
+def test_the_policy_turns_speculation_off_when_verify_rows_are_expensive():
+    reqs = [cand(f"r{i}", i) for i in range(4)]
+    steep = TreeWorkPolicy().plan(reqs, STEEP)
+    assert set(steep.shapes) == {"r0", "r1", "r2", "r3"} and all(s == PLAIN for s in steep.shapes.values())
+    flat = TreeWorkPolicy().plan(reqs, FLAT)
+    assert all(s.speculates for s in flat.shapes.values())
+    assert flat.tokens_per_s > steep.tokens_per_s
+
+
+def test_the_policy_shrinks_speculation_for_a_request_whose_drafts_are_rejected():
+    good, bad = cand("good", 0, rates=[0.9] * 8), cand("bad", 1, rates=[0.02] * 8)
+    plan = TreeWorkPolicy().plan([good, bad], FLAT)
+    assert plan.shapes["good"].verify_budget >= 10 and plan.shapes["bad"] == PLAIN
+
+
+def test_deep_trees_when_the_batch_is_small_and_small_trees_when_it_is_large():
+    curve = LatencyCurve.from_points({1: 50.0, 16: 60.0, 32: 80.0, 128: 400.0})
+    alone = TreeWorkPolicy().plan([cand("a", rates=[0.7] * 8)], curve)
+    crowd = TreeWorkPolicy(Budgets(max_batch=16)).plan([cand(f"c{i}", i, rates=[0.7] * 8) for i in range(16)], curve)
+    mean_crowd = sum(s.verify_rows for s in crowd.shapes.values()) / 16
+    assert alone.shapes["a"].verify_rows > mean_crowd
+
+
+def test_budgets_bound_the_batch_and_admission_is_oldest_first():
+    reqs = [cand(f"r{i}", arrival=10 - i, committed=100) for i in range(6)]
+    plan = TreeWorkPolicy(Budgets(max_batch=3, max_verify_rows=20)).plan(reqs, FLAT)
+    assert set(plan.shapes) == {"r5", "r4", "r3"} and plan.verify_rows <= 20
+    kv = TreeWorkPolicy(Budgets(max_kv_bytes=2_500, target_kv_bytes_per_row=10)).plan(reqs, FLAT)
+    assert len(kv.shapes) == 2 and sum(w.kv_bytes for w in kv.work) <= 2_500  # 101 rows * 10 B each, plus trees
+
+
+def test_the_prompt_length_baseline_batches_similar_prompts_with_one_fixed_tree():
+    reqs = [cand("short1", 0, prompt=10), cand("long", 1, prompt=900), cand("short2", 2, prompt=12),
+            cand("mid", 3, prompt=300)]
+    plan = PromptLengthPolicy(Budgets(max_batch=2)).plan(reqs, STEEP)
+    assert set(plan.shapes) == {"short1", "short2"}
+    assert all(s == TreeShape(4, 5, 16) for s in plan.shapes.values())  # fixed, even on a steep curve
