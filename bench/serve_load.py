@@ -114,7 +114,7 @@ def start_local(config: dict) -> tuple[str, callable]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024 ** 2,
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024 ** 2,
              num_cpus=max(4, os.cpu_count() or 1))
     serve.start(http_options={"host": "127.0.0.1", "port": 0 or 8765},
                 grpc_options={"port": port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})

@@ -30,7 +30,7 @@ def serve_address():
 
     from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
 
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=160 * 1024 ** 2, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=160 * 1024 ** 2, log_to_driver=False,
              namespace="eyas-e2e")
     grpc_port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()},

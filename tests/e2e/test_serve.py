@@ -69,6 +69,9 @@ def test_stop_strings_end_the_answer(client):
     (dict(prompt="hi", temperature=-1.0), "temperature"),
     (dict(prompt="hi", max_new_tokens=100_000), "max_new_tokens"),
     (dict(), "prompt"),
+    (dict(prompt="   "), "prompt"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(prompt="hi", top_p=0.0), "top_p"),
 ])
 def test_bad_requests_get_invalid_argument_naming_the_field_and_nothing_changes(client, fields, field, no_leaks):
     for call in (client.stub.Generate, lambda r, **kw: list(client.stub.GenerateStream(r, **kw))):
@@ -78,6 +81,59 @@ def test_bad_requests_get_invalid_argument_naming_the_field_and_nothing_changes(
         assert err.value.details().startswith(f"{field}: "), err.value.details()
     no_leaks(client)
     assert client.generate(prompt=PROMPTS[0], max_new_tokens=4)["new_tokens"] == 4  # still serving
+
+
+def test_eight_concurrent_clients_all_get_correct_complete_answers(serve_address, reference, no_leaks):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eyas.cluster.client import EyasClient
+
+    jobs = [(PROMPTS[i % 2], ("eagle3", "target", "eagle1", "eagle3")[i % 4], i % 3 == 0) for i in range(8)]
+
+    def run(job):
+        prompt, method, stream = job
+        with EyasClient(serve_address, timeout_s=600) as c:
+            if stream:
+                return [t for ch in c.stream(prompt=prompt, method=method, max_new_tokens=16) for t in ch.token_ids]
+            return c.generate(prompt=prompt, method=method, max_new_tokens=16)["token_ids"]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(run, jobs))
+    for (prompt, method, stream), tokens in zip(jobs, answers):
+        assert tokens == reference[prompt][:16], (prompt, method, stream)
+    with EyasClient(serve_address) as c:
+        no_leaks(c)
+
+
+def test_a_malformed_message_to_the_target_actor_is_refused_and_the_actor_keeps_serving(client, no_leaks):
+    import ray
+
+    from eyas.actors.ray_actors import RayTransport
+    from eyas.cluster.verifier_client import RemoteRejected, RemoteVerifier
+    import torch
+
+    from eyas.protocol import wire
+    from eyas.protocol.codec import encode_tensor
+    from eyas.protocol.tree import DraftTree, flatten_tree
+
+    target = next(w for w in client.stats()["workers"] if w["kind"] == "target")
+    verifier = RemoteVerifier(RayTransport(ray.get_actor(target["actor_name"], namespace=target["namespace"])))
+    verifier.open_session("e2e-malformed", [1, 2, 3, 4], 8, 4)
+    seed, ack = verifier.publish("e2e-malformed", verifier.prefill("e2e-malformed").round)
+    s = verifier.sessions["e2e-malformed"]
+    tree = DraftTree(torch.tensor([5, 6]), torch.tensor([-1, 0]), torch.tensor([1, 2]), torch.tensor([.5, .5]))
+    msg = wire.flat_tree_to_proto(flatten_tree(tree, s.frontier_token, s.committed_len), request_id="e2e-malformed",
+                                  round=s.round + 1, base_position=s.committed_len)
+    msg.parents = encode_tensor(torch.tensor([-1, 2, 0]))  # a parent after its child
+    with pytest.raises(RemoteRejected, match="^parents: "):
+        verifier.transport("Verify", msg, 60)
+    stale = pb.PublishRequest(request_id="e2e-malformed", round=0 + 5)
+    with pytest.raises(RemoteRejected, match="^round: "):
+        verifier.transport("Publish", stale, 60)
+    verdict = verifier.verify("e2e-malformed", tree)  # the session goes on as if nothing happened
+    verifier.publish("e2e-malformed", verdict.round)
+    verifier.close_session("e2e-malformed")
+    no_leaks(client)
 
 
 def test_the_python_client_validates_before_sending(client):
