@@ -4,8 +4,9 @@ Each round (seed 0x09):
 
     plan    -> the policy picks the batch and each request's tree from the latency curve and the
                requests' recent acceptance (eyas.scheduler.policy)
-    propose -> the drafter grows each planned request's tree (plain decoding: it only appends the
-               seed's context rows)
+    propose -> ``DrafterEngine.propose_batch``: the drafter grows every planned request's tree, each
+               growth step of all requests in one packed drafter pass (plain decoding: it only
+               appends the seed's context rows)
     verify  -> ``TargetEngine.verify_batch``: every request's rows in one forward, each with its own
                KV cache and tree mask (a ragged batch)
     accept  -> per request, the same pure decision as the single-request loop
@@ -135,15 +136,14 @@ class BatchRunner:
         plan = self.policy.plan(candidates, self.curve)                                      # plan
         if not plan.shapes:
             raise RuntimeError("scheduler: no request fits the budgets")
-        items = []
-        for rid, shape in plan.shapes.items():                                                # propose
-            r = self.running[rid]
-            tree = DraftTree.empty()
-            if self.drafter is not None:
+        trees = {rid: DraftTree.empty() for rid in plan.shapes}
+        if self.drafter is not None:                                                         # propose (batched)
+            for rid in plan.shapes:
                 if self.drafter.sessions[rid].provisional_len:
                     self.drafter.publish(rid)
-                tree = self.drafter.propose(rid, r.seed, tree_spec(shape))
-            items.append((rid, tree))
+            trees = dict(zip(plan.shapes, self.drafter.propose_batch(
+                [(rid, self.running[rid].seed, tree_spec(shape)) for rid, shape in plan.shapes.items()])))
+        items = list(trees.items())
         t0 = time.perf_counter()
         verified = self.target.verify_batch(items)                                            # verify
         verify_ms = 1000 * (time.perf_counter() - t0)

@@ -23,7 +23,8 @@ from eyas.drafting.model import Drafter
 from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.drafting.tree import (DEFAULT_STATIC_CHOICES, DynamicTreeBuilder,
                                 StaticTreeBuilder, chain_choices)
-from eyas.target.model import FeatureTap, KVCache
+from eyas.protocol.messages import Seed
+from eyas.target.model import FeatureTap, KVCache, Segment
 
 TREE_KINDS = ("dynamic", "static", "chain")
 
@@ -118,6 +119,7 @@ class DrafterEngine:
         return self.sessions[request_id]
 
     def _top_children(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # one LM-head call for every parent row of every request in the batch
         """hidden: [P, d] -> the top-k (target ids [P, k] int64, confidences [P, k] float32)."""
         probs = torch.softmax(self.drafter.logits(hidden, self.lm_head), dim=-1)
         conf, ids = probs.topk(k, dim=-1)
@@ -125,58 +127,107 @@ class DrafterEngine:
 
     @torch.inference_mode()
     def propose(self, request_id: str, seed, tree: TreeSpec) -> DraftTree:
-        s = self._session(request_id)
-        if s.provisional_len:
-            raise ValueError(f"request_id: {request_id!r} has an unpublished draft round")
-        a = seed.features.shape[0]
-        if seed.start_position != s.committed_len:
-            raise ValueError(f"seed.start_position: {seed.start_position} != draft context length {s.committed_len}")
-        # 1. context rows from verified target features (seed 0x05A/0x05D) ---------------------
-        n = s.committed_len
-        state = self.drafter.target_state(seed.features.to(self.drafter.fuse.weight.dtype))  # [A, d]
-        positions = torch.arange(n, n + a)
-        mask = torch.cat([torch.ones(a, n, dtype=torch.bool), torch.ones(a, a, dtype=torch.bool).tril()], 1)
-        hidden = self.drafter(state[None], self.embed(seed.advanced_tokens)[None], positions[None],
-                              s.cache, n, mask[None] if a > 1 else None)[0]  # [A, d]
-        s.committed_len = n + a
-        builder = tree.builder()
-        if builder is None or builder.done:
-            return DraftTree.empty()
-        # 2. grow the tree over provisional rows (seed 0x05B, 0x06B) ----------------------------
-        base = s.committed_len                    # first provisional slot
-        last_position = n + a - 1                 # position of the seed's row; depth-k rows sit at +k
-        node_state: dict[int, torch.Tensor] = {}  # node id -> output of the row that proposed it  [d]
-        node_slot: dict[int, int] = {}            # node id -> provisional slot of its own row
-        parents, parent_hidden = [PARENT_IS_SEED], hidden[-1:]
-        while True:
-            tokens, conf = self._top_children(parent_hidden, builder.children_per_parent)
-            new_ids = builder.add_children(parents, tokens, conf)
-            for node in new_ids:
-                node_state[node] = parent_hidden[parents.index(builder.node(node).parent)]
-            if builder.done:
+        return self.propose_batch([(request_id, seed, tree)])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, items: list[tuple[str, Seed, TreeSpec]]) -> list[DraftTree]:
+        """Grow one tree per request; every step of every request's growth shares one packed drafter
+        pass and one LM-head call (each request keeps its own draft KV and masks)."""
+        if len({rid for rid, _, _ in items}) != len(items):
+            raise ValueError("request_id: a request appears twice in one drafting batch")
+        growths = [_Growth(self._session(rid), seed, tree) for rid, seed, tree in items]  # checks first
+        # 1. context rows from verified target features (seed 0x05A/0x05D) ----------------------
+        hidden = self.drafter.forward_packed([g.context_rows(self.drafter, self.embed) for g in growths])
+        for g, h in zip(growths, hidden):
+            g.start_tree(h)
+        # 2. grow the trees over provisional rows (seed 0x05B, 0x06B), all requests in lockstep ------
+        while active := [g for g in growths if g.parent_hidden is not None]:
+            k = max(g.builder.children_per_parent for g in active)
+            tokens, conf = self._top_children(torch.cat([g.parent_hidden for g in active]), k)
+            steps, lo = [], 0
+            for g in active:
+                n, kk = g.parent_hidden.shape[0], g.builder.children_per_parent
+                rows = g.add_children(tokens[lo:lo + n, :kk], conf[lo:lo + n, :kk])
+                lo += n
+                if rows is not None:
+                    steps.append((g, rows))
+            if not steps:
                 break
-            parents = builder.expandable()
-            if not parents:
-                break
-            p = len(parents)
-            slots = torch.arange(base + s.provisional_len, base + s.provisional_len + p)
-            for node, slot in zip(parents, slots.tolist()):
-                node_slot[node] = slot
-            mask = torch.zeros(p, int(slots[-1]) + 1, dtype=torch.bool)
-            mask[:, :base] = True
-            for i, node in enumerate(parents):  # ancestors' rows and the row itself
-                walk = node
-                while walk != PARENT_IS_SEED:
-                    mask[i, node_slot[walk]] = True
-                    walk = builder.node(walk).parent
-            node_tokens = torch.tensor([builder.node(x).token for x in parents], dtype=torch.int64)
-            node_pos = torch.tensor([last_position + builder.node(x).depth for x in parents], dtype=torch.int64)
-            parent_hidden = self.drafter(torch.stack([node_state[x] for x in parents])[None],
-                                         self.embed(node_tokens)[None], node_pos[None], s.cache,
-                                         int(slots[0]), mask[None])[0]
-            s.provisional_len += p
-        return builder.select()
+            outs = self.drafter.forward_packed([(state, self.embed(toks), seg) for _, (state, toks, seg) in steps])
+            for (g, _), h in zip(steps, outs):
+                g.absorb(h)
+        return [g.result() for g in growths]
 
     def publish(self, request_id: str) -> None:
         """Discard this round's provisional tree rows (seed 0x05D)."""
         self._session(request_id).provisional_len = 0
+
+
+class _Growth:
+    """One request's tree growth inside :meth:`DrafterEngine.propose_batch` (seed 0x05B, 0x06B).
+
+    Draft rows are written into the request's own session: the seed's context rows at
+    ``[committed_len, committed_len + A)`` (they become committed), then each expanded node as one
+    provisional row that reads its parent's output state and its own token and attends to the context
+    rows plus its tree ancestors. Its output proposes its children.
+    """
+
+    def __init__(self, s: DraftSession, seed: Seed, tree: TreeSpec):
+        if s.provisional_len:
+            raise ValueError(f"request_id: {s.request_id!r} has an unpublished draft round")
+        if seed.start_position != s.committed_len:
+            raise ValueError(f"seed.start_position: {seed.start_position} != draft context length {s.committed_len}")
+        self.s, self.seed, self.builder = s, seed, tree.builder()
+        self.parent_hidden: torch.Tensor | None = None  # [P, d] rows whose children come next; None = done
+        self.parents: list[int] = []
+        self.node_state: dict[int, torch.Tensor] = {}  # node id -> output of the row that proposed it  [d]
+        self.node_slot: dict[int, int] = {}            # node id -> provisional slot of its own row
+
+    def context_rows(self, drafter: Drafter, embed: nn.Embedding):
+        n, a = self.s.committed_len, self.seed.features.shape[0]
+        state = drafter.target_state(self.seed.features.to(drafter.fuse.weight.dtype))  # [A, d]
+        mask = torch.cat([torch.ones(a, n, dtype=torch.bool), torch.ones(a, a, dtype=torch.bool).tril()], 1)
+        return state, embed(self.seed.advanced_tokens), Segment(self.seed.advanced_tokens, torch.arange(n, n + a),
+                                                                self.s.cache, n, mask if a > 1 else None)
+
+    def start_tree(self, hidden: torch.Tensor) -> None:  # [A, d] outputs of the context rows
+        self.s.committed_len += hidden.shape[0]
+        self.base = self.s.committed_len            # first provisional slot
+        self.last_position = self.s.committed_len - 1  # position of the seed's row; depth-k rows sit at +k
+        self.grows = self.builder is not None and not self.builder.done
+        if self.grows:
+            self.parents, self.parent_hidden = [PARENT_IS_SEED], hidden[-1:]
+
+    def add_children(self, tokens: torch.Tensor, conf: torch.Tensor):
+        """Add the parents' top children; -> the next rows (state, tokens, Segment) or None when done."""
+        b = self.builder
+        for node in b.add_children(self.parents, tokens, conf):
+            self.node_state[node] = self.parent_hidden[self.parents.index(b.node(node).parent)]
+        parents = [] if b.done else b.expandable()
+        if not parents:
+            self.parent_hidden = None
+            return None
+        s, p = self.s, len(parents)
+        first = self.base + s.provisional_len
+        slots = list(range(first, first + p))
+        for node, slot in zip(parents, slots):
+            self.node_slot[node] = slot
+        mask = torch.zeros(p, slots[-1] + 1, dtype=torch.bool)
+        mask[:, :self.base] = True
+        for i, node in enumerate(parents):  # ancestors' rows and the row itself
+            walk = node
+            while walk != PARENT_IS_SEED:
+                mask[i, self.node_slot[walk]] = True
+                walk = b.node(walk).parent
+        tokens_ = torch.tensor([b.node(x).token for x in parents], dtype=torch.int64)
+        positions = torch.tensor([self.last_position + b.node(x).depth for x in parents], dtype=torch.int64)
+        self.parents = parents
+        return (torch.stack([self.node_state[x] for x in parents]), tokens_,
+                Segment(tokens_, positions, s.cache, first, mask))
+
+    def absorb(self, hidden: torch.Tensor) -> None:  # [P, d]
+        self.s.provisional_len += hidden.shape[0]
+        self.parent_hidden = hidden
+
+    def result(self) -> DraftTree:
+        return self.builder.select() if self.grows else DraftTree.empty()

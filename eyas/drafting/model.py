@@ -14,12 +14,13 @@ The frozen target embedding and LM head are passed in; the drafter owns neither 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, asdict
 
 import torch
 import torch.nn as nn
 
-from eyas.target.model import DecoderLayer, KVCache, RMSNorm, RotaryTable, TargetConfig
+from eyas.target.model import DecoderLayer, KVCache, RMSNorm, RotaryTable, Segment, TargetConfig
 
 METHODS = ("eagle1", "eagle3")
 FULL_VOCAB = 0  # draft_vocab_size value meaning "the target's whole vocabulary"
@@ -124,6 +125,25 @@ class Drafter(nn.Module):
         fused = self.fuse(torch.cat([self.state_norm(state), self.embed_norm(token_embeds)], dim=-1))  # [B, T, d]
         cos, sin = self.rope(positions)
         return self.layer(fused, cos, sin, cache, 0, start, mask)
+
+    def forward_packed(self, segments: list[tuple[torch.Tensor, torch.Tensor, Segment]]) -> list[torch.Tensor]:
+        """Several requests' draft rows in one pass, each against its own draft KV and mask.
+
+        segments: (state [T_i, d], token_embeds [T_i, d], Segment with positions/cache/start/mask;
+        its ``tokens`` are unused). Returns each segment's output state [T_i, d].
+        """
+        placed, lo = [], 0
+        for state, embeds, seg in segments:
+            t = state.shape[0]
+            assert state.ndim == 2 and state.shape == embeds.shape and seg.positions.shape == (t,)
+            placed.append(dataclasses.replace(seg, rows=(lo, lo + t)))
+            lo += t
+        state = torch.cat([x[0] for x in segments])[None]
+        embeds = torch.cat([x[1] for x in segments])[None]
+        fused = self.fuse(torch.cat([self.state_norm(state), self.embed_norm(embeds)], dim=-1))  # [1, T, d]
+        cos, sin = self.rope(torch.cat([s.positions for s in placed])[None])
+        out = self.layer.forward_segments(fused, cos, sin, placed, 0)[0]
+        return [out[a:b] for a, b in (s.rows for s in placed)]
 
     def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """hidden: [..., d] -> draft logits [..., out_vocab] (draft-vocabulary ids for EAGLE-3)."""

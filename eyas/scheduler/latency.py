@@ -79,13 +79,19 @@ class LatencyCurve:
         self.ms[i - 1] = max(self.ms[i - 1] + weight * (1 - t) * err, 1e-6)
         self.ms[i] = max(self.ms[i] + weight * t * err, 1e-6)
 
+    def copy(self) -> LatencyCurve:
+        return LatencyCurve(list(self.rows), list(self.ms), self.observations, list(self.history))
+
     def to_dict(self) -> dict:
         return {"rows": list(self.rows), "ms": [round(m, 4) for m in self.ms], "observations": self.observations}
 
 
-def measure_curve(run_rows: Callable[[int], None], rows: tuple[int, ...] = DEFAULT_ROWS, repeats: int = 5,
+def measure_curve(run_rows: Callable[[int], float | None], rows: tuple[int, ...] = DEFAULT_ROWS, repeats: int = 5,
                   warmup: int = 1) -> LatencyCurve:
-    """Time ``run_rows(R)`` (one verify forward of R total rows) ``repeats`` times per R; the median."""
+    """Time ``run_rows(R)`` (one verify forward of R total rows) ``repeats`` times per R; the median.
+
+    ``run_rows`` may return the seconds of its timed part itself (when it also has set-up to do, such
+    as a prefill that must not count); otherwise its whole call is timed."""
     points = {}
     for r in rows:
         for _ in range(warmup):
@@ -93,7 +99,7 @@ def measure_curve(run_rows: Callable[[int], None], rows: tuple[int, ...] = DEFAU
         samples = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            run_rows(r)
-            samples.append(1000 * (time.perf_counter() - t0))
+            timed = run_rows(r)
+            samples.append(1000 * (timed if timed is not None else time.perf_counter() - t0))
         points[r] = statistics.median(samples)
     return LatencyCurve.from_points(points)
