@@ -73,6 +73,36 @@ class DrafterWorker:
         draft = engine.propose(request_id, seed, tree)
         return draft, time.perf_counter() - t0
 
+    def propose_batch(self, items: list[tuple[str, pb.Seed | Seed, TreeSpec]]) -> tuple[list, float]:
+        """Grow several requests' trees, one packed drafter pass per growth step and method.
+
+        -> (per item a ``DraftTree`` or a ``Refusal``, seconds of drafter compute)."""
+        from eyas.actors.target_worker import Refusal
+
+        t0 = time.perf_counter()
+        out: list = [None] * len(items)
+        groups: dict[str, list[tuple[int, str, Seed, TreeSpec]]] = {}
+        for i, (rid, seed, tree) in enumerate(items):
+            try:
+                engine = self._engine(rid)
+                if isinstance(seed, pb.Seed):
+                    dims = {"feature_dim": len(engine.taps) * engine.embed.weight.shape[1]} if engine.taps else {}
+                    seed = wire.seed_from_proto(seed, vocab_size=self.vocab_size, **dims)
+                s = engine.sessions[rid]
+                if s.provisional_len:
+                    engine.publish(rid)  # a new seed: the previous round was published
+                if seed.start_position != s.committed_len:
+                    raise ValueError(f"seed.start_position: {seed.start_position} != draft context length "
+                                     f"{s.committed_len}")
+                groups.setdefault(self.session_method[rid], []).append((i, rid, seed, tree))
+            except ValueError as err:
+                out[i] = Refusal.of(err)
+        for method, members in groups.items():
+            trees = self.engines[method].propose_batch([(rid, seed, tree) for _, rid, seed, tree in members])
+            for (i, *_), tree in zip(members, trees):
+                out[i] = tree
+        return out, time.perf_counter() - t0
+
     def publish(self, request_id: str) -> None:
         self._engine(request_id).publish(request_id)
 

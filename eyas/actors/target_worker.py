@@ -48,6 +48,20 @@ class SessionNotFound(LookupError):
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """One refused item of a batched call: the message names the field (``not_found``: no session)."""
+
+    message: str
+    not_found: bool = False
+
+    @classmethod
+    def of(cls, err: Exception) -> Refusal:
+        if isinstance(err, SessionNotFound):
+            return cls(str(err.args[0]), True)
+        return cls(str(err))
+
+
+@dataclass(frozen=True)
 class Verdict:
     """One decided round, kept until it is published (and after, to answer a duplicate publish)."""
 
@@ -164,10 +178,80 @@ class TargetWorker:
             s.engine.close_session(request.request_id)
         return pb.CloseSessionResponse(closed=s is not None)
 
+    # --- batched rounds (the scheduler: many requests, one forward) ------------------------------
+    def verify_batch(self, requests: list[pb.FlatTree]) -> list[pb.AcceptDecision | Refusal]:
+        """Verify and decide several requests' rounds in one forward per feature address.
+
+        Each message is validated on its own; a refused one gets a :class:`Refusal` in its place and
+        touches nothing, and the others are verified as if alone."""
+        t0 = time.perf_counter()
+        out: list[pb.AcceptDecision | Refusal | None] = [None] * len(requests)
+        groups: dict[int, list[tuple[int, WorkerSession, object]]] = {}
+        for i, request in enumerate(requests):
+            try:
+                s = self._session(request.request_id)
+                t = s.engine.sessions[request.request_id]
+                if s.pending is not None:
+                    raise ValueError(f"round: {s.pending.round} of {request.request_id!r} is not yet published")
+                if t.frontier_token is None:
+                    raise ValueError("round: the session has no frontier token yet (prefill and publish round 0 first)")
+                flat = wire.flat_tree_from_proto(request, vocab_size=self.vocab_size, max_rows=s.max_tree_rows,
+                                                 base_position=t.committed_len, round=t.round + 1,
+                                                 frontier_token=t.frontier_token)
+                groups.setdefault(id(s.engine), []).append((i, s, wire.draft_tree_from_flat(flat)))
+            except (ValueError, SessionNotFound) as err:
+                out[i] = Refusal.of(err)
+        for members in groups.values():
+            engine = members[0][1].engine
+            verified = engine.verify_batch([(requests[i].request_id, tree) for i, _, tree in members])
+            for (i, s, _), v in zip(members, verified):
+                out[i] = Refusal.of(v) if isinstance(v, ValueError) else self._decided(requests[i].request_id, s, v, t0)
+        return out
+
+    def publish_batch(self, requests: list[pb.PublishRequest]) -> list[pb.PublishAck | Refusal]:
+        """Each request's own publish transaction; one refusal never touches another's state."""
+        out = []
+        for request in requests:
+            try:
+                out.append(self.publish(request))
+            except (ValueError, SessionNotFound) as err:
+                out.append(Refusal.of(err))
+        return out
+
     def reseed(self, request: pb.ReseedRequest) -> pb.Seed:
         """The committed state as one seed from position 0, for a drafter that lost its session."""
         s = self._session(request.request_id)
         return wire.seed_to_proto(s.engine.committed_seed(request.request_id), request_id=request.request_id)
+
+    @torch.inference_mode()
+    def measure_latency(self, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3,
+                        prefix: int = 64) -> dict[int, float]:
+        """The verify latency curve on this worker's device: ms of a verify of R rows after a
+        ``prefix``-token committed context (the median of ``repeats``), for each R in ``rows``."""
+        from eyas.protocol.messages import AcceptDecision
+        from eyas.protocol.tree import DraftTree
+        from eyas.scheduler.latency import measure_curve
+
+        engine = self.engine_for(())
+        ids = [(7 * i + 3) % self.vocab_size for i in range(prefix)]
+        rid = "__latency_curve__"
+
+        def run(r: int) -> float:
+            engine.open_session(rid, ids, 4, r)
+            try:
+                v = engine.prefill(rid)
+                engine.publish(rid, v.round, AcceptDecision(torch.arange(prefix), torch.tensor(ids[1:]), 1))
+                n = r - 1
+                tree = DraftTree(torch.full((n,), 2), torch.arange(-1, n - 1), torch.arange(1, n + 1),
+                                 torch.full((n,), .5)) if n else DraftTree.empty()
+                t0 = time.perf_counter()
+                engine.verify(rid, tree)
+                return time.perf_counter() - t0
+            finally:
+                engine.close_session(rid)
+
+        curve = measure_curve(run, tuple(rows), repeats=repeats, warmup=1)
+        return dict(zip(curve.rows, curve.ms))
 
     # --- the leak invariant --------------------------------------------------------------------
     def leak_check(self) -> dict:

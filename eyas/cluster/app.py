@@ -33,6 +33,9 @@ from ray import serve
 
 from eyas.actors.ray_actors import RayDrafter, RayTransport
 from eyas.cluster.pool import PoolSpec, WorkerPool
+from eyas.cluster.round_loop import RoundLoop, WorkerCalls
+from eyas.scheduler.latency import LatencyCurve
+from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
 from eyas.cluster.telemetry import Telemetry
 from eyas.cluster.verifier_client import RemoteVerifier, generate_remote
 from eyas.drafting.engine import TreeSpec
@@ -41,12 +44,14 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.schema import GenerateRequest
 from eyas.runtime import StopStrings, build_report, tree_for
-from eyas.target.loader import DEFAULT_TARGET, encode_prompt, load_tokenizer
+from eyas.target.loader import DEFAULT_TARGET, checkpoint_folder, encode_prompt, load_tokenizer
+from eyas.target.model import TargetConfig
 from eyas.verification.sampling import SamplingParams
 
 log = logging.getLogger("eyas.serve")
 
 GRPC_SERVICER_FUNCTIONS = ["eyas.protocol.eyas_pb2_grpc.add_EyasServicer_to_server"]
+CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class ServeConfig(BaseModel):
@@ -69,6 +74,13 @@ class ServeConfig(BaseModel):
     drafter_timeout_s: float = Field(30.0, gt=0)
     drafter_max_restarts: int = Field(1, ge=0)
     console_spans: bool = False
+    # "tree-work": all live requests of a target worker advance in batched rounds with per-request trees
+    # from the latency curve; "prompt-length": batched rounds of similar prompt lengths, one fixed tree
+    # (the baseline); "per-request": each request its own decode loop (no batching across requests)
+    scheduler: Literal["tree-work", "prompt-length", "per-request"] = "tree-work"
+    max_batch: int = Field(16, ge=1)          # requests per batched round
+    max_verify_rows: int = Field(256, ge=1)   # verify rows per batched round (all requests together)
+    curve_repeats: int = Field(3, ge=1)       # timings per row count when the latency curve is measured
 
 
 def parse_config(config: dict | None) -> ServeConfig:
@@ -107,6 +119,10 @@ class EyasServer:
                                c.target_workers, c.drafter_workers)
         self.telemetry = Telemetry("eyas-serve", console=c.console_spans)
         self.telemetry.add_kv_source(self._kv_bytes)
+        self.eos_ids = TargetConfig.from_hf(json.loads((checkpoint_folder(c.target) / "config.json").read_text())
+                                            ).eos_token_ids
+        self.loops: dict[int, RoundLoop] = {}
+        self.loops_lock = threading.Lock()
 
     # --- the Eyas service --------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
@@ -192,7 +208,11 @@ class EyasServer:
         return self.pool.leak_checks()
 
     def stats_json(self) -> str:
-        return self.telemetry.snapshot_json(workers=self.pool.leak_checks(), pool=self.pool.sizes())
+        with self.loops_lock:
+            loops = {str(i): {"latency_curve": loop.curve.to_dict(), "rounds": loop.rounds, "live": loop.load()}
+                     for i, loop in self.loops.items()}
+        return self.telemetry.snapshot_json(workers=self.pool.leak_checks(), pool=self.pool.sizes(),
+                                            scheduler={"policy": self.cfg.scheduler, "loops": loops})
 
     def check_health(self) -> None:
         if not self.pool.workers["target"]:
@@ -217,8 +237,71 @@ class EyasServer:
             return req, list(req.prompt_ids)
         return req, encode_prompt(self.tokenizer, req.prompt, req.raw)
 
+    def _trimmed(self, req: GenerateRequest, on_tokens, stops: StopStrings):
+        """The per-publish token callback: streams what the final answer keeps (up to max_new_tokens and
+        through the first stop id) and reports whether a stop string appeared."""
+        emitted: list[int] = []
+
+        def tokens(new: list[int]) -> bool:
+            if on_tokens is not None:
+                chunk = []
+                for t in new:
+                    if len(emitted) >= req.max_new_tokens or (emitted and emitted[-1] in self.eos_ids):
+                        break
+                    emitted.append(t)
+                    chunk.append(t)
+                if chunk:
+                    on_tokens(chunk)
+            return stops.on_tokens(new)
+
+        return tokens
+
     def _run(self, req: GenerateRequest, ids: list[int], cancel: threading.Event, on_tokens) -> dict:
         """One request, start to finish, in a worker thread; returns the ``eyas generate --json`` report."""
+        if self.cfg.scheduler == "per-request":
+            return self._run_alone(req, ids, cancel, on_tokens)
+        target = self.pool.acquire("target")
+        try:
+            loop = self._loop_for(target)
+            info = self.pool.drafter_info.get(req.method, {})
+            tree = tree_for(req, info.get("default_tree", TreeSpec()))
+            stops = StopStrings(self.tokenizer, req.stop)
+            future = loop.submit(req.request_id or uuid.uuid4().hex, ids, req.max_new_tokens, req.method, tree,
+                                 SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p),
+                                 req.seed, self._trimmed(req, on_tokens, stops), cancel)
+            result = future.result()
+        finally:
+            self.pool.release(target)
+            self._reap_loops()
+        self.telemetry.record_request(req.method, result.finish_reason, result.drafter_fallback)
+        return build_report(req, result, stops.text(result.token_ids), self.cfg.precision, info.get("source"), tree)
+
+    def _loop_for(self, target) -> RoundLoop:
+        """The scheduler loop of a target worker (made on first use, paired with the least-loaded drafter)."""
+        with self.loops_lock:
+            if target.index not in self.loops:
+                drafter = self.pool.acquire("drafter")
+                self.pool.release(drafter)
+                calls = WorkerCalls(target.actor, self.cfg.target_timeout_s)
+                curve = LatencyCurve.from_points(calls("measure_latency", CURVE_ROWS, self.cfg.curve_repeats))
+                self.loops[target.index] = RoundLoop(
+                    calls, None if drafter is None else WorkerCalls(drafter.actor, self.cfg.drafter_timeout_s,
+                                                                     drafter=True),
+                    self.pool.drafter_info, self._policy(), curve, on_round=self.telemetry.record_round)
+            return self.loops[target.index]
+
+    def _policy(self):
+        budgets = Budgets(max_batch=self.cfg.max_batch, max_verify_rows=self.cfg.max_verify_rows)
+        return TreeWorkPolicy(budgets) if self.cfg.scheduler == "tree-work" else PromptLengthPolicy(budgets)
+
+    def _reap_loops(self) -> None:
+        live = {w.index for w in self.pool.workers["target"]}
+        with self.loops_lock:
+            for index in [i for i in self.loops if i not in live]:
+                self.loops.pop(index).close()
+
+    def _run_alone(self, req: GenerateRequest, ids: list[int], cancel: threading.Event, on_tokens) -> dict:
+        """The per-request path (``scheduler: per-request``): its own decode loop, three actor calls a round."""
         target = self.pool.acquire("target")
         drafter = self.pool.acquire("drafter") if req.method != "target" else None
         try:
@@ -229,20 +312,7 @@ class EyasServer:
             stops = StopStrings(self.tokenizer, req.stop)
             request_id = req.request_id or uuid.uuid4().hex
             verifier = RemoteVerifier(RayTransport(target.actor), timeout_s=self.cfg.target_timeout_s)
-            emitted: list[int] = []
-
-            def tokens(new: list[int]) -> bool:
-                if on_tokens is not None:  # stream what the final answer keeps: up to max_new_tokens and a stop id
-                    eos = verifier.sessions[request_id].info.eos_token_ids
-                    chunk = []
-                    for t in new:
-                        if len(emitted) >= req.max_new_tokens or (emitted and emitted[-1] in eos):
-                            break
-                        emitted.append(t)
-                        chunk.append(t)
-                    if chunk:
-                        on_tokens(chunk)
-                return stops.on_tokens(new)
+            tokens = self._trimmed(req, on_tokens, stops)
 
             result = generate_remote(verifier, ids, max_new_tokens=req.max_new_tokens,
                                      sampling=SamplingParams(temperature=req.temperature, top_k=req.top_k,

@@ -1,0 +1,364 @@
+"""``RoundLoop``: the serving replica's scheduler loop over one target worker and one drafter worker.
+
+All live requests of a target worker advance together, one round at a time:
+
+    plan     the policy (eyas.scheduler.policy) picks the batch and each request's tree from the
+             latency curve and each request's recent acceptance
+    propose  ONE call: ``DrafterWorker.propose_batch`` grows every planned request's tree
+    verify   ONE call: ``TargetWorker.verify_batch`` verifies all rows in one forward (per feature
+             address) and decides acceptance per request
+    publish  ONE call: ``TargetWorker.publish_batch``, each request its own transaction
+
+so the per-round Ray cost is three calls for the whole batch, not three per request. Requests join
+between rounds (their prefill runs at admission) and leave when they finish, are cancelled or fail.
+The loop is the one owner of the per-request scheduling state (:class:`Live`); the workers own the KV.
+
+Greedy requests get the tree the policy plans (within their own knobs); a sampled request always
+gets its own tree, so that its draws, and so its tokens, are reproducible for a seed and equal the
+in-process loop's (the target's distribution is matched either way: seed 0x05C).
+
+Failures: a request the target refuses finishes with an error (the others go on). A dead or slow
+drafter makes the round plain for everyone; each request then reseeds its draft session from the
+target's committed state (seed 0x05D) once, and a request whose reseed fails goes on target-only
+(``drafter_fallback``). Greedy tokens never change: the target decides every one.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from eyas.actors.target_worker import Refusal
+from eyas.cluster.batcher import CONSUME_SEED_ONLY, tree_spec
+from eyas.cluster.verifier_client import DrafterUnavailable, RoundRecord
+from eyas.drafting.engine import TreeSpec
+from eyas.generate import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, GenerationResult, RoundStats, finish_tokens
+from eyas.protocol import eyas_pb2 as pb
+from eyas.protocol import wire
+from eyas.protocol.messages import Seed
+from eyas.protocol.tree import DraftTree, flatten_tree
+from eyas.scheduler.cost import PLAIN, TreeShape
+from eyas.scheduler.latency import LatencyCurve
+from eyas.scheduler.policy import AcceptanceEstimate, Candidate
+from eyas.verification.sampling import SamplingParams
+
+log = logging.getLogger("eyas.round_loop")
+NEVER_ACCEPTS = AcceptanceEstimate([0.0] * 8)  # target-only requests: no tree ever pays
+
+
+class WorkerCalls:
+    """Method calls on a worker: a Ray actor handle (``ray.get`` with a timeout) or a local object."""
+
+    def __init__(self, worker, timeout_s: float, local: bool = False, drafter: bool = False):
+        self.worker, self.timeout_s, self.local, self.drafter = worker, timeout_s, local, drafter
+
+    def __call__(self, method: str, *args):
+        if self.local:
+            return getattr(self.worker, method)(*args)
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        ref = getattr(self.worker, method).remote(*args)
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except (GetTimeoutError, RayActorError) as err:
+            if self.drafter:
+                raise DrafterUnavailable(f"drafter: {type(err).__name__}") from err
+            raise
+
+
+@dataclass
+class Live:
+    """One request in the loop. Only :class:`RoundLoop` touches it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    method: str                       # "target" | "eagle1" | "eagle3"
+    tree: TreeSpec                    # the request's own knobs: the largest tree it may get
+    sampling: SamplingParams
+    seed_value: int
+    on_tokens: Callable[[list[int]], bool] | None
+    future: concurrent.futures.Future
+    cancel: threading.Event
+    arrival: float
+    acceptance: AcceptanceEstimate
+    seed: Seed | None = None          # the drafter's next seed
+    drafter_open: bool = False
+    needs_reseed: bool = False
+    fallback: bool = False
+    reseeds: int = 0
+    out: list[int] = field(default_factory=list)
+    rounds: list[RoundStats] = field(default_factory=list)
+    prefill_s: float = 0.0
+    stopped: bool = False
+    eos: tuple[int, ...] = ()
+
+    @property
+    def speculative(self) -> bool:
+        return self.method != "target" and not self.fallback
+
+
+class RoundLoop:
+    def __init__(self, target: WorkerCalls, drafter: WorkerCalls | None, drafter_info: dict, policy,
+                 curve: LatencyCurve, on_round: Callable[[RoundRecord], None] | None = None,
+                 on_finish: Callable[[str, GenerationResult], None] | None = None):
+        self.target, self.drafter, self.drafter_info = target, drafter, drafter_info
+        self.policy, self.curve = policy, curve
+        self.on_round, self.on_finish = on_round, on_finish
+        self.prior = AcceptanceEstimate()
+        self.live: dict[str, Live] = {}
+        self.pending: list[Live] = []
+        self.lock = threading.Condition()
+        self.stopped = False
+        self.rounds = 0
+        self.thread = threading.Thread(target=self._run, name="eyas-round-loop", daemon=True)
+        self.thread.start()
+
+    # --- the client side (any thread) ----------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, method: str, tree: TreeSpec,
+               sampling: SamplingParams, seed: int, on_tokens=None,
+               cancel: threading.Event | None = None) -> concurrent.futures.Future:
+        """-> a future of the ``GenerationResult``; validation errors of the prefill surface through it."""
+        live = Live(request_id, list(prompt_ids), max_new_tokens, method, tree, sampling, seed, on_tokens,
+                    concurrent.futures.Future(), cancel or threading.Event(), time.perf_counter(),
+                    AcceptanceEstimate.from_prior(self.prior))
+        with self.lock:
+            self.pending.append(live)
+            self.lock.notify()
+        return live.future
+
+    def close(self) -> None:
+        with self.lock:
+            self.stopped = True
+            self.lock.notify()
+        self.thread.join(timeout=10)
+
+    def load(self) -> int:
+        return len(self.live) + len(self.pending)
+
+    # --- the loop (its own thread) ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while not self.stopped and not self.pending and not self.live:
+                    self.lock.wait()
+                if self.stopped:
+                    break
+                admitted, self.pending = self.pending, []
+            for live in admitted:
+                self._admit(live)
+            for live in [x for x in self.live.values() if x.cancel.is_set()]:
+                self._finish(live, FINISH_CANCELLED)
+            if self.live:
+                try:
+                    self._round()
+                except Exception as err:  # a worker failed for the whole batch: fail its requests, keep serving
+                    log.exception("round failed")
+                    for live in list(self.live.values()):
+                        self._finish(live, FINISH_ERROR, err)
+
+    def _admit(self, live: Live) -> None:
+        info = self.drafter_info.get(live.method, {})
+        taps = tuple(tuple(t) for t in info.get("taps", ())) if live.method != "target" else ()
+        max_rows = live.tree.max_candidates + 1 if live.method != "target" else 1
+        spec = wire.SessionSpec(live.request_id, tuple(live.prompt_ids), live.max_new_tokens, max_rows,
+                                live.sampling.temperature, live.sampling.top_p, live.sampling.top_k, live.seed_value,
+                                taps)
+        t0 = time.perf_counter()
+        try:
+            opened = self.target("open_session", wire.session_spec_to_proto(spec))
+        except Exception as err:
+            live.future.set_exception(_as_value_error(err))
+            return
+        live.eos = tuple(opened.eos_token_ids)
+        self.live[live.request_id] = live
+        try:
+            decision = self.target("prefill", pb.PrefillRequest(request_id=live.request_id))
+            ack = self.target("publish", pb.PublishRequest(request_id=live.request_id, round=decision.round))
+        except Exception as err:
+            self._finish(live, FINISH_ERROR, err)
+            return
+        live.seed = wire.seed_from_proto(ack.seed)
+        live.prefill_s = time.perf_counter() - t0
+        if live.method != "target":
+            if self.drafter is None:
+                live.fallback = True
+            else:
+                try:
+                    slots = len(live.prompt_ids) + live.max_new_tokens + max_rows + live.tree.max_draft_rows + 1
+                    self.drafter("open_session", live.request_id, live.method, slots)
+                    live.drafter_open = True
+                except DrafterUnavailable:
+                    live.fallback = True
+        self._emit(live, list(ack.output_tokens))
+
+    def _round(self) -> None:
+        cands = [Candidate(x.request_id, x.arrival, len(x.prompt_ids), len(x.prompt_ids) + len(x.out) - 1,
+                           x.acceptance if x.speculative else NEVER_ACCEPTS) for x in self.live.values()]
+        plan = self.policy.plan(cands, self.curve)                                             # plan
+        shapes = {rid: self._fit(self.live[rid], shape) for rid, shape in plan.shapes.items()}
+        batch = [self.live[rid] for rid in shapes]
+        start_ns, t0 = time.time_ns(), time.perf_counter()
+        trees = self._propose(batch, shapes)                                                    # propose
+        t1 = time.perf_counter()
+        msgs, flats = [], {}
+        for live in batch:
+            s = self._target_view(live)
+            flat = flatten_tree(trees[live.request_id], s[0], s[1])
+            flats[live.request_id] = flat
+            msgs.append(wire.flat_tree_to_proto(flat, request_id=live.request_id, round=s[2],
+                                                base_position=s[1]))
+        t2 = time.perf_counter()
+        decisions = self.target("verify_batch", msgs)                                           # verify + accept
+        t3 = time.perf_counter()
+        to_publish = [(live, d) for live, d in zip(batch, decisions) if not isinstance(d, Refusal)]
+        for live, d in zip(batch, decisions):
+            if isinstance(d, Refusal):
+                self._finish(live, FINISH_ERROR, ValueError(d.message))
+        acks = self.target("publish_batch", [pb.PublishRequest(request_id=live.request_id, round=d.round)
+                                             for live, d in to_publish]) if to_publish else []  # publish
+        t4 = time.perf_counter()
+        rows = sum(f.num_rows for rid, f in flats.items())
+        verify_ms = 1000 * (t3 - t2)
+        self.curve.observe(rows, verify_ms)
+        self.rounds += 1
+        accept_s = max((d.accept_ms for _, d in to_publish), default=0.0) / 1000
+        for (live, d), ack in zip(to_publish, acks):
+            if isinstance(ack, Refusal):
+                self._finish(live, FINISH_ERROR, ValueError(ack.message))
+                continue
+            decision = wire.decision_from_proto(d, request_id=live.request_id)
+            live.seed = wire.seed_from_proto(ack.seed)
+            flat = flats[live.request_id]
+            nodes = flat.num_rows - 1
+            if nodes:
+                live.acceptance.observe(decision.accept_length, shapes[live.request_id].depth_cap)
+                self.prior.observe(decision.accept_length, shapes[live.request_id].depth_cap, weight=0.05)
+            share = 1 / len(batch)  # the batch's time, shared out for per-request stats
+            live.rounds.append(RoundStats(decision.accept_length, decision.num_new_tokens, nodes, (t1 - t0) * share,
+                                          (t3 - t1) * share, hop_s=0.0))
+            if self.on_round is not None:
+                self.on_round(RoundRecord(live.request_id, d.round, flat if nodes else None, decision, start_ns,
+                                          t1 - t0, t2 - t1, t3 - t2, accept_s, t4 - t3, live.fallback))
+            self._emit(live, list(ack.output_tokens))
+
+    # --- helpers ------------------------------------------------------------------------------------
+    def _fit(self, live: Live, shape: TreeShape) -> TreeShape:
+        """The planned tree, within the request's own knobs (and none when it cannot draft)."""
+        if not live.speculative or live.needs_reseed and not live.drafter_open:
+            return PLAIN
+        t = live.tree
+        if live.sampling.temperature > 0:  # seeded sampling stays reproducible: always the request's own tree
+            return TreeShape(t.expand_width, t.max_depth, t.max_candidates)
+        if t.kind != "dynamic":  # static and chain trees are the request's explicit choice
+            return TreeShape(t.expand_width, t.max_depth, t.max_candidates) if shape.speculates else PLAIN
+        return TreeShape(min(shape.expand_width, t.expand_width), min(shape.max_depth, t.max_depth),
+                         min(shape.verify_budget, t.verify_budget)) if shape.speculates else PLAIN
+
+    def _tree(self, live: Live, shape: TreeShape) -> TreeSpec:
+        if not shape.speculates:
+            return CONSUME_SEED_ONLY
+        if live.tree.kind != "dynamic" or live.sampling.temperature > 0:
+            return live.tree
+        return tree_spec(shape)
+
+    def _target_view(self, live: Live) -> tuple[int, int, int]:
+        """(frontier token, committed length, next round) from the last publish's seed."""
+        s = live.seed
+        return s.frontier_token, s.start_position + s.features.shape[0], s.round + 1
+
+    def _propose(self, batch: list[Live], shapes: dict[str, TreeShape]) -> dict[str, DraftTree]:
+        trees = {x.request_id: DraftTree.empty() for x in batch}
+        drafting = [x for x in batch if x.speculative and self.drafter is not None]
+        if not drafting:
+            return trees
+        for live in [x for x in drafting if x.needs_reseed]:  # seed 0x05D: reseed from committed state
+            self._reseed(live)
+        drafting = [x for x in drafting if x.drafter_open and not x.fallback]
+        if not drafting:
+            return trees
+        items = [(x.request_id, wire.seed_to_proto(x.seed, request_id=x.request_id), self._tree(x, shapes[x.request_id]))
+                 for x in drafting]
+        try:
+            out, _ = self.drafter("propose_batch", items)
+        except DrafterUnavailable as err:
+            log.warning("drafter unavailable (%s): this round is plain; reseeding", err)
+            for x in drafting:
+                x.needs_reseed, x.drafter_open = True, False
+            return trees
+        for x, tree in zip(drafting, out):
+            if isinstance(tree, Refusal):  # e.g. a restarted drafter lost the session
+                x.needs_reseed, x.drafter_open = True, False
+            else:
+                trees[x.request_id] = tree
+        return trees
+
+    def _reseed(self, live: Live) -> None:
+        if live.reseeds >= 1:
+            live.fallback, live.needs_reseed = True, False
+            return
+        live.reseeds += 1
+        try:
+            try:
+                self.drafter("close_session", live.request_id)
+            except DrafterUnavailable:
+                raise
+            except Exception:
+                pass
+            max_rows = live.tree.max_candidates + 1
+            slots = len(live.prompt_ids) + live.max_new_tokens + max_rows + live.tree.max_draft_rows + 1
+            self.drafter("open_session", live.request_id, live.method, slots)
+            live.seed = wire.seed_from_proto(self.target("reseed", pb.ReseedRequest(request_id=live.request_id)))
+            live.drafter_open, live.needs_reseed = True, False
+        except DrafterUnavailable:
+            live.fallback, live.needs_reseed = True, False
+
+    def _emit(self, live: Live, tokens: list[int]) -> None:
+        live.out.extend(tokens)
+        if live.on_tokens is not None and live.on_tokens(tokens):
+            live.stopped = True
+        if live.stopped or len(live.out) >= live.max_new_tokens or any(t in live.eos for t in tokens):
+            self._finish(live, None)
+
+    def _finish(self, live: Live, reason: str | None, err: Exception | None = None) -> None:
+        self.live.pop(live.request_id, None)
+        try:
+            self.target("close_session", pb.CloseSessionRequest(request_id=live.request_id))
+        except Exception:
+            log.exception("close_session %s", live.request_id)
+        if live.drafter_open and self.drafter is not None:
+            try:
+                self.drafter("close_session", live.request_id)
+            except Exception:
+                pass
+        if err is not None and reason == FINISH_ERROR and not live.out:
+            live.future.set_exception(_as_value_error(err))
+            return
+        tokens, finish = finish_tokens(live.out, live.max_new_tokens, live.eos)
+        if reason is not None:
+            finish = reason
+        elif live.stopped and len(live.out) <= live.max_new_tokens:
+            finish = FINISH_STOP
+        wall = time.perf_counter() - live.arrival
+        result = GenerationResult(tokens, finish, live.prefill_s, wall, tuple(live.rounds),
+                                  drafter_fallback=live.fallback, drafter_reseeds=live.reseeds)
+        if self.on_finish is not None:
+            self.on_finish(live.request_id, result)
+        live.future.set_result(result)
+
+
+def _as_value_error(err: Exception) -> Exception:
+    """A refusal from a worker, as the ValueError naming the field (the ingress maps it to INVALID_ARGUMENT)."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, (ValueError, LookupError)):
+        return ValueError(str(cause.args[0]) if cause.args else str(cause))
+    return err
+
+
+__all__ = ["RoundLoop", "WorkerCalls", "Live", "torch"]
