@@ -205,6 +205,7 @@ class RoundLoop:
         shapes = {rid: self._fit(self.live[rid], shape) for rid, shape in plan.shapes.items()}
         batch = [self.live[rid] for rid in shapes]
         start_ns, t0 = time.time_ns(), time.perf_counter()
+        self._draft_compute_s = 0.0
         trees = self._propose(batch, shapes)                                                    # propose
         t1 = time.perf_counter()
         msgs, flats = [], {}
@@ -229,6 +230,10 @@ class RoundLoop:
         self.curve.observe(rows, verify_ms)
         self.rounds += 1
         accept_s = max((d.accept_ms for _, d in to_publish), default=0.0) / 1000
+        # the Ray hop cost: the round's wall time outside the workers' own compute (calls, encoding, queues)
+        compute_s = (self._draft_compute_s + max((d.compute_ms for _, d in to_publish), default=0.0) / 1000
+                     + sum(a.compute_ms for a in acks if not isinstance(a, Refusal)) / 1000)
+        hop_s = max((t4 - t0) - compute_s, 0.0)
         for (live, d), ack in zip(to_publish, acks):
             if isinstance(ack, Refusal):
                 self._finish(live, FINISH_ERROR, ValueError(ack.message))
@@ -240,9 +245,9 @@ class RoundLoop:
             if nodes:
                 live.acceptance.observe(decision.accept_length, shapes[live.request_id].depth_cap)
                 self.prior.observe(decision.accept_length, shapes[live.request_id].depth_cap, weight=0.05)
-            share = 1 / len(batch)  # the batch's time, shared out for per-request stats
-            live.rounds.append(RoundStats(decision.accept_length, decision.num_new_tokens, nodes, (t1 - t0) * share,
-                                          (t3 - t1) * share, hop_s=0.0))
+            # each request in the batch waited for the whole round: it is charged the full times
+            live.rounds.append(RoundStats(decision.accept_length, decision.num_new_tokens, nodes, t1 - t0, t3 - t1,
+                                          hop_s=hop_s))
             if self.on_round is not None:
                 self.on_round(RoundRecord(live.request_id, d.round, flat if nodes else None, decision, start_ns,
                                           t1 - t0, t2 - t1, t3 - t2, accept_s, t4 - t3, live.fallback))
@@ -286,7 +291,7 @@ class RoundLoop:
         items = [(x.request_id, wire.seed_to_proto(x.seed, request_id=x.request_id), self._tree(x, shapes[x.request_id]))
                  for x in drafting]
         try:
-            out, _ = self.drafter("propose_batch", items)
+            out, self._draft_compute_s = self.drafter("propose_batch", items)
         except DrafterUnavailable as err:
             log.warning("drafter unavailable (%s): this round is plain; reseeding", err)
             for x in drafting:
