@@ -263,6 +263,7 @@ class TargetWorker:
         return {"worker": self.name, "live_sessions": len(self.sessions), "kv_slots_allocated": allocated,
                 "kv_slots_live": expected, "kv_bytes_allocated": sum(e.kv_bytes_allocated() for e in self.engines.values()),
                 "orphans": sorted(engine_ids ^ set(self.sessions)),
+                "last_expert_bytes": sum(e.last_expert_bytes for e in self.engines.values()),  # MoE (seed 0x09A)
                 "ok": allocated == expected and engine_ids == set(self.sessions)}
 
     # --- internals -------------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class RoundLog:
     verify_ms: float
     predicted_ms: float
     new_tokens: int
+    expert_bytes: int = 0   # MoE targets: expert weights the batch's verify rows routed to (seed 0x09A)
 
 
 class BatchRunner:
@@ -171,7 +172,8 @@ class BatchRunner:
                 self.prior.observe(decision.accept_length, shape.depth_cap, weight=0.05)
             if r.done:
                 self._finish(r)
-        self.log.append(RoundLog(len(items), rows, verify_ms, plan.predicted_ms, new_tokens))
+        self.log.append(RoundLog(len(items), rows, verify_ms, plan.predicted_ms, new_tokens,
+                                 self.target.last_expert_bytes))
         return plan
 
     def run(self) -> dict[str, Finished]:

@@ -129,7 +129,7 @@ def test_cancel_stops_at_a_round_boundary_and_releases_every_session(tiny_target
     assert out.token_ids == baseline(tiny_target)[:len(out.token_ids)]
     assert worker.leak_check() | {"worker": None} == {"worker": None, "live_sessions": 0, "kv_slots_allocated": 0,
                                                       "kv_slots_live": 0, "kv_bytes_allocated": 0, "orphans": [],
-                                                      "ok": True}
+                                                      "last_expert_bytes": 0, "ok": True}
     assert not drafter_engine.sessions
 
 

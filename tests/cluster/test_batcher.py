@@ -69,3 +69,17 @@ def test_an_invalid_request_is_refused_at_submit_and_the_batch_goes_on(tiny_targ
         runner.submit("bad", [1, 10_000], max_new_tokens=8)
     assert set(runner.running) == {"ok"} and "bad" not in target.sessions and "bad" not in drafter.sessions
     assert len(runner.run()["ok"].token_ids) == 8
+
+
+def test_an_moe_target_reports_the_expert_bytes_of_each_batched_round():
+    """Seed 0x09A: the batch's rows route to a union of experts; the round log carries its bytes."""
+    from eyas.testing import ours_from_hf, tiny_hf_mixtral
+
+    moe = ours_from_hf(tiny_hf_mixtral())
+    runner = BatchRunner(TargetEngine(moe, ()), None, TreeWorkPolicy(), FLAT)
+    for rid, p in prompts(3).items():
+        runner.submit(rid, p, max_new_tokens=6)
+    runner.run()
+    per_expert = moe.cfg.expert_bytes_per_expert
+    assert all(r.expert_bytes > 0 and r.expert_bytes % per_expert == 0 for r in runner.log)
+    assert all(r.expert_bytes <= moe.cfg.num_layers * moe.cfg.num_experts * per_expert for r in runner.log)
