@@ -145,12 +145,20 @@ def test_the_python_client_validates_before_sending(client):
 
 
 def test_a_client_that_goes_away_cancels_its_request_and_frees_its_sessions(client, no_leaks):
-    stream = client.stream(prompt=PROMPTS[1], method="eagle3", max_new_tokens=400)
+    import time
+
+    long_answer = "Count from 1 to 300, one number per line, and say nothing else."
+    stream = client.stream(prompt=long_answer, method="eagle3", max_new_tokens=400)
     got = [next(stream), next(stream)]
-    assert all(c.token_ids for c in got)
+    assert all(c.token_ids for c in got) and not any(c.finish_reason for c in got)
     stream.close()  # the client leaves mid-answer
     no_leaks(client)
-    requests = client.stats()["metrics"]["eyas.requests"]
+    deadline = time.monotonic() + 30  # the request's metric is recorded just after its sessions close
+    while True:
+        requests = client.stats()["metrics"]["eyas.requests"]
+        if any(p["attributes"]["finish_reason"] == "cancelled" for p in requests) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert any(p["attributes"]["finish_reason"] == "cancelled" for p in requests), requests
 
 
