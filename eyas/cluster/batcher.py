@@ -29,7 +29,7 @@ from eyas.protocol.messages import Seed
 from eyas.protocol.tree import DraftTree
 from eyas.scheduler.cost import TreeShape
 from eyas.scheduler.latency import LatencyCurve
-from eyas.scheduler.policy import AcceptanceEstimate, Candidate, Plan
+from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate, Plan
 from eyas.target.engine import TargetEngine
 from eyas.verification.sampling import SamplingParams
 
@@ -169,7 +169,7 @@ class BatchRunner:
             if tree.num_nodes:
                 r.speculative_rounds += 1
                 r.acceptance.observe(decision.accept_length, shape.depth_cap)
-                self.prior.observe(decision.accept_length, shape.depth_cap, weight=0.05)
+                self.prior.observe(decision.accept_length, shape.depth_cap, weight=PRIOR_EMA)
             if r.done:
                 self._finish(r)
         self.log.append(RoundLog(len(items), rows, verify_ms, plan.predicted_ms, new_tokens,

@@ -44,7 +44,7 @@ from eyas.protocol.messages import Seed
 from eyas.protocol.tree import DraftTree, flatten_tree
 from eyas.scheduler.cost import PLAIN, TreeShape
 from eyas.scheduler.latency import LatencyCurve
-from eyas.scheduler.policy import AcceptanceEstimate, Candidate
+from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
 from eyas.verification.sampling import SamplingParams
 
 log = logging.getLogger("eyas.round_loop")
@@ -244,7 +244,7 @@ class RoundLoop:
             nodes = flat.num_rows - 1
             if nodes:
                 live.acceptance.observe(decision.accept_length, shapes[live.request_id].depth_cap)
-                self.prior.observe(decision.accept_length, shapes[live.request_id].depth_cap, weight=0.05)
+                self.prior.observe(decision.accept_length, shapes[live.request_id].depth_cap, weight=PRIOR_EMA)
             # each request in the batch waited for the whole round: it is charged the full times
             live.rounds.append(RoundStats(decision.accept_length, decision.num_new_tokens, nodes, t1 - t0, t3 - t1,
                                           hop_s=hop_s))

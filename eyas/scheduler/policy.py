@@ -29,6 +29,7 @@ DEFAULT_SHAPES = (PLAIN, TreeShape(1, 1, 1), TreeShape(2, 2, 3), TreeShape(2, 3,
                   TreeShape(4, 5, 16), TreeShape(8, 6, 32))
 PRIOR_RATES = (0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.3, 0.3)  # P(accept depth d | accepted d-1), before any data
 EMA = 0.3
+PRIOR_EMA = 0.2  # how fast the all-requests prior (a new request's starting estimate) follows observed acceptance
 MIN_GAIN = 1e-3  # relative improvement of J an upgrade must bring
 
 
