@@ -152,7 +152,14 @@ class RoundLoop:
                     break
                 admitted, self.pending = self.pending, []
             for live in admitted:
-                self._admit(live)
+                try:
+                    self._admit(live)
+                except Exception as err:  # never let one request's admission stop the loop
+                    log.exception("admission of %s failed", live.request_id)
+                    if live.request_id in self.live:
+                        self._finish(live, FINISH_ERROR, err)
+                    elif not live.future.done():
+                        live.future.set_exception(err)
             for live in [x for x in self.live.values() if x.cancel.is_set()]:
                 self._finish(live, FINISH_CANCELLED)
             if self.live:
@@ -332,6 +339,8 @@ class RoundLoop:
             self._finish(live, None)
 
     def _finish(self, live: Live, reason: str | None, err: Exception | None = None) -> None:
+        if live.future.done():
+            return
         self.live.pop(live.request_id, None)
         try:
             self.target("close_session", pb.CloseSessionRequest(request_id=live.request_id))
