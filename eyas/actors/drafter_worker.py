@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from eyas.actors.target_worker import Refusal
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
@@ -62,23 +63,16 @@ class DrafterWorker:
         self.session_method[request_id] = method
 
     def propose(self, request_id: str, seed: pb.Seed | Seed, tree: TreeSpec) -> tuple[DraftTree, float]:
-        """-> (the next tree, seconds of drafter compute)."""
-        t0 = time.perf_counter()
-        engine = self._engine(request_id)
-        if isinstance(seed, pb.Seed):
-            dims = {"feature_dim": len(engine.taps) * engine.embed.weight.shape[1]} if engine.taps else {}
-            seed = wire.seed_from_proto(seed, vocab_size=self.vocab_size, **dims)
-        if engine.sessions[request_id].provisional_len:
-            engine.publish(request_id)  # a new seed: the previous round was published
-        draft = engine.propose(request_id, seed, tree)
-        return draft, time.perf_counter() - t0
+        """-> (the next tree, seconds of drafter compute); a refusal raises ``ValueError`` naming the field."""
+        (draft,), seconds = self.propose_batch([(request_id, seed, tree)])
+        if isinstance(draft, Refusal):
+            raise ValueError(draft.message)
+        return draft, seconds
 
     def propose_batch(self, items: list[tuple[str, pb.Seed | Seed, TreeSpec]]) -> tuple[list, float]:
         """Grow several requests' trees, one packed drafter pass per growth step and method.
 
         -> (per item a ``DraftTree`` or a ``Refusal``, seconds of drafter compute)."""
-        from eyas.actors.target_worker import Refusal
-
         t0 = time.perf_counter()
         out: list = [None] * len(items)
         groups: dict[str, list[tuple[int, str, Seed, TreeSpec]]] = {}

@@ -141,12 +141,7 @@ class TargetWorker:
 
     def verify(self, request: pb.FlatTree) -> pb.AcceptDecision:
         s = self._session(request.request_id)
-        t = s.engine.sessions[request.request_id]
-        if t.frontier_token is None:
-            raise ValueError("round: the session has no frontier token yet (prefill and publish round 0 first)")
-        flat = wire.flat_tree_from_proto(request, vocab_size=self.vocab_size, max_rows=s.max_tree_rows,
-                                         base_position=t.committed_len, round=t.round + 1,
-                                         frontier_token=t.frontier_token)
+        flat = self._inbound_flat(s, request)
         if s.pending is not None:  # this round is decided but unpublished: only a retry is answered
             if s.pending.flat is not None and _same_rows(s.pending.flat, flat):
                 return s.pending.reply
@@ -190,14 +185,9 @@ class TargetWorker:
         for i, request in enumerate(requests):
             try:
                 s = self._session(request.request_id)
-                t = s.engine.sessions[request.request_id]
                 if s.pending is not None:
                     raise ValueError(f"round: {s.pending.round} of {request.request_id!r} is not yet published")
-                if t.frontier_token is None:
-                    raise ValueError("round: the session has no frontier token yet (prefill and publish round 0 first)")
-                flat = wire.flat_tree_from_proto(request, vocab_size=self.vocab_size, max_rows=s.max_tree_rows,
-                                                 base_position=t.committed_len, round=t.round + 1,
-                                                 frontier_token=t.frontier_token)
+                flat = self._inbound_flat(s, request)
                 groups.setdefault(id(s.engine), []).append((i, s, wire.draft_tree_from_flat(flat)))
             except (ValueError, SessionNotFound) as err:
                 out[i] = Refusal.of(err)
@@ -225,14 +215,15 @@ class TargetWorker:
 
     @torch.inference_mode()
     def measure_latency(self, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3,
-                        prefix: int = 64) -> dict[int, float]:
+                        prefix: int = 64, taps: tuple[FeatureTap, ...] = ()) -> dict[int, float]:
         """The verify latency curve on this worker's device: ms of a verify of R rows after a
-        ``prefix``-token committed context (the median of ``repeats``), for each R in ``rows``."""
+        ``prefix``-token committed context (the median of ``repeats``), for each R in ``rows``,
+        tapping ``taps`` as a drafter's sessions would."""
         from eyas.protocol.messages import AcceptDecision
         from eyas.protocol.tree import DraftTree
         from eyas.scheduler.latency import measure_curve
 
-        engine = self.engine_for(())
+        engine = self.engine_for(tuple(taps))
         ids = [(7 * i + 3) % self.vocab_size for i in range(prefix)]
         rid = "__latency_curve__"
 
@@ -273,6 +264,15 @@ class TargetWorker:
         if s is None or request_id not in s.engine.sessions:
             raise SessionNotFound(f"request_id: {request_id!r} has no live session")
         return s
+
+    def _inbound_flat(self, s: WorkerSession, request: pb.FlatTree) -> FlatTree:
+        """Validate an inbound FlatTree against the session (round, committed length, frontier, budget)."""
+        t = s.engine.sessions[request.request_id]
+        if t.frontier_token is None:
+            raise ValueError("round: the session has no frontier token yet (prefill and publish round 0 first)")
+        return wire.flat_tree_from_proto(request, vocab_size=self.vocab_size, max_rows=s.max_tree_rows,
+                                         base_position=t.committed_len, round=t.round + 1,
+                                         frontier_token=t.frontier_token)
 
     def _decided(self, request_id: str, s: WorkerSession, verified, t0: float) -> pb.AcceptDecision:
         t1 = time.perf_counter()
