@@ -39,16 +39,14 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import load_prompts  # noqa: E402
 
 from eyas.cluster.batcher import BatchRunner  # noqa: E402
 from eyas.runtime import Eyas, set_threads  # noqa: E402
-from eyas.scheduler.latency import measure_curve  # noqa: E402
+from eyas.scheduler.latency import LatencyCurve  # noqa: E402
+from eyas.actors.target_worker import TargetWorker  # noqa: E402
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy  # noqa: E402
-from eyas.protocol.tree import DraftTree  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("target-only", "prompt-length", "tree-work")
@@ -71,29 +69,11 @@ def workload(n: int, limit: int) -> list[str]:
     return mix
 
 
-def measure(eyas: Eyas, taps) -> "LatencyCurve":
+def measure(eyas: Eyas, taps) -> LatencyCurve:
     """Verify latency against total rows, at a 128-token committed prefix, on this machine."""
-    engine = eyas.target_engine(taps)
-    ids = list(range(100, 228))
-    rows_list = (1, 2, 4, 8, 16, 32, 64, 128)
-
-    def run(rows: int) -> float:
-        engine.open_session("curve", ids, 8, rows)
-        try:
-            v = engine.prefill("curve")
-            from eyas.protocol.messages import AcceptDecision
-
-            engine.publish("curve", v.round, AcceptDecision(torch.arange(len(ids)), torch.tensor(ids[1:]), 5))
-            n = rows - 1
-            tree = DraftTree(torch.full((n,), 7), torch.arange(-1, n - 1), torch.arange(1, n + 1), torch.full((n,), .5)) \
-                if n else DraftTree.empty()
-            t0 = time.perf_counter()
-            engine.verify("curve", tree)
-            return time.perf_counter() - t0  # the verify only, not the prefill
-        finally:
-            engine.close_session("curve")
-
-    return measure_curve(run, rows_list, repeats=3, warmup=1)
+    worker = TargetWorker(eyas.model)
+    return LatencyCurve.from_points(worker.measure_latency((1, 2, 4, 8, 16, 32, 64, 128), repeats=3, prefix=128,
+                                                           taps=taps))
 
 
 def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], max_new_tokens: int, curve,
