@@ -102,7 +102,7 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
     max_rows = tree.max_candidates + 1 if drafter is not None else 1
     target.open_session(request_id, prompt_ids, max_new_tokens, max_rows)
     if drafter is not None:
-        drafter.open_session(request_id, len(prompt_ids) + max_new_tokens + max_rows + tree.max_draft_rows + 1)
+        drafter.open_session(request_id, tree.draft_slots(len(prompt_ids), max_new_tokens))
     try:
         t_start = time.perf_counter()
         verified = target.prefill(request_id)

@@ -31,8 +31,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from eyas.actors.target_worker import Refusal
 from eyas.cluster.batcher import CONSUME_SEED_ONLY, tree_spec
 from eyas.cluster.verifier_client import DrafterUnavailable, RoundRecord
@@ -198,8 +196,8 @@ class RoundLoop:
                 live.fallback = True
             else:
                 try:
-                    slots = len(live.prompt_ids) + live.max_new_tokens + max_rows + live.tree.max_draft_rows + 1
-                    self.drafter("open_session", live.request_id, live.method, slots)
+                    self.drafter("open_session", live.request_id, live.method,
+                                 live.tree.draft_slots(len(live.prompt_ids), live.max_new_tokens))
                     live.drafter_open = True
                 except DrafterUnavailable:
                     live.fallback = True
@@ -323,9 +321,8 @@ class RoundLoop:
                 raise
             except Exception:
                 pass
-            max_rows = live.tree.max_candidates + 1
-            slots = len(live.prompt_ids) + live.max_new_tokens + max_rows + live.tree.max_draft_rows + 1
-            self.drafter("open_session", live.request_id, live.method, slots)
+            self.drafter("open_session", live.request_id, live.method,
+                         live.tree.draft_slots(len(live.prompt_ids), live.max_new_tokens))
             live.seed = wire.seed_from_proto(self.target("reseed", pb.ReseedRequest(request_id=live.request_id)))
             live.drafter_open, live.needs_reseed = True, False
         except DrafterUnavailable:
@@ -374,5 +371,3 @@ def _as_value_error(err: Exception) -> Exception:
         return ValueError(str(cause.args[0]) if cause.args else str(cause))
     return err
 
-
-__all__ = ["RoundLoop", "WorkerCalls", "Live", "torch"]

@@ -248,10 +248,6 @@ class RoundRecord:
     fallback: bool                 # the drafter was given up before this round
 
 
-def _draft_slots(prompt_len: int, max_new_tokens: int, max_rows: int, tree: TreeSpec) -> int:
-    return prompt_len + max_new_tokens + max_rows + tree.max_draft_rows + 1
-
-
 def _propose(drafter, request_id: str, seed: Seed, tree: TreeSpec) -> tuple[DraftTree, float]:
     """-> (tree, the drafter's own compute seconds, when it reports them)."""
     out = drafter.propose(request_id, seed, tree)
@@ -282,7 +278,7 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
     info = verifier.open_session(request_id, prompt_ids, max_new_tokens, max_rows, sampling=sampling, seed=seed,
                                  taps=taps)
     stop_ids = tuple(info.eos_token_ids if stop_ids is None else stop_ids)
-    slots = _draft_slots(len(prompt_ids), max_new_tokens, max_rows, tree)
+    slots = tree.draft_slots(len(prompt_ids), max_new_tokens)
     fallback, reseeds, stopped, cancelled = False, 0, False, False
     try:
         if drafter is not None:

@@ -14,7 +14,7 @@ never commits a row built on an unverified feature). A round:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -61,6 +61,10 @@ class TreeSpec:
         if self.kind == "dynamic":
             return self.verify_budget
         return self.max_depth if self.kind == "chain" else len(self.choices)
+
+    def draft_slots(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Draft KV slots a request needs: every committed row, one round's verify rows, its draft rows."""
+        return prompt_len + max_new_tokens + (self.max_candidates + 1) + self.max_draft_rows + 1
 
     @property
     def max_draft_rows(self) -> int:
