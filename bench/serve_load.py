@@ -42,6 +42,7 @@ from decode_speed import load_prompts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("target", "eagle3")
+HTTP_PORT = 8765  # Serve's HTTP proxy (unused here; the clients speak gRPC on a free port)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -68,8 +69,7 @@ def one_request(address: str, prompt: str, method: str, max_new_tokens: int) -> 
         latency = time.perf_counter() - t0
     return {"latency_s": latency, "ttft_s": first or latency, "new_tokens": tokens,
             "tau": stats.tau if stats else 0.0, "rounds": stats.rounds if stats else 0,
-            "hop_ms": stats.hop_ms if stats else 0.0, "fallback": bool(stats and stats.drafter_fallback),
-            "finish_reason": stats and "ok"}
+            "hop_ms": stats.hop_ms if stats else 0.0, "fallback": bool(stats and stats.drafter_fallback)}
 
 
 def run_level(address: str, prompts: list[str], method: str, concurrency: int, requests: int,
@@ -116,7 +116,7 @@ def start_local(config: dict) -> tuple[str, callable]:
         port = s.getsockname()[1]
     ray.init(address="local", include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024 ** 2,
              num_cpus=max(4, os.cpu_count() or 1))
-    serve.start(http_options={"host": "127.0.0.1", "port": 0 or 8765},
+    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT},
                 grpc_options={"port": port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
     serve.run(build_app(config), name="eyas", route_prefix="/")
 

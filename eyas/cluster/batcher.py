@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.drafting.engine import DrafterEngine, TreeSpec
-from eyas.generate import FINISH_LENGTH, FINISH_STOP, decide, finish_tokens
+from eyas.generate import FINISH_LENGTH, decide, finish_tokens
 from eyas.protocol.messages import Seed
 from eyas.protocol.tree import DraftTree
 from eyas.scheduler.cost import TreeShape
@@ -202,5 +202,3 @@ class BatchRunner:
         if self.drafter is not None:
             self.drafter.close_session(request_id)
 
-
-__all__ = ["BatchRunner", "Finished", "RoundLog", "tree_spec", "FINISH_STOP"]

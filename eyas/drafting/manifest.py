@@ -8,7 +8,6 @@ fingerprint or feature address is refused with an error naming the field.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import hashlib
 import dataclasses
-from dataclasses import dataclass, asdict, field
+from dataclasses import dataclass, asdict
 
 import torch
 import torch.nn as nn

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 from tqdm import tqdm
 
 from eyas.drafting.manifest import TreeABI, manifest_for, save_drafter

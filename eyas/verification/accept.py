@@ -23,7 +23,6 @@ probability prod_{j<i}(1 - r_j(c_j)) * r_i(c_i) = p(c_i), and any other token x 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
