@@ -52,3 +52,23 @@ def tiny_hf_mixtral(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: i
             elif "experts" in name:  # fused expert tensors are not touched by init_std in every version
                 p.normal_(0, init_std)
     return model
+
+
+def tiny_eagle1_engine(target):
+    """An untrained EAGLE-1 DrafterEngine over ``target`` (``init_drafter``'s fixed seed), with its taps."""
+    from eyas.drafting.engine import DrafterEngine
+    from eyas.drafting.model import DrafterConfig, init_drafter
+    from eyas.target.model import eagle1_feature_address
+
+    cfg = target.cfg
+    return DrafterEngine(init_drafter(DrafterConfig.for_target("eagle1", cfg)), target.embed, target.lm_head,
+                         taps=eagle1_feature_address(cfg))
+
+
+def branch_tokens(flat, row: int) -> list[int]:
+    """The tokens of a flattened tree's path from the root row to ``row`` (both included)."""
+    path = []
+    while row >= 0:
+        path.append(int(flat.tokens[row]))
+        row = int(flat.parents[row])
+    return path[::-1]

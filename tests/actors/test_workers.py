@@ -15,11 +15,10 @@ from eyas.actors.target_worker import TargetWorker
 from eyas.cluster.verifier_client import (DrafterUnavailable, LocalTransport, RemoteVerifier,
                                           generate_remote)
 from eyas.drafting.engine import DrafterEngine, TreeSpec
-from eyas.drafting.model import DrafterConfig, init_drafter
 from eyas.generate import generate
 from eyas.protocol import eyas_pb2 as pb
 from eyas.target.engine import TargetEngine
-from eyas.target.model import eagle1_feature_address
+from eyas.testing import tiny_eagle1_engine
 
 PROMPT = [7, 7, 7, 7, 7, 9, 30, 11]
 TREE = TreeSpec(expand_width=2, max_depth=3, verify_budget=6)
@@ -32,10 +31,7 @@ def worker(tiny_target):
 
 @pytest.fixture(scope="module")
 def drafter_engine(tiny_target):
-    torch.manual_seed(3)
-    cfg = tiny_target.cfg
-    return DrafterEngine(init_drafter(DrafterConfig.for_target("eagle1", cfg)), tiny_target.embed,
-                         tiny_target.lm_head, taps=eagle1_feature_address(cfg))
+    return tiny_eagle1_engine(tiny_target)
 
 
 def baseline(tiny_target, n=30):

@@ -5,13 +5,12 @@ import pytest
 import torch
 
 from eyas.cluster.batcher import BatchRunner
-from eyas.drafting.engine import DrafterEngine
-from eyas.drafting.model import DrafterConfig, init_drafter
 from eyas.generate import generate
 from eyas.scheduler.latency import LatencyCurve
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
 from eyas.target.engine import TargetEngine
 from eyas.target.model import eagle1_feature_address
+from eyas.testing import tiny_eagle1_engine
 
 FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 256: 200.0})
 STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 64: 3200.0})
@@ -19,10 +18,7 @@ STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 64: 3200.0})
 
 @pytest.fixture(scope="module")
 def drafter(tiny_target):
-    torch.manual_seed(3)
-    cfg = tiny_target.cfg
-    return DrafterEngine(init_drafter(DrafterConfig.for_target("eagle1", cfg)), tiny_target.embed,
-                         tiny_target.lm_head, taps=eagle1_feature_address(cfg))
+    return tiny_eagle1_engine(tiny_target)
 
 
 def prompts(n):

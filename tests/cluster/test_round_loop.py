@@ -10,13 +10,12 @@ from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import TargetWorker
 from eyas.cluster.round_loop import RoundLoop, WorkerCalls
 from eyas.cluster.verifier_client import DrafterUnavailable
-from eyas.drafting.engine import DrafterEngine, TreeSpec
-from eyas.drafting.model import DrafterConfig, init_drafter
+from eyas.drafting.engine import TreeSpec
 from eyas.generate import generate
 from eyas.scheduler.latency import LatencyCurve
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
 from eyas.target.engine import TargetEngine
-from eyas.target.model import eagle1_feature_address
+from eyas.testing import tiny_eagle1_engine
 from eyas.verification.sampling import SamplingParams
 
 FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 256: 200.0})
@@ -24,11 +23,8 @@ FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 256: 200.0})
 
 @pytest.fixture()
 def workers(tiny_target):
-    torch.manual_seed(3)
-    cfg = tiny_target.cfg
-    engine = DrafterEngine(init_drafter(DrafterConfig.for_target("eagle1", cfg)), tiny_target.embed,
-                           tiny_target.lm_head, taps=eagle1_feature_address(cfg))
-    return TargetWorker(tiny_target), DrafterWorker({"eagle1": engine}, cfg.vocab_size)
+    return TargetWorker(tiny_target), DrafterWorker({"eagle1": tiny_eagle1_engine(tiny_target)},
+                                                    tiny_target.cfg.vocab_size)
 
 
 class FlakyDrafter:

@@ -9,8 +9,7 @@ import grpc
 import pytest
 import torch
 
-from eyas.drafting.engine import DrafterEngine, TreeSpec
-from eyas.drafting.model import DrafterConfig, init_drafter
+from eyas.drafting.engine import TreeSpec
 from eyas.generate import generate
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
@@ -21,6 +20,7 @@ from eyas.cluster.verifier_server import serve_verifier
 from eyas.target.engine import TargetEngine
 from eyas.target.model import eagle1_feature_address
 from eyas.verification.sampling import SamplingParams
+from eyas.testing import tiny_eagle1_engine
 
 PROMPTS = ([1, 2, 3], [7, 7, 7, 7, 7, 9, 30, 11])
 TREE = TreeSpec(expand_width=2, max_depth=3, verify_budget=6)  # 7 verify rows a round
@@ -41,9 +41,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def drafter(tiny_target):
-    cfg = tiny_target.cfg
-    return DrafterEngine(init_drafter(DrafterConfig.for_target("eagle1", cfg)), tiny_target.embed, tiny_target.lm_head,
-                         taps=eagle1_feature_address(cfg))
+    return tiny_eagle1_engine(tiny_target)
 
 
 def test_greedy_decode_over_grpc_equals_in_process_target_only(tiny_target, client, drafter):

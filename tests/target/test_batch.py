@@ -6,6 +6,7 @@ import torch
 
 from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.target.engine import TargetEngine
+from eyas.testing import branch_tokens
 from eyas.target.model import eagle1_feature_address
 from eyas.verification.accept import greedy_accept
 
@@ -71,12 +72,8 @@ def test_each_requests_tree_rows_equal_its_own_per_branch_causal_forward(tiny_ta
     for rid, v in out.items():
         committed = e.sessions[rid].tokens
         for row in range(v.flat.num_rows):
-            path, walk = [], row
-            while walk >= 0:
-                path.append(int(v.flat.tokens[walk]))
-                walk = int(v.flat.parents[walk])
             with torch.no_grad():
-                ref = hf(torch.tensor([committed + path[::-1]])).logits[0, -1]
+                ref = hf(torch.tensor([committed + branch_tokens(v.flat, row)])).logits[0, -1]
             torch.testing.assert_close(v.logits[row], ref, rtol=1e-4, atol=1e-4)
 
 

@@ -8,7 +8,7 @@ from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.experts import expert_bytes, expert_union
-from eyas.testing import ours_from_hf, tiny_hf_mixtral
+from eyas.testing import branch_tokens, ours_from_hf, tiny_hf_mixtral
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +50,9 @@ def test_a_verify_records_the_union_of_experts_its_rows_route_to(moe_pair):
     v = e.verify("m", tree)
     expected = [set() for _ in range(ours.cfg.num_layers)]
     for row in range(v.flat.num_rows):
-        path, walk = [], row
-        while walk >= 0:
-            path.append(int(v.flat.tokens[walk]))
-            walk = int(v.flat.parents[walk])
         with torch.no_grad():
-            routers = hf(torch.tensor([e.sessions["m"].tokens + path[::-1]]), output_router_logits=True).router_logits
+            routers = hf(torch.tensor([e.sessions["m"].tokens + branch_tokens(v.flat, row)]),
+                         output_router_logits=True).router_logits
         for layer, logits in enumerate(routers):
             expected[layer] |= set(torch.softmax(logits[-1].float(), -1).topk(2).indices.tolist())
     assert e.last_expert_union == tuple(tuple(sorted(x)) for x in expected)
