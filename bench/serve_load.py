@@ -159,8 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--limit", type=int, default=16, help="MT-bench prompts to cycle through")
     ap.add_argument("--prompts", help="a .jsonl of {\"prompt\": ...} instead of MT-bench")
-    ap.add_argument("--target-workers", type=int, default=1)
-    ap.add_argument("--drafter-workers", type=int, default=1)
+    ap.add_argument("--target-replicas", type=int, default=1)
+    ap.add_argument("--drafter-replicas", type=int, default=1)
     ap.add_argument("--json", default=str(RESULTS / "serve_load.json"))
     args = ap.parse_args(argv)
 
@@ -171,8 +171,8 @@ def main(argv=None) -> int:
     address = args.server
     if address is None:
         print("starting a local Ray and the Eyas application ...", flush=True)
-        address, stop = start_local({"methods": ["eagle3"], "target_workers": args.target_workers,
-                                     "drafter_workers": args.drafter_workers})
+        address, stop = start_local({"methods": ["eagle3"], "target_replicas": args.target_replicas,
+                                     "drafter_replicas": args.drafter_replicas})
     try:
         for method in METHODS:  # warm-up: first forwards, lazy engine set-up
             one_request(address, prompts[0], method, 4)

@@ -19,7 +19,7 @@ in-process loop's (the target's distribution is matched either way: seed 0x05C).
 
 Failures: a request the target refuses finishes with an error (the others go on). A dead or slow
 drafter makes the round plain for everyone; each request then reseeds its draft session from the
-target's committed state (seed 0x05D) once, and a request whose reseed fails goes on target-only
+target's committed state (seed 0x05D), up to ``MAX_RESEEDS`` times, and a request whose reseed fails goes on target-only
 (``drafter_fallback``). Greedy tokens never change: the target decides every one.
 """
 from __future__ import annotations
@@ -47,6 +47,10 @@ from eyas.verification.sampling import SamplingParams
 
 log = logging.getLogger("eyas.round_loop")
 NEVER_ACCEPTS = AcceptanceEstimate([0.0] * 8)  # target-only requests: no tree ever pays
+# A request reseeds its draft session (seed 0x05D) at most this many times before it goes target-only:
+# once for a drafter that died, and again whenever the drafter deployment moved it to a replica that
+# does not hold its session (scale-up, scale-down, a replaced replica).
+MAX_RESEEDS = 4
 
 
 class WorkerCalls:
@@ -115,6 +119,8 @@ class RoundLoop:
         self.lock = threading.Condition()
         self.stopped = False
         self.rounds = 0
+        self.last_verify_rows = 0   # rows of the last round, all requests together
+        self.last_draft_rows = 0    # draft tree nodes of the last round, all requests together
         self.thread = threading.Thread(target=self._run, name="eyas-round-loop", daemon=True)
         self.thread.start()
 
@@ -139,6 +145,20 @@ class RoundLoop:
 
     def load(self) -> int:
         return len(self.live) + len(self.pending)
+
+    def work(self) -> dict[str, float]:
+        """The tree work this loop carries (what its replica reports to the autoscaler).
+
+        pending_verify_rows: the last round's verify rows (the live requests' next round is about as
+                             big) plus the prompt rows of requests waiting for admission (their prefill);
+        draft_rows:          the last round's draft tree nodes;
+        live / pending:      requests in rounds / waiting for admission.
+        """
+        with self.lock:
+            waiting = sum(len(x.prompt_ids) for x in self.pending)
+            live, pending = len(self.live), len(self.pending)
+        return {"pending_verify_rows": float((self.last_verify_rows if live else 0) + waiting),
+                "draft_rows": float(self.last_draft_rows if live else 0), "live": live, "pending": pending}
 
     # --- the loop (its own thread) ----------------------------------------------------------------
     def _run(self) -> None:
@@ -192,7 +212,7 @@ class RoundLoop:
         live.seed = wire.seed_from_proto(ack.seed)
         live.prefill_s = time.perf_counter() - t0
         if live.method != "target":
-            if self.drafter is None:
+            if self.drafter is None or live.method not in self.drafter_info:
                 live.fallback = True
             else:
                 try:
@@ -231,6 +251,7 @@ class RoundLoop:
                                              for live, d in to_publish]) if to_publish else []  # publish
         t4 = time.perf_counter()
         rows = sum(f.num_rows for rid, f in flats.items())
+        self.last_verify_rows, self.last_draft_rows = rows, rows - len(flats)
         verify_ms = 1000 * (t3 - t2)
         self.curve.observe(rows, verify_ms)
         self.rounds += 1
@@ -310,7 +331,7 @@ class RoundLoop:
         return trees
 
     def _reseed(self, live: Live) -> None:
-        if live.reseeds >= 1:
+        if live.reseeds >= MAX_RESEEDS:
             live.fallback, live.needs_reseed = True, False
             return
         live.reseeds += 1

@@ -25,7 +25,7 @@ rows
 utilisation
     Busy time (a round in progress) over serving time (ready and not yet stopped), per replica.
 
-Routing and scaling mirror :class:`eyas.cluster.pool.WorkerPool`: a request is routed on arrival to
+Routing and scaling mirror the EyasTarget deployment (eyas/cluster/deployments.py): a request is routed on arrival to
 the ready, non-draining replica with the fewest requests (queued + running; ties to the one that has
 served fewest, then the oldest) and stays there, so a replica that starts later takes only new
 arrivals. With no ready replica the request waits in a pool queue that the next ready replica takes

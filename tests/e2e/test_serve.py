@@ -1,6 +1,6 @@
-"""End to end: a real gRPC client -> Ray Serve's gRPC proxy -> EyasServer -> TargetWorker/DrafterWorker actors.
+"""End to end: a real gRPC client -> Ray Serve's gRPC proxy -> EyasServer -> EyasTarget / EyasDrafter replicas.
 
-Ordered: the last test kills the drafter for good.
+Ordered: the last test kills the drafter replica.
 """
 from __future__ import annotations
 
@@ -106,37 +106,6 @@ def test_eight_concurrent_clients_all_get_correct_complete_answers(serve_address
         no_leaks(c)
 
 
-def test_a_malformed_message_to_the_target_actor_is_refused_and_the_actor_keeps_serving(client, no_leaks):
-    import ray
-
-    from eyas.actors.ray_actors import RayTransport
-    from eyas.cluster.verifier_client import RemoteRejected, RemoteVerifier
-    import torch
-
-    from eyas.protocol import wire
-    from eyas.protocol.codec import encode_tensor
-    from eyas.protocol.tree import DraftTree, flatten_tree
-
-    target = next(w for w in client.stats()["workers"] if w["kind"] == "target")
-    verifier = RemoteVerifier(RayTransport(ray.get_actor(target["actor_name"], namespace=target["namespace"])))
-    verifier.open_session("e2e-malformed", [1, 2, 3, 4], 8, 4)
-    seed, ack = verifier.publish("e2e-malformed", verifier.prefill("e2e-malformed").round)
-    s = verifier.sessions["e2e-malformed"]
-    tree = DraftTree(torch.tensor([5, 6]), torch.tensor([-1, 0]), torch.tensor([1, 2]), torch.tensor([.5, .5]))
-    msg = wire.flat_tree_to_proto(flatten_tree(tree, s.frontier_token, s.committed_len), request_id="e2e-malformed",
-                                  round=s.round + 1, base_position=s.committed_len)
-    msg.parents = encode_tensor(torch.tensor([-1, 2, 0]))  # a parent after its child
-    with pytest.raises(RemoteRejected, match="^parents: "):
-        verifier.transport("Verify", msg, 60)
-    stale = pb.PublishRequest(request_id="e2e-malformed", round=0 + 5)
-    with pytest.raises(RemoteRejected, match="^round: "):
-        verifier.transport("Publish", stale, 60)
-    verdict = verifier.verify("e2e-malformed", tree)  # the session goes on as if nothing happened
-    verifier.publish("e2e-malformed", verdict.round)
-    verifier.close_session("e2e-malformed")
-    no_leaks(client)
-
-
 def test_the_python_client_validates_before_sending(client):
     with pytest.raises(ValueError, match="^top_p: "):
         client.generate(prompt="hi", top_p=0)
@@ -163,8 +132,12 @@ def test_a_client_that_goes_away_cancels_its_request_and_frees_its_sessions(clie
 
 
 def test_stats_reports_round_spans_and_speculation_metrics(client):
+    import time
+
     client.generate(prompt=PROMPTS[0], method="eagle3", max_new_tokens=16)
-    stats = client.stats()
+    deadline = time.monotonic() + 10  # replicas post their state to the registry just after a request ends
+    while "eyas.draft.accepted" not in (stats := client.stats())["metrics"] and time.monotonic() < deadline:
+        time.sleep(0.2)
     names = {s["name"] for s in stats["spans"]}
     assert {"eyas.round", "draft", "pack", "verify", "accept", "publish"} <= names
     m = stats["metrics"]
@@ -173,30 +146,21 @@ def test_stats_reports_round_spans_and_speculation_metrics(client):
         assert key in m, key
     assert sum(p["value"] for p in m["eyas.draft.accepted"]) > 0
     assert {w["kind"] for w in stats["workers"]} == {"target", "drafter"}
+    assert stats["replicas"] == {"target": 1, "drafter": 1}
+    target = next(a for a in stats["autoscaling"].values() if a["kind"] == "target")
+    assert {"pending_verify_rows", "draft_rows", "kv_bytes_used", "kv_bytes_capacity", "expert_bytes"} <= set(target)
 
 
-def test_a_drafter_killed_mid_request_is_reseeded_and_the_answer_is_unchanged(client, reference, no_leaks):
+def test_a_drafter_replica_killed_mid_request_is_reseeded_and_the_answer_is_unchanged(client, reference, no_leaks):
     import ray
 
     drafter = next(w for w in client.stats()["workers"] if w["kind"] == "drafter")
     actor = ray.get_actor(drafter["actor_name"], namespace=drafter["namespace"])
     stream = client.stream(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N)
     chunks = [next(stream), next(stream)]
-    ray.kill(actor, no_restart=False)  # the actor restarts empty (max_restarts=1)
+    ray.kill(actor)  # Serve replaces the replica; the new one holds no session
     chunks += list(stream)
     assert [t for c in chunks for t in c.token_ids] == reference[PROMPTS[0]]
     stats = chunks[-1].stats
     assert stats.drafter_reseeds + stats.drafter_fallback >= 1
-    no_leaks(client)
-
-
-def test_with_the_drafter_gone_requests_fall_back_to_target_only_unchanged(client, reference, no_leaks):
-    import ray
-
-    for w in client.stats()["workers"]:
-        if w["kind"] == "drafter":
-            ray.kill(ray.get_actor(w["actor_name"], namespace=w["namespace"]), no_restart=True)
-    chunks = list(client.stream(prompt=PROMPTS[1], method="eagle3", max_new_tokens=N))
-    assert [t for c in chunks for t in c.token_ids] == reference[PROMPTS[1]]
-    assert chunks[-1].stats.drafter_fallback and chunks[-1].stats.rounds == N - 1  # one token a round
     no_leaks(client)

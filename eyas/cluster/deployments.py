@@ -1,0 +1,299 @@
+"""The target and drafter deployments of the Eyas Serve app. Each scales on its own tree work.
+
+    client --gRPC--> Serve proxy --> EyasServer (ingress) --handle, one streaming call per request-->
+        EyasTarget replica: TargetWorker + RoundLoop, in one process
+            --handle, one call per round (multiplexed by target replica)--> EyasDrafter replica: DrafterWorker
+
+``EyasTarget``
+    One replica = one copy of the target model, its KV cache and the :class:`RoundLoop` that batches
+    all of its requests' rounds. A request lives in one target replica from admission to finish (the
+    ingress makes one streaming call per request), so its committed KV never moves and the target's
+    per-round calls are plain method calls in the same process. Scaling down is Serve's graceful
+    shutdown: the replica leaves the routing table, finishes every live request (up to
+    ``graceful_shutdown_timeout_s``), then goes. Sessions drain; none is dropped.
+
+``EyasDrafter``
+    One replica = one ``DrafterWorker`` (the drafters' weights and draft KV). A target replica sends
+    every call of its requests with ``multiplexed_model_id`` = its own replica id, so Serve's
+    model-multiplexing router keeps one target replica's draft sessions on one drafter replica. When
+    the router moves them anyway (a drafter replica was added, removed or replaced), the new replica
+    does not hold the session and answers with a refusal; the request then reseeds its draft session
+    from the target's committed state (seed 0x05D: every committed feature from position 0) on the
+    new replica. Greedy tokens never change: the target decides each one.
+
+Both report their tree work through ``record_autoscaling_stats()`` (see
+:mod:`eyas.cluster.serve_policy` for the policies that read it), and post their state to the app's
+:class:`~eyas.cluster.registry.Registry` for ``Stats``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+
+import ray
+from ray import serve
+
+from eyas.actors.drafter_worker import DrafterWorker
+from eyas.actors.target_worker import Refusal, TargetWorker
+from eyas.cluster.registry import Reporter
+from eyas.cluster.round_loop import RoundLoop, WorkerCalls
+from eyas.cluster.telemetry import Telemetry
+from eyas.cluster.verifier_client import DrafterUnavailable
+from eyas.drafting.engine import TreeSpec
+from eyas.protocol.schema import GenerateRequest
+from eyas.runtime import StopStrings, build_report, tree_for
+from eyas.scheduler.latency import LatencyCurve
+from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
+from eyas.target.loader import load_tokenizer
+from eyas.verification.sampling import SamplingParams
+
+log = logging.getLogger("eyas.serve")
+CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+STREAM_DONE = object()
+
+
+class _Locked:
+    """A worker whose every method runs under one lock: the round loop and the reporter thread share it."""
+
+    def __init__(self, worker, lock: threading.Lock):
+        self._worker, self._lock = worker, lock
+
+    def __getattr__(self, name):
+        method = getattr(self._worker, name)
+
+        def call(*args):
+            with self._lock:
+                return method(*args)
+
+        return call
+
+
+class ServeCalls:
+    """``calls(method, *args)`` on the drafter deployment, pinned by ``multiplexed_model_id``.
+
+    A drafter that cannot answer (no replica, a dead one, a timeout) raises ``DrafterUnavailable``; a
+    refusal (``ValueError`` in the drafter) is raised as that ``ValueError``.
+    """
+
+    def __init__(self, handle, model_id: str, timeout_s: float):
+        self.handle = handle.options(multiplexed_model_id=model_id)
+        self.timeout_s = timeout_s
+
+    def __call__(self, method: str, *args):
+        try:
+            return getattr(self.handle, method).remote(*args).result(timeout_s=self.timeout_s)
+        except ray.exceptions.RayTaskError as err:
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, ValueError):
+                raise cause from None
+            raise DrafterUnavailable(f"drafter: {type(cause or err).__name__}") from err
+        except Exception as err:  # TimeoutError, a dead replica, a deployment with no replica
+            raise DrafterUnavailable(f"drafter: {type(err).__name__}: {err}") from err
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (unit tests)
+        return uuid.uuid4().hex[:8]
+
+
+def _actor_name() -> str | None:
+    try:
+        return ray.get_runtime_context().get_actor_name()
+    except Exception:
+        return None
+
+
+@serve.deployment(name="EyasTarget", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64,
+                  graceful_shutdown_timeout_s=600, graceful_shutdown_wait_loop_s=1, health_check_period_s=10)
+class EyasTarget:
+    def __init__(self, config: dict, drafter=None):
+        from eyas.cluster.app import parse_config
+
+        self.cfg = c = parse_config(config)
+        self.app_name = _app_name()
+        self.replica_id = _replica_id()
+        self.worker_lock = threading.Lock()
+        self.worker = TargetWorker.load(c.target, c.precision, c.torch_threads)
+        self.locked = _Locked(self.worker, self.worker_lock)
+        self.tokenizer = load_tokenizer(c.target)
+        self.telemetry = Telemetry(f"eyas-target-{self.replica_id}", console=c.console_spans)
+        self.telemetry.add_kv_source(lambda: {"target": self.locked.leak_check()["kv_bytes_allocated"]})
+        self.drafter = None if drafter is None else ServeCalls(drafter, self.replica_id, c.drafter_timeout_s)
+        curve = LatencyCurve.from_points(self.locked.measure_latency(CURVE_ROWS, c.curve_repeats))
+        budgets = Budgets(max_batch=c.max_batch, max_verify_rows=c.max_verify_rows)
+        policy = TreeWorkPolicy(budgets) if c.scheduler == "tree-work" else PromptLengthPolicy(budgets)
+        self.loop = RoundLoop(WorkerCalls(self.locked, c.target_timeout_s, local=True), self.drafter,
+                              self._drafter_info(), policy, curve, on_round=self.telemetry.record_round,
+                              on_finish=lambda *_: self.reporter.poke())
+        self.reporter = Reporter(self.app_name, self.replica_id, "target", self._report)
+
+    def _drafter_info(self) -> dict:
+        """Per method: taps and default tree, from the drafter deployment ({} when there is none)."""
+        if self.drafter is None:
+            return {}
+        try:
+            return self.drafter("info")
+        except DrafterUnavailable as err:
+            log.warning("no drafter answered (%s): speculative requests go target-only", err)
+            return {}
+
+    # --- requests (from the ingress) ------------------------------------------------------------
+    async def generate(self, request: dict, prompt_ids: list[int]):
+        """Stream ``{"tokens": [...]}`` per publish, then ``{"report": ...}`` (or ``{"invalid": msg}``)."""
+        req = GenerateRequest(**request)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        future = loop.run_in_executor(None, self._run, req, prompt_ids, cancel,
+                                      lambda new: loop.call_soon_threadsafe(queue.put_nowait, list(new)))
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, STREAM_DONE))
+        try:
+            while (new := await queue.get()) is not STREAM_DONE:
+                yield {"tokens": new}
+            try:
+                report = future.result()
+            except ValueError as err:
+                yield {"invalid": str(err)}
+                return
+            yield {"report": report}
+        finally:
+            cancel.set()  # a no-op after a finished request; stops one whose caller went away
+
+    def _run(self, req: GenerateRequest, ids: list[int], cancel: threading.Event, on_tokens) -> dict:
+        if req.method != "target" and not self.loop.drafter_info and self.drafter is not None:
+            self.loop.drafter_info = self._drafter_info()  # the drafter deployment came up after this replica
+        info = self.loop.drafter_info.get(req.method, {})
+        tree = tree_for(req, info.get("default_tree", TreeSpec()))
+        stops = StopStrings(self.tokenizer, req.stop)
+        future = self.loop.submit(req.request_id or uuid.uuid4().hex, ids, req.max_new_tokens, req.method, tree,
+                                  SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p),
+                                  req.seed, _trimmed(req, on_tokens, stops, set(self.worker.cfg.eos_token_ids)),
+                                  cancel)
+        result = future.result()
+        self.telemetry.record_request(req.method, result.finish_reason, result.drafter_fallback)
+        self.reporter.poke()
+        return build_report(req, result, stops.text(result.token_ids), self.cfg.precision, info.get("source"), tree)
+
+    # --- autoscaling and stats -------------------------------------------------------------------
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Tree work for :class:`~eyas.cluster.serve_policy.TargetTreeWorkPolicy` (window-averaged by Serve)."""
+        work = self.loop.work()
+        leak = self.locked.leak_check()
+        return {"pending_verify_rows": work["pending_verify_rows"], "draft_rows": work["draft_rows"],
+                "kv_bytes_used": float(leak["kv_bytes_allocated"]),
+                "kv_bytes_capacity": float(self.cfg.kv_capacity_bytes),
+                "expert_bytes": float(leak["last_expert_bytes"])}
+
+    def _report(self) -> dict:
+        leak = self.locked.leak_check()
+        work = self.loop.work()
+        return {"worker": dict(leak, live_requests=work["live"] + work["pending"], actor_name=_actor_name(),
+                               namespace="serve"),
+                "loop": {"latency_curve": self.loop.curve.to_dict(), "rounds": self.loop.rounds, **work},
+                "autoscaling": self.record_autoscaling_stats(),
+                "telemetry": self.telemetry.snapshot()}
+
+    def check_health(self) -> None:
+        if not self.loop.thread.is_alive():
+            raise RuntimeError("the round loop stopped")
+
+    def __del__(self):
+        for stop in (lambda: self.loop.close(), lambda: self.reporter.stop()):
+            try:
+                stop()
+            except Exception:
+                pass
+
+
+@serve.deployment(name="EyasDrafter", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64,
+                  graceful_shutdown_timeout_s=30, health_check_period_s=10)
+class EyasDrafter:
+    def __init__(self, config: dict):
+        from eyas.cluster.app import parse_config
+
+        self.cfg = c = parse_config(config)
+        self.replica_id = _replica_id()
+        self.worker = DrafterWorker.load(c.target, tuple(c.methods), dict(c.drafters) or None, c.torch_threads)
+        self.lock = threading.Lock()
+        self.recent: dict[str, tuple[float, int]] = {}  # caller (target replica) -> (time, draft rows of its last round)
+        self.reporter = Reporter(_app_name(), self.replica_id, "drafter", self._report)
+
+    @serve.multiplexed(max_num_models_per_replica=64)
+    async def _affinity(self, model_id: str) -> str:
+        """Nothing to load: registering the caller's id makes Serve route its next calls here."""
+        return model_id
+
+    async def _call(self, method: str, *args):
+        caller = serve.get_multiplexed_model_id()
+        if caller:
+            await self._affinity(caller)
+        return await asyncio.to_thread(self._locked, caller, method, *args)
+
+    def _locked(self, caller: str, method: str, *args):
+        with self.lock:
+            out = getattr(self.worker, method)(*args)
+        if method == "propose_batch":
+            rows = sum(len(t.tokens) for t in out[0] if not isinstance(t, Refusal))
+            self.recent[caller] = (time.monotonic(), rows)
+        return out
+
+    async def info(self) -> dict:
+        return await self._call("info")
+
+    async def open_session(self, request_id: str, method: str, max_slots: int) -> None:
+        return await self._call("open_session", request_id, method, max_slots)
+
+    async def propose_batch(self, items: list) -> tuple[list, float]:
+        return await self._call("propose_batch", items)
+
+    async def close_session(self, request_id: str) -> bool:
+        return await self._call("close_session", request_id)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Draft rows per round over the target replicas that called in the last 5 s."""
+        now = time.monotonic()
+        return {"draft_rows": float(sum(rows for t, rows in list(self.recent.values()) if now - t <= 5.0))}
+
+    def _report(self) -> dict:
+        with self.lock:
+            leak = self.worker.leak_check()
+        return {"worker": dict(leak, live_requests=0, actor_name=_actor_name(), namespace="serve"),
+                "autoscaling": self.record_autoscaling_stats()}
+
+    def __del__(self):
+        try:
+            self.reporter.stop()
+        except Exception:
+            pass
+
+
+def _app_name() -> str:
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:
+        return "eyas"
+
+
+def _trimmed(req: GenerateRequest, on_tokens, stops: StopStrings, eos_ids: set[int]):
+    """The per-publish token callback: streams what the final answer keeps (up to max_new_tokens and
+    through the first stop id) and reports whether a stop string appeared."""
+    emitted: list[int] = []
+
+    def tokens(new: list[int]) -> bool:
+        if on_tokens is not None:
+            chunk = []
+            for t in new:
+                if len(emitted) >= req.max_new_tokens or (emitted and emitted[-1] in eos_ids):
+                    break
+                emitted.append(t)
+                chunk.append(t)
+            if chunk:
+                on_tokens(chunk)
+        return stops.on_tokens(new)
+
+    return tokens
