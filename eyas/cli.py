@@ -7,7 +7,9 @@
     eyas demo [--prompt TEXT]     speculative vs target-only on the default model, with the speedup
     eyas serve [--config ray_configs/serve.yaml] [--grpc-port 9000] [--http-port 8000]
                                   start a local Ray and the Serve application (Ctrl-C stops it)
-    eyas stats --server HOST:PORT  the serving replica's telemetry and the workers' leak invariant
+    eyas stats --server HOST:PORT  every replica's telemetry, tree work and leak invariant
+    eyas experiment autoscale --workload ray_configs/workloads/step_burst.yaml [--out DIR] [--address A]
+                                  replay a workload on a fake multi-node cluster; timeline JSON + plot
 
 Bad input exits with status 2 and one line ``error: <field>: <why>``.
 """
@@ -188,6 +190,53 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_experiment(args) -> int:
+    from eyas.cluster.experiment import run_autoscale
+    from eyas.cluster.workload import load_workload
+
+    workload = load_workload(args.workload)
+    out = args.out or f"bench/results/autoscale-{workload.name}"
+    doc = run_autoscale(workload, out, serve_config=args.serve_config, cluster_config=args.cluster_config,
+                        address=args.address, check=not args.no_check, plan_rates=tuple(args.plan_rates))
+    print_experiment_summary(doc, out)
+    return 0 if doc["errors"] == 0 and doc["incorrect"] == 0 else 1
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def print_experiment_summary(doc: dict, out: str) -> None:
+    def f(x, unit="s"):
+        return "-" if x is None else f"{x:.2f} {unit}".strip()
+
+    caps = doc.get("time_to_added_capacity_s", {})
+    print(f"\nrequests {doc['requests']}: {doc['errors']} errors, {doc['incorrect']} incorrect "
+          f"(checked against target-only: {doc['checked']})")
+    print(f"p50 / p99 latency: {f(doc['p50_latency_s'])} / {f(doc['p99_latency_s'])}; "
+          f"p99 steady {f(doc.get('p99_steady_s'))}, in the burst {f(doc.get('p99_burst_s'))}")
+    for name, t in (caps.get("replicas") or {}).items():
+        if name != "EyasServer":
+            print(f"burst -> added {name} replica: {f(t)}")
+    print(f"burst -> added node: {f(caps.get('nodes'))}; a target replica from asked to running: "
+          f"{f(doc.get('target_replica_startup_s'))}")
+    print(f"target replicas: start {doc['initial_target_replicas']}, peak {doc['peak_target_replicas']}, "
+          f"end {doc['final_target_replicas']}; nodes peak {doc.get('peak_nodes')}, end {doc.get('final_nodes')}")
+    sim = doc.get("simulator", {})
+    if sim:
+        print(f"\n{'simulator vs measured':<22} {'predicted':>10} {'measured':>10} {'error':>8}")
+        for key in ("p50_latency_s", "p99_latency_s", "peak_replicas", "final_replicas"):
+            p, m = sim["predicted"].get(key), sim["measured"].get(key)
+            err = sim.get("error", {}).get(key)
+            print(f"{key:<22} {_num(p):>10} {_num(m):>10} {'-' if err is None else f'{100 * err:+.0f}%':>8}")
+        if sim.get("plan"):
+            print(f"\n{'plan: rate/s':<14} {'replicas':>9} {'nodes':>6} {'p50 s':>7} {'p99 s':>7} {'tok/s':>9}")
+            for row in sim["plan"]:
+                print(f"{row['rate_per_s']:<14g} {row['peak_replicas']:>9} {row['peak_nodes']:>6} "
+                      f"{row['p50_latency_s']:>7.2f} {row['p99_latency_s']:>7.2f} {row['tokens_per_s']:>9.0f}")
+    print(f"\nwritten: {out}/timeline.json, {out}/timeline.png, {out}/requests.jsonl")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eyas", description="EAGLE-family speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -215,6 +264,18 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("stats", help="telemetry of a running server")
     st.add_argument("--server", default="127.0.0.1:9000")
     st.set_defaults(func=cmd_stats)
+    ex = sub.add_parser("experiment", help="cluster experiments")
+    exs = ex.add_subparsers(dest="experiment", required=True)
+    a = exs.add_parser("autoscale", help="replay a workload against the autoscaling app; record a timeline")
+    a.add_argument("--workload", required=True, help="a workload YAML (ray_configs/workloads/)")
+    a.add_argument("--out", help="output folder (default bench/results/autoscale-<workload>)")
+    a.add_argument("--serve-config", help="Serve config whose eyas app is deployed (default ray_configs/autoscale.yaml)")
+    a.add_argument("--cluster-config", help="fake multi-node cluster config (default ray_configs/fake_cluster.yaml)")
+    a.add_argument("--address", help="run on this running Ray cluster instead of starting the fake one")
+    a.add_argument("--no-check", action="store_true", help="skip the target-only exactness check of every answer")
+    a.add_argument("--plan-rates", type=float, nargs="*", default=[100.0, 1000.0],
+                   help="arrival rates (req/s) the calibrated simulator plans for after the run")
+    a.set_defaults(func=cmd_experiment)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -38,7 +38,7 @@ from ray import serve
 
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import Refusal, TargetWorker
-from eyas.cluster.registry import Reporter
+from eyas.cluster.registry import Reporter, get_registry
 from eyas.cluster.round_loop import RoundLoop, WorkerCalls
 from eyas.cluster.telemetry import Telemetry
 from eyas.cluster.verifier_client import DrafterUnavailable
@@ -124,13 +124,30 @@ class EyasTarget:
         self.telemetry = Telemetry(f"eyas-target-{self.replica_id}", console=c.console_spans)
         self.telemetry.add_kv_source(lambda: {"target": self.locked.leak_check()["kv_bytes_allocated"]})
         self.drafter = None if drafter is None else ServeCalls(drafter, self.replica_id, c.drafter_timeout_s)
-        curve = LatencyCurve.from_points(self.locked.measure_latency(CURVE_ROWS, c.curve_repeats))
+        self.curve_key = f"{c.target}/{c.precision}/{_device_kind(c.torch_threads)}"
+        curve = self._start_curve()
         budgets = Budgets(max_batch=c.max_batch, max_verify_rows=c.max_verify_rows)
         policy = TreeWorkPolicy(budgets) if c.scheduler == "tree-work" else PromptLengthPolicy(budgets)
         self.loop = RoundLoop(WorkerCalls(self.locked, c.target_timeout_s, local=True), self.drafter,
                               self._drafter_info(), policy, curve, on_round=self.telemetry.record_round,
                               on_finish=lambda *_: self.reporter.poke())
         self.reporter = Reporter(self.app_name, self.replica_id, "target", self._report)
+
+    def _start_curve(self) -> LatencyCurve:
+        """The verify latency curve: a sibling's (same target, precision and device kind) when the app's
+        registry has one, else measured here. Either way live rounds keep it up to date."""
+        try:
+            known = ray.get(get_registry(self.app_name).get_curve.remote(self.curve_key), timeout=10)
+        except Exception:
+            known = None
+        if known:
+            return LatencyCurve(list(known["rows"]), list(known["ms"]))
+        curve = LatencyCurve.from_points(self.locked.measure_latency(CURVE_ROWS, self.cfg.curve_repeats))
+        try:
+            get_registry(self.app_name).put_curve.remote(self.curve_key, curve.to_dict())
+        except Exception:
+            pass
+        return curve
 
     def _drafter_info(self) -> dict:
         """Per method: taps and default tree, from the drafter deployment ({} when there is none)."""
@@ -270,6 +287,14 @@ class EyasDrafter:
             self.reporter.stop()
         except Exception:
             pass
+
+
+def _device_kind(threads: int) -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu-{threads}t"
 
 
 def _app_name() -> str:

@@ -26,6 +26,16 @@ DEFAULT_MAX_AGE_S = 10.0
 class Registry:
     def __init__(self):
         self.reports: dict[str, tuple[str, float, dict]] = {}  # replica id -> (kind, wall time, payload)
+        self.curves: dict[str, dict] = {}  # (target, precision, device) key -> the latest latency curve
+
+    def put_curve(self, key: str, curve: dict) -> None:
+        """A target replica's latency curve (measured, or updated from its live rounds)."""
+        self.curves[key] = curve
+
+    def get_curve(self, key: str) -> dict | None:
+        """The latest curve for replicas of the same target on the same kind of device, if any: a new
+        replica starts from it instead of measuring its own (seconds of start-up on a CPU)."""
+        return self.curves.get(key)
 
     def report(self, replica_id: str, kind: str, payload: dict) -> None:
         self.reports[replica_id] = (kind, time.time(), payload)

