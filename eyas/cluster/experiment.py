@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -40,11 +41,12 @@ import yaml
 
 from eyas.cluster import sim
 from eyas.cluster.autoscale import ReplicaMetrics, ScalingState, TargetScalingConfig, decide_target_replicas
-from eyas.cluster.workload import (Arrival, Sample, Timeline, Workload, arrivals, percentile, phase_spans,
+from eyas.cluster.workload import (BURST_START, Arrival, Sample, Timeline, Workload, arrivals, percentile, phase_spans,
                                    plot_timeline, summary)
 
 log = logging.getLogger("eyas.experiment")
 LATENCY_WINDOW_S = 10.0       # p50/p99 in a sample cover requests finished in this trailing window
+RATE_WINDOW_S = 5.0           # request rate and tokens/s in a sample: over this trailing window
 HEAD = "head"
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "ray_configs"
 
@@ -205,6 +207,8 @@ class Replay:
         self.t0 = 0.0
         self.futures: list[concurrent.futures.Future] = []
         self.on_done = None
+        self.lock = threading.Lock()
+        self.token_times: list[tuple[float, int]] = []   # (when, tokens) of every streamed chunk
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -235,6 +239,9 @@ class Replay:
                 if chunk.token_ids and math.isnan(rec.first_t):
                     rec.first_t = self.now()
                 rec.tokens.extend(chunk.token_ids)
+                if chunk.token_ids:
+                    with self.lock:
+                        self.token_times.append((self.now(), len(chunk.token_ids)))
                 if chunk.finish_reason:
                     rec.finish_reason = chunk.finish_reason
                     rec.rounds = chunk.stats.rounds
@@ -258,23 +265,23 @@ class Replay:
         self.pool.shutdown(wait=True)
 
 
-def sample_now(replay: Replay, prev: Sample | None, interval_s: float, stats: dict, replicas: dict[str, int],
-               nodes: dict[str, int]) -> Sample:
+def sample_now(replay: Replay, stats: dict, replicas: dict[str, int], nodes: dict[str, int]) -> Sample:
     """One timeline sample from the replay's logs and the cluster's state (see eyas.cluster.workload.Sample)."""
     t = replay.now()
-    arrived = sum(1 for r in replay.logs if r.arrival.t <= t)
+    window = min(RATE_WINDOW_S, max(t, 1e-9))
+    arrived = sum(1 for r in replay.logs if t - window < r.arrival.t <= t)
     done = replay.finished()
     recent = [r.latency_s for r in done if r.done_t > t - LATENCY_WINDOW_S]
-    fresh_tokens = sum(len(r.tokens) for r in done if r.done_t > t - interval_s)
-    prev_arrived = sum(1 for r in replay.logs if r.arrival.t <= (prev.t if prev else 0.0))
+    with replay.lock:
+        fresh_tokens = sum(n for when, n in replay.token_times if when > t - window)
     targets = [a for a in stats.get("autoscaling", {}).values() if a.get("kind") == "target"]
-    return Sample(t=t, request_rate=(arrived - prev_arrived) / max(t - (prev.t if prev else 0.0), 1e-9),
+    return Sample(t=t, request_rate=arrived / window,
                   in_flight=replay.dispatched() - len(done), completed=len(done),
                   pending_verify_rows=sum(a.get("pending_verify_rows", 0.0) for a in targets),
                   draft_rows=sum(a.get("draft_rows", 0.0) for a in targets),
                   kv_bytes_used=sum(a.get("kv_bytes_used", 0.0) for a in targets),
                   replicas=replicas, nodes=nodes, p50_latency_s=percentile(recent, 50),
-                  p99_latency_s=percentile(recent, 99), tokens_per_s=fresh_tokens / interval_s)
+                  p99_latency_s=percentile(recent, 99), tokens_per_s=fresh_tokens / window)
 
 
 # --- the simulator's prediction of the same run --------------------------------------------------------
@@ -289,10 +296,14 @@ class Calibration:
     hop_ms_per_round: float          # mean time per round outside both forwards
     prompt_len: float                # mean prompt tokens
     startup_s: float                 # a new target replica: node launch + model load + curve
+    cost_scale: float = 1.0          # round cost multiplier fitted to the run's makespan (fit_cost_scale)
 
 
 def calibrate(stats: dict, reports: list[dict], startup_s: float, prompt_len: float) -> Calibration:
-    """``stats``: the app's last ``Stats``; ``reports``: per request its final stats (RequestLog.stats)."""
+    """``stats``: the app's last ``Stats``; ``reports``: per request its final stats (RequestLog.stats).
+
+    The curve is the first target replica's, as its live rounds left it (measured at start, then
+    moved towards every round's observed time); draft and hop ms are per round over all requests."""
     loops = list(stats.get("scheduler", {}).get("loops", {}).values())
     curve = loops[0]["latency_curve"] if loops else {"rows": [1], "ms": [50.0]}
     rows_hist = [p for p in stats.get("metrics", {}).get("eyas.verify_rows", [])]
@@ -307,16 +318,21 @@ def calibrate(stats: dict, reports: list[dict], startup_s: float, prompt_len: fl
 
 
 def predict(schedule: list[Arrival], cal: Calibration, policy: TargetScalingConfig, max_batch: int,
-            initial_replicas: int, until_s: float, control_interval_s: float = 1.0) -> sim.SimResult:
+            initial_replicas: int, until_s: float, control_interval_s: float = 1.0,
+            host_replicas: float | None = None) -> sim.SimResult:
     """Simulate the replayed arrivals on replicas of the calibrated cost, scaled by the same policy.
 
-    The policy sees what a target replica reports: pending verify rows = requests in rounds x verify
-    rows per request + queued requests x their prompt rows (their prefill).
+    The policy sees what a target replica reports (``RoundLoop.work``): pending verify rows = requests
+    in rounds x half their rounds x rows per round (on average half of a request is still to run) +
+    queued requests x (prompt rows + output rows). ``host_replicas``: the replicas share one host
+    (the fake cluster; see ``sim.ReplicaModel.host_replicas``).
     """
     state = {"s": ScalingState.initial(initial_replicas)}
+    mean_out = sum(a.max_new_tokens for a in schedule) / len(schedule)
 
     def scale(s: sim.ScalingState) -> int:
-        rows = s.running * cal.rows_per_request + s.queued * cal.prompt_len
+        rows = (s.running * mean_out / cal.tokens_per_round / 2 * cal.rows_per_request
+                + s.queued * (cal.prompt_len + mean_out))
         replicas, state["s"] = decide_target_replicas([ReplicaMetrics(pending_verify_rows=rows, timestamp=s.time_s)],
                                                       ScalingState(s.replicas, state["s"].above_since,
                                                                    state["s"].below_since,
@@ -327,9 +343,10 @@ def predict(schedule: list[Arrival], cal: Calibration, policy: TargetScalingConf
     lengths = sorted({a.max_new_tokens for a in schedule})
     weights = [sum(a.max_new_tokens == n for a in schedule) / len(schedule) for n in lengths]
     per_round_ms = cal.draft_ms_per_round + cal.hop_ms_per_round
-    model = sim.ReplicaModel(verify_ms=sim.Curve.from_points({r: ms + per_round_ms for r, ms in cal.verify_ms.items()}),
+    model = sim.ReplicaModel(verify_ms=sim.Curve.from_points({r: cal.cost_scale * (ms + per_round_ms)
+                                                              for r, ms in cal.verify_ms.items()}),
                              tokens_per_round=cal.tokens_per_round, rows_per_request=cal.rows_per_request,
-                             max_batch=max_batch, prefill_rows_per_prompt_token=1.0)
+                             max_batch=max_batch, prefill_rows_per_prompt_token=1.0, host_replicas=host_replicas)
     workload = sim.Workload(sim.Arrivals.explicit([a.t for a in schedule]),
                             output_len=list(zip(lengths, weights)), prompt_len=max(1, round(cal.prompt_len)))
     cluster = sim.ClusterModel(replicas=initial_replicas, autoscaling=sim.Autoscaling(
@@ -337,15 +354,44 @@ def predict(schedule: list[Arrival], cal: Calibration, policy: TargetScalingConf
     return sim.simulate(workload, model, cluster, until_s=until_s, horizon_s=until_s + 600)
 
 
+def fit_cost_scale(schedule: list[Arrival], cal: Calibration, policy: TargetScalingConfig, max_batch: int,
+                   initial_replicas: int, until_s: float, measured_makespan_s: float,
+                   host_replicas: float | None = None, iterations: int = 24) -> float:
+    """The one fitted parameter: the factor on the calibrated round cost that makes the simulated run
+    take as long as the measured one (first arrival to last answer). Latency percentiles and replica
+    counts are then predictions, not fits. Bisection on a log scale over [1/32, 32]: the simulated
+    makespan grows with the cost, and 24 halvings pin the factor to about 1e-6 (relative).
+
+    Why a factor at all: the start-up curve times one request's rows; a batched round of many
+    ragged requests (per-segment attention, sampling and bookkeeping) costs more than its rows say.
+    """
+    lo, hi = math.log(1 / 32), math.log(32)
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        trial = Calibration(**{**cal.__dict__, "cost_scale": math.exp(mid)})
+        r = predict(schedule, trial, policy, max_batch, initial_replicas, until_s, host_replicas=host_replicas)
+        if r.makespan_s < measured_makespan_s:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp((lo + hi) / 2)
+
+
 def plan(cal: Calibration, policy: TargetScalingConfig, max_batch: int, rates: list[float], duration_s: float,
          output_len: int, cost_per_replica_hour: float = 1.0) -> list[dict]:
     """Predicted replicas, nodes, latency and cost at arrival rates far above this machine's (Poisson)."""
     big = policy.model_copy(update={"max_replicas": 100_000, "max_step_up": None})
+    # start at the steady-state count (a full batch per replica), so the plan is not a cold start
+    full = max_batch * cal.rows_per_request
+    curve = sim.Curve.from_points(cal.verify_ms)
+    round_s = cal.cost_scale * (curve(full) + cal.draft_ms_per_round + cal.hop_ms_per_round) / 1000
+    per_replica = max_batch * cal.tokens_per_round / round_s / output_len        # requests/s one replica finishes
     out = []
     for rate in rates:
         schedule = [Arrival(t, "plan", "", output_len, 0) for t in
-                    sim.Arrivals.poisson(rate, duration_s=duration_s).sample(__import__("random").Random(0))]
-        r = predict(schedule, cal, big, max_batch, initial_replicas=max(1, math.ceil(rate / 2)), until_s=duration_s)
+                    sim.Arrivals.poisson(rate, duration_s=duration_s).sample(random.Random(0))]
+        r = predict(schedule, cal, big, max_batch, initial_replicas=max(1, math.ceil(rate / per_replica)),
+                    until_s=duration_s)
         out.append({"rate_per_s": rate, "requests": len(schedule), "peak_replicas": r.peak_replicas,
                     "peak_nodes": r.peak_nodes, "p50_latency_s": r.p50_latency_s, "p99_latency_s": r.p99_latency_s,
                     "tokens_per_s": r.throughput_tokens_per_s,
@@ -405,18 +451,27 @@ def run_autoscale(workload: Workload, out_dir: str | Path, *, serve_config: str 
             cluster.shutdown()
     cal_doc = summary_doc.pop("_calibration")
     policy = TargetScalingConfig(**((cfg.target_autoscaling or {}).get("policy", {}).get("policy_kwargs") or {}))
+    # on the fake cluster every node is a process on this machine: its cores bound the rounds in flight
+    host = (os.cpu_count() or 1) / cfg.torch_threads if cluster is not None else None
+    until = timeline.samples[-1].t if timeline.samples else 0.0
+    initial = summary_doc["initial_target_replicas"]
     cal = Calibration(**cal_doc)
-    predicted = predict(schedule, cal, policy, cfg.max_batch, summary_doc["initial_target_replicas"],
-                        until_s=timeline.samples[-1].t if timeline.samples else 0.0)
+    cal = Calibration(**{**cal_doc, "cost_scale": fit_cost_scale(schedule, cal, policy, cfg.max_batch, initial, until,
+                                                                 summary_doc["makespan_s"], host_replicas=host)})
+    cal_doc = cal.__dict__
+    predicted = predict(schedule, cal, policy, cfg.max_batch, initial, until_s=until, host_replicas=host)
     summary_doc["simulator"] = {
         "calibration": cal_doc,
         "predicted": {"p50_latency_s": predicted.p50_latency_s, "p99_latency_s": predicted.p99_latency_s,
+                      "makespan_s": predicted.makespan_s,
                       "peak_replicas": predicted.peak_replicas,
                       "final_replicas": predicted.timeline[-1].replicas if predicted.timeline else None},
         "measured": {"p50_latency_s": summary_doc["p50_latency_s"], "p99_latency_s": summary_doc["p99_latency_s"],
-                     "peak_replicas": summary_doc["peak_target_replicas"],
+                     # the simulator counts a replica from launch (starting, as Serve does once it is asked for)
+                     "peak_replicas": summary_doc["peak_target_replicas_asked"], "makespan_s": summary_doc["makespan_s"],
                      "final_replicas": summary_doc["final_target_replicas"]},
-        "plan": plan(cal, policy, cfg.max_batch, list(plan_rates), duration_s=60.0,
+        "host_replicas": host,
+        "plan": plan(cal, policy, cfg.max_batch, list(plan_rates), duration_s=30.0,
                      output_len=round(sum(a.max_new_tokens for a in schedule) / len(schedule))) if plan_rates else [],
     }
     p, m = summary_doc["simulator"]["predicted"], summary_doc["simulator"]["measured"]
@@ -469,7 +524,6 @@ def _run(workload, schedule, address, args, node_types, references, timeline, ou
     timeline.mark(0.0, "deployed", deploy_s=deploy_s)
     replay.start()
     end_t = schedule[-1].t + workload.drain_s
-    prev = None
     last_stats: dict = {}
     while True:
         time.sleep(workload.sample_interval_s)
@@ -478,11 +532,9 @@ def _run(workload, schedule, address, args, node_types, references, timeline, ou
         except Exception:
             log.warning("Stats failed", exc_info=True)
         states = replica_states()
-        s = sample_now(replay, prev, workload.sample_interval_s, last_stats, {k: v[0] for k, v in states.items()},
-                       count_nodes(ray.nodes(), node_types))
+        s = sample_now(replay, last_stats, {k: v[0] for k, v in states.items()}, count_nodes(ray.nodes(), node_types))
         target_states.append((s.t, *states.get("EyasTarget", (0, 0))))
         timeline.add(s)
-        prev = s
         all_done = len(replay.finished()) == len(schedule)
         if s.t >= end_t and all_done and _settled(timeline, initial, node_types):
             break
@@ -501,13 +553,20 @@ def _run(workload, schedule, address, args, node_types, references, timeline, ou
          "finish_reason": r.finish_reason, "error": r.error, "correct": r.correct}) + "\n" for r in logs))
     doc = summary(timeline)
     lat = [r.latency_s for r in logs if r.error is None]
+    burst = next(((a, b) for (a, b), ph in zip(phase_spans(workload), workload.phases) if ph.label == BURST_START), None)
+    if burst is not None:  # by arrival: requests that came before the burst, and during it
+        doc["p99_steady_s"] = percentile([r.latency_s for r in logs if r.error is None and r.arrival.t < burst[0]], 99)
+        doc["p99_burst_s"] = percentile([r.latency_s for r in logs
+                                         if r.error is None and burst[0] <= r.arrival.t < burst[1]], 99)
     target_counts = [s.replicas.get("EyasTarget", 0) for s in timeline.samples]
     doc.update(requests=len(logs), errors=sum(r.error is not None for r in logs),
                incorrect=sum(r.correct is False for r in logs), checked=bool(references),
                p50_latency_s=percentile(lat, 50), p99_latency_s=percentile(lat, 99),
                initial_target_replicas=initial.get("EyasTarget", 1),
                peak_target_replicas=max(target_counts, default=0),
-               final_target_replicas=target_counts[-1] if target_counts else 0, deploy_s=deploy_s)
+               final_target_replicas=target_counts[-1] if target_counts else 0, deploy_s=deploy_s,
+               makespan_s=max((r.done_t for r in logs if r.error is None), default=0.0) - schedule[0].t)
+    doc["peak_target_replicas_asked"] = max((run + start for _, run, start in target_states), default=0)
     startup = replica_startup_s(target_states)
     doc["target_replica_startup_s"] = startup
     doc["_calibration"] = calibrate(last_stats, [r.stats for r in logs if r.stats], startup or deploy_s,

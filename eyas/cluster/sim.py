@@ -216,8 +216,15 @@ class ReplicaModel:
     draft_ms: Curve = Curve.zero()         # ms of a drafter pass of D total draft rows
     draft_rows_per_request: float = 0.0    # draft rows per batched request per round
     prefill_rows_per_prompt_token: float = 0.0  # extra verify rows per prompt token in a request's first round
+    # None: every replica has hardware of its own. A number H: all replicas share one host that runs H
+    # rounds at once at full speed, so a round that starts while B replicas (itself included) are in a
+    # round takes max(1, B / H) times as long (Ray's fake multi-node cluster: every node is a process
+    # on the same machine). Example: H = 2, three replicas busy -> every new round takes 1.5x.
+    host_replicas: float | None = None
 
     def __post_init__(self):
+        if self.host_replicas is not None and not self.host_replicas > 0:
+            raise ValueError(f"ReplicaModel.host_replicas: {self.host_replicas} must be > 0 (or None)")
         if not self.tokens_per_round >= 1.0:
             raise ValueError(f"ReplicaModel.tokens_per_round: {self.tokens_per_round} must be >= 1 (bonus token)")
         if self.max_batch < 1:
@@ -575,6 +582,9 @@ class _Sim:
             dur = self.round_s.get(r.running)
             if dur is None:
                 dur = self.round_s[r.running] = m.round_ms(r.running) / MS_PER_S
+        if m.host_replicas is not None:  # a shared host: the rounds in flight share its speed
+            busy = sum(1 for x in self.alive if x.busy)
+            dur *= max(1.0, busy / m.host_replicas)
         self.push(t + dur, _ROUND_END, r)
 
     def round_end(self, r: _Replica, t: float) -> None:

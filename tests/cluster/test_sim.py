@@ -283,3 +283,18 @@ def test_thousand_requests_per_second_for_30_s_is_fast():
     offered = SPEED_RATE * sum(n * p for n, p in lengths)
     assert sum(steady) / len(steady) == pytest.approx(offered, rel=0.05)
     assert 0 < r.mean_utilisation <= 1
+
+
+def test_replicas_on_a_shared_host_slow_each_other_down():
+    """Worked example: two replicas, one 1-round request each at t=0, 100 ms rounds, ``host_replicas=1``.
+
+    Replica 0 starts its round first (1 busy: 100 ms, done at 0.1 s); replica 1 starts while 2 are busy:
+    2 x 100 ms, done at 0.2 s. With hardware of their own both finish at 0.1 s.
+    """
+    from eyas.cluster.sim import Arrivals, ClusterModel, Curve, ReplicaModel, Workload, simulate
+
+    work = Workload(Arrivals.explicit([0.0, 0.0]), output_len=1, prompt_len=1)
+    own = simulate(work, ReplicaModel(Curve.from_points({1: 100.0})), ClusterModel(replicas=2))
+    shared = simulate(work, ReplicaModel(Curve.from_points({1: 100.0}), host_replicas=1), ClusterModel(replicas=2))
+    assert sorted(r.finish_s for r in own.requests) == pytest.approx([0.1, 0.1])
+    assert sorted(r.finish_s for r in shared.requests) == pytest.approx([0.1, 0.2])

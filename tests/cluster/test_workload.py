@@ -186,8 +186,8 @@ def test_shipped_workloads_load(filename):
 
 def test_shipped_step_burst_shape():
     w = load_workload(WORKLOADS / "step_burst.yaml")
-    assert total_duration(w) == 65
-    assert [rate_at(w, t) for t in (5, 20, 50)] == [0.2, 2.0, 0.1]
+    assert total_duration(w) == 80
+    assert [rate_at(w, t) for t in (5, 40, 70)] == [0.12, 1.0, 0.05]
     tokens = {k.max_new_tokens for m in w.mixes.values() for k in m.prompts}
     assert min(tokens) >= 16 and max(tokens) <= 24
 
