@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray import serve
 from ray.serve.config import AutoscalingConfig
 
-from eyas.cluster.registry import get_registry
+from eyas.cluster.registry import HEAD_NODE_RESOURCE, get_registry
 from eyas.generate import FINISH_ERROR
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
@@ -109,8 +109,10 @@ def _stats(report: dict) -> pb.GenerateStats:
 
 
 
-@serve.deployment(name="EyasServer", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
-                  health_check_period_s=10)
+# The ingress holds no model; it lives on the head node beside the proxy, so that it never keeps a
+# worker node from going idle (override `ray_actor_options` in the Serve config to place it elsewhere).
+@serve.deployment(name="EyasServer", ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
+                  max_ongoing_requests=256, health_check_period_s=10)
 class EyasServer:
     def __init__(self, config: dict, target):
         self.cfg = parse_config(config)
@@ -120,6 +122,7 @@ class EyasServer:
             self.app_name = serve.get_replica_context().app_name
         except Exception:
             self.app_name = "eyas"
+        get_registry(self.app_name)  # start it now, from the head, before any replica reports
 
     # --- the Eyas service --------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:

@@ -20,6 +20,7 @@ import ray
 log = logging.getLogger("eyas.registry")
 REGISTRY_PREFIX = "eyas-registry"
 DEFAULT_MAX_AGE_S = 10.0
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node offers it
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -52,8 +53,12 @@ class Registry:
 
 
 def get_registry(app_name: str):
-    """The app's registry actor, started on first use (detached: it outlives whichever replica made it)."""
-    return Registry.options(name=f"{REGISTRY_PREFIX}:{app_name}", get_if_exists=True, lifetime="detached").remote()
+    """The app's registry actor, started on first use (detached: it outlives whichever replica made it).
+
+    It lives on the head node: an actor on a worker node keeps that node from ever going idle, so
+    the cluster autoscaler could not remove it after a burst."""
+    return Registry.options(name=f"{REGISTRY_PREFIX}:{app_name}", get_if_exists=True, lifetime="detached",
+                            resources={HEAD_NODE_RESOURCE: 0.001}).remote()
 
 
 class Reporter:
