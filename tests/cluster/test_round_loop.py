@@ -115,3 +115,64 @@ def test_cancel_and_bad_requests_leave_the_others_alone(tiny_target, workers):
     finally:
         loop.close()
     assert target.leak_check()["ok"] and not target.sessions and not drafter.session_method
+
+
+def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when_idle(tiny_target, workers):
+    """``RoundLoop.work`` (what a target replica reports to the autoscaler).
+
+    Worked example of the formula, on a hand-built live request: 4 of 16 tokens out after 2 rounds of
+    3 rows (2 nodes + the root, 2 tokens a round) -> (16 - 4) / 2 = 6 rounds x 3 rows = 18 rows; a
+    queued request with a 5-token prompt and max_new_tokens 8 adds 5 + 8 = 13 -> 31 pending rows.
+    """
+    import concurrent.futures
+    import time
+
+    from eyas.cluster.round_loop import Live
+    from eyas.generate import RoundStats
+    from eyas.scheduler.policy import AcceptanceEstimate
+
+    target, drafter = workers
+    loop = RoundLoop(WorkerCalls(target, 30, local=True), None, {}, TreeWorkPolicy(Budgets()), FLAT.copy())
+    try:
+        assert loop.work() == {"pending_verify_rows": 0.0, "draft_rows": 0.0, "live": 0, "pending": 0}
+
+        def live(rid, prompt, max_new):
+            return Live(rid, prompt, max_new, "eagle1", TreeSpec(), SamplingParams(), 0, None,
+                        concurrent.futures.Future(), threading.Event(), time.perf_counter(), AcceptanceEstimate())
+
+        running = live("a", [1, 2, 3], 16)
+        running.out = [5, 6, 7, 8]
+        running.rounds = [RoundStats(1, 2, 2, 0.0, 0.0), RoundStats(1, 2, 2, 0.0, 0.0)]
+        with loop.lock:  # hold the loop: this test places the requests itself
+            loop.live["a"] = running
+            queued = live("b", [1, 2, 3, 4, 5], 8)
+            loop.pending.append(queued)
+            work = loop.work()
+            loop.live.clear()
+            loop.pending.clear()
+        assert work["pending_verify_rows"] == 18 + 13 and work["live"] == 1 and work["pending"] == 1
+        loop.submit("c", [1, 2, 3], 6, "target", TreeSpec(), SamplingParams(), 0).result(timeout=60)
+        assert loop.work()["pending_verify_rows"] == 0.0  # finished requests leave no work behind
+    finally:
+        loop.close()
+
+
+def test_stats_merge_every_replicas_report():
+    """Stats = the registry's reports merged: workers with their kind, telemetry points concatenated and
+    tagged with their replica, drafter KV as the draft side of eyas.kv_bytes, replica counts by kind."""
+    from eyas.cluster.app import merge_reports
+
+    point = {"attributes": {"finish_reason": "length"}, "value": 2}
+    target = {"replica": "t1", "kind": "target", "worker": {"live_sessions": 0, "ok": True},
+              "loop": {"rounds": 7}, "autoscaling": {"pending_verify_rows": 12.0},
+              "telemetry": {"metrics": {"eyas.requests": [point]}, "spans": [{"name": "eyas.round"}]}}
+    drafter = {"replica": "d1", "kind": "drafter", "worker": {"live_sessions": 0, "ok": True,
+                                                              "kv_bytes_allocated": 4096},
+               "autoscaling": {"draft_rows": 3.0}}
+    stats = merge_reports([target, dict(target, replica="t2"), drafter], "tree-work")
+    assert stats["replicas"] == {"target": 2, "drafter": 1}
+    assert [p["replica"] for p in stats["metrics"]["eyas.requests"]] == ["t1", "t2"]
+    assert {"attributes": {"side": "draft"}, "value": 4096} in stats["metrics"]["eyas.kv_bytes"]
+    assert [w["kind"] for w in stats["workers"]] == ["target", "target", "drafter"] and len(stats["spans"]) == 2
+    assert stats["scheduler"] == {"policy": "tree-work", "loops": {"t1": {"rounds": 7}, "t2": {"rounds": 7}}}
+    assert stats["autoscaling"]["d1"] == {"draft_rows": 3.0, "kind": "drafter"}
