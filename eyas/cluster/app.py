@@ -131,10 +131,14 @@ class EyasServer:
         except ValueError as err:
             return _invalid(grpc_context, err, pb.GenerateResponse())
         report = None
-        async for item in self._run(req, ids):
-            if "invalid" in item:
-                return _invalid(grpc_context, ValueError(item["invalid"]), pb.GenerateResponse())
-            report = item.get("report", report)
+        stream = self._start(req, ids)
+        try:
+            async for item in stream:
+                if "invalid" in item:
+                    return _invalid(grpc_context, ValueError(item["invalid"]), pb.GenerateResponse())
+                report = item.get("report", report)
+        finally:
+            stream.cancel()  # a no-op after the last item; stops the request in its replica otherwise
         return pb.GenerateResponse(token_ids=report["token_ids"], text=report["text"],
                                    finish_reason=report["finish_reason"], stats=_stats(report),
                                    report_json=json.dumps(report))
@@ -148,8 +152,9 @@ class EyasServer:
             return
         sent: list[int] = []
         text = ""
+        stream = self._start(req, ids)
         try:
-            async for item in self._run(req, ids):
+            async for item in stream:
                 if "tokens" in item:
                     sent.extend(item["tokens"])
                     full = self.tokenizer.decode(sent, skip_special_tokens=True)
@@ -167,6 +172,8 @@ class EyasServer:
         except Exception as err:  # the request failed after it started: say so in the stream
             log.exception("GenerateStream failed")
             yield pb.GenerateChunk(finish_reason=FINISH_ERROR, text=f"{type(err).__name__}: {err}")
+        finally:
+            stream.cancel()  # the client went away (or we are done): stop the request in its replica now
 
     async def Stats(self, request: pb.StatsRequest, grpc_context=None) -> pb.StatsResponse:
         return pb.StatsResponse(json=json.dumps(await self.stats(), default=str))
@@ -186,21 +193,22 @@ class EyasServer:
         except Exception as err:
             return JSONResponse({"error": str(err)}, status_code=400)
         report = None
-        async for item in self._run(req, ids):
-            if "invalid" in item:
-                return JSONResponse({"error": item["invalid"]}, status_code=400)
-            report = item.get("report", report)
+        stream = self._start(req, ids)
+        try:
+            async for item in stream:
+                if "invalid" in item:
+                    return JSONResponse({"error": item["invalid"]}, status_code=400)
+                report = item.get("report", report)
+        finally:
+            stream.cancel()
         return JSONResponse(report)
 
     # --- internals -----------------------------------------------------------------------------------
-    async def _run(self, req: GenerateRequest, ids: list[int]):
-        """The request's items from its target replica; a caller that goes away cancels it there."""
-        stream = self.target.generate.remote(req.model_dump(), ids)
-        try:
-            async for item in stream:
-                yield item
-        finally:
-            stream.cancel()  # a no-op after the last item; stops the request in its replica otherwise
+    def _start(self, req: GenerateRequest, ids: list[int]):
+        """The request's stream of items from one target replica. The caller cancels it in a ``finally``
+        of its own coroutine, so that a client that goes away stops the request at once (a ``finally`` in
+        an inner async generator would run only when that generator is garbage-collected)."""
+        return self.target.generate.remote(req.model_dump(), ids)
 
     def _validate(self, request: pb.GenerateRequest) -> tuple[GenerateRequest, list[int]]:
         req = wire.generate_request_from_proto(request)
