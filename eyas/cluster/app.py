@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray import serve
 from ray.serve.config import AutoscalingConfig
 
-from eyas.cluster.registry import HEAD_NODE_RESOURCE, get_registry
+from eyas.cluster.registry import HEAD_NODE_RESOURCE, app_name, get_registry
 from eyas.generate import FINISH_ERROR
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
@@ -118,10 +118,7 @@ class EyasServer:
         self.cfg = parse_config(config)
         self.target = target.options(stream=True)
         self.tokenizer = load_tokenizer(self.cfg.target)
-        try:
-            self.app_name = serve.get_replica_context().app_name
-        except Exception:
-            self.app_name = "eyas"
+        self.app_name = app_name()
         get_registry(self.app_name)  # start it now, from the head, before any replica reports
 
     # --- the Eyas service --------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from ray import serve
 
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import Refusal, TargetWorker
-from eyas.cluster.registry import Reporter, get_registry
+from eyas.cluster.registry import Reporter, app_name, get_registry
 from eyas.cluster.round_loop import RoundLoop, WorkerCalls
 from eyas.cluster.telemetry import Telemetry
 from eyas.cluster.verifier_client import DrafterUnavailable
@@ -115,7 +115,7 @@ class EyasTarget:
         from eyas.cluster.app import parse_config
 
         self.cfg = c = parse_config(config)
-        self.app_name = _app_name()
+        self.app_name = app_name()
         self.replica_id = _replica_id()
         self.worker_lock = threading.Lock()
         self.worker = TargetWorker.load(c.target, c.precision, c.torch_threads)
@@ -199,8 +199,9 @@ class EyasTarget:
     # --- autoscaling and stats -------------------------------------------------------------------
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Tree work for :class:`~eyas.cluster.serve_policy.TargetTreeWorkPolicy` (window-averaged by Serve)."""
-        work = self.loop.work()
-        leak = self.locked.leak_check()
+        return self._autoscaling(self.loop.work(), self.locked.leak_check())
+
+    def _autoscaling(self, work: dict, leak: dict) -> dict[str, float]:
         return {"pending_verify_rows": work["pending_verify_rows"], "draft_rows": work["draft_rows"],
                 "kv_bytes_used": float(leak["kv_bytes_allocated"]),
                 "kv_bytes_capacity": float(self.cfg.kv_capacity_bytes),
@@ -212,7 +213,7 @@ class EyasTarget:
         return {"worker": dict(leak, live_requests=work["live"] + work["pending"], actor_name=_actor_name(),
                                namespace="serve"),
                 "loop": {"latency_curve": self.loop.curve.to_dict(), "rounds": self.loop.rounds, **work},
-                "autoscaling": self.record_autoscaling_stats(),
+                "autoscaling": self._autoscaling(work, leak),
                 "telemetry": self.telemetry.snapshot()}
 
     def check_health(self) -> None:
@@ -238,7 +239,7 @@ class EyasDrafter:
         self.worker = DrafterWorker.load(c.target, tuple(c.methods), dict(c.drafters) or None, c.torch_threads)
         self.lock = threading.Lock()
         self.recent: dict[str, tuple[float, int]] = {}  # caller (target replica) -> (time, draft rows of its last round)
-        self.reporter = Reporter(_app_name(), self.replica_id, "drafter", self._report)
+        self.reporter = Reporter(app_name(), self.replica_id, "drafter", self._report)
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _affinity(self, model_id: str) -> str:
@@ -295,13 +296,6 @@ def _device_kind(threads: int) -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return f"cpu-{threads}t"
-
-
-def _app_name() -> str:
-    try:
-        return serve.get_replica_context().app_name
-    except Exception:
-        return "eyas"
 
 
 def _trimmed(req: GenerateRequest, on_tokens, stops: StopStrings, eos_ids: set[int]):

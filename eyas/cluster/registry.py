@@ -52,6 +52,16 @@ class Registry:
                 for rid, (kind, t, payload) in sorted(self.reports.items())]
 
 
+def app_name() -> str:
+    """The Serve application of the calling replica ("eyas" outside a replica, e.g. in unit tests)."""
+    from ray import serve
+
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:
+        return "eyas"
+
+
 def get_registry(app_name: str):
     """The app's registry actor, started on first use (detached: it outlives whichever replica made it).
 

@@ -42,6 +42,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from eyas.cluster import sim
+
 #: seconds after the burst start over which :func:`summary` takes the burst p99 latency
 BURST_WINDOW_S = 60.0
 #: the event kind that marks the start of a burst (the default ``burst_t`` of :func:`summary`)
@@ -366,13 +368,8 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     """
     if not 0 <= q <= 100:
         raise ValueError(f"q must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    position = q / 100 * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    ordered = list(values)
+    return sim.percentile(ordered, q) if ordered else None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,19 +7,14 @@ and the shipped drafters, in their own EyasTarget / EyasDrafter replicas.
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 
+from eyas.cluster.experiment import free_port
+
 E2E_CONFIG = {"methods": ["eagle3", "eagle1"], "target_replicas": 1, "drafter_replicas": 1,
               "drafter_timeout_s": 120, "torch_threads": 1}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
