@@ -13,7 +13,10 @@ class DataConfig(BaseModel):
     train_samples: int = Field(1000, ge=1)
     heldout_samples: int = Field(32, ge=1)
     max_len: int = Field(512, ge=16)
-    regenerate: bool = False             # answer with the target itself (EAGLE-3 practice); slow
+    regenerate: bool = False             # answer the first user turns with the target itself (EAGLE-3 practice)
+    regen_max_new_tokens: int = Field(192, ge=1)     # answers longer than this are cut (end token unsupervised)
+    regen_batch: int = Field(64, ge=1)               # prompts per batched generate call
+    regen_max_prompt_tokens: int = Field(256, ge=8)  # longer first turns are skipped
     cache_dir: str = "~/.cache/eyas/features/smollm2-135m-sharegpt"
 
 
@@ -22,6 +25,7 @@ class TrainConfig(BaseModel):
     method: Literal["eagle1", "hass", "eagle3"] = "eagle3"
     target: str = "smollm2-135m"
     out: str = "drafters/smollm2-135m-eagle3"
+    init_from: str | None = None                 # warm start: a drafter folder of the same method and target
     data: DataConfig = Field(default_factory=DataConfig)
     epochs: float = Field(1.0, gt=0)
     batch_samples: int = Field(4, ge=1)          # samples per optimizer step (gradient accumulation)

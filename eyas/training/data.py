@@ -5,7 +5,8 @@ template, supervised on assistant tokens only (seed 0x02A: ``ℓ_t`` marks the s
 - Conversations that contain an MT-bench question are dropped: MT-bench is for evaluation.
 - Every sample carries its segment id and position ids (one segment per sample here; the row
   compiler also handles packed samples).
-- Optional, off by default: regenerate the assistant turns with the target itself (EAGLE-3 practice).
+- Optional, off by default: answer the first user turns with the target itself (EAGLE-3 practice;
+  ``eyas.training.regen``).
 """
 from __future__ import annotations
 
@@ -138,22 +139,6 @@ def render(tokenizer, sample_id: str, messages: list[dict], max_len: int) -> Sam
     n = len(ids)
     return Sample(sample_id, torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool),
                   torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int64))
-
-
-def regenerate(eyas, messages: list[dict], max_new_tokens: int = 256) -> list[dict]:
-    """Replace each assistant turn by the target's own greedy answer (EAGLE-3 practice; optional)."""
-    from eyas.protocol.schema import parse_request
-
-    out: list[dict] = []
-    for m in messages:
-        if m["role"] == "user":
-            out.append(m)
-            continue
-        text = eyas.tokenizer.apply_chat_template(out, add_generation_prompt=True, tokenize=False)
-        ids = eyas.tokenizer(text, add_special_tokens=False)["input_ids"]
-        result, _ = eyas.generate(parse_request(prompt_ids=ids, method="target", max_new_tokens=max_new_tokens))
-        out.append({"role": "assistant", "content": eyas.decode(result.token_ids)})
-    return out
 
 
 def token_counts(samples: list[Sample], vocab_size: int) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""Batched regeneration of training answers with the target (a tiny random model, the real tokenizer)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eyas.testing import tiny_hf_llama
+from eyas.training.regen import first_turn_prompts, read_regenerated, regenerate_batched
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    from eyas.target.loader import load_tokenizer
+
+    tok = load_tokenizer()
+    folder = tmp_path_factory.mktemp("tiny-target")
+    tiny_hf_llama(vocab=len(tok), hidden=32, layers=2, seed=3).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+CONVERSATIONS = [
+    ("c0", [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]),
+    ("c1", [{"role": "user", "content": "What is two plus two? " * 3}, {"role": "assistant", "content": "4"}]),
+    ("c2", [{"role": "assistant", "content": "no user turn first"}]),
+    ("c3", [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "too long"}]),
+    ("c4", [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]),
+]
+
+
+def test_answers_are_the_models_greedy_continuations_and_a_rerun_resumes(model_folder, tmp_path):
+    """c2 (no user turn first) and c3 (over 64 prompt tokens) are skipped; the limit of 2 takes c0 and
+    c1. Each answer is the model's own greedy continuation of the templated first turn, alone; a
+    random model never says <|im_end|> in 5 tokens, so both are cut (``truncated``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "answers.jsonl"
+    s = regenerate_batched(model_folder, iter(CONVERSATIONS), out, limit=2, batch_size=2, max_new_tokens=5,
+                           max_prompt_tokens=64)
+    recs = read_regenerated(out)
+    assert (s.prompts, s.resumed, s.new_tokens, s.truncated) == (2, 0, 10, 2)
+    assert sorted(r["id"] for r in recs) == ["c0", "c1"]
+    tok = AutoTokenizer.from_pretrained(model_folder)
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    for r in recs:
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant"] and r["truncated"]
+        enc = tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)   # with its attention mask: <|im_end|> is the pad id
+        alone = model.generate(**enc, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+        n = enc["input_ids"].shape[1]
+        assert r["messages"][1]["content"] == tok.decode(alone[0, n:], skip_special_tokens=True)
+    again = regenerate_batched(model_folder, iter(CONVERSATIONS), out, limit=3, batch_size=2, max_new_tokens=5,
+                               max_prompt_tokens=64)
+    assert (again.prompts, again.resumed) == (1, 2)
+    assert sorted(r["id"] for r in read_regenerated(out)) == ["c0", "c1", "c4"]
+    with out.open("a") as f:  # a run killed mid-write: the partial last line is ignored
+        f.write(json.dumps({"id": "c9"})[:5])
+    assert len(read_regenerated(out)) == 3
+
+
+def test_first_turn_prompts_filters_and_limits(model_folder):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_folder)
+    got = first_turn_prompts(iter(CONVERSATIONS), tok, max_prompt_tokens=64, limit=10)
+    assert [sid for sid, _, _ in got] == ["c0", "c1", "c4"]
+    assert all(msgs[0]["role"] == "user" and len(msgs) == 1 and n <= 64 for _, msgs, n in got)
+    with pytest.raises(ValueError, match="^batch_size: "):
+        regenerate_batched(".", iter(()), "x.jsonl", limit=1, batch_size=0)
