@@ -64,7 +64,9 @@ class DrafterTrainer:
         dcfg = DrafterConfig.for_target(method, target.cfg,
                                         min(cfg.draft_vocab_size, target.cfg.vocab_size) if method == "eagle3" else None)
         self.drafter: Drafter = init_drafter(dcfg, seed=cfg.seed)
-        if method == "eagle3":
+        if cfg.init_from:
+            self._warm_start(Path(cfg.init_from), method, dcfg)
+        elif method == "eagle3":
             counts = torch.zeros(target.cfg.vocab_size, dtype=torch.int64)
             for fb in self.train_data:
                 counts += torch.bincount(fb.input_ids[fb.loss_mask], minlength=target.cfg.vocab_size)
@@ -76,6 +78,21 @@ class DrafterTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step = 0
         self.noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
+
+    def _warm_start(self, folder: Path, method: str, dcfg: DrafterConfig) -> None:
+        """Start from a shipped drafter's weights (and its draft vocabulary): fresh optimizer and schedule."""
+        from eyas.drafting.manifest import load_drafter, read_manifest
+        from eyas.target.loader import TargetFingerprint
+
+        if (found := read_manifest(folder).method) != method:
+            raise ValueError(f"config.init_from: {folder} is a {found} drafter, not {method}")
+        source, _ = load_drafter(folder, TargetFingerprint(**self.fingerprint), self.serve_taps)
+        if source.cfg != dcfg:
+            raise ValueError(f"config.init_from: {folder} has drafter config {source.cfg}, expected {dcfg}")
+        self.drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                      for k, v in source.state_dict().items()})
+        if method == "eagle3":
+            self.drafter.set_draft_vocab(source.d2t.clone())
 
     @staticmethod
     def _load(cache: FeatureCache, fingerprint: dict, taps) -> list[FeatureBatch]:

@@ -107,3 +107,20 @@ def test_feature_cache_refuses_another_target(tiny_setup):
         train.check({**FINGERPRINT, "weight_digest": "w-b"}, training_taps(model))
     with pytest.raises(ValueError, match="feature_cache.feature_address"):
         train.check(FINGERPRINT, training_taps(model)[:1])
+
+
+def test_warm_start_takes_the_weights_and_vocabulary_and_refuses_another_method(tiny_setup, tmp_path):
+    """``init_from``: a stage-2 run starts from an exported drafter (weights, to fp16 rounding, and its
+    draft vocabulary) with a fresh optimizer; a drafter of another method is refused, naming the field."""
+    first = make({"method": "eagle3", "epochs": 1}, tiny_setup, tmp_path / "a")
+    first.fit()
+    folder = first.export({"steps": first.step})
+    second = make({"method": "eagle3", "epochs": 1, "init_from": str(folder), "seed": 5}, tiny_setup, tmp_path / "b")
+    assert torch.equal(second.drafter.d2t, first.drafter.d2t) and second.step == 0
+    for name, p in first.drafter.state_dict().items():
+        if p.is_floating_point():
+            torch.testing.assert_close(second.drafter.state_dict()[name], p.half().float(), rtol=0, atol=0)
+    before = second.evaluate()["loss"][0]
+    assert before == pytest.approx(first.evaluate()["loss"][0], rel=1e-2)  # it starts where the first ended
+    with pytest.raises(ValueError, match="^config.init_from: .* is a eagle3 drafter, not eagle1"):
+        make({"method": "eagle1", "epochs": 1, "init_from": str(folder)}, tiny_setup, tmp_path / "c")
