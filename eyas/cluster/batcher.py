@@ -5,8 +5,8 @@ Each round (seed 0x09):
     plan    -> the policy picks the batch and each request's tree from the latency curve and the
                requests' recent acceptance (eyas.scheduler.policy)
     propose -> ``DrafterEngine.propose_batch``: the drafter grows every planned request's tree, each
-               growth step of all requests in one packed drafter pass (plain decoding: it only
-               appends the seed's context rows)
+               growth step of all requests in one packed drafter pass; a request planned plain is not
+               drafted at all, and its seeds concatenate until it drafts again (``Seed.then``)
     verify  -> ``TargetEngine.verify_batch``: every request's rows in one forward, each with its own
                KV cache and tree mask (a ragged batch)
     accept  -> per request, the same pure decision as the single-request loop
@@ -28,7 +28,7 @@ from eyas.generate import FINISH_LENGTH, decide, finish_tokens
 from eyas.protocol.messages import Seed
 from eyas.protocol.tree import DraftTree
 from eyas.scheduler.cost import TreeShape
-from eyas.scheduler.latency import LatencyCurve
+from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate, Plan
 from eyas.target.engine import TargetEngine
 from eyas.verification.sampling import SamplingParams
@@ -55,7 +55,8 @@ class Running:
     stop_ids: tuple[int, ...]
     arrival: float
     acceptance: AcceptanceEstimate
-    seed: Seed | None = None
+    seed: Seed | None = None          # every committed row the drafter has not read yet
+    seed_read: bool = False
     out: list[int] = field(default_factory=list)
     rounds: int = 0
     speculative_rounds: int = 0
@@ -98,6 +99,7 @@ class BatchRunner:
         self.drafter = drafter
         self.policy = policy
         self.curve = curve
+        self.draft_cost = DraftCost()
         self.max_tree_rows = max_tree_rows if drafter is not None else 1
         self.prior = AcceptanceEstimate()
         self.running: dict[str, Running] = {}
@@ -134,16 +136,21 @@ class BatchRunner:
             return None
         candidates = [Candidate(r.request_id, r.arrival, len(r.prompt_ids), len(r.prompt_ids) + len(r.out) - 1,
                                 r.acceptance) for r in self.running.values()]
-        plan = self.policy.plan(candidates, self.curve)                                      # plan
+        plan = self.policy.plan(candidates, self.curve, self.draft_cost)                     # plan
         if not plan.shapes:
             raise RuntimeError("scheduler: no request fits the budgets")
         trees = {rid: DraftTree.empty() for rid in plan.shapes}
-        if self.drafter is not None:                                                         # propose (batched)
-            for rid in plan.shapes:
+        drafting = [rid for rid, shape in plan.shapes.items() if shape.speculates and self.drafter is not None]
+        if drafting:                                                                         # propose (batched)
+            t0 = time.perf_counter()
+            for rid in drafting:
                 if self.drafter.sessions[rid].provisional_len:
                     self.drafter.publish(rid)
-            trees = dict(zip(plan.shapes, self.drafter.propose_batch(
-                [(rid, self.running[rid].seed, tree_spec(shape)) for rid, shape in plan.shapes.items()])))
+                self.running[rid].seed_read = True
+            trees.update(zip(drafting, self.drafter.propose_batch(
+                [(rid, self.running[rid].seed, tree_spec(plan.shapes[rid])) for rid in drafting])))
+            self.draft_cost.observe(max(plan.shapes[rid].depth_cap for rid in drafting),
+                                    1000 * (time.perf_counter() - t0))
         items = list(trees.items())
         t0 = time.perf_counter()
         verified = self.target.verify_batch(items)                                            # verify
@@ -157,7 +164,10 @@ class BatchRunner:
                 if isinstance(v, ValueError):
                     raise v
                 decision = decide(v, r.prompt_ids, r.sampling, r.generator)                  # accept
-                r.seed, ack = self.target.publish(rid, v.round, decision)                    # publish
+                seed, ack = self.target.publish(rid, v.round, decision)                      # publish
+                # a plain round: the drafter reads this seed and the last one together later
+                r.seed = seed if r.seed_read or self.drafter is None else r.seed.then(seed)
+                r.seed_read = False
             except ValueError as err:
                 r.error = str(err)
                 self._finish(r)

@@ -212,7 +212,7 @@ class EyasTarget:
         work = self.loop.work()
         return {"worker": dict(leak, live_requests=work["live"] + work["pending"], actor_name=_actor_name(),
                                namespace="serve"),
-                "loop": {"latency_curve": self.loop.curve.to_dict(), "rounds": self.loop.rounds, **work},
+                "loop": {"latency_curve": self.loop.curve.to_dict(), "draft_cost": self.loop.draft_cost.to_dict(), "rounds": self.loop.rounds, **work},
                 "autoscaling": self._autoscaling(work, leak),
                 "telemetry": self.telemetry.snapshot()}
 

@@ -41,7 +41,7 @@ from eyas.protocol import wire
 from eyas.protocol.messages import Seed
 from eyas.protocol.tree import DraftTree, flatten_tree
 from eyas.scheduler.cost import PLAIN, TreeShape
-from eyas.scheduler.latency import LatencyCurve
+from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
 from eyas.verification.sampling import SamplingParams
 
@@ -90,7 +90,8 @@ class Live:
     cancel: threading.Event
     arrival: float
     acceptance: AcceptanceEstimate
-    seed: Seed | None = None          # the drafter's next seed
+    seed: Seed | None = None          # the drafter's next seed: every committed row it has not read yet
+    seed_read: bool = False           # the drafter read ``seed`` (the next publish starts a new one)
     drafter_open: bool = False
     needs_reseed: bool = False
     fallback: bool = False
@@ -112,6 +113,7 @@ class RoundLoop:
                  on_finish: Callable[[str, GenerationResult], None] | None = None):
         self.target, self.drafter, self.drafter_info = target, drafter, drafter_info
         self.policy, self.curve = policy, curve
+        self.draft_cost = DraftCost()  # what a round's drafting adds (the propose call, hop included)
         self.on_round, self.on_finish = on_round, on_finish
         self.prior = AcceptanceEstimate()
         self.live: dict[str, Live] = {}
@@ -219,7 +221,7 @@ class RoundLoop:
         except Exception as err:
             self._finish(live, FINISH_ERROR, err)
             return
-        live.seed = wire.seed_from_proto(ack.seed)
+        live.seed, live.seed_read = wire.seed_from_proto(ack.seed), False
         live.prefill_s = time.perf_counter() - t0
         if live.method != "target":
             if self.drafter is None or live.method not in self.drafter_info:
@@ -236,13 +238,15 @@ class RoundLoop:
     def _round(self) -> None:
         cands = [Candidate(x.request_id, x.arrival, len(x.prompt_ids), len(x.prompt_ids) + len(x.out) - 1,
                            x.acceptance if x.speculative else NEVER_ACCEPTS) for x in self.live.values()]
-        plan = self.policy.plan(cands, self.curve)                                             # plan
+        plan = self.policy.plan(cands, self.curve, self.draft_cost)                            # plan
         shapes = {rid: self._fit(self.live[rid], shape) for rid, shape in plan.shapes.items()}
         batch = [self.live[rid] for rid in shapes]
         start_ns, t0 = time.time_ns(), time.perf_counter()
         self._draft_compute_s = 0.0
         trees = self._propose(batch, shapes)                                                    # propose
         t1 = time.perf_counter()
+        drafted_depth = max((shapes[rid].depth_cap for rid, t in trees.items() if t.num_nodes), default=0)
+        self.draft_cost.observe(drafted_depth, 1000 * (t1 - t0))
         msgs, flats = [], {}
         for live in batch:
             s = self._target_view(live)
@@ -275,7 +279,7 @@ class RoundLoop:
                 self._finish(live, FINISH_ERROR, ValueError(ack.message))
                 continue
             decision = wire.decision_from_proto(d, request_id=live.request_id)
-            live.seed = wire.seed_from_proto(ack.seed)
+            self._next_seed(live, wire.seed_from_proto(ack.seed))
             flat = flats[live.request_id]
             nodes = flat.num_rows - 1
             if nodes:
@@ -314,9 +318,20 @@ class RoundLoop:
         s = live.seed
         return s.frontier_token, s.start_position + s.features.shape[0], s.round + 1
 
+    def _next_seed(self, live: Live, seed: Seed) -> None:
+        """A publish's seed. A request that did not draft this round has not read its last seed: the
+        two concatenate, and the drafter reads them all when the request drafts again (no drafter
+        call in a round where a request decodes plainly)."""
+        unread = live.speculative and not live.seed_read and live.seed is not None
+        live.seed = live.seed.then(seed) if unread else seed
+        live.seed_read = False
+
     def _propose(self, batch: list[Live], shapes: dict[str, TreeShape]) -> dict[str, DraftTree]:
         trees = {x.request_id: DraftTree.empty() for x in batch}
-        drafting = [x for x in batch if x.speculative and self.drafter is not None]
+        # who calls the drafter: requests with a tree this round, and those whose draft session must be
+        # reseeded (they read the reseed now, drafting nothing if planned plain)
+        drafting = [x for x in batch if x.speculative and self.drafter is not None
+                    and (shapes[x.request_id].speculates or x.needs_reseed)]
         if not drafting:
             return trees
         for live in [x for x in drafting if x.needs_reseed]:  # seed 0x05D: reseed from committed state
@@ -337,7 +352,7 @@ class RoundLoop:
             if isinstance(tree, Refusal):  # e.g. a restarted drafter lost the session
                 x.needs_reseed, x.drafter_open = True, False
             else:
-                trees[x.request_id] = tree
+                trees[x.request_id], x.seed_read = tree, True
         return trees
 
     def _reseed(self, live: Live) -> None:
@@ -355,6 +370,7 @@ class RoundLoop:
             self.drafter("open_session", live.request_id, live.method,
                          live.tree.draft_slots(len(live.prompt_ids), live.max_new_tokens))
             live.seed = wire.seed_from_proto(self.target("reseed", pb.ReseedRequest(request_id=live.request_id)))
+            live.seed_read = False
             live.drafter_open, live.needs_reseed = True, False
         except DrafterUnavailable:
             live.fallback, live.needs_reseed = True, False

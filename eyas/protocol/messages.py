@@ -81,6 +81,26 @@ class Seed:
     def frontier_token(self) -> int:
         return int(self.advanced_tokens[-1])
 
+    @property
+    def end_position(self) -> int:
+        """One past the last row: the committed length after this seed."""
+        return self.start_position + int(self.features.shape[0])
+
+    def then(self, later: Seed) -> Seed:
+        """This seed followed by ``later`` as one seed, for a drafter that skipped rounds.
+
+        A request that decodes plainly for a few rounds need not call its drafter each round: the
+        seeds of those rounds are contiguous (each starts where the last ended), so they concatenate
+        into one, which the drafter consumes when the request drafts again (seed 0x05A).
+        Worked example: rows [5, 7) then [7, 8) -> rows [5, 8), the later round and frontier token."""
+        if later.start_position != self.end_position:
+            raise ValueError(f"seed.start_position: {later.start_position} != {self.end_position}, the end of "
+                             "the seed it follows")
+        if later.round <= self.round:
+            raise ValueError(f"seed.round: {later.round} is not after {self.round}")
+        return Seed(torch.cat([self.features, later.features.to(self.features.dtype)]),
+                    torch.cat([self.advanced_tokens, later.advanced_tokens]), self.start_position, later.round)
+
 
 @dataclass(frozen=True)
 class PublishAck:

@@ -103,3 +103,58 @@ def measure_curve(run_rows: Callable[[int], float | None], rows: tuple[int, ...]
             samples.append(1000 * (timed if timed is not None else time.perf_counter() - t0))
         points[r] = statistics.median(samples)
     return LatencyCurve.from_points(points)
+
+
+DRAFT_HISTORY = 64
+
+
+@dataclass
+class DraftCost:
+    """What drafting adds to a round, in milliseconds, as a function of the deepest tree drafted.
+
+    The drafter grows all of a round's trees together, one drafter forward per depth, so a round
+    whose deepest tree has depth ``D`` pays about ``base_ms + per_depth_ms * D`` (the drafter's
+    compute plus the hop to it), and a round where nobody drafts pays nothing. Fitted by least
+    squares over the newest live rounds (:meth:`observe`); with rounds at one depth only, the whole
+    cost is put on ``per_depth_ms``. Until the first observation it is ``prior_ms_per_depth`` per
+    depth (0 by default: optimistic, so that the policy tries a tree and learns what it costs).
+
+    Worked example: rounds at depth 2 costing 30 ms and at depth 4 costing 50 ms fit
+    ``base_ms = 10, per_depth_ms = 10``, so a depth-5 tree is predicted at 60 ms.
+
+    Pure: no model, no Ray.
+    """
+
+    prior_ms_per_depth: float = 0.0
+    base_ms: float = 0.0
+    per_depth_ms: float = 0.0
+    history: list[tuple[int, float]] = field(default_factory=list)   # (deepest depth, ms), newest last
+
+    def __post_init__(self):
+        if not self.prior_ms_per_depth >= 0:
+            raise ValueError(f"draft_cost.prior_ms_per_depth: {self.prior_ms_per_depth} must be >= 0")
+        if not self.history:
+            self.per_depth_ms = self.prior_ms_per_depth
+
+    def predict(self, depth: int) -> float:
+        """Milliseconds a round pays for drafting trees of at most ``depth`` (0: nobody drafts)."""
+        return 0.0 if depth <= 0 else max(self.base_ms + self.per_depth_ms * depth, 0.0)
+
+    def observe(self, depth: int, ms: float) -> None:
+        if depth <= 0 or not ms >= 0:
+            return
+        self.history = (self.history + [(depth, float(ms))])[-DRAFT_HISTORY:]
+        n = len(self.history)
+        mx = sum(d for d, _ in self.history) / n
+        my = sum(m for _, m in self.history) / n
+        sxx = sum((d - mx) ** 2 for d, _ in self.history)
+        if sxx > 0:
+            slope = sum((d - mx) * (m - my) for d, m in self.history) / sxx
+            if slope >= 0 and my - slope * mx >= 0:
+                self.per_depth_ms, self.base_ms = slope, my - slope * mx
+                return
+        self.per_depth_ms, self.base_ms = my / mx, 0.0   # one depth seen (or a fit out of bounds): all per depth
+
+    def to_dict(self) -> dict:
+        return {"base_ms": round(self.base_ms, 3), "per_depth_ms": round(self.per_depth_ms, 3),
+                "observations": len(self.history)}

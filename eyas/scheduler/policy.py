@@ -2,14 +2,16 @@
 
 ``TreeWorkPolicy`` (the Eyas policy) maximises expected accepted tokens per second of the batch:
 
-    J(batch, trees) = sum_i (1 + E_i[accepted | tree_i]) / latency(sum_i verify_rows_i)
+    J(batch, trees) = sum_i (1 + E_i[accepted | tree_i]) / (latency(sum_i verify_rows_i) + draft(max_i depth_i))
 
-where ``latency`` is the measured :class:`~eyas.scheduler.latency.LatencyCurve` and ``E_i`` comes
+where ``latency`` is the measured :class:`~eyas.scheduler.latency.LatencyCurve`, ``draft`` the
+measured :class:`~eyas.scheduler.latency.DraftCost` of the round's drafting (0 when nobody drafts) and ``E_i`` comes
 from the request's recent acceptance (:class:`AcceptanceEstimate`: per-depth acceptance rates, an
 exponential average of what its rounds accepted, started from the prior that all requests'
 observed acceptance gives). Every admitted request starts with plain decoding (one row); trees are
-upgraded greedily, one request one step at a time, while J improves and the budgets on verify rows
-and KV bytes hold. When verify rows are expensive (a steep curve) or a request's drafts are rarely
+upgraded greedily while J improves and the budgets on verify rows and KV bytes hold. A move raises
+one request's tree, or raises every request to one shape at once: the drafting cost is paid once
+per round, so where one request's gain cannot pay for it the whole batch's may. When verify rows are expensive (a steep curve) or a request's drafts are rarely
 accepted, no upgrade pays and speculation shrinks to plain decoding, for that request or all.
 
 ``PromptLengthPolicy`` (the baseline, selectable by config): batches of requests with similar prompt
@@ -22,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eyas.scheduler.cost import PLAIN, RoundWork, TreeShape, round_work
-from eyas.scheduler.latency import LatencyCurve
+from eyas.scheduler.latency import DraftCost, LatencyCurve
 
 MAX_DEPTH = 8
 DEFAULT_SHAPES = (PLAIN, TreeShape(1, 1, 1), TreeShape(2, 2, 3), TreeShape(2, 3, 6), TreeShape(4, 4, 10),
@@ -113,7 +115,8 @@ class TreeWorkPolicy:
         self.shapes = tuple(sorted(set(shapes) | {PLAIN}, key=lambda s: (s.verify_rows, s.draft_rows)))
         self.speculate = speculate
 
-    def plan(self, waiting: list[Candidate], curve: LatencyCurve) -> Plan:
+    def plan(self, waiting: list[Candidate], curve: LatencyCurve, draft: DraftCost | None = None) -> Plan:
+        """The batch and its trees. ``draft`` is what drafting adds to a round (None: free)."""
         b = self.budgets
         batch: list[Candidate] = []
         rows = kv = 0
@@ -123,36 +126,55 @@ class TreeWorkPolicy:
                 continue
             batch.append(c)
             rows, kv = rows + w.verify_rows, kv + w.kv_bytes
-        level = {c.request_id: 0 for c in batch}  # index into self.shapes
         if not batch:
             return Plan({}, (), 0.0, 0.0)
+        level = {c.request_id: 0 for c in batch}  # index into self.shapes
+        by_id = {c.request_id: c for c in batch}
+        draft_ms = draft.predict if draft is not None else (lambda depth: 0.0)
 
         def tokens(c: Candidate, shape: TreeShape) -> float:
             return 1.0 + c.acceptance.expected(shape.depth_cap)
 
+        def kv_of(c: Candidate, i: int) -> int:
+            return _work(c, self.shapes[i], b).kv_bytes
+
         total_tokens = sum(tokens(c, PLAIN) for c in batch)
-        best_j = total_tokens / curve.predict(rows)
+        depth = 0                                       # the deepest tree in the batch (0: nobody drafts)
+        best_j = total_tokens / (curve.predict(rows) + draft_ms(depth))
         while self.speculate:
-            best = None
+            # a move raises one request's tree, or every request to one shape at once (the round's
+            # drafting cost is paid once, so one request alone may not pay for it where all do);
+            # each move as (new levels, d_tokens, d_rows, d_kv, new depth)
+            moves = []
             for c in batch:
-                cur = self.shapes[level[c.request_id]]
-                for nxt_i in range(level[c.request_id] + 1, len(self.shapes)):
-                    nxt = self.shapes[nxt_i]
-                    d_rows = nxt.verify_rows - cur.verify_rows
-                    d_kv = _work(c, nxt, b).kv_bytes - _work(c, cur, b).kv_bytes
-                    if rows + d_rows > b.max_verify_rows or kv + d_kv > b.max_kv_bytes:
-                        break
-                    j = (total_tokens + tokens(c, nxt) - tokens(c, cur)) / curve.predict(rows + d_rows)
-                    if j > best_j * (1 + MIN_GAIN) and (best is None or j > best[0]):
-                        best = (j, c, nxt_i, d_rows, d_kv, tokens(c, nxt) - tokens(c, cur))
+                cur = level[c.request_id]
+                for nxt in range(cur + 1, len(self.shapes)):
+                    moves.append(({c.request_id: nxt}, tokens(c, self.shapes[nxt]) - tokens(c, self.shapes[cur]),
+                                  self.shapes[nxt].verify_rows - self.shapes[cur].verify_rows,
+                                  kv_of(c, nxt) - kv_of(c, cur), max(depth, self.shapes[nxt].depth_cap)))
+            for k in range(1, len(self.shapes)):
+                up = {rid: k for rid, i in level.items() if i < k}
+                if len(up) > 1:
+                    moves.append((up, sum(tokens(by_id[r], self.shapes[k]) - tokens(by_id[r], self.shapes[level[r]])
+                                          for r in up),
+                                  sum(self.shapes[k].verify_rows - self.shapes[level[r]].verify_rows for r in up),
+                                  sum(kv_of(by_id[r], k) - kv_of(by_id[r], level[r]) for r in up),
+                                  max(depth, self.shapes[k].depth_cap)))
+            best = None
+            for up, d_tok, d_rows, d_kv, new_depth in moves:
+                if rows + d_rows > b.max_verify_rows or kv + d_kv > b.max_kv_bytes:
+                    continue
+                j = (total_tokens + d_tok) / (curve.predict(rows + d_rows) + draft_ms(new_depth))
+                if j > best_j * (1 + MIN_GAIN) and (best is None or j > best[0]):
+                    best = (j, up, d_tok, d_rows, d_kv, new_depth)
             if best is None:
                 break
-            best_j, c, nxt_i, d_rows, d_kv, d_tok = best
-            level[c.request_id] = nxt_i
+            best_j, up, d_tok, d_rows, d_kv, depth = best
+            level.update(up)
             rows, kv, total_tokens = rows + d_rows, kv + d_kv, total_tokens + d_tok
         shapes = {c.request_id: self.shapes[level[c.request_id]] for c in batch}
         work = tuple(_work(c, shapes[c.request_id], b) for c in batch)
-        return Plan(shapes, work, curve.predict(rows), total_tokens)
+        return Plan(shapes, work, curve.predict(rows) + draft_ms(depth), total_tokens)
 
 
 class PromptLengthPolicy:
@@ -164,7 +186,7 @@ class PromptLengthPolicy:
         self.budgets = budgets
         self.shape = shape
 
-    def plan(self, waiting: list[Candidate], curve: LatencyCurve) -> Plan:
+    def plan(self, waiting: list[Candidate], curve: LatencyCurve, draft: DraftCost | None = None) -> Plan:
         if not waiting:
             return Plan({}, (), 0.0, 0.0)
         b = self.budgets
@@ -183,7 +205,9 @@ class PromptLengthPolicy:
             shape = self.shape
         work = tuple(_work(c, shape, b) for c in batch)
         expected = sum(1.0 + c.acceptance.expected(shape.depth_cap) for c in batch)
-        return Plan({c.request_id: shape for c in batch}, work, curve.predict(sum(w.verify_rows for w in work)), expected)
+        ms = curve.predict(sum(w.verify_rows for w in work)) + (
+            draft.predict(shape.depth_cap) if draft is not None and shape.speculates else 0.0)
+        return Plan({c.request_id: shape for c in batch}, work, ms, expected)
 
 
 POLICIES = {"tree-work": TreeWorkPolicy, "prompt-length": PromptLengthPolicy}

@@ -7,7 +7,8 @@ import torch
 from eyas.cluster.batcher import BatchRunner
 from eyas.generate import generate
 from eyas.scheduler.latency import LatencyCurve
-from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
+from eyas.scheduler.cost import PLAIN, TreeShape
+from eyas.scheduler.policy import Budgets, Plan, PromptLengthPolicy, TreeWorkPolicy
 from eyas.target.engine import TargetEngine
 from eyas.target.model import eagle1_feature_address
 from eyas.testing import tiny_eagle1_engine
@@ -79,3 +80,32 @@ def test_an_moe_target_reports_the_expert_bytes_of_each_batched_round():
     per_expert = moe.cfg.expert_bytes_per_expert
     assert all(r.expert_bytes > 0 and r.expert_bytes % per_expert == 0 for r in runner.log)
     assert all(r.expert_bytes <= moe.cfg.num_layers * moe.cfg.num_experts * per_expert for r in runner.log)
+
+
+def test_plain_rounds_skip_the_drafter_and_output_is_unchanged(tiny_target, drafter, monkeypatch):
+    """A policy that drafts every third round only: the drafter runs in those rounds alone, reads the
+    concatenated seeds of the plain rounds before them, and greedy output equals target-only."""
+    class EveryThird:
+        name, rounds = "every-third", 0
+
+        def plan(self, waiting, curve, draft=None):
+            self.rounds += 1
+            shape = TreeShape(2, 3, 6) if self.rounds % 3 == 0 else PLAIN
+            return Plan({c.request_id: shape for c in waiting}, (), 1.0, 1.0)
+
+    calls = []
+    real = drafter.propose_batch
+    monkeypatch.setattr(drafter, "propose_batch", lambda items: calls.append(len(items)) or real(items))
+    target = TargetEngine(tiny_target, eagle1_feature_address(tiny_target.cfg))
+    policy = EveryThird()
+    runner = BatchRunner(target, drafter, policy, FLAT.copy())
+    ps = prompts(3)
+    for rid, p in ps.items():
+        runner.submit(rid, p, max_new_tokens=20)
+    done = runner.run()
+    base = TargetEngine(tiny_target, ())
+    for rid, p in ps.items():
+        assert done[rid].token_ids == generate(base, p, max_new_tokens=20).token_ids, rid
+    assert len(calls) == len(runner.log) // 3 > 0
+    assert sum(f.speculative_rounds for f in done.values()) > 0
+    assert not target.sessions and not drafter.sessions

@@ -13,7 +13,8 @@ from eyas.cluster.verifier_client import DrafterUnavailable
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import generate
 from eyas.scheduler.latency import LatencyCurve
-from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
+from eyas.scheduler.cost import PLAIN, TreeShape
+from eyas.scheduler.policy import Budgets, Plan, PromptLengthPolicy, TreeWorkPolicy
 from eyas.target.engine import TargetEngine
 from eyas.testing import tiny_eagle1_engine
 from eyas.verification.sampling import SamplingParams
@@ -76,8 +77,10 @@ def test_many_requests_in_batched_rounds_are_token_identical_to_target_only(tiny
 def test_a_drafter_that_dies_is_reseeded_then_given_up_and_no_token_changes(tiny_target, workers):
     target, drafter = workers
     flaky = FlakyDrafter(drafter, fail_calls={3, 6, 7, 8, 9, 10})
+    # the fixed-tree policy drafts every round, so the drafter's failing calls land where counted (the
+    # tree-work policy may stop drafting once it has measured what drafting costs)
     loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(flaky, 30, local=True, drafter=True),
-                     drafter.info(), TreeWorkPolicy(), FLAT.copy())
+                     drafter.info(), PromptLengthPolicy(), FLAT.copy())
     jobs = [(p, "eagle1") for p in prompts(4)]
     try:
         results = run_all(loop, jobs, n=30)
@@ -176,3 +179,42 @@ def test_stats_merge_every_replicas_report():
     assert [w["kind"] for w in stats["workers"]] == ["target", "target", "drafter"] and len(stats["spans"]) == 2
     assert stats["scheduler"] == {"policy": "tree-work", "loops": {"t1": {"rounds": 7}, "t2": {"rounds": 7}}}
     assert stats["autoscaling"]["d1"] == {"draft_rows": 3.0, "kind": "drafter"}
+
+
+class EveryThirdRound:
+    """A policy that drafts (width 2, depth 3) every third round and plans the others plain."""
+
+    name = "every-third"
+
+    def __init__(self):
+        self.rounds = 0
+
+    def plan(self, waiting, curve, draft=None):
+        self.rounds += 1
+        shape = TreeShape(2, 3, 6) if self.rounds % 3 == 0 else PLAIN
+        return Plan({c.request_id: shape for c in waiting}, (), 1.0, 1.0)
+
+
+def test_plain_rounds_skip_the_drafter_and_its_seeds_catch_up_exactly(tiny_target, workers):
+    """In a round planned plain the drafter is not called at all; the seeds of those rounds concatenate
+    (``Seed.then``) and the drafter reads them when the request drafts again. Greedy output stays
+    token-identical to target-only, and the drafter sees exactly one call per drafting round."""
+    target, drafter = workers
+    counting = FlakyDrafter(drafter, fail_calls=set())
+    policy = EveryThirdRound()
+    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(counting, 30, local=True, drafter=True),
+                     drafter.info(), policy, FLAT.copy())
+    jobs = [(p, "eagle1") for p in prompts(3)]
+    try:
+        results = run_all(loop, jobs, n=24)
+    finally:
+        loop.close()
+    base = TargetEngine(tiny_target, ())
+    for (p, _), r in zip(jobs, results):
+        assert r.token_ids == generate(base, p, max_new_tokens=24).token_ids
+        assert not r.drafter_fallback and r.drafter_reseeds == 0
+    drafted_rounds = sum(1 for i in range(1, policy.rounds + 1) if i % 3 == 0 and i <= loop.rounds)
+    assert counting.calls == drafted_rounds > 0
+    assert sum(x.tree_nodes > 0 for r in results for x in r.rounds) > 0
+    assert loop.draft_cost.to_dict()["observations"] == drafted_rounds
+    assert not target.sessions and not drafter.session_method

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from eyas.scheduler.cost import PLAIN, TreeShape, batch_work, round_work
-from eyas.scheduler.latency import LatencyCurve, measure_curve
+from eyas.scheduler.latency import DraftCost, LatencyCurve, measure_curve
 from eyas.scheduler.policy import (AcceptanceEstimate, Budgets, Candidate, PromptLengthPolicy,
                                    TreeWorkPolicy)
 
@@ -93,3 +93,45 @@ def test_the_prompt_length_baseline_batches_similar_prompts_with_one_fixed_tree(
     plan = PromptLengthPolicy(Budgets(max_batch=2)).plan(reqs, STEEP)
     assert set(plan.shapes) == {"short1", "short2"}
     assert all(s == TreeShape(4, 5, 16) for s in plan.shapes.values())  # fixed, even on a steep curve
+
+
+def test_draft_cost_fits_base_and_per_depth():
+    """Worked example: rounds at depth 2 costing 30 ms and at depth 4 costing 50 ms fit base 10 ms and
+    10 ms per depth, so depth 5 is predicted at 60 ms; a round where nobody drafts costs 0. With one
+    depth seen only, the whole cost goes per depth (40 ms at depth 4 -> 10 ms per depth)."""
+    d = DraftCost(prior_ms_per_depth=7.0)
+    assert d.predict(3) == 21.0 and d.predict(0) == 0.0
+    d.observe(2, 30.0)
+    d.observe(4, 50.0)
+    assert d.base_ms == pytest.approx(10.0) and d.per_depth_ms == pytest.approx(10.0)
+    assert d.predict(5) == pytest.approx(60.0) and d.predict(0) == 0.0
+    one = DraftCost()
+    one.observe(4, 40.0)
+    assert one.base_ms == 0.0 and one.per_depth_ms == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="^draft_cost.prior_ms_per_depth: "):
+        DraftCost(prior_ms_per_depth=-1.0)
+
+
+def test_the_policy_turns_speculation_off_when_drafting_is_expensive():
+    """Rows are nearly free (FLAT) and acceptance is good, but a drafter forward costs 200 ms per depth:
+    a depth-1 tree (1.7 tokens) costs 55 + 200 ms against 50 ms for one plain token -> plain wins;
+    the same requests with free drafting speculate."""
+    reqs = [cand(f"r{i}", i, rates=[0.7] * 8) for i in range(4)]
+    costly = DraftCost(prior_ms_per_depth=200.0)
+    plan = TreeWorkPolicy().plan(reqs, FLAT, costly)
+    assert all(not s.speculates for s in plan.shapes.values())
+    assert plan.predicted_ms == pytest.approx(FLAT.predict(4))
+    free = TreeWorkPolicy().plan(reqs, FLAT, DraftCost())
+    assert all(s.speculates for s in free.shapes.values())
+
+
+def test_the_policy_raises_the_whole_batch_when_only_all_together_pay():
+    """8 requests, a flat 100 ms verify, drafting 40 ms per depth, each request accepting depth 1 with
+    probability 0.5. Worked example: plain J = 8 / 100 = 0.080 tokens/ms. One request alone on a
+    depth-1 tree: 8.5 / 140 = 0.061 (worse, so one-request moves never start). All eight on depth 1:
+    12 / 140 = 0.086 (better): the policy must take the all-at-once move."""
+    flat = LatencyCurve.from_points({1: 100.0, 128: 100.0})
+    reqs = [cand(f"r{i}", i, rates=[0.5]) for i in range(8)]
+    plan = TreeWorkPolicy(shapes=(PLAIN, TreeShape(1, 1, 1))).plan(reqs, flat, DraftCost(prior_ms_per_depth=40.0))
+    assert all(s == TreeShape(1, 1, 1) for s in plan.shapes.values())
+    assert plan.expected_tokens == pytest.approx(12.0) and plan.predicted_ms == pytest.approx(140.0)
