@@ -54,6 +54,28 @@ def tiny_hf_mixtral(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: i
     return model
 
 
+def tiny_hf_olmoe(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                  experts: int = 8, top_k: int = 2, seed: int = 0, init_std: float = 0.2,
+                  clip_qkv: float | None = None):
+    """A random-weight HF OlmoeForCausalLM (the OLMoE kind: q/k norms, top-k weights not renormalised)."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = OlmoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=False, clip_qkv=clip_qkv,
+                      rms_norm_eps=1e-5, initializer_range=init_std, tie_word_embeddings=False,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = OlmoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "experts" in name or "gate" in name:  # fused experts and the router start at zero/untouched
+                p.normal_(0, init_std)
+    return model
+
+
 def tiny_eagle1_engine(target):
     """An untrained EAGLE-1 DrafterEngine over ``target`` (``init_drafter``'s fixed seed), with its taps."""
     from eyas.drafting.engine import DrafterEngine

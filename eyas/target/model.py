@@ -41,18 +41,22 @@ class TargetConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...] = ()
-    num_experts: int = 0            # mixture of experts (Mixtral kind): experts per layer; 0 = dense MLP
+    num_experts: int = 0            # mixture of experts (Mixtral, OLMoE kinds): experts per layer; 0 = dense MLP
     experts_per_token: int = 0      # router top-k
+    norm_topk_prob: bool = True     # renormalise the top-k router weights (Mixtral yes, OLMoE no)
+    qk_norm: bool = False           # RMSNorm over the whole q and k projections before RoPE (OLMoE)
+    clip_qkv: float | None = None   # clamp q, k, v to +-clip_qkv (OLMoE option)
 
     @classmethod
     def from_hf(cls, hf_config) -> "TargetConfig":
         """Read a transformers ``LlamaConfig`` (or a dict of one)."""
         cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2", "mixtral"):
+        if model_type not in ("llama", "mistral", "qwen2", "mixtral", "olmoe"):
             raise ValueError(f"config.model_type: {model_type!r} is not a Llama-family decoder"
-                             + (" (MoE: only the Mixtral kind yet)" if "moe" in model_type else ""))
-        experts = cfg.get("num_local_experts", 0) if model_type == "mixtral" else 0
+                             + (" (MoE: the Mixtral and OLMoE kinds only yet)" if "moe" in model_type else ""))
+        experts = {"mixtral": cfg.get("num_local_experts", 0),
+                   "olmoe": cfg.get("num_experts") or cfg.get("num_local_experts", 0)}.get(model_type, 0)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -78,6 +82,9 @@ class TargetConfig:
             eos_token_ids=eos_ids,
             num_experts=int(experts),
             experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if experts else 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if model_type == "olmoe" else True,
+            qk_norm=model_type == "olmoe",
+            clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
         )
 
     def digest(self) -> str:
@@ -85,6 +92,9 @@ class TargetConfig:
         fields = asdict(self)
         if not self.num_experts:  # a dense config hashes as it did before MoE support existed
             fields.pop("num_experts"), fields.pop("experts_per_token")
+        for name, default in (("norm_topk_prob", True), ("qk_norm", False), ("clip_qkv", None)):
+            if fields[name] == default:  # ... and a Mixtral config as it did before OLMoE support
+                fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
     @property
@@ -224,17 +234,31 @@ class GrowingKV:
 
 
 class Attention(nn.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int):
+    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool = False, eps: float = 1e-6,
+                 clip_qkv: float | None = None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.wqkv = nn.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=False)
         self.wo = nn.Linear(heads * head_dim, d, bias=False)
+        self.q_norm = RMSNorm(heads * head_dim, eps) if qk_norm else None     # OLMoE: over all heads at once
+        self.k_norm = RMSNorm(kv_heads * head_dim, eps) if qk_norm else None
+        self.clip_qkv = clip_qkv
+
+    def project(self, x):
+        """q [.., H*hd], k [.., H_kv*hd], v [.., H_kv*hd] of x [.., d] (with OLMoE's q/k norms and clipping)."""
+        hd = self.head_dim
+        q, k, v = self.wqkv(x).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        return q, k, v
 
     def forward(self, x, cos, sin, cache, layer: int, start: int, mask):
         """x: [B, T, d]; cache: a KVCache (or GrowingKV); mask: [B, T, start+T] bool or None."""
         B, T, _ = x.shape
         hd = self.head_dim
-        q, k, v = self.wqkv(x).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q, k, v = self.project(x)
         q = q.view(B, T, self.heads, hd).transpose(1, 2)
         k = k.view(B, T, self.kv_heads, hd).transpose(1, 2)
         v = v.view(B, T, self.kv_heads, hd).transpose(1, 2)
@@ -255,7 +279,7 @@ class Attention(nn.Module):
         """
         _, T, _ = x.shape
         hd = self.head_dim
-        q, k, v = self.wqkv(x).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q, k, v = self.project(x)
         q = apply_rotary(q.view(1, T, self.heads, hd).transpose(1, 2), cos, sin)     # [1, H, T, hd]
         k = apply_rotary(k.view(1, T, self.kv_heads, hd).transpose(1, 2), cos, sin)  # [1, H_kv, T, hd]
         v = v.view(1, T, self.kv_heads, hd).transpose(1, 2)
@@ -295,16 +319,16 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """A sparse mixture-of-experts MLP of the Mixtral kind: softmax router, top-k, the top-k weights
-    renormalised, SiLU-gated experts (seed 0x09A).
+    """A sparse mixture-of-experts MLP of the Mixtral or OLMoE kind: softmax router, top-k, the top-k
+    weights renormalised (Mixtral) or not (OLMoE, ``norm_topk_prob: false``), SiLU-gated experts (seed 0x09A).
 
     Each forward records the experts every row routed to in ``last_routing`` ([N, k] int64, rows in
     input order), so the engine can count the union of experts a verify touched.
     """
 
-    def __init__(self, d: int, ffn: int, num_experts: int, top_k: int):
+    def __init__(self, d: int, ffn: int, num_experts: int, top_k: int, norm_topk_prob: bool = True):
         super().__init__()
-        self.ffn, self.num_experts, self.top_k = ffn, num_experts, top_k
+        self.ffn, self.num_experts, self.top_k, self.norm_topk_prob = ffn, num_experts, top_k, norm_topk_prob
         self.router = nn.Linear(d, num_experts, bias=False)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn, d))  # [E, 2f, d]
         self.down = nn.Parameter(torch.empty(num_experts, d, ffn))         # [E, d, f]
@@ -315,7 +339,9 @@ class MoE(nn.Module):
         h = x.reshape(-1, shape[-1])
         probs = torch.softmax(self.router(h).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)                  # [N, k]
-        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
+        if self.norm_topk_prob:  # Mixtral renormalises the top-k weights; OLMoE keeps the router's mass
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(h.dtype)
         self.last_routing = experts
         out = torch.zeros_like(h)
         for e in experts.unique().tolist():                                 # increasing expert id
@@ -328,12 +354,13 @@ class MoE(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float,
-                 num_experts: int = 0, top_k: int = 0):
+                 num_experts: int = 0, top_k: int = 0, norm_topk_prob: bool = True, qk_norm: bool = False,
+                 clip_qkv: float | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(d, eps)
-        self.attn = Attention(d, heads, kv_heads, head_dim)
+        self.attn = Attention(d, heads, kv_heads, head_dim, qk_norm, eps, clip_qkv)
         self.mlp_norm = RMSNorm(d, eps)
-        self.mlp = MoE(d, ffn, num_experts, top_k) if num_experts else MLP(d, ffn)
+        self.mlp = MoE(d, ffn, num_experts, top_k, norm_topk_prob) if num_experts else MLP(d, ffn)
 
     def forward(self, x, cos, sin, cache, layer, start, mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, start, mask)
@@ -360,7 +387,7 @@ class TargetModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(
             DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-                         cfg.num_experts, cfg.experts_per_token)
+                         cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob, cfg.qk_norm, cfg.clip_qkv)
             for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -461,7 +488,10 @@ class TargetModel(nn.Module):
                                                         get(p + "self_attn.k_proj.weight"),
                                                         get(p + "self_attn.v_proj.weight")], 0))
                 layer.attn.wo.weight.copy_(get(p + "self_attn.o_proj.weight"))
-                if c.num_experts:  # transformers' fused Mixtral experts: gate_up [E, 2f, d], down [E, d, f]
+                if c.qk_norm:
+                    layer.attn.q_norm.weight.copy_(get(p + "self_attn.q_norm.weight"))
+                    layer.attn.k_norm.weight.copy_(get(p + "self_attn.k_norm.weight"))
+                if c.num_experts:  # transformers' fused Mixtral/OLMoE experts: gate_up [E, 2f, d], down [E, d, f]
                     layer.mlp.router.weight.copy_(get(p + "mlp.gate.weight"))
                     layer.mlp.gate_up.copy_(get(p + "mlp.experts.gate_up_proj"))
                     layer.mlp.down.copy_(get(p + "mlp.experts.down_proj"))

@@ -1,4 +1,4 @@
-"""Mixture-of-experts targets (Mixtral kind): logits equal HF's; expert unions and bytes are exact."""
+"""Mixture-of-experts targets (Mixtral and OLMoE kinds): logits equal HF's; expert unions and bytes are exact."""
 from __future__ import annotations
 
 import pytest
@@ -8,12 +8,13 @@ from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.experts import expert_bytes, expert_union
-from eyas.testing import branch_tokens, ours_from_hf, tiny_hf_mixtral
+from eyas.testing import branch_tokens, ours_from_hf, tiny_hf_mixtral, tiny_hf_olmoe
 
 
-@pytest.fixture(scope="module")
-def moe_pair():
-    hf = tiny_hf_mixtral()
+@pytest.fixture(scope="module", params=["mixtral", "olmoe", "olmoe-clip"])
+def moe_pair(request):
+    hf = {"mixtral": tiny_hf_mixtral, "olmoe": tiny_hf_olmoe,
+          "olmoe-clip": lambda: tiny_hf_olmoe(clip_qkv=0.5, seed=1)}[request.param]()
     return hf, ours_from_hf(hf)
 
 
@@ -55,6 +56,7 @@ def test_a_verify_records_the_union_of_experts_its_rows_route_to(moe_pair):
                          output_router_logits=True).router_logits
         for layer, logits in enumerate(routers):
             expected[layer] |= set(torch.softmax(logits[-1].float(), -1).topk(2).indices.tolist())
+        assert len(routers) == ours.cfg.num_layers
     assert e.last_expert_union == tuple(tuple(sorted(x)) for x in expected)
     per_expert = 3 * ours.cfg.hidden_size * ours.cfg.intermediate_size * 4
     assert ours.cfg.expert_bytes_per_expert == per_expert
@@ -68,5 +70,19 @@ def test_a_dense_config_keeps_its_fingerprint_digest(tiny_target):
     import hashlib
     import json
 
-    legacy = {k: v for k, v in asdict(tiny_target.cfg).items() if k not in ("num_experts", "experts_per_token")}
+    legacy = {k: v for k, v in asdict(tiny_target.cfg).items()   # the fields before MoE and OLMoE support
+              if k not in ("num_experts", "experts_per_token", "norm_topk_prob", "qk_norm", "clip_qkv")}
     assert tiny_target.cfg.digest() == hashlib.sha256(json.dumps(legacy, sort_keys=True).encode()).hexdigest()
+
+
+def test_an_olmoe_config_reads_its_own_knobs():
+    """OLMoE: q/k norms on, top-k weights not renormalised, experts from ``num_experts``; Qwen2-MoE is
+    refused naming the field."""
+    from eyas.target.model import TargetConfig
+
+    hf = tiny_hf_olmoe(clip_qkv=2.0)
+    cfg = TargetConfig.from_hf(hf.config)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob, cfg.qk_norm, cfg.clip_qkv) == (8, 2, False, True, 2.0)
+    assert cfg.digest() != TargetConfig.from_hf({**hf.config.to_dict(), "clip_qkv": None}).digest()
+    with pytest.raises(ValueError, match="^config.model_type: 'qwen2_moe'"):
+        TargetConfig.from_hf({**hf.config.to_dict(), "model_type": "qwen2_moe"})
