@@ -27,6 +27,7 @@ Run:
     .venv/bin/python bench/acceptance.py --limit 8                        # MT-bench first turns
     .venv/bin/python bench/acceptance.py --json bench/out/acceptance.json --threads 4
     .venv/bin/python bench/acceptance.py --prompts my.jsonl --tree-width 8 --tree-depth 6 --tree-budget 32
+    .venv/bin/python bench/acceptance.py --methods smollm2-135m-eagle3,smollm2-135m-eagle1-chain
 
 Prints a table, a ready-to-paste Markdown table and a summary line; ``--json OUT.json`` writes every
 number; the plot (tau and speedup bars, acceptance-by-depth lines) goes to ``--plot``, by default next
@@ -263,6 +264,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-width", type=int, help="dynamic tree: nodes expanded per depth (default: the manifest's)")
     p.add_argument("--tree-depth", type=int, help="dynamic tree and chain depth (default: the manifest's)")
     p.add_argument("--tree-budget", type=int, help="dynamic tree: candidate rows verified (default: the manifest's)")
+    p.add_argument("--methods", help="comma-separated method names to run (default: all; target always runs), "
+                                     "e.g. smollm2-135m-eagle3,smollm2-135m-eagle1-chain")
     return p.parse_args(argv)
 
 
@@ -280,6 +283,14 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="no trained .* drafter")  # reported as "random-init"
         methods, notes = build_methods(eyas, tree_overrides)
+        if args.methods:
+            wanted = {n.strip() for n in args.methods.split(",") if n.strip()}
+            unknown = wanted - {m.name for m in methods}
+            if unknown:
+                print(f"error: --methods: unknown {sorted(unknown)}; available {[m.name for m in methods]}",
+                      file=sys.stderr)
+                return 2
+            methods = [m for m in methods if m.name == "target" or m.name in wanted]
         records = bench(eyas, methods, prompt_ids, args.max_new_tokens)
     summary = summarize(methods, records, eos_ids)
 
