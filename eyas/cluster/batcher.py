@@ -55,8 +55,8 @@ class Running:
     stop_ids: tuple[int, ...]
     arrival: float
     acceptance: AcceptanceEstimate
-    seed: Seed | None = None          # every committed row the drafter has not read yet
-    seed_read: bool = False
+    seed: Seed | None = None          # the last publish's seed
+    unread: list[Seed] = field(default_factory=list)  # seeds the drafter has not read yet, in order
     out: list[int] = field(default_factory=list)
     rounds: int = 0
     speculative_rounds: int = 0
@@ -124,6 +124,7 @@ class BatchRunner:
         except Exception:
             self._close(request_id)
             raise
+        r.unread = [r.seed]
         r.out.extend(ack.output_tokens)
         r.first_token_s = time.perf_counter()
         self.running[request_id] = r
@@ -146,9 +147,10 @@ class BatchRunner:
             for rid in drafting:
                 if self.drafter.sessions[rid].provisional_len:
                     self.drafter.publish(rid)
-                self.running[rid].seed_read = True
-            trees.update(zip(drafting, self.drafter.propose_batch(
-                [(rid, self.running[rid].seed, tree_spec(plan.shapes[rid])) for rid in drafting])))
+            items = [(rid, Seed.join(self.running[rid].unread), tree_spec(plan.shapes[rid])) for rid in drafting]
+            for rid in drafting:
+                self.running[rid].unread = []
+            trees.update(zip(drafting, self.drafter.propose_batch(items)))
             self.draft_cost.observe(max(plan.shapes[rid].depth_cap for rid in drafting),
                                     1000 * (time.perf_counter() - t0))
         items = list(trees.items())
@@ -165,9 +167,9 @@ class BatchRunner:
                     raise v
                 decision = decide(v, r.prompt_ids, r.sampling, r.generator)                  # accept
                 seed, ack = self.target.publish(rid, v.round, decision)                      # publish
-                # a plain round: the drafter reads this seed and the last one together later
-                r.seed = seed if r.seed_read or self.drafter is None else r.seed.then(seed)
-                r.seed_read = False
+                # after a plain round the drafter reads this seed and the unread ones before it together
+                r.seed = seed
+                r.unread = r.unread + [seed] if self.drafter is not None else [seed]
             except ValueError as err:
                 r.error = str(err)
                 self._finish(r)

@@ -90,8 +90,8 @@ class Live:
     cancel: threading.Event
     arrival: float
     acceptance: AcceptanceEstimate
-    seed: Seed | None = None          # the drafter's next seed: every committed row it has not read yet
-    seed_read: bool = False           # the drafter read ``seed`` (the next publish starts a new one)
+    seed: Seed | None = None          # the last publish's seed (frontier, committed length, round)
+    unread: list[Seed] = field(default_factory=list)  # seeds the drafter has not read yet, in order
     drafter_open: bool = False
     needs_reseed: bool = False
     fallback: bool = False
@@ -221,7 +221,8 @@ class RoundLoop:
         except Exception as err:
             self._finish(live, FINISH_ERROR, err)
             return
-        live.seed, live.seed_read = wire.seed_from_proto(ack.seed), False
+        live.seed = wire.seed_from_proto(ack.seed)
+        live.unread = [live.seed]
         live.prefill_s = time.perf_counter() - t0
         if live.method != "target":
             if self.drafter is None or live.method not in self.drafter_info:
@@ -322,9 +323,8 @@ class RoundLoop:
         """A publish's seed. A request that did not draft this round has not read its last seed: the
         two concatenate, and the drafter reads them all when the request drafts again (no drafter
         call in a round where a request decodes plainly)."""
-        unread = live.speculative and not live.seed_read and live.seed is not None
-        live.seed = live.seed.then(seed) if unread else seed
-        live.seed_read = False
+        live.seed = seed
+        live.unread = live.unread + [seed] if live.speculative else [seed]   # joined once, when read
 
     def _propose(self, batch: list[Live], shapes: dict[str, TreeShape]) -> dict[str, DraftTree]:
         trees = {x.request_id: DraftTree.empty() for x in batch}
@@ -339,8 +339,8 @@ class RoundLoop:
         drafting = [x for x in drafting if x.drafter_open and not x.fallback]
         if not drafting:
             return trees
-        items = [(x.request_id, wire.seed_to_proto(x.seed, request_id=x.request_id), self._tree(x, shapes[x.request_id]))
-                 for x in drafting]
+        items = [(x.request_id, wire.seed_to_proto(Seed.join(x.unread), request_id=x.request_id),
+                  self._tree(x, shapes[x.request_id])) for x in drafting]
         try:
             out, self._draft_compute_s = self.drafter("propose_batch", items)
         except DrafterUnavailable as err:
@@ -352,7 +352,7 @@ class RoundLoop:
             if isinstance(tree, Refusal):  # e.g. a restarted drafter lost the session
                 x.needs_reseed, x.drafter_open = True, False
             else:
-                trees[x.request_id], x.seed_read = tree, True
+                trees[x.request_id], x.unread = tree, []
         return trees
 
     def _reseed(self, live: Live) -> None:
@@ -370,7 +370,7 @@ class RoundLoop:
             self.drafter("open_session", live.request_id, live.method,
                          live.tree.draft_slots(len(live.prompt_ids), live.max_new_tokens))
             live.seed = wire.seed_from_proto(self.target("reseed", pb.ReseedRequest(request_id=live.request_id)))
-            live.seed_read = False
+            live.unread = [live.seed]
             live.drafter_open, live.needs_reseed = True, False
         except DrafterUnavailable:
             live.fallback, live.needs_reseed = True, False

@@ -24,3 +24,14 @@ def test_a_gap_or_an_old_round_is_refused():
         a.then(Seed(torch.zeros(1, 2), torch.tensor([3]), start_position=8, round=4))
     with pytest.raises(ValueError, match="^seed.round: 3 is not after 3"):
         a.then(Seed(torch.zeros(1, 2), torch.tensor([3]), start_position=7, round=3))
+
+
+def test_join_equals_chained_then():
+    a = Seed(torch.zeros(2, 2), torch.tensor([1, 2]), start_position=5, round=3)
+    b = Seed(torch.ones(1, 2), torch.tensor([3]), start_position=7, round=4)
+    c = Seed(torch.full((2, 2), 2.0), torch.tensor([4, 5]), start_position=8, round=6)
+    j, t = Seed.join([a, b, c]), a.then(b).then(c)
+    assert torch.equal(j.features, t.features) and torch.equal(j.advanced_tokens, t.advanced_tokens)
+    assert (j.start_position, j.round) == (t.start_position, t.round) == (5, 6) and Seed.join([a]) is a
+    with pytest.raises(ValueError, match="^seed.start_position: "):
+        Seed.join([a, c])
