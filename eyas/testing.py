@@ -94,3 +94,21 @@ def branch_tokens(flat, row: int) -> list[int]:
         path.append(int(flat.tokens[row]))
         row = int(flat.parents[row])
     return path[::-1]
+
+
+class EveryThirdRoundPolicy:
+    """A scheduling policy for tests: every third round all requests draft (width 2, depth 3, budget 6);
+    the other rounds are plain."""
+
+    name = "every-third"
+
+    def __init__(self):
+        self.rounds = 0
+
+    def plan(self, waiting, curve, draft=None):
+        from eyas.scheduler.cost import PLAIN, TreeShape
+        from eyas.scheduler.policy import Plan
+
+        self.rounds += 1
+        shape = TreeShape(2, 3, 6) if self.rounds % 3 == 0 else PLAIN
+        return Plan({c.request_id: shape for c in waiting}, (), 1.0, 1.0)

@@ -6,7 +6,7 @@ Each round (seed 0x09):
                requests' recent acceptance (eyas.scheduler.policy)
     propose -> ``DrafterEngine.propose_batch``: the drafter grows every planned request's tree, each
                growth step of all requests in one packed drafter pass; a request planned plain is not
-               drafted at all, and its seeds concatenate until it drafts again (``Seed.then``)
+               drafted at all, and its seeds queue up until it drafts again (``Seed.join``)
     verify  -> ``TargetEngine.verify_batch``: every request's rows in one forward, each with its own
                KV cache and tree mask (a ragged batch)
     accept  -> per request, the same pure decision as the single-request loop

@@ -317,12 +317,12 @@ class RoundLoop:
     def _target_view(self, live: Live) -> tuple[int, int, int]:
         """(frontier token, committed length, next round) from the last publish's seed."""
         s = live.seed
-        return s.frontier_token, s.start_position + s.features.shape[0], s.round + 1
+        return s.frontier_token, s.end_position, s.round + 1
 
     def _next_seed(self, live: Live, seed: Seed) -> None:
         """A publish's seed. A request that did not draft this round has not read its last seed: the
-        two concatenate, and the drafter reads them all when the request drafts again (no drafter
-        call in a round where a request decodes plainly)."""
+        unread seeds queue up and the drafter reads them joined (``Seed.join``) when the request
+        drafts again (no drafter call in a round where a request decodes plainly)."""
         live.seed = seed
         live.unread = live.unread + [seed] if live.speculative else [seed]   # joined once, when read
 

@@ -88,7 +88,7 @@ class Seed:
 
     @staticmethod
     def join(seeds: list[Seed]) -> Seed:
-        """``seeds[0].then(seeds[1]).then(...)`` with one concatenation instead of one per seed."""
+        """Contiguous seeds, in order, as one (one concatenation); see :meth:`then`."""
         if len(seeds) == 1:
             return seeds[0]
         for a, b in zip(seeds, seeds[1:]):
@@ -108,13 +108,7 @@ class Seed:
         seeds of those rounds are contiguous (each starts where the last ended), so they concatenate
         into one, which the drafter consumes when the request drafts again (seed 0x05A).
         Worked example: rows [5, 7) then [7, 8) -> rows [5, 8), the later round and frontier token."""
-        if later.start_position != self.end_position:
-            raise ValueError(f"seed.start_position: {later.start_position} != {self.end_position}, the end of "
-                             "the seed it follows")
-        if later.round <= self.round:
-            raise ValueError(f"seed.round: {later.round} is not after {self.round}")
-        return Seed(torch.cat([self.features, later.features.to(self.features.dtype)]),
-                    torch.cat([self.advanced_tokens, later.advanced_tokens]), self.start_position, later.round)
+        return Seed.join([self, later])
 
 
 @dataclass(frozen=True)

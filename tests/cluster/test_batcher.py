@@ -7,11 +7,10 @@ import torch
 from eyas.cluster.batcher import BatchRunner
 from eyas.generate import generate
 from eyas.scheduler.latency import LatencyCurve
-from eyas.scheduler.cost import PLAIN, TreeShape
-from eyas.scheduler.policy import Budgets, Plan, PromptLengthPolicy, TreeWorkPolicy
+from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
 from eyas.target.engine import TargetEngine
 from eyas.target.model import eagle1_feature_address
-from eyas.testing import tiny_eagle1_engine
+from eyas.testing import EveryThirdRoundPolicy, tiny_eagle1_engine
 
 FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 256: 200.0})
 STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 64: 3200.0})
@@ -85,19 +84,11 @@ def test_an_moe_target_reports_the_expert_bytes_of_each_batched_round():
 def test_plain_rounds_skip_the_drafter_and_output_is_unchanged(tiny_target, drafter, monkeypatch):
     """A policy that drafts every third round only: the drafter runs in those rounds alone, reads the
     concatenated seeds of the plain rounds before them, and greedy output equals target-only."""
-    class EveryThird:
-        name, rounds = "every-third", 0
-
-        def plan(self, waiting, curve, draft=None):
-            self.rounds += 1
-            shape = TreeShape(2, 3, 6) if self.rounds % 3 == 0 else PLAIN
-            return Plan({c.request_id: shape for c in waiting}, (), 1.0, 1.0)
-
     calls = []
     real = drafter.propose_batch
     monkeypatch.setattr(drafter, "propose_batch", lambda items: calls.append(len(items)) or real(items))
     target = TargetEngine(tiny_target, eagle1_feature_address(tiny_target.cfg))
-    policy = EveryThird()
+    policy = EveryThirdRoundPolicy()
     runner = BatchRunner(target, drafter, policy, FLAT.copy())
     ps = prompts(3)
     for rid, p in ps.items():

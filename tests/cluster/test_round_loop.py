@@ -13,10 +13,9 @@ from eyas.cluster.verifier_client import DrafterUnavailable
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import generate
 from eyas.scheduler.latency import LatencyCurve
-from eyas.scheduler.cost import PLAIN, TreeShape
-from eyas.scheduler.policy import Budgets, Plan, PromptLengthPolicy, TreeWorkPolicy
+from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
 from eyas.target.engine import TargetEngine
-from eyas.testing import tiny_eagle1_engine
+from eyas.testing import EveryThirdRoundPolicy, tiny_eagle1_engine
 from eyas.verification.sampling import SamplingParams
 
 FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 256: 200.0})
@@ -181,27 +180,13 @@ def test_stats_merge_every_replicas_report():
     assert stats["autoscaling"]["d1"] == {"draft_rows": 3.0, "kind": "drafter"}
 
 
-class EveryThirdRound:
-    """A policy that drafts (width 2, depth 3) every third round and plans the others plain."""
-
-    name = "every-third"
-
-    def __init__(self):
-        self.rounds = 0
-
-    def plan(self, waiting, curve, draft=None):
-        self.rounds += 1
-        shape = TreeShape(2, 3, 6) if self.rounds % 3 == 0 else PLAIN
-        return Plan({c.request_id: shape for c in waiting}, (), 1.0, 1.0)
-
-
 def test_plain_rounds_skip_the_drafter_and_its_seeds_catch_up_exactly(tiny_target, workers):
     """In a round planned plain the drafter is not called at all; the seeds of those rounds concatenate
     (``Seed.then``) and the drafter reads them when the request drafts again. Greedy output stays
     token-identical to target-only, and the drafter sees exactly one call per drafting round."""
     target, drafter = workers
     counting = FlakyDrafter(drafter, fail_calls=set())
-    policy = EveryThirdRound()
+    policy = EveryThirdRoundPolicy()
     loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(counting, 30, local=True, drafter=True),
                      drafter.info(), policy, FLAT.copy())
     jobs = [(p, "eagle1") for p in prompts(3)]
