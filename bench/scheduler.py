@@ -14,7 +14,8 @@ Policies, in the same run and on the same requests (rotating order per level):
                      each request's recent acceptance (eyas/scheduler/policy.py)
 
 The latency curve (verify ms against total rows) is measured at start-up on this machine and updated
-from live rounds; it is printed and plotted.
+from live rounds; it is printed and plotted. So is the draft cost (ms of one drafting call per deepest
+depth, ``DrafterEngine.measure_cost``), which the tree-work policy starts from.
 
 Reported per (policy, concurrency): throughput (tokens/s), goodput (tokens/s of requests that met
 the latency target: mean time per output token <= --slo-ms-per-token, time to first token
@@ -24,6 +25,7 @@ to the prompt-length policy's.
 Run:
     .venv/bin/python bench/scheduler.py                               # C = 1, 4, 16
     .venv/bin/python bench/scheduler.py --concurrency 4 16 --requests 24 --max-new-tokens 48
+    .venv/bin/python bench/scheduler.py --concurrency 1 --policies target-only tree-work --requests 16
 
 Writes bench/results/scheduler.json and .png.
 """
@@ -44,7 +46,7 @@ from decode_speed import load_prompts  # noqa: E402
 
 from eyas.cluster.batcher import BatchRunner  # noqa: E402
 from eyas.runtime import Eyas, set_threads  # noqa: E402
-from eyas.scheduler.latency import LatencyCurve  # noqa: E402
+from eyas.scheduler.latency import DraftCost, LatencyCurve  # noqa: E402
 from eyas.actors.target_worker import TargetWorker  # noqa: E402
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy  # noqa: E402
 
@@ -77,13 +79,14 @@ def measure(eyas: Eyas, taps) -> LatencyCurve:
 
 
 def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], max_new_tokens: int, curve,
-               handle, bar) -> dict:
+               handle, bar, draft_ms: dict[int, float]) -> dict:
     budgets = Budgets(max_batch=max(concurrency, 1), max_verify_rows=256)
     pol = {"target-only": lambda: TreeWorkPolicy(budgets, speculate=False),
            "prompt-length": lambda: PromptLengthPolicy(budgets),
            "tree-work": lambda: TreeWorkPolicy(budgets)}[policy]()
     drafter = None if policy == "target-only" else handle.engine
-    runner = BatchRunner(eyas.target_engine(handle.taps), drafter, pol, curve)
+    runner = BatchRunner(eyas.target_engine(handle.taps), drafter, pol, curve,
+                         draft_cost=DraftCost.from_points(draft_ms) if policy == "tree-work" else None)
     queue = [(f"{policy}-{concurrency}-{i}", eyas.encode(p)) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     while queue or runner.running:
@@ -105,6 +108,7 @@ def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], ma
             "rounds": len(logs), "mean_batch": statistics.fmean(r.batch for r in logs),
             "mean_verify_rows": statistics.fmean(r.verify_rows for r in logs),
             "speculative_rounds": sum(f.speculative_rounds for f in fin), "curve_end": runner.curve.to_dict(),
+            "draft_cost_end": runner.draft_cost.to_dict(),
             "outputs": {rid.split("-")[-1]: f.token_ids for rid, f in runner.finished.items()}}
 
 
@@ -138,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slo-ms-per-token", type=float,
                     help="the latency target of goodput: mean ms per output token after the first "
                          "(default: 8x the target-only p50 at the lowest concurrency of this run)")
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                    help="a subset to run (target-only always runs: it is the baseline)")
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json", default=str(RESULTS / "scheduler.json"))
@@ -152,15 +158,20 @@ def main(argv=None) -> int:
     curve = measure(eyas, handle.taps)
     print("curve (rows: ms): " + ", ".join(f"{r}: {m:.0f}" for r, m in zip(curve.rows, curve.ms)), flush=True)
     start_curve = curve.to_dict()
+    print("measuring the draft cost ...", flush=True)
+    draft_ms = handle.engine.measure_cost(handle.default_tree, depths=(1, 2, 3, 4, 5))
+    print("draft cost (depth: ms): " + ", ".join(f"{d}: {m:.0f}" for d, m in draft_ms.items()), flush=True)
+    policies = [p for p in POLICIES if p == "target-only" or p in args.policies]
     levels = [(c, args.requests or max(4, 2 * c)) for c in args.concurrency]
     rows = []
-    with tqdm(total=len(POLICIES) * sum(n for _, n in levels), desc="requests", unit="req") as bar:
+    with tqdm(total=len(policies) * sum(n for _, n in levels), desc="requests", unit="req") as bar:
         for i, (c, n) in enumerate(levels):
             prompts = workload(n, args.limit)
-            order = POLICIES[i % 3:] + POLICIES[:i % 3]
+            order = policies[i % len(policies):] + policies[:i % len(policies)]
             for p in order:
                 bar.n_done = 0
-                rows.append(run_policy(eyas, p, c, prompts, args.max_new_tokens, curve.copy(), handle, bar))
+                rows.append(run_policy(eyas, p, c, prompts, args.max_new_tokens, curve.copy(), handle, bar,
+                                       draft_ms))
     rows.sort(key=lambda r: (r["concurrency"], POLICIES.index(r["policy"])))
     low = min(c for c, _ in levels)
     slo = args.slo_ms_per_token or 8 * next(r for r in rows if r["concurrency"] == low
@@ -174,16 +185,22 @@ def main(argv=None) -> int:
         for r in rows:
             if r["concurrency"] == c:
                 r["identical_to_target_only"] = sum(r["outputs"][k] == base[k] for k in base)
-                pl = next(x for x in rows if x["concurrency"] == c and x["policy"] == "prompt-length")
-                r["goodput_vs_prompt_length"] = r["goodput"] / pl["goodput"] if pl["goodput"] else float("inf")
-                r["throughput_vs_prompt_length"] = r["throughput"] / pl["throughput"]
+                to = next(x for x in rows if x["concurrency"] == c and x["policy"] == "target-only")
+                r["throughput_vs_target_only"] = r["throughput"] / to["throughput"]
+                pl = next((x for x in rows if x["concurrency"] == c and x["policy"] == "prompt-length"), None)
+                r["goodput_vs_prompt_length"] = (None if pl is None else r["goodput"] / pl["goodput"]
+                                                 if pl["goodput"] else float("inf"))
+                r["throughput_vs_prompt_length"] = None if pl is None else r["throughput"] / pl["throughput"]
         identical[c] = all(r["identical_to_target_only"] == r["requests"] for r in rows if r["concurrency"] == c)
-    print(f"\n{'policy':<14} {'C':>3} {'req':>4} {'tok/s':>7} {'vs PL':>6} {'goodput':>8} {'vs PL':>6} {'p50 ms/t':>9} "
-          f"{'p99 ms/t':>9} {'batch':>6} {'rows':>6} {'spec rd':>7} {'same':>5}")
+    def ratio(x):
+        return "     -" if x is None else f"{x:>5.2f}x"
+
+    print(f"\n{'policy':<14} {'C':>3} {'req':>4} {'tok/s':>7} {'vs TO':>6} {'vs PL':>6} {'goodput':>8} {'vs PL':>6} "
+          f"{'p50 ms/t':>9} {'p99 ms/t':>9} {'batch':>6} {'rows':>6} {'spec rd':>7} {'same':>5}")
     for r in rows:
         print(f"{r['policy']:<14} {r['concurrency']:>3} {r['requests']:>4} {r['throughput']:>7.1f} "
-              f"{r['throughput_vs_prompt_length']:>5.2f}x {r['goodput']:>8.1f} "
-              f"{r['goodput_vs_prompt_length']:>5.2f}x {r['per_token_p50_ms']:>9.0f} {r['per_token_p99_ms']:>9.0f} "
+              f"{ratio(r['throughput_vs_target_only'])} {ratio(r['throughput_vs_prompt_length'])} {r['goodput']:>8.1f} "
+              f"{ratio(r['goodput_vs_prompt_length'])} {r['per_token_p50_ms']:>9.0f} {r['per_token_p99_ms']:>9.0f} "
               f"{r['mean_batch']:>6.1f} {r['mean_verify_rows']:>6.1f} {r['speculative_rounds']:>7} "
               f"{r['identical_to_target_only']:>2}/{r['requests']}")
     out = Path(args.json)
@@ -192,15 +209,19 @@ def main(argv=None) -> int:
         r.pop("outputs")
     out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "precision": args.precision,
                                "slo_ms_per_token": slo, "max_new_tokens": args.max_new_tokens,
-                               "curve_at_start": start_curve, "rows": rows},
+                               "curve_at_start": start_curve, "draft_ms_at_start": draft_ms, "rows": rows},
                               indent=1))
     plot(rows, curve.to_dict(), out.with_suffix(".png"))
-    top = max(c for c, _ in levels)
-    tw = next(r for r in rows if r["concurrency"] == top and r["policy"] == "tree-work")
     print(f"goodput latency target: {slo:.0f} ms per output token")
-    print(f"\nsummary: at concurrency {top} tree-work goodput = {tw['goodput_vs_prompt_length']:.2f}x and throughput = "
-          f"{tw['throughput_vs_prompt_length']:.2f}x the prompt-length policy's; "
-          f"greedy outputs identical to target-only at every level: {all(identical.values())}; wrote {out}")
+    parts = []
+    for c, _ in levels:
+        tw = next((r for r in rows if r["concurrency"] == c and r["policy"] == "tree-work"), None)
+        if tw is not None:
+            vs_pl = ("" if tw["goodput_vs_prompt_length"] is None else
+                     f", goodput {tw['goodput_vs_prompt_length']:.2f}x prompt-length's")
+            parts.append(f"C={c}: tree-work throughput {tw['throughput_vs_target_only']:.2f}x target-only's{vs_pl}")
+    print(f"\nsummary: {'; '.join(parts) or 'tree-work not run'}; greedy outputs identical to target-only at "
+          f"every level: {all(identical.values())}; wrote {out}")
     return 0
 
 

@@ -94,12 +94,14 @@ class RoundLog:
 
 class BatchRunner:
     def __init__(self, target: TargetEngine, drafter: DrafterEngine | None, policy, curve: LatencyCurve,
-                 max_tree_rows: int = 33):
+                 max_tree_rows: int = 33, draft_cost: DraftCost | None = None):
+        """``draft_cost``: the scheduler's starting cost of drafting (e.g. ``DraftCost.from_points(
+        drafter.measure_cost(...))``); by default the optimistic prior, which live rounds refit."""
         self.target = target
         self.drafter = drafter
         self.policy = policy
         self.curve = curve
-        self.draft_cost = DraftCost()
+        self.draft_cost = draft_cost if draft_cost is not None else DraftCost()
         self.max_tree_rows = max_tree_rows if drafter is not None else 1
         self.prior = AcceptanceEstimate()
         self.running: dict[str, Running] = {}

@@ -107,13 +107,28 @@ class Live:
         return self.method != "target" and not self.fallback
 
 
+def measured_draft_ms(drafter_info: dict) -> dict[int, float]:
+    """The drafter's start-up draft cost per deepest depth, the costliest of its methods at each depth
+    (``{}`` when it measured none)."""
+    points: dict[int, float] = {}
+    for info in drafter_info.values():
+        for depth, ms in (info.get("draft_ms") or {}).items():
+            points[int(depth)] = max(points.get(int(depth), 0.0), float(ms))
+    return points
+
+
 class RoundLoop:
     def __init__(self, target: WorkerCalls, drafter: WorkerCalls | None, drafter_info: dict, policy,
                  curve: LatencyCurve, on_round: Callable[[RoundRecord], None] | None = None,
-                 on_finish: Callable[[str, GenerationResult], None] | None = None):
+                 on_finish: Callable[[str, GenerationResult], None] | None = None,
+                 draft_cost: DraftCost | None = None):
+        """``draft_cost``: the scheduler's starting cost of drafting; by default the drafter's start-up
+        measurement from ``drafter_info`` (the costliest method per depth), else the optimistic prior."""
         self.target, self.drafter, self.drafter_info = target, drafter, drafter_info
         self.policy, self.curve = policy, curve
-        self.draft_cost = DraftCost()  # what a round's drafting adds (the propose call, hop included)
+        # what a round's drafting adds (the propose call, hop included); live rounds refit it
+        self.draft_cost = draft_cost if draft_cost is not None else DraftCost.from_points(
+            measured_draft_ms(drafter_info))
         self.on_round, self.on_finish = on_round, on_finish
         self.prior = AcceptanceEstimate()
         self.live: dict[str, Live] = {}

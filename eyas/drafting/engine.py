@@ -166,6 +166,42 @@ class DrafterEngine:
         """Discard this round's provisional tree rows (seed 0x05D)."""
         self._session(request_id).provisional_len = 0
 
+    def measure_cost(self, tree: TreeSpec = TreeSpec(), depths: tuple[int, ...] = (1, 3, 5), repeats: int = 3,
+                     prefix: int = 64) -> dict[int, float]:
+        """Milliseconds of one steady-state :meth:`propose` per deepest depth, on this device: the
+        median of ``repeats`` rounds that each read a 2-row seed after a ``prefix``-row context and
+        grow ``tree`` cut at that depth. The scheduler's :class:`~eyas.scheduler.latency.DraftCost`
+        starts from these instead of a guess (the verify curve's counterpart for drafting).
+        Uses its own session, closed before returning."""
+        import statistics
+        import time
+
+        feature_dim = self.drafter.cfg.num_taps * self.drafter.cfg.hidden_size
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.embed.weight.shape[0]
+        rid = "__draft_cost__"
+
+        def seed(start: int, rows: int, round_: int) -> Seed:
+            return Seed(torch.randn(rows, feature_dim, generator=gen),
+                        torch.randint(0, vocab, (rows,), generator=gen), start, round_)
+
+        out = {}
+        for depth in depths:
+            spec = TreeSpec(tree.kind, tree.expand_width, depth, tree.verify_budget, tree.choices)
+            self.open_session(rid, spec.draft_slots(prefix, 2 * (repeats + 1)) + 2 * (repeats + 1))
+            try:
+                self.propose(rid, seed(0, prefix, 0), spec)          # the context, and a warm-up
+                samples = []
+                for r in range(repeats):
+                    self.publish(rid)
+                    t0 = time.perf_counter()
+                    self.propose(rid, seed(prefix + 2 * r, 2, r + 1), spec)
+                    samples.append(1000 * (time.perf_counter() - t0))
+                out[depth] = statistics.median(samples)
+            finally:
+                self.close_session(rid)
+        return out
+
 
 class _Growth:
     """One request's tree growth inside :meth:`DrafterEngine.propose_batch` (seed 0x05B, 0x06B).

@@ -136,6 +136,19 @@ class DraftCost:
         if not self.history:
             self.per_depth_ms = self.prior_ms_per_depth
 
+    @classmethod
+    def from_points(cls, points: dict[int, float]) -> "DraftCost":
+        """A cost measured at start-up (:meth:`DrafterEngine.measure_cost`: ms per deepest depth),
+        fitted as if those were live rounds; live rounds then push them out of the history.
+
+        Worked example: ``{1: 20.0, 3: 40.0, 5: 60.0}`` fits ``base_ms = 10, per_depth_ms = 10``."""
+        cost = cls()
+        for depth, ms in sorted(points.items()):
+            if not (type(depth) is int and depth >= 1 and ms >= 0):
+                raise ValueError(f"draft_cost.points: depth {depth!r} -> {ms!r} ms is not a measurement")
+            cost.observe(depth, ms)
+        return cost
+
     def predict(self, depth: int) -> float:
         """Milliseconds a round pays for drafting trees of at most ``depth`` (0: nobody drafts)."""
         return 0.0 if depth <= 0 else max(self.base_ms + self.per_depth_ms * depth, 0.0)

@@ -267,6 +267,12 @@ class DrafterTrainer:
         t0, last, skipped = time.perf_counter(), None, 0
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.cfg.method}", dynamic_ncols=True)
         ema = None
+        start = None
+        if self.cfg.init_from and self.step == 0:
+            # a warm start's held-out accuracy before any step: the baseline the summary compares with
+            start = self.evaluate()
+            bar.write(f"warm start {self.cfg.init_from}: held-out top1 {start['top1'][0]:.3f} "
+                      f"top3 {start['top3'][0]:.3f} per-step top1 {[round(x, 3) for x in start['top1']]}")
         while self.step < self.total_steps:
             if stop_after is not None and self.step >= stop_after:
                 self.save_state()
@@ -293,6 +299,8 @@ class DrafterTrainer:
         summary = {"steps": self.step, "train_samples": len(self.train_data), "train_tokens": tokens,
                    "epochs": self.cfg.epochs, "wall_s": round(wall, 1), "resumed": resumed,
                    "skipped_steps": skipped, "final_loss_ema": ema, "heldout": final}
+        if start is not None:
+            summary["heldout_at_start"] = start
         print(f"done: {self.step} steps in {wall:.0f} s; loss {ema if ema is None else round(ema, 4)}; held-out "
               f"top-1 {final['top1'][0]:.3f}, top-3 {final['top3'][0]:.3f}; per-step top-1 "
               f"{[round(x, 3) for x in final['top1']]}")

@@ -203,3 +203,35 @@ def test_plain_rounds_skip_the_drafter_and_its_seeds_catch_up_exactly(tiny_targe
     assert sum(x.tree_nodes > 0 for r in results for x in r.rounds) > 0
     assert loop.draft_cost.to_dict()["observations"] == drafted_rounds
     assert not target.sessions and not drafter.session_method
+
+
+def test_the_loop_starts_from_the_drafters_measured_cost_and_skips_a_drafter_that_does_not_pay(tiny_target,
+                                                                                                workers):
+    """The drafter worker's start-up measurement (``measure_costs``) reaches the loop through ``info``:
+    the loop's draft cost starts fitted to it, not at the optimistic 0. When that cost is far above a
+    verify forward (here 1,000 ms per depth, written into the worker's measurement), the tree-work
+    policy plans every round plain from the first one: no propose call at all, and the output is still
+    target-only's."""
+    target, drafter = workers
+    measured = drafter.measure_costs(repeats=1)
+    assert set(measured) == {"eagle1"} and sorted(measured["eagle1"]) == [1, 3, 5]
+    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
+                     drafter.info(), TreeWorkPolicy(Budgets()), FLAT.copy())
+    assert loop.draft_cost.to_dict()["observations"] == 3 and loop.draft_cost.predict(5) > 0
+    loop.close()
+
+    drafter.draft_ms["eagle1"] = {1: 1000.0, 3: 3000.0, 5: 5000.0}
+    counting = FlakyDrafter(drafter, fail_calls=set())
+    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(counting, 30, local=True, drafter=True),
+                     drafter.info(), TreeWorkPolicy(Budgets()), FLAT.copy())
+    assert loop.draft_cost.predict(5) == pytest.approx(5000.0)
+    jobs = [(p, "eagle1") for p in prompts(2)]
+    try:
+        results = run_all(loop, jobs, n=12)
+    finally:
+        loop.close()
+    base = TargetEngine(tiny_target, ())
+    for (p, _), r in zip(jobs, results):
+        assert r.token_ids == generate(base, p, max_new_tokens=12).token_ids
+    assert counting.calls == 0 and all(x.tree_nodes == 0 for r in results for x in r.rounds)
+    assert not target.sessions and not drafter.session_method

@@ -122,3 +122,16 @@ def test_batched_drafting_equals_drafting_each_request_alone(tiny_target):
         assert a.num_nodes > 0 and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
         torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-5)
         assert alone.sessions[rid].provisional_len == batched.sessions[rid].provisional_len
+
+
+def test_measure_cost_times_each_depth_and_leaves_no_session():
+    """The start-up draft cost: one positive median per requested depth (no wall-clock bound is
+    asserted), and the measuring session is closed: no draft KV stays allocated."""
+    from eyas.testing import ours_from_hf, tiny_eagle1_engine, tiny_hf_llama
+
+    model = ours_from_hf(tiny_hf_llama())
+    engine = tiny_eagle1_engine(model)
+    points = engine.measure_cost(TreeSpec(expand_width=2, max_depth=4, verify_budget=6), depths=(1, 2, 4),
+                                 repeats=2, prefix=8)
+    assert sorted(points) == [1, 2, 4] and all(ms > 0 for ms in points.values())
+    assert engine.sessions == {} and engine.kv_slots_allocated() == 0

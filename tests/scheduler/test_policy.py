@@ -112,6 +112,20 @@ def test_draft_cost_fits_base_and_per_depth():
         DraftCost(prior_ms_per_depth=-1.0)
 
 
+def test_draft_cost_from_start_up_points():
+    """Start-up measurements fit like live rounds: {1: 20, 3: 40, 5: 60} ms -> 10 ms + 10 ms per depth,
+    so depth 4 is predicted at 50 ms; a live round then joins the same fit. A point that is not a
+    measurement is refused, naming the field."""
+    d = DraftCost.from_points({5: 60.0, 1: 20.0, 3: 40.0})
+    assert d.base_ms == pytest.approx(10.0) and d.per_depth_ms == pytest.approx(10.0)
+    assert d.predict(4) == pytest.approx(50.0) and len(d.history) == 3
+    d.observe(3, 40.0)
+    assert d.predict(4) == pytest.approx(50.0) and len(d.history) == 4
+    for bad in ({0: 5.0}, {2: -1.0}, {2.5: 3.0}):
+        with pytest.raises(ValueError, match="^draft_cost.points: "):
+            DraftCost.from_points(bad)
+
+
 def test_the_policy_turns_speculation_off_when_drafting_is_expensive():
     """Rows are nearly free (FLAT) and acceptance is good, but a drafter forward costs 200 ms per depth:
     a depth-1 tree (1.7 tokens) costs 55 + 200 ms against 50 ms for one plain token -> plain wins;
