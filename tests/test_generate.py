@@ -240,3 +240,23 @@ def test_greedy_identity_real_model(real_eyas, method, tree):
         base = generate(base_engine, ids, max_new_tokens=20)
         spec = generate(target, ids, max_new_tokens=20, drafter=drafter, tree=tree)
         assert spec.token_ids == base.token_ids, prompt
+
+
+@pytest.mark.real_model
+def test_every_shipped_drafter_loads_for_the_default_target_fits_25_mb_and_keeps_greedy_output(real_eyas):
+    """Each folder under drafters/ is a servable checkpoint for the default target (its fingerprint
+    matches), at most 25 MB, and drafting with it leaves greedy output token-identical to target-only."""
+    from eyas.drafting.manifest import read_manifest
+    from eyas.runtime import REPO_DRAFTERS
+
+    folders = sorted(p for p in REPO_DRAFTERS.iterdir() if (p / "manifest.json").exists())
+    assert {f.name for f in folders} >= {"smollm2-135m-eagle1", "smollm2-135m-eagle3", "smollm2-135m-hass"}
+    ids = real_eyas.encode(PROMPTS[0])
+    base = generate(real_eyas.target_engine(()), ids, max_new_tokens=12)
+    for folder in folders:
+        assert sum(f.stat().st_size for f in folder.iterdir()) <= 25 * 2**20, folder.name
+        handle = real_eyas.drafter(read_manifest(folder).method, str(folder))
+        spec = generate(real_eyas.target_engine(handle.taps), ids, max_new_tokens=12, drafter=handle.engine,
+                        tree=handle.default_tree)
+        assert spec.token_ids == base.token_ids, folder.name
+        assert spec.target_forwards < len(base.token_ids), folder.name   # a trained drafter is accepted sometimes
