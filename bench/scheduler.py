@@ -15,7 +15,7 @@ Policies, in the same run and on the same requests (rotating order per level):
 
 The latency curve (verify ms against total rows) is measured at start-up on this machine and updated
 from live rounds; it is printed and plotted. So is the draft cost (ms of one drafting call per deepest
-depth, ``DrafterEngine.measure_cost``), which the tree-work policy starts from.
+depth and draft row, ``DrafterEngine.measure_cost``), which the tree-work policy starts from.
 
 Reported per (policy, concurrency): throughput (tokens/s), goodput (tokens/s of requests that met
 the latency target: mean time per output token <= --slo-ms-per-token, time to first token
@@ -79,14 +79,14 @@ def measure(eyas: Eyas, taps) -> LatencyCurve:
 
 
 def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], max_new_tokens: int, curve,
-               handle, bar, draft_ms: dict[int, float]) -> dict:
+               handle, bar, draft_points: list) -> dict:
     budgets = Budgets(max_batch=max(concurrency, 1), max_verify_rows=256)
     pol = {"target-only": lambda: TreeWorkPolicy(budgets, speculate=False),
            "prompt-length": lambda: PromptLengthPolicy(budgets),
            "tree-work": lambda: TreeWorkPolicy(budgets)}[policy]()
     drafter = None if policy == "target-only" else handle.engine
     runner = BatchRunner(eyas.target_engine(handle.taps), drafter, pol, curve,
-                         draft_cost=DraftCost.from_points(draft_ms) if policy == "tree-work" else None)
+                         draft_cost=DraftCost.from_points(draft_points) if policy == "tree-work" else None)
     queue = [(f"{policy}-{concurrency}-{i}", eyas.encode(p)) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     while queue or runner.running:
@@ -159,8 +159,10 @@ def main(argv=None) -> int:
     print("curve (rows: ms): " + ", ".join(f"{r}: {m:.0f}" for r, m in zip(curve.rows, curve.ms)), flush=True)
     start_curve = curve.to_dict()
     print("measuring the draft cost ...", flush=True)
-    draft_ms = handle.engine.measure_cost(handle.default_tree, depths=(1, 2, 3, 4, 5))
-    print("draft cost (depth: ms): " + ", ".join(f"{d}: {m:.0f}" for d, m in draft_ms.items()), flush=True)
+    draft_points = handle.engine.measure_cost(handle.default_tree, depths=(1, 2, 3, 4, 5), batch=8)
+    start_draft = DraftCost.from_points(draft_points)
+    print("draft cost (depth, draft rows: ms): " + ", ".join(f"({d}, {r}): {m:.0f}" for d, r, m in draft_points)
+          + f"; fit {start_draft.to_dict()}", flush=True)
     policies = [p for p in POLICIES if p == "target-only" or p in args.policies]
     levels = [(c, args.requests or max(4, 2 * c)) for c in args.concurrency]
     rows = []
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
             for p in order:
                 bar.n_done = 0
                 rows.append(run_policy(eyas, p, c, prompts, args.max_new_tokens, curve.copy(), handle, bar,
-                                       draft_ms))
+                                       draft_points))
     rows.sort(key=lambda r: (r["concurrency"], POLICIES.index(r["policy"])))
     low = min(c for c, _ in levels)
     slo = args.slo_ms_per_token or 8 * next(r for r in rows if r["concurrency"] == low
@@ -209,7 +211,7 @@ def main(argv=None) -> int:
         r.pop("outputs")
     out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "precision": args.precision,
                                "slo_ms_per_token": slo, "max_new_tokens": args.max_new_tokens,
-                               "curve_at_start": start_curve, "draft_ms_at_start": draft_ms, "rows": rows},
+                               "curve_at_start": start_curve, "draft_points_at_start": draft_points, "rows": rows},
                               indent=1))
     plot(rows, curve.to_dict(), out.with_suffix(".png"))
     print(f"goodput latency target: {slo:.0f} ms per output token")

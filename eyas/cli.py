@@ -25,7 +25,7 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="the user message (wrapped in the chat template unless --raw)")
     p.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    p.add_argument("--method", default="eagle3", help="target | eagle1 | eagle3 (default eagle3)")
+    p.add_argument("--method", default="eagle3", help="target | eagle1 | hass | eagle3 (default eagle3)")
     p.add_argument("--drafter", help="a drafter checkpoint folder (default: the one shipped for the method)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -24,7 +24,9 @@ from eyas.target.model import FeatureTap, eagle1_feature_address, eagle3_feature
 from eyas.verification.sampling import SamplingParams
 
 REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
-DEFAULT_DRAFTER_DIRS = {"eagle1": "smollm2-135m-eagle1", "eagle3": "smollm2-135m-eagle3"}
+DEFAULT_DRAFTER_DIRS = {"eagle1": "smollm2-135m-eagle1", "hass": "smollm2-135m-hass", "eagle3": "smollm2-135m-eagle3"}
+# A serving method's drafter architecture: HASS changes training only (seed 0x07C), so it serves as EAGLE-1.
+ARCHITECTURE = {"eagle1": "eagle1", "hass": "eagle1", "eagle3": "eagle3"}
 
 
 @dataclass
@@ -69,14 +71,15 @@ class Eyas:
         folder = Path(path) if path else REPO_DRAFTERS / DEFAULT_DRAFTER_DIRS[method]
         if path or (folder / "manifest.json").exists():
             drafter, manifest = load_drafter(folder, self.loaded.fingerprint)
-            if manifest.method != method:
-                raise ValueError(f"drafter: {folder} holds a {manifest.method} drafter, not {method}")
+            if manifest.method != ARCHITECTURE[method]:
+                raise ValueError(f"drafter: {folder} holds a {manifest.method} drafter, not {ARCHITECTURE[method]}")
             taps, source = manifest.taps(), str(folder)
             default_tree = TreeSpec(**manifest.tree_abi.default_tree)
         else:
             warnings.warn(f"no trained {method} drafter at {folder}; using an untrained (random) one")
-            drafter = init_drafter(DrafterConfig.for_target(method, self.cfg))
-            taps = eagle1_feature_address(self.cfg) if method == "eagle1" else eagle3_feature_address(self.cfg)
+            arch = ARCHITECTURE[method]
+            drafter = init_drafter(DrafterConfig.for_target(arch, self.cfg))
+            taps = eagle1_feature_address(self.cfg) if arch == "eagle1" else eagle3_feature_address(self.cfg)
             source, default_tree = "random-init", TreeSpec()
         handle = DrafterHandle(DrafterEngine(drafter, self.model.embed, self.model.lm_head, int8_head=True,
                                              taps=taps), taps, source, default_tree)

@@ -260,3 +260,18 @@ def test_every_shipped_drafter_loads_for_the_default_target_fits_25_mb_and_keeps
                         tree=handle.default_tree)
         assert spec.token_ids == base.token_ids, folder.name
         assert spec.target_forwards < len(base.token_ids), folder.name   # a trained drafter is accepted sometimes
+
+
+@pytest.mark.real_model
+def test_hass_is_a_method_name_served_by_an_eagle1_architecture_drafter(real_eyas):
+    """``method: hass`` loads drafters/smollm2-135m-hass (an EAGLE-1-architecture checkpoint trained
+    with HASS) and is greedy-exact; a HASS folder asked for as EAGLE-3 is refused, naming the field."""
+    from eyas.protocol.schema import parse_request
+
+    handle = real_eyas.drafter("hass")
+    assert handle.source.endswith("smollm2-135m-hass") and len(handle.taps) == 1
+    spec, report = real_eyas.generate(parse_request(prompt=PROMPTS[2], method="hass", max_new_tokens=12))
+    base, _ = real_eyas.generate(parse_request(prompt=PROMPTS[2], method="target", max_new_tokens=12))
+    assert spec.token_ids == base.token_ids and report["drafter"] == handle.source
+    with pytest.raises(ValueError, match="^drafter: .* holds a eagle1 drafter, not eagle3"):
+        real_eyas.drafter("eagle3", handle.source)

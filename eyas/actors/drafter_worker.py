@@ -33,7 +33,7 @@ class DrafterWorker:
         self.default_trees = default_trees or {m: TreeSpec() for m in engines}
         self.name = name
         self.session_method: dict[str, str] = {}   # request id -> method
-        self.draft_ms: dict[str, dict[int, float]] = {}  # method -> deepest depth -> ms (measure_costs)
+        self.draft_points: dict[str, list[tuple[int, int, float]]] = {}  # method -> (depth, rows, ms) (measure_costs)
 
     @classmethod
     def load(cls, target: str, methods: tuple[str, ...] = ("eagle3",), drafter_dirs: dict[str, str] | None = None,
@@ -51,19 +51,19 @@ class DrafterWorker:
 
     def info(self) -> dict:
         """Per method: the feature address a target must tap, the checkpoint, the default tree, and
-        the start-up draft cost (ms per deepest depth; empty until :meth:`measure_costs`)."""
+        the start-up draft cost (``(depth, draft rows, ms)`` points; empty until :meth:`measure_costs`)."""
         return {m: {"taps": [(t.layers_applied, t.normed) for t in e.taps], "source": self.sources[m],
-                    "default_tree": self.default_trees[m], "draft_ms": dict(self.draft_ms.get(m, {}))}
+                    "default_tree": self.default_trees[m], "draft_points": list(self.draft_points.get(m, []))}
                 for m, e in self.engines.items()}
 
-    def measure_costs(self, repeats: int = 3) -> dict[str, dict[int, float]]:
+    def measure_costs(self, repeats: int = 3) -> dict[str, list[tuple[int, int, float]]]:
         """Time each method's drafting at depths 1, 3 and its default depth on this device
         (:meth:`DrafterEngine.measure_cost`), for the scheduler's starting draft cost."""
         for m, e in self.engines.items():
             tree = self.default_trees[m]
             depths = tuple(sorted({1, min(3, tree.max_depth), tree.max_depth} - {0}))
-            self.draft_ms[m] = e.measure_cost(tree, depths, repeats)
-        return self.draft_ms
+            self.draft_points[m] = e.measure_cost(tree, depths, repeats)
+        return self.draft_points
 
     def open_session(self, request_id: str, method: str, max_slots: int) -> None:
         wire.check_request_id(request_id)

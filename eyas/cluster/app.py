@@ -48,7 +48,7 @@ class ServeConfig(BaseModel):
 
     target: str = DEFAULT_TARGET
     precision: Literal["fp32", "int8"] = "fp32"
-    methods: list[Literal["eagle1", "eagle3"]] = Field(default_factory=lambda: ["eagle3", "eagle1"])
+    methods: list[Literal["eagle1", "hass", "eagle3"]] = Field(default_factory=lambda: ["eagle3", "eagle1"])
     drafters: dict[str, str] = Field(default_factory=dict)  # method -> drafter folder (default: shipped)
     # replica counts: fixed, unless the kind's autoscaling config is given (then it rules)
     target_replicas: int = Field(1, ge=1)

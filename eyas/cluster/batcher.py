@@ -154,7 +154,7 @@ class BatchRunner:
                 self.running[rid].unread = []
             trees.update(zip(drafting, self.drafter.propose_batch(items)))
             self.draft_cost.observe(max(plan.shapes[rid].depth_cap for rid in drafting),
-                                    1000 * (time.perf_counter() - t0))
+                                    1000 * (time.perf_counter() - t0), sum(plan.shapes[rid].draft_rows for rid in drafting))
         items = list(trees.items())
         t0 = time.perf_counter()
         verified = self.target.verify_batch(items)                                            # verify

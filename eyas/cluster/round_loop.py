@@ -81,7 +81,7 @@ class Live:
     request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
-    method: str                       # "target" | "eagle1" | "eagle3"
+    method: str                       # "target" | "eagle1" | "hass" | "eagle3"
     tree: TreeSpec                    # the request's own knobs: the largest tree it may get
     sampling: SamplingParams
     seed_value: int
@@ -107,14 +107,12 @@ class Live:
         return self.method != "target" and not self.fallback
 
 
-def measured_draft_ms(drafter_info: dict) -> dict[int, float]:
-    """The drafter's start-up draft cost per deepest depth, the costliest of its methods at each depth
-    (``{}`` when it measured none)."""
-    points: dict[int, float] = {}
-    for info in drafter_info.values():
-        for depth, ms in (info.get("draft_ms") or {}).items():
-            points[int(depth)] = max(points.get(int(depth), 0.0), float(ms))
-    return points
+def measured_draft_points(drafter_info: dict) -> list[tuple[int, int, float]]:
+    """The drafter's start-up draft cost points ``(depth, draft rows, ms)``, those of its costliest
+    method (the highest total ms; ``[]`` when it measured none)."""
+    measured = [[(int(d), int(r), float(ms)) for d, r, ms in info.get("draft_points") or ()]
+                for info in drafter_info.values()]
+    return max(measured, key=lambda pts: sum(ms for _, _, ms in pts), default=[])
 
 
 class RoundLoop:
@@ -123,12 +121,12 @@ class RoundLoop:
                  on_finish: Callable[[str, GenerationResult], None] | None = None,
                  draft_cost: DraftCost | None = None):
         """``draft_cost``: the scheduler's starting cost of drafting; by default the drafter's start-up
-        measurement from ``drafter_info`` (the costliest method per depth), else the optimistic prior."""
+        measurement from ``drafter_info`` (its costliest method's), else the optimistic prior."""
         self.target, self.drafter, self.drafter_info = target, drafter, drafter_info
         self.policy, self.curve = policy, curve
         # what a round's drafting adds (the propose call, hop included); live rounds refit it
         self.draft_cost = draft_cost if draft_cost is not None else DraftCost.from_points(
-            measured_draft_ms(drafter_info))
+            measured_draft_points(drafter_info))
         self.on_round, self.on_finish = on_round, on_finish
         self.prior = AcceptanceEstimate()
         self.live: dict[str, Live] = {}
@@ -261,8 +259,9 @@ class RoundLoop:
         self._draft_compute_s = 0.0
         trees = self._propose(batch, shapes)                                                    # propose
         t1 = time.perf_counter()
-        drafted_depth = max((shapes[rid].depth_cap for rid, t in trees.items() if t.num_nodes), default=0)
-        self.draft_cost.observe(drafted_depth, 1000 * (t1 - t0))
+        drafted = [shapes[rid] for rid, t in trees.items() if t.num_nodes]
+        self.draft_cost.observe(max((s.depth_cap for s in drafted), default=0), 1000 * (t1 - t0),
+                                sum(s.draft_rows for s in drafted))
         msgs, flats = [], {}
         for live in batch:
             s = self._target_view(live)

@@ -167,40 +167,49 @@ class DrafterEngine:
         self._session(request_id).provisional_len = 0
 
     def measure_cost(self, tree: TreeSpec = TreeSpec(), depths: tuple[int, ...] = (1, 3, 5), repeats: int = 3,
-                     prefix: int = 64) -> dict[int, float]:
-        """Milliseconds of one steady-state :meth:`propose` per deepest depth, on this device: the
-        median of ``repeats`` rounds that each read a 2-row seed after a ``prefix``-row context and
-        grow ``tree`` cut at that depth. The scheduler's :class:`~eyas.scheduler.latency.DraftCost`
-        starts from these instead of a guess (the verify curve's counterpart for drafting).
-        Uses its own session, closed before returning."""
+                     prefix: int = 64, batch: int = 4) -> list[tuple[int, int, float]]:
+        """What one steady-state drafting call costs on this device, as ``(depth, draft rows, ms)``
+        points for :meth:`DraftCost.from_points <eyas.scheduler.latency.DraftCost.from_points>`: one
+        request at each of ``depths``, and ``batch`` requests at the deepest (so that the cost per
+        packed row can be told from the cost per depth). Each point is the median of ``repeats``
+        :meth:`propose_batch` calls that read a 2-row seed per request after a ``prefix``-row context
+        and grow ``tree`` cut at that depth; ``draft rows`` counts the provisional rows those trees
+        may write (:attr:`TreeSpec.max_draft_rows` per request). Uses its own sessions, closed
+        before returning."""
         import statistics
         import time
 
         feature_dim = self.drafter.cfg.num_taps * self.drafter.cfg.hidden_size
         gen = torch.Generator().manual_seed(0)
         vocab = self.embed.weight.shape[0]
-        rid = "__draft_cost__"
 
         def seed(start: int, rows: int, round_: int) -> Seed:
             return Seed(torch.randn(rows, feature_dim, generator=gen),
                         torch.randint(0, vocab, (rows,), generator=gen), start, round_)
 
-        out = {}
-        for depth in depths:
+        def point(depth: int, n: int) -> tuple[int, int, float]:
             spec = TreeSpec(tree.kind, tree.expand_width, depth, tree.verify_budget, tree.choices)
-            self.open_session(rid, spec.draft_slots(prefix, 2 * (repeats + 1)) + 2 * (repeats + 1))
+            rids = [f"__draft_cost_{i}__" for i in range(n)]
             try:
-                self.propose(rid, seed(0, prefix, 0), spec)          # the context, and a warm-up
+                for rid in rids:
+                    self.open_session(rid, spec.draft_slots(prefix, 2 * (repeats + 1)) + 2 * (repeats + 1))
+                self.propose_batch([(rid, seed(0, prefix, 0), spec) for rid in rids])   # contexts, and a warm-up
                 samples = []
                 for r in range(repeats):
-                    self.publish(rid)
+                    for rid in rids:
+                        self.publish(rid)
                     t0 = time.perf_counter()
-                    self.propose(rid, seed(prefix + 2 * r, 2, r + 1), spec)
+                    self.propose_batch([(rid, seed(prefix + 2 * r, 2, r + 1), spec) for rid in rids])
                     samples.append(1000 * (time.perf_counter() - t0))
-                out[depth] = statistics.median(samples)
+                return depth, n * spec.max_draft_rows, statistics.median(samples)
             finally:
-                self.close_session(rid)
-        return out
+                for rid in rids:
+                    self.close_session(rid)
+
+        points = [point(depth, 1) for depth in depths]
+        if batch > 1 and depths:
+            points.append(point(max(depths), batch))
+        return points
 
 
 class _Growth:

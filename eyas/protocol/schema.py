@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-METHODS = ("target", "eagle1", "eagle3")
+METHODS = ("target", "eagle1", "hass", "eagle3")   # hass: an EAGLE-1-architecture drafter trained with HASS
 
 
 class GenerateRequest(BaseModel):

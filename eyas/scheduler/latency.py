@@ -110,64 +110,92 @@ DRAFT_HISTORY = 64
 
 @dataclass
 class DraftCost:
-    """What drafting adds to a round, in milliseconds, as a function of the deepest tree drafted.
+    """What drafting adds to a round, in milliseconds: ``base_ms + per_depth_ms * D + per_row_ms * R``
+    for a round whose deepest tree has depth ``D`` and whose trees write ``R`` draft rows in all
+    (:attr:`TreeShape.draft_rows` summed over the drafting requests); a round where nobody drafts
+    pays nothing.
 
-    The drafter grows all of a round's trees together, one drafter forward per depth, so a round
-    whose deepest tree has depth ``D`` pays about ``base_ms + per_depth_ms * D`` (the drafter's
-    compute plus the hop to it), and a round where nobody drafts pays nothing. Fitted by least
-    squares over the newest live rounds (:meth:`observe`); with rounds at one depth only, the whole
-    cost is put on ``per_depth_ms``. Until the first observation it is ``prior_ms_per_depth`` per
-    depth (0 by default: optimistic, so that the policy tries a tree and learns what it costs).
+    The drafter grows all of a round's trees together, one packed drafter forward per depth, so the
+    cost has a part per depth (the forward's fixed cost and the hop) and a part per row (the rows
+    packed into those forwards: many drafting requests cost more than one). ``per_row_ms`` is a
+    device constant measured at start-up (:meth:`from_points`, from rounds of one and of several
+    requests at the same depth); ``base_ms`` and ``per_depth_ms`` are refitted by least squares over
+    the newest live rounds (:meth:`observe`) after the per-row part is taken out. With rounds at one
+    depth only, the whole rest is put on ``per_depth_ms``. Until the first observation the cost is
+    ``prior_ms_per_depth`` per depth (0 by default: optimistic, so that the policy tries a tree and
+    learns what it costs).
 
-    Worked example: rounds at depth 2 costing 30 ms and at depth 4 costing 50 ms fit
-    ``base_ms = 10, per_depth_ms = 10``, so a depth-5 tree is predicted at 60 ms.
+    Worked example: with ``per_row_ms = 0.5``, rounds at depth 2 with 4 rows costing 32 ms and at
+    depth 4 with 12 rows costing 56 ms fit ``base_ms = 10, per_depth_ms = 10``, so a depth-5 round
+    with 16 rows is predicted at 10 + 50 + 8 = 68 ms.
 
     Pure: no model, no Ray.
     """
 
     prior_ms_per_depth: float = 0.0
+    per_row_ms: float = 0.0
     base_ms: float = 0.0
     per_depth_ms: float = 0.0
-    history: list[tuple[int, float]] = field(default_factory=list)   # (deepest depth, ms), newest last
+    history: list[tuple[int, int, float]] = field(default_factory=list)   # (deepest depth, draft rows, ms), newest last
 
     def __post_init__(self):
-        if not self.prior_ms_per_depth >= 0:
-            raise ValueError(f"draft_cost.prior_ms_per_depth: {self.prior_ms_per_depth} must be >= 0")
+        for name in ("prior_ms_per_depth", "per_row_ms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"draft_cost.{name}: {getattr(self, name)} must be >= 0")
         if not self.history:
             self.per_depth_ms = self.prior_ms_per_depth
 
     @classmethod
-    def from_points(cls, points: dict[int, float]) -> "DraftCost":
-        """A cost measured at start-up (:meth:`DrafterEngine.measure_cost`: ms per deepest depth),
-        fitted as if those were live rounds; live rounds then push them out of the history.
+    def from_points(cls, points: list[tuple[int, int, float]]) -> "DraftCost":
+        """A cost measured at start-up (:meth:`DrafterEngine.measure_cost`: ``(depth, draft rows, ms)``).
 
-        Worked example: ``{1: 20.0, 3: 40.0, 5: 60.0}`` fits ``base_ms = 10, per_depth_ms = 10``."""
-        cost = cls()
-        for depth, ms in sorted(points.items()):
-            if not (type(depth) is int and depth >= 1 and ms >= 0):
-                raise ValueError(f"draft_cost.points: depth {depth!r} -> {ms!r} ms is not a measurement")
-            cost.observe(depth, ms)
+        ``per_row_ms`` is the least-squares slope of ms over rows among points of the same depth
+        (0 when no depth was measured at two row counts); the points then seed the live fit as if
+        they were rounds, and live rounds push them out of the history.
+
+        Worked example: ``[(1, 0, 20.0), (3, 8, 44.0), (5, 16, 68.0), (5, 64, 92.0)]``: at depth 5,
+        48 more rows cost 24 ms more, so ``per_row_ms = 0.5``; without the rows' part the points are
+        20, 40, 60, 60 ms at depths 1, 3, 5, 5, which fit ``base_ms = 10, per_depth_ms = 10``."""
+        for p in points:
+            depth, rows, ms = p
+            if not (type(depth) is int and depth >= 1 and type(rows) is int and rows >= 0 and ms >= 0):
+                raise ValueError(f"draft_cost.points: {p!r} is not a (depth >= 1, rows >= 0, ms >= 0) measurement")
+        slopes = []
+        for depth in sorted({d for d, _, _ in points}):
+            same = [(r, m) for d, r, m in points if d == depth]
+            mr = sum(r for r, _ in same) / len(same)
+            srr = sum((r - mr) ** 2 for r, _ in same)
+            if srr > 0:
+                mm = sum(m for _, m in same) / len(same)
+                slopes.append(sum((r - mr) * (m - mm) for r, m in same) / srr)
+        cost = cls(per_row_ms=max(sum(slopes) / len(slopes), 0.0) if slopes else 0.0)
+        for depth, rows, ms in points:
+            cost.observe(depth, ms, rows)
         return cost
 
-    def predict(self, depth: int) -> float:
-        """Milliseconds a round pays for drafting trees of at most ``depth`` (0: nobody drafts)."""
-        return 0.0 if depth <= 0 else max(self.base_ms + self.per_depth_ms * depth, 0.0)
+    def predict(self, depth: int, rows: int = 0) -> float:
+        """Milliseconds a round pays for drafting trees of at most ``depth`` that write ``rows``
+        draft rows in all (depth 0: nobody drafts, nothing to pay)."""
+        if depth <= 0:
+            return 0.0
+        return max(self.base_ms + self.per_depth_ms * depth, 0.0) + self.per_row_ms * max(rows, 0)
 
-    def observe(self, depth: int, ms: float) -> None:
+    def observe(self, depth: int, ms: float, rows: int = 0) -> None:
         if depth <= 0 or not ms >= 0:
             return
-        self.history = (self.history + [(depth, float(ms))])[-DRAFT_HISTORY:]
-        n = len(self.history)
-        mx = sum(d for d, _ in self.history) / n
-        my = sum(m for _, m in self.history) / n
-        sxx = sum((d - mx) ** 2 for d, _ in self.history)
+        self.history = (self.history + [(depth, int(rows), float(ms))])[-DRAFT_HISTORY:]
+        pts = [(d, m - self.per_row_ms * r) for d, r, m in self.history]   # the part per depth
+        n = len(pts)
+        mx = sum(d for d, _ in pts) / n
+        my = sum(m for _, m in pts) / n
+        sxx = sum((d - mx) ** 2 for d, _ in pts)
         if sxx > 0:
-            slope = sum((d - mx) * (m - my) for d, m in self.history) / sxx
+            slope = sum((d - mx) * (m - my) for d, m in pts) / sxx
             if slope >= 0 and my - slope * mx >= 0:
                 self.per_depth_ms, self.base_ms = slope, my - slope * mx
                 return
-        self.per_depth_ms, self.base_ms = my / mx, 0.0   # one depth seen (or a fit out of bounds): all per depth
+        self.per_depth_ms, self.base_ms = max(my, 0.0) / mx, 0.0   # one depth seen (or a fit out of bounds): all per depth
 
     def to_dict(self) -> dict:
         return {"base_ms": round(self.base_ms, 3), "per_depth_ms": round(self.per_depth_ms, 3),
-                "observations": len(self.history)}
+                "per_row_ms": round(self.per_row_ms, 4), "observations": len(self.history)}

@@ -2,7 +2,8 @@
 
 ``TreeWorkPolicy`` (the Eyas policy) maximises expected accepted tokens per second of the batch:
 
-    J(batch, trees) = sum_i (1 + E_i[accepted | tree_i]) / (latency(sum_i verify_rows_i) + draft(max_i depth_i))
+    J(batch, trees) = sum_i (1 + E_i[accepted | tree_i]) / (latency(sum_i verify_rows_i)
+                                                           + draft(max_i depth_i, sum_i draft_rows_i))
 
 where ``latency`` is the measured :class:`~eyas.scheduler.latency.LatencyCurve`, ``draft`` the
 measured :class:`~eyas.scheduler.latency.DraftCost` of the round's drafting (0 when nobody drafts) and ``E_i`` comes
@@ -10,9 +11,11 @@ from the request's recent acceptance (:class:`AcceptanceEstimate`: per-depth acc
 exponential average of what its rounds accepted, started from the prior that all requests'
 observed acceptance gives). Every admitted request starts with plain decoding (one row); trees are
 upgraded greedily while J improves and the budgets on verify rows and KV bytes hold. A move raises
-one request's tree, or raises every request to one shape at once: the drafting cost is paid once
-per round, so where one request's gain cannot pay for it the whole batch's may. When verify rows are expensive (a steep curve) or a request's drafts are rarely
-accepted, no upgrade pays and speculation shrinks to plain decoding, for that request or all.
+one request's tree, or raises every request to one shape at once: the drafting cost's part per depth
+is paid once per round (its part per draft row by each request), so where one request's gain cannot
+pay for it the whole batch's may. When verify rows are expensive (a steep curve), drafting is slow
+or a request's drafts are rarely accepted, no upgrade pays and speculation shrinks to plain
+decoding, for that request or all.
 
 ``PromptLengthPolicy`` (the baseline, selectable by config): batches of requests with similar prompt
 lengths, every one with the same fixed tree.
@@ -130,7 +133,7 @@ class TreeWorkPolicy:
             return Plan({}, (), 0.0, 0.0)
         level = {c.request_id: 0 for c in batch}  # index into self.shapes
         by_id = {c.request_id: c for c in batch}
-        draft_ms = draft.predict if draft is not None else (lambda depth: 0.0)
+        draft_ms = draft.predict if draft is not None else (lambda depth, rows=0: 0.0)
 
         def tokens(c: Candidate, shape: TreeShape) -> float:
             return 1.0 + c.acceptance.expected(shape.depth_cap)
@@ -140,18 +143,20 @@ class TreeWorkPolicy:
 
         total_tokens = sum(tokens(c, PLAIN) for c in batch)
         depth = 0                                       # the deepest tree in the batch (0: nobody drafts)
-        best_j = total_tokens / (curve.predict(rows) + draft_ms(depth))
+        drows = 0                                       # draft rows of the batch's trees, all together
+        best_j = total_tokens / (curve.predict(rows) + draft_ms(depth, drows))
         while self.speculate:
             # a move raises one request's tree, or every request to one shape at once (the round's
             # drafting cost is paid once, so one request alone may not pay for it where all do);
-            # each move as (new levels, d_tokens, d_rows, d_kv, new depth)
+            # each move as (new levels, d_tokens, d_rows, d_kv, new depth, d_draft_rows)
             moves = []
             for c in batch:
                 cur = level[c.request_id]
                 for nxt in range(cur + 1, len(self.shapes)):
                     moves.append(({c.request_id: nxt}, tokens(c, self.shapes[nxt]) - tokens(c, self.shapes[cur]),
                                   self.shapes[nxt].verify_rows - self.shapes[cur].verify_rows,
-                                  kv_of(c, nxt) - kv_of(c, cur), max(depth, self.shapes[nxt].depth_cap)))
+                                  kv_of(c, nxt) - kv_of(c, cur), max(depth, self.shapes[nxt].depth_cap),
+                                  self.shapes[nxt].draft_rows - self.shapes[cur].draft_rows))
             for k in range(1, len(self.shapes)):
                 up = {rid: k for rid, i in level.items() if i < k}
                 if len(up) > 1:
@@ -159,22 +164,23 @@ class TreeWorkPolicy:
                                           for r in up),
                                   sum(self.shapes[k].verify_rows - self.shapes[level[r]].verify_rows for r in up),
                                   sum(kv_of(by_id[r], k) - kv_of(by_id[r], level[r]) for r in up),
-                                  max(depth, self.shapes[k].depth_cap)))
+                                  max(depth, self.shapes[k].depth_cap),
+                                  sum(self.shapes[k].draft_rows - self.shapes[level[r]].draft_rows for r in up)))
             best = None
-            for up, d_tok, d_rows, d_kv, new_depth in moves:
+            for up, d_tok, d_rows, d_kv, new_depth, d_drows in moves:
                 if rows + d_rows > b.max_verify_rows or kv + d_kv > b.max_kv_bytes:
                     continue
-                j = (total_tokens + d_tok) / (curve.predict(rows + d_rows) + draft_ms(new_depth))
+                j = (total_tokens + d_tok) / (curve.predict(rows + d_rows) + draft_ms(new_depth, drows + d_drows))
                 if j > best_j * (1 + MIN_GAIN) and (best is None or j > best[0]):
-                    best = (j, up, d_tok, d_rows, d_kv, new_depth)
+                    best = (j, up, d_tok, d_rows, d_kv, new_depth, d_drows)
             if best is None:
                 break
-            best_j, up, d_tok, d_rows, d_kv, depth = best
+            best_j, up, d_tok, d_rows, d_kv, depth, d_drows = best
             level.update(up)
-            rows, kv, total_tokens = rows + d_rows, kv + d_kv, total_tokens + d_tok
+            rows, kv, total_tokens, drows = rows + d_rows, kv + d_kv, total_tokens + d_tok, drows + d_drows
         shapes = {c.request_id: self.shapes[level[c.request_id]] for c in batch}
         work = tuple(_work(c, shapes[c.request_id], b) for c in batch)
-        return Plan(shapes, work, curve.predict(rows) + draft_ms(depth), total_tokens)
+        return Plan(shapes, work, curve.predict(rows) + draft_ms(depth, drows), total_tokens)
 
 
 class PromptLengthPolicy:
@@ -206,7 +212,8 @@ class PromptLengthPolicy:
         work = tuple(_work(c, shape, b) for c in batch)
         expected = sum(1.0 + c.acceptance.expected(shape.depth_cap) for c in batch)
         ms = curve.predict(sum(w.verify_rows for w in work)) + (
-            draft.predict(shape.depth_cap) if draft is not None and shape.speculates else 0.0)
+            draft.predict(shape.depth_cap, shape.draft_rows * len(batch)) if draft is not None and shape.speculates
+            else 0.0)
         return Plan({c.request_id: shape for c in batch}, work, ms, expected)
 
 

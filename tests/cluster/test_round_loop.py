@@ -214,13 +214,13 @@ def test_the_loop_starts_from_the_drafters_measured_cost_and_skips_a_drafter_tha
     target-only's."""
     target, drafter = workers
     measured = drafter.measure_costs(repeats=1)
-    assert set(measured) == {"eagle1"} and sorted(measured["eagle1"]) == [1, 3, 5]
+    assert set(measured) == {"eagle1"} and [d for d, _, _ in measured["eagle1"]] == [1, 3, 5, 5]
     loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
                      drafter.info(), TreeWorkPolicy(Budgets()), FLAT.copy())
-    assert loop.draft_cost.to_dict()["observations"] == 3 and loop.draft_cost.predict(5) > 0
+    assert loop.draft_cost.to_dict()["observations"] == 4 and loop.draft_cost.predict(5) > 0
     loop.close()
 
-    drafter.draft_ms["eagle1"] = {1: 1000.0, 3: 3000.0, 5: 5000.0}
+    drafter.draft_points["eagle1"] = [(1, 0, 1000.0), (3, 8, 3000.0), (5, 16, 5000.0)]
     counting = FlakyDrafter(drafter, fail_calls=set())
     loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(counting, 30, local=True, drafter=True),
                      drafter.info(), TreeWorkPolicy(Budgets()), FLAT.copy())

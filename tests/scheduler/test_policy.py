@@ -113,17 +113,42 @@ def test_draft_cost_fits_base_and_per_depth():
 
 
 def test_draft_cost_from_start_up_points():
-    """Start-up measurements fit like live rounds: {1: 20, 3: 40, 5: 60} ms -> 10 ms + 10 ms per depth,
-    so depth 4 is predicted at 50 ms; a live round then joins the same fit. A point that is not a
-    measurement is refused, naming the field."""
-    d = DraftCost.from_points({5: 60.0, 1: 20.0, 3: 40.0})
+    """Start-up points (depth, draft rows, ms): [(1, 0, 20), (3, 8, 44), (5, 16, 68), (5, 64, 92)].
+    At depth 5, 48 more rows cost 24 ms more -> per_row_ms = 0.5. Without the rows' part the points
+    are 20, 40, 60, 60 ms at depths 1, 3, 5, 5 -> base 10 ms + 10 ms per depth. So a depth-4 round of
+    one request (12 rows) is predicted at 10 + 40 + 6 = 56 ms, and the same depth for 4 requests
+    (48 rows) at 74 ms. A live round joins the same fit. A point that is not a measurement is
+    refused, naming the field."""
+    d = DraftCost.from_points([(1, 0, 20.0), (3, 8, 44.0), (5, 16, 68.0), (5, 64, 92.0)])
+    assert d.per_row_ms == pytest.approx(0.5)
     assert d.base_ms == pytest.approx(10.0) and d.per_depth_ms == pytest.approx(10.0)
-    assert d.predict(4) == pytest.approx(50.0) and len(d.history) == 3
-    d.observe(3, 40.0)
-    assert d.predict(4) == pytest.approx(50.0) and len(d.history) == 4
-    for bad in ({0: 5.0}, {2: -1.0}, {2.5: 3.0}):
+    assert d.predict(4, 12) == pytest.approx(56.0) and d.predict(4, 48) == pytest.approx(74.0)
+    assert d.predict(0, 48) == 0.0 and len(d.history) == 4
+    d.observe(3, 44.0, 8)
+    assert d.predict(4, 12) == pytest.approx(56.0) and len(d.history) == 5
+    flat = DraftCost.from_points([(1, 0, 20.0), (3, 8, 40.0)])     # no depth at two row counts
+    assert flat.per_row_ms == 0.0 and flat.predict(5, 100) == pytest.approx(60.0)
+    for bad in ([(0, 0, 5.0)], [(2, 0, -1.0)], [(2.5, 0, 3.0)], [(2, -1, 3.0)]):
         with pytest.raises(ValueError, match="^draft_cost.points: "):
             DraftCost.from_points(bad)
+
+
+def test_many_drafting_requests_cost_more_than_one_so_a_big_batch_may_stay_plain():
+    """The same acceptance (0.7 per depth) and a flat curve (50 ms for 1 row, 52 ms for 256).
+    One request, drafting at 10 ms per depth + 5 ms per draft row: it drafts. Sixteen requests with
+    draft rows free: all sixteen draft. The same sixteen at 50 ms per draft row: no request gets a
+    tree that writes draft rows (depth > 1 writes width x (depth - 1) rows for each request), so the
+    per-row part of drafting, paid by every request, is what holds the batch back."""
+    curve = LatencyCurve.from_points({1: 50.0, 256: 52.0})
+    one = [cand("solo", rates=[0.7] * 8)]
+    many = [cand(f"r{i}", i, rates=[0.7] * 8) for i in range(16)]
+    cheap = DraftCost(prior_ms_per_depth=10.0, per_row_ms=5.0)
+    assert any(s.speculates for s in TreeWorkPolicy().plan(one, curve, cheap).shapes.values())
+    costly_rows = DraftCost(prior_ms_per_depth=10.0, per_row_ms=50.0)
+    free_rows = DraftCost(prior_ms_per_depth=10.0)
+    assert all(s.speculates for s in TreeWorkPolicy().plan(many, curve, free_rows).shapes.values())
+    plan = TreeWorkPolicy().plan(many, curve, costly_rows)
+    assert all(s.draft_rows == 0 for s in plan.shapes.values())
 
 
 def test_the_policy_turns_speculation_off_when_drafting_is_expensive():
