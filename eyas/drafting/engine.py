@@ -173,8 +173,8 @@ class DrafterEngine:
         request at each of ``depths``, and ``batch`` requests at the deepest (so that the cost per
         packed row can be told from the cost per depth). Each point is the median of ``repeats``
         :meth:`propose_batch` calls that read a 2-row seed per request after a ``prefix``-row context
-        and grow ``tree`` cut at that depth; ``draft rows`` counts the provisional rows those trees
-        may write (:attr:`TreeSpec.max_draft_rows` per request). Uses its own sessions, closed
+        and grow ``tree`` cut at that depth; ``draft rows`` counts the rows packed for each request:
+        its 2 seed rows plus the provisional rows its tree may write (:attr:`TreeSpec.max_draft_rows`). Uses its own sessions, closed
         before returning."""
         import statistics
         import time
@@ -201,7 +201,7 @@ class DrafterEngine:
                     t0 = time.perf_counter()
                     self.propose_batch([(rid, seed(prefix + 2 * r, 2, r + 1), spec) for rid in rids])
                     samples.append(1000 * (time.perf_counter() - t0))
-                return depth, n * spec.max_draft_rows, statistics.median(samples)
+                return depth, n * (2 + spec.max_draft_rows), statistics.median(samples)
             finally:
                 for rid in rids:
                     self.close_session(rid)

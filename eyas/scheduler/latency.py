@@ -111,9 +111,9 @@ DRAFT_HISTORY = 64
 @dataclass
 class DraftCost:
     """What drafting adds to a round, in milliseconds: ``base_ms + per_depth_ms * D + per_row_ms * R``
-    for a round whose deepest tree has depth ``D`` and whose trees write ``R`` draft rows in all
-    (:attr:`TreeShape.draft_rows` summed over the drafting requests); a round where nobody drafts
-    pays nothing.
+    for a round whose deepest tree has depth ``D`` and that packs ``R`` drafter rows in all (summed
+    over the drafting requests: the context rows of their unread seeds plus their trees'
+    :attr:`TreeShape.draft_rows`); a round where nobody drafts pays nothing.
 
     The drafter grows all of a round's trees together, one packed drafter forward per depth, so the
     cost has a part per depth (the forward's fixed cost and the hop) and a part per row (the rows

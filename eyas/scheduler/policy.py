@@ -3,9 +3,11 @@
 ``TreeWorkPolicy`` (the Eyas policy) maximises expected accepted tokens per second of the batch:
 
     J(batch, trees) = sum_i (1 + E_i[accepted | tree_i]) / (latency(sum_i verify_rows_i)
-                                                           + draft(max_i depth_i, sum_i draft_rows_i))
+                                                           + draft(max_i depth_i, sum_i drafted_rows_i))
 
-where ``latency`` is the measured :class:`~eyas.scheduler.latency.LatencyCurve`, ``draft`` the
+where ``drafted_rows_i`` is request i's tree rows plus its backlog of context rows the drafter has
+not read yet (its whole prompt in its first drafting round, or the rows of the rounds it spent
+plain), both 0 for a plain request; ``latency`` is the measured :class:`~eyas.scheduler.latency.LatencyCurve`, ``draft`` the
 measured :class:`~eyas.scheduler.latency.DraftCost` of the round's drafting (0 when nobody drafts) and ``E_i`` comes
 from the request's recent acceptance (:class:`AcceptanceEstimate`: per-depth acceptance rates, an
 exponential average of what its rounds accepted, started from the prior that all requests'
@@ -77,6 +79,7 @@ class Candidate:
     prompt_len: int
     committed_len: int
     acceptance: AcceptanceEstimate
+    draft_backlog: int = 0   # context rows the drafter must read before this request can draft (unread seeds)
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,11 @@ class TreeWorkPolicy:
         def kv_of(c: Candidate, i: int) -> int:
             return _work(c, self.shapes[i], b).kv_bytes
 
+        def drafted_rows(c: Candidate, i: int) -> int:
+            """Rows the drafter packs for ``c`` at shape ``i``: its backlog of context rows, then its tree's."""
+            s = self.shapes[i]
+            return s.draft_rows + c.draft_backlog if s.speculates else 0
+
         total_tokens = sum(tokens(c, PLAIN) for c in batch)
         depth = 0                                       # the deepest tree in the batch (0: nobody drafts)
         drows = 0                                       # draft rows of the batch's trees, all together
@@ -156,7 +164,7 @@ class TreeWorkPolicy:
                     moves.append(({c.request_id: nxt}, tokens(c, self.shapes[nxt]) - tokens(c, self.shapes[cur]),
                                   self.shapes[nxt].verify_rows - self.shapes[cur].verify_rows,
                                   kv_of(c, nxt) - kv_of(c, cur), max(depth, self.shapes[nxt].depth_cap),
-                                  self.shapes[nxt].draft_rows - self.shapes[cur].draft_rows))
+                                  drafted_rows(c, nxt) - drafted_rows(c, cur)))
             for k in range(1, len(self.shapes)):
                 up = {rid: k for rid, i in level.items() if i < k}
                 if len(up) > 1:
@@ -165,7 +173,7 @@ class TreeWorkPolicy:
                                   sum(self.shapes[k].verify_rows - self.shapes[level[r]].verify_rows for r in up),
                                   sum(kv_of(by_id[r], k) - kv_of(by_id[r], level[r]) for r in up),
                                   max(depth, self.shapes[k].depth_cap),
-                                  sum(self.shapes[k].draft_rows - self.shapes[level[r]].draft_rows for r in up)))
+                                  sum(drafted_rows(by_id[r], k) - drafted_rows(by_id[r], level[r]) for r in up)))
             best = None
             for up, d_tok, d_rows, d_kv, new_depth, d_drows in moves:
                 if rows + d_rows > b.max_verify_rows or kv + d_kv > b.max_kv_bytes:
@@ -212,8 +220,8 @@ class PromptLengthPolicy:
         work = tuple(_work(c, shape, b) for c in batch)
         expected = sum(1.0 + c.acceptance.expected(shape.depth_cap) for c in batch)
         ms = curve.predict(sum(w.verify_rows for w in work)) + (
-            draft.predict(shape.depth_cap, shape.draft_rows * len(batch)) if draft is not None and shape.speculates
-            else 0.0)
+            draft.predict(shape.depth_cap, sum(shape.draft_rows + c.draft_backlog for c in batch))
+            if draft is not None and shape.speculates else 0.0)
         return Plan({c.request_id: shape for c in batch}, work, ms, expected)
 
 

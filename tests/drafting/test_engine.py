@@ -126,8 +126,8 @@ def test_batched_drafting_equals_drafting_each_request_alone(tiny_target):
 
 def test_measure_cost_times_each_depth_and_leaves_no_session():
     """The start-up draft cost: a (depth, draft rows, ms) point per requested depth for one request,
-    plus one for ``batch`` requests at the deepest; rows are each tree's bound on provisional rows
-    (width 2, depth 4 -> 2 x 3 = 6 per request). No wall-clock bound is asserted. The measuring
+    plus one for ``batch`` requests at the deepest; rows count per request its 2 seed rows and its
+    tree's bound on provisional rows (width 2, depth 4 -> 2 + 2 x 3 = 8 per request). No wall-clock bound is asserted. The measuring
     sessions are closed: no draft KV stays allocated."""
     from eyas.testing import ours_from_hf, tiny_eagle1_engine, tiny_hf_llama
 
@@ -135,6 +135,6 @@ def test_measure_cost_times_each_depth_and_leaves_no_session():
     engine = tiny_eagle1_engine(model)
     points = engine.measure_cost(TreeSpec(expand_width=2, max_depth=4, verify_budget=6), depths=(1, 2, 4),
                                  repeats=2, prefix=8, batch=3)
-    assert [(d, r) for d, r, _ in points] == [(1, 0), (2, 2), (4, 6), (4, 18)]
+    assert [(d, r) for d, r, _ in points] == [(1, 2), (2, 4), (4, 8), (4, 24)]
     assert all(ms > 0 for _, _, ms in points)
     assert engine.sessions == {} and engine.kv_slots_allocated() == 0

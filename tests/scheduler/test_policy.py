@@ -174,3 +174,16 @@ def test_the_policy_raises_the_whole_batch_when_only_all_together_pay():
     plan = TreeWorkPolicy(shapes=(PLAIN, TreeShape(1, 1, 1))).plan(reqs, flat, DraftCost(prior_ms_per_depth=40.0))
     assert all(s == TreeShape(1, 1, 1) for s in plan.shapes.values())
     assert plan.expected_tokens == pytest.approx(12.0) and plan.predicted_ms == pytest.approx(140.0)
+
+
+def test_a_request_whose_drafter_has_not_read_its_prompt_pays_for_those_rows():
+    """The drafter must read a request's unread context rows (its prompt, in its first drafting round)
+    before it drafts: ``draft_backlog`` rows at ``per_row_ms`` each. Flat curve (50 ms / 52 ms),
+    0.7 acceptance, drafting at 10 ms per depth + 0.5 ms per row: with no backlog the request drafts;
+    with a 400-row backlog drafting would add 200 ms to a 50 ms round, so it stays plain."""
+    curve = LatencyCurve.from_points({1: 50.0, 256: 52.0})
+    cost = DraftCost(prior_ms_per_depth=10.0, per_row_ms=0.5)
+    fresh = Candidate("a", 0.0, 400, 400, AcceptanceEstimate([0.7] * 8), draft_backlog=400)
+    caught_up = Candidate("a", 0.0, 400, 400, AcceptanceEstimate([0.7] * 8), draft_backlog=2)
+    assert not TreeWorkPolicy().plan([fresh], curve, cost).shapes["a"].speculates
+    assert TreeWorkPolicy().plan([caught_up], curve, cost).shapes["a"].speculates
