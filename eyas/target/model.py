@@ -243,6 +243,34 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(heads * head_dim, eps) if qk_norm else None     # OLMoE: over all heads at once
         self.k_norm = RMSNorm(kv_heads * head_dim, eps) if qk_norm else None
         self.clip_qkv = clip_qkv
+        self.row_stable = False   # int8: attend row by row over each row's visible keys (see _attend)
+
+    def _attend(self, q, keys, values, mask):
+        """Attention of q [B, H, T, hd] over keys/values [B, H_kv, S, hd] under mask [B, T, S] (None: all).
+
+        With ``row_stable`` (set by :func:`quantize_int8`) every query row attends alone, over only
+        the keys its mask shows, in slot order (the committed prefix, then its tree ancestors, then
+        itself): the very call a one-row decode of that token makes. The fused kernel's result for
+        a row otherwise depends on how many rows and masked keys share the call; at fp32 that is
+        a last-bit difference, but an int8 target rounds the next layer's activations to a grid, so
+        such a difference can move a value to the next grid step and change the token. Row by row,
+        a verify row computes exactly what target-only decoding computes, and greedy speculative
+        output stays token-identical at int8 (seed 0x05C: the verifier must equal the target)."""
+        gqa = self.heads != self.kv_heads
+        B, _, T, _ = q.shape
+        if not self.row_stable or (mask is None and T > 1):
+            attn_mask = None if mask is None else mask.unsqueeze(1)  # [B, 1, T, S]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=gqa)
+        out = torch.empty_like(q)
+        for b in range(B):
+            for t in range(T):
+                if mask is None:
+                    k, v = keys[b:b + 1].contiguous(), values[b:b + 1].contiguous()
+                else:
+                    idx = mask[b, t].nonzero().squeeze(1)                       # visible slots, in order
+                    k, v = keys[b:b + 1, :, idx], values[b:b + 1, :, idx]
+                out[b, :, t] = F.scaled_dot_product_attention(q[b:b + 1, :, t:t + 1], k, v, enable_gqa=gqa)[0, :, 0]
+        return out
 
     def project(self, x):
         """q [.., H*hd], k [.., H_kv*hd], v [.., H_kv*hd] of x [.., d] (with OLMoE's q/k norms and clipping)."""
@@ -264,9 +292,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.kv_heads, hd).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = cache.write(layer, start, k, v)  # [B, H_kv, start+T, hd] each
-        attn_mask = None if mask is None else mask.unsqueeze(1)  # [B, 1, T, S]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
-                                             enable_gqa=self.heads != self.kv_heads)
+        out = self._attend(q, keys, values, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.heads * hd))
 
 
@@ -287,9 +313,7 @@ class Attention(nn.Module):
         for seg in segments:
             lo, hi = seg.rows
             keys, values = seg.cache.write(layer, seg.start, k[:, :, lo:hi], v[:, :, lo:hi])
-            attn_mask = None if seg.mask is None else seg.mask[None, None]  # [1, 1, T_i, start+T_i]
-            outs.append(F.scaled_dot_product_attention(q[:, :, lo:hi], keys, values, attn_mask=attn_mask,
-                                                       enable_gqa=self.heads != self.kv_heads))
+            outs.append(self._attend(q[:, :, lo:hi], keys, values, None if seg.mask is None else seg.mask[None]))
         out = torch.cat(outs, dim=2)  # [1, H, T, hd]
         return self.wo(out.transpose(1, 2).reshape(1, T, self.heads * hd))
 
@@ -602,4 +626,7 @@ def quantize_int8(model: TargetModel, calibration_ids: list[int] | None = None) 
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, RowStableInt8Linear(getattr(parent, child), inv_s, bound))
+    for mod in model.modules():
+        if isinstance(mod, Attention):
+            mod.row_stable = True
     return model
