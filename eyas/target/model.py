@@ -245,7 +245,7 @@ class Attention(nn.Module):
         self.clip_qkv = clip_qkv
         self.row_stable = False   # int8: attend row by row over each row's visible keys (see _attend)
 
-    def _attend(self, q, keys, values, mask):
+    def _attend(self, q, keys, values, mask, start: int):
         """Attention of q [B, H, T, hd] over keys/values [B, H_kv, S, hd] under mask [B, T, S] (None: all).
 
         With ``row_stable`` (set by :func:`quantize_int8`) every query row attends alone, over only
@@ -255,10 +255,11 @@ class Attention(nn.Module):
         a last-bit difference, but an int8 target rounds the next layer's activations to a grid, so
         such a difference can move a value to the next grid step and change the token. Row by row,
         a verify row computes exactly what target-only decoding computes, and greedy speculative
-        output stays token-identical at int8 (seed 0x05C: the verifier must equal the target)."""
+        output stays token-identical at int8 (seed 0x05C: the verifier must equal the target).
+        A prompt prefill (``start == 0``) runs fused: it is the same call in every decoding mode."""
         gqa = self.heads != self.kv_heads
         B, _, T, _ = q.shape
-        if not self.row_stable or (mask is None and T > 1):
+        if not self.row_stable or start == 0 or (mask is None and T > 1):
             attn_mask = None if mask is None else mask.unsqueeze(1)  # [B, 1, T, S]
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=gqa)
         out = torch.empty_like(q)
@@ -292,7 +293,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.kv_heads, hd).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = cache.write(layer, start, k, v)  # [B, H_kv, start+T, hd] each
-        out = self._attend(q, keys, values, mask)
+        out = self._attend(q, keys, values, mask, start)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.heads * hd))
 
 
@@ -313,7 +314,8 @@ class Attention(nn.Module):
         for seg in segments:
             lo, hi = seg.rows
             keys, values = seg.cache.write(layer, seg.start, k[:, :, lo:hi], v[:, :, lo:hi])
-            outs.append(self._attend(q[:, :, lo:hi], keys, values, None if seg.mask is None else seg.mask[None]))
+            outs.append(self._attend(q[:, :, lo:hi], keys, values, None if seg.mask is None else seg.mask[None],
+                                     seg.start))
         out = torch.cat(outs, dim=2)  # [1, H, T, hd]
         return self.wo(out.transpose(1, 2).reshape(1, T, self.heads * hd))
 
