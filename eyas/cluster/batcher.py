@@ -138,7 +138,7 @@ class BatchRunner:
         if not self.running:
             return None
         candidates = [Candidate(r.request_id, r.arrival, len(r.prompt_ids), len(r.prompt_ids) + len(r.out) - 1,
-                                r.acceptance, sum(s.features.shape[0] for s in r.unread) if self.drafter else 0)
+                                r.acceptance, Seed.total_rows(r.unread) if self.drafter else 0)
                       for r in self.running.values()]
         plan = self.policy.plan(candidates, self.curve, self.draft_cost)                     # plan
         if not plan.shapes:
@@ -156,7 +156,7 @@ class BatchRunner:
             trees.update(zip(drafting, self.drafter.propose_batch(items)))
             backlog = {c.request_id: c.draft_backlog for c in candidates}
             self.draft_cost.observe(max(plan.shapes[rid].depth_cap for rid in drafting), 1000 * (time.perf_counter() - t0),
-                                    sum(plan.shapes[rid].draft_rows + backlog[rid] for rid in drafting))
+                                    sum(plan.shapes[rid].drafter_rows(backlog[rid]) for rid in drafting))
         items = list(trees.items())
         t0 = time.perf_counter()
         verified = self.target.verify_batch(items)                                            # verify

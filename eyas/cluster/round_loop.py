@@ -252,7 +252,7 @@ class RoundLoop:
     def _round(self) -> None:
         cands = [Candidate(x.request_id, x.arrival, len(x.prompt_ids), len(x.prompt_ids) + len(x.out) - 1,
                            x.acceptance if x.speculative else NEVER_ACCEPTS,
-                           sum(s.features.shape[0] for s in x.unread) if x.speculative else 0)
+                           Seed.total_rows(x.unread) if x.speculative else 0)
                  for x in self.live.values()]
         backlog = {c.request_id: c.draft_backlog for c in cands}
         plan = self.policy.plan(cands, self.curve, self.draft_cost)                            # plan
@@ -264,7 +264,7 @@ class RoundLoop:
         t1 = time.perf_counter()
         drafted = [rid for rid, t in trees.items() if t.num_nodes]
         self.draft_cost.observe(max((shapes[rid].depth_cap for rid in drafted), default=0), 1000 * (t1 - t0),
-                                sum(shapes[rid].draft_rows + backlog[rid] for rid in drafted))
+                                sum(shapes[rid].drafter_rows(backlog[rid]) for rid in drafted))
         msgs, flats = [], {}
         for live in batch:
             s = self._target_view(live)

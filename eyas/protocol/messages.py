@@ -87,6 +87,11 @@ class Seed:
         return self.start_position + int(self.features.shape[0])
 
     @staticmethod
+    def total_rows(seeds: list[Seed]) -> int:
+        """Context rows in ``seeds`` together: what the drafter must read before it drafts again."""
+        return sum(int(s.features.shape[0]) for s in seeds)
+
+    @staticmethod
     def join(seeds: list[Seed]) -> Seed:
         """Contiguous seeds, in order, as one (one concatenation); see :meth:`then`."""
         if len(seeds) == 1:

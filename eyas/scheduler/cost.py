@@ -46,6 +46,11 @@ class TreeShape:
         """Drafter rows written this round: the expanded nodes (width per depth below the last)."""
         return self.expand_width * max(self.max_depth - 1, 0) if self.speculates else 0
 
+    def drafter_rows(self, backlog: int) -> int:
+        """Rows the drafter packs for a request at this shape: its ``backlog`` of context rows not yet
+        read (unread seeds), then its tree's draft rows; 0 when it does not draft."""
+        return self.draft_rows + backlog if self.speculates else 0
+
     @property
     def depth_cap(self) -> int:
         """The most candidate tokens one round can accept."""

@@ -145,9 +145,7 @@ class TreeWorkPolicy:
             return _work(c, self.shapes[i], b).kv_bytes
 
         def drafted_rows(c: Candidate, i: int) -> int:
-            """Rows the drafter packs for ``c`` at shape ``i``: its backlog of context rows, then its tree's."""
-            s = self.shapes[i]
-            return s.draft_rows + c.draft_backlog if s.speculates else 0
+            return self.shapes[i].drafter_rows(c.draft_backlog)
 
         total_tokens = sum(tokens(c, PLAIN) for c in batch)
         depth = 0                                       # the deepest tree in the batch (0: nobody drafts)
@@ -220,7 +218,7 @@ class PromptLengthPolicy:
         work = tuple(_work(c, shape, b) for c in batch)
         expected = sum(1.0 + c.acceptance.expected(shape.depth_cap) for c in batch)
         ms = curve.predict(sum(w.verify_rows for w in work)) + (
-            draft.predict(shape.depth_cap, sum(shape.draft_rows + c.draft_backlog for c in batch))
+            draft.predict(shape.depth_cap, sum(shape.drafter_rows(c.draft_backlog) for c in batch))
             if draft is not None and shape.speculates else 0.0)
         return Plan({c.request_id: shape for c in batch}, work, ms, expected)
 

@@ -51,8 +51,20 @@ def prompts(n):
 
 
 def run_all(loop, jobs, n=20):
-    futures = [loop.submit(f"r{i}", p, n, method, TreeSpec(), SamplingParams(), 0) for i, (p, method) in enumerate(jobs)]
-    return [f.result(timeout=120) for f in futures]
+    """Submit every (prompt, method) job, wait for all, and close the loop whatever happens."""
+    try:
+        futures = [loop.submit(f"r{i}", p, n, method, TreeSpec(), SamplingParams(), 0)
+                   for i, (p, method) in enumerate(jobs)]
+        return [f.result(timeout=120) for f in futures]
+    finally:
+        loop.close()
+
+
+def assert_target_only_output(target_model, jobs, results, n):
+    """Each result's tokens equal greedy target-only decoding of its prompt (``n`` new tokens)."""
+    base = TargetEngine(target_model, ())
+    for (p, method), r in zip(jobs, results):
+        assert r.token_ids == generate(base, p, max_new_tokens=n).token_ids, method
 
 
 @pytest.mark.parametrize("policy", [TreeWorkPolicy(Budgets(max_batch=8)), PromptLengthPolicy(Budgets(max_batch=4))])
@@ -61,13 +73,8 @@ def test_many_requests_in_batched_rounds_are_token_identical_to_target_only(tiny
     loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
                      drafter.info(), policy, FLAT.copy())
     jobs = [(p, "eagle1" if i % 3 else "target") for i, p in enumerate(prompts(8))]
-    try:
-        results = run_all(loop, jobs)
-    finally:
-        loop.close()
-    base = TargetEngine(tiny_target, ())
-    for (p, method), r in zip(jobs, results):
-        assert r.token_ids == generate(base, p, max_new_tokens=20).token_ids, method
+    results = run_all(loop, jobs)
+    assert_target_only_output(tiny_target, jobs, results, 20)
     assert sum(x.tree_nodes > 0 for r in results for x in r.rounds) > 0
     assert loop.rounds < sum(len(r.rounds) for r in results)  # rounds were shared by several requests
     assert target.leak_check()["ok"] and not target.sessions and not drafter.session_method
@@ -81,13 +88,8 @@ def test_a_drafter_that_dies_is_reseeded_then_given_up_and_no_token_changes(tiny
     loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(flaky, 30, local=True, drafter=True),
                      drafter.info(), PromptLengthPolicy(), FLAT.copy())
     jobs = [(p, "eagle1") for p in prompts(4)]
-    try:
-        results = run_all(loop, jobs, n=30)
-    finally:
-        loop.close()
-    base = TargetEngine(tiny_target, ())
-    for (p, _), r in zip(jobs, results):
-        assert r.token_ids == generate(base, p, max_new_tokens=30).token_ids
+    results = run_all(loop, jobs, n=30)
+    assert_target_only_output(tiny_target, jobs, results, 30)
     assert all(r.drafter_reseeds >= 1 for r in results) and any(r.drafter_fallback for r in results)
     assert not target.sessions and not drafter.session_method
 
@@ -190,14 +192,9 @@ def test_plain_rounds_skip_the_drafter_and_its_seeds_catch_up_exactly(tiny_targe
     loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(counting, 30, local=True, drafter=True),
                      drafter.info(), policy, FLAT.copy())
     jobs = [(p, "eagle1") for p in prompts(3)]
-    try:
-        results = run_all(loop, jobs, n=24)
-    finally:
-        loop.close()
-    base = TargetEngine(tiny_target, ())
-    for (p, _), r in zip(jobs, results):
-        assert r.token_ids == generate(base, p, max_new_tokens=24).token_ids
-        assert not r.drafter_fallback and r.drafter_reseeds == 0
+    results = run_all(loop, jobs, n=24)
+    assert_target_only_output(tiny_target, jobs, results, 24)
+    assert all(not r.drafter_fallback and r.drafter_reseeds == 0 for r in results)
     drafted_rounds = sum(1 for i in range(1, policy.rounds + 1) if i % 3 == 0 and i <= loop.rounds)
     assert counting.calls == drafted_rounds > 0
     assert sum(x.tree_nodes > 0 for r in results for x in r.rounds) > 0
@@ -226,12 +223,7 @@ def test_the_loop_starts_from_the_drafters_measured_cost_and_skips_a_drafter_tha
                      drafter.info(), TreeWorkPolicy(Budgets()), FLAT.copy())
     assert loop.draft_cost.predict(5) == pytest.approx(5000.0)
     jobs = [(p, "eagle1") for p in prompts(2)]
-    try:
-        results = run_all(loop, jobs, n=12)
-    finally:
-        loop.close()
-    base = TargetEngine(tiny_target, ())
-    for (p, _), r in zip(jobs, results):
-        assert r.token_ids == generate(base, p, max_new_tokens=12).token_ids
+    results = run_all(loop, jobs, n=12)
+    assert_target_only_output(tiny_target, jobs, results, 12)
     assert counting.calls == 0 and all(x.tree_nodes == 0 for r in results for x in r.rounds)
     assert not target.sessions and not drafter.session_method

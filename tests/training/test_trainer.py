@@ -111,7 +111,8 @@ def test_feature_cache_refuses_another_target(tiny_setup):
 
 def test_warm_start_takes_the_weights_and_vocabulary_and_refuses_another_method(tiny_setup, tmp_path):
     """``init_from``: a stage-2 run starts from an exported drafter (weights, to fp16 rounding, and its
-    draft vocabulary) with a fresh optimizer; a drafter of another method is refused, naming the field."""
+    draft vocabulary) with a fresh optimizer, and its summary carries the held-out accuracy it started
+    from; a drafter of another method is refused, naming the field."""
     first = make({"method": "eagle3", "epochs": 1}, tiny_setup, tmp_path / "a")
     first.fit()
     folder = first.export({"steps": first.step})
@@ -120,7 +121,9 @@ def test_warm_start_takes_the_weights_and_vocabulary_and_refuses_another_method(
     for name, p in first.drafter.state_dict().items():
         if p.is_floating_point():
             torch.testing.assert_close(second.drafter.state_dict()[name], p.half().float(), rtol=0, atol=0)
-    before = second.evaluate()["loss"][0]
-    assert before == pytest.approx(first.evaluate()["loss"][0], rel=1e-2)  # it starts where the first ended
+    before = second.evaluate()
+    assert before["loss"][0] == pytest.approx(first.evaluate()["loss"][0], rel=1e-2)  # it starts where the first ended
+    summary = second.fit()   # a warm start reports its held-out accuracy before the first step
+    assert summary["heldout_at_start"] == before and "heldout_at_start" not in first.fit()
     with pytest.raises(ValueError, match="^config.init_from: .* is a eagle3 drafter, not eagle1"):
         make({"method": "eagle1", "epochs": 1, "init_from": str(folder)}, tiny_setup, tmp_path / "c")
