@@ -155,7 +155,8 @@ class BatchRunner:
                 self.running[rid].unread = []
             trees.update(zip(drafting, self.drafter.propose_batch(items)))
             backlog = {c.request_id: c.draft_backlog for c in candidates}
-            self.draft_cost.observe(max(plan.shapes[rid].depth_cap for rid in drafting), 1000 * (time.perf_counter() - t0),
+            self.draft_cost.observe(max(plan.shapes[rid].depth_cap for rid in drafting),
+                                    1000 * (time.perf_counter() - t0),
                                     sum(plan.shapes[rid].drafter_rows(backlog[rid]) for rid in drafting))
         items = list(trees.items())
         t0 = time.perf_counter()

@@ -174,8 +174,8 @@ class DrafterEngine:
         packed row can be told from the cost per depth). Each point is the median of ``repeats``
         :meth:`propose_batch` calls that read a 2-row seed per request after a ``prefix``-row context
         and grow ``tree`` cut at that depth; ``draft rows`` counts the rows packed for each request:
-        its 2 seed rows plus the provisional rows its tree may write (:attr:`TreeSpec.max_draft_rows`). Uses its own sessions, closed
-        before returning."""
+        its 2 seed rows plus the provisional rows its tree may write (:attr:`TreeSpec.max_draft_rows`).
+        Uses its own sessions, closed before returning."""
         import statistics
         import time
 

@@ -194,7 +194,8 @@ class DraftCost:
             if slope >= 0 and my - slope * mx >= 0:
                 self.per_depth_ms, self.base_ms = slope, my - slope * mx
                 return
-        self.per_depth_ms, self.base_ms = max(my, 0.0) / mx, 0.0   # one depth seen (or a fit out of bounds): all per depth
+        # one depth seen (or a fit out of bounds): all of it per depth
+        self.per_depth_ms, self.base_ms = max(my, 0.0) / mx, 0.0
 
     def to_dict(self) -> dict:
         return {"base_ms": round(self.base_ms, 3), "per_depth_ms": round(self.per_depth_ms, 3),
