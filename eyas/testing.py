@@ -76,6 +76,58 @@ def tiny_hf_olmoe(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int
     return model
 
 
+def tiny_hf_qwen2(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                  seed: int = 0, init_std: float = 0.2, tie: bool = False):
+    """A random-weight HF Qwen2ForCausalLM (dense; q/k/v projections carry biases, o_proj none)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=init_std,
+                      use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):  # HF starts biases at zero, which would hide a bias never loaded
+                p.normal_(0, 2 * init_std)
+    return model
+
+
+def tiny_hf_qwen2_moe(vocab: int = 64, hidden: int = 32, layers: int = 3, heads: int = 4, kv_heads: int = 2,
+                      experts: int = 8, top_k: int = 2, seed: int = 0, init_std: float = 0.2,
+                      norm_topk_prob: bool = False, mlp_only_layers: tuple[int, ...] = (1,),
+                      decoder_sparse_step: int = 1):
+    """A random-weight HF Qwen2MoeForCausalLM (the Qwen2-MoE kind: q/k/v biases, routed experts of width
+    ``hidden // 2``, a sigmoid-gated shared expert of width ``3 * hidden // 2``, dense MLPs of width
+    ``2 * hidden`` in ``mlp_only_layers`` and in layers off ``decoder_sparse_step``)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=3 * hidden // 2,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=256, num_experts=experts, num_experts_per_tok=top_k,
+                         norm_topk_prob=norm_topk_prob, mlp_only_layers=list(mlp_only_layers),
+                         decoder_sparse_step=decoder_sparse_step, rms_norm_eps=1e-5, initializer_range=init_std,
+                         tie_word_embeddings=False, use_sliding_window=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = Qwen2MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):  # zero at init
+                p.normal_(0, 2 * init_std)
+            elif "experts" in name or "gate" in name:  # fused experts, router, shared-expert gate: zero/untouched
+                p.normal_(0, init_std)
+    return model
+
+
 def tiny_eagle1_engine(target):
     """An untrained EAGLE-1 DrafterEngine over ``target`` (``init_drafter``'s fixed seed), with its taps."""
     from eyas.drafting.engine import DrafterEngine
@@ -105,7 +157,7 @@ class EveryThirdRoundPolicy:
     def __init__(self):
         self.rounds = 0
 
-    def plan(self, waiting, curve, draft=None):
+    def plan(self, waiting, curve, draft=None, experts=None):
         from eyas.scheduler.cost import PLAIN, TreeShape
         from eyas.scheduler.policy import Plan
 

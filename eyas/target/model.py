@@ -46,17 +46,26 @@ class TargetConfig:
     norm_topk_prob: bool = True     # renormalise the top-k router weights (Mixtral yes, OLMoE no)
     qk_norm: bool = False           # RMSNorm over the whole q and k projections before RoPE (OLMoE)
     clip_qkv: float | None = None   # clamp q, k, v to +-clip_qkv (OLMoE option)
+    qkv_bias: bool = False          # the q/k/v projections carry biases (Qwen2, Qwen2-MoE); o_proj never does
+    moe_intermediate_size: int | None = None  # routed experts' width when set (Qwen2-MoE); else intermediate_size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE shared expert (a gated dense MLP in every MoE layer); 0 = none
+    dense_layers: tuple[int, ...] = ()  # in an MoE config, layers with a dense MLP of intermediate_size (Qwen2-MoE)
 
     @classmethod
     def from_hf(cls, hf_config) -> "TargetConfig":
-        """Read a transformers ``LlamaConfig`` (or a dict of one)."""
+        """Read a transformers config (or a dict of one) of a supported kind: Llama, Mistral, Qwen2 (dense),
+        Mixtral, OLMoE, Qwen2-MoE."""
         cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2", "mixtral", "olmoe"):
-            raise ValueError(f"config.model_type: {model_type!r} is not a Llama-family decoder"
-                             + (" (MoE: the Mixtral and OLMoE kinds only yet)" if "moe" in model_type else ""))
+        if model_type not in ("llama", "mistral", "qwen2", "mixtral", "olmoe", "qwen2_moe"):
+            raise ValueError(f"config.model_type: {model_type!r} is not a Llama-family decoder" + (
+                " (MoE: the Mixtral, OLMoE and Qwen2-MoE kinds only yet)" if "moe" in model_type else ""))
+        qwen = model_type in ("qwen2", "qwen2_moe")
+        if qwen and cfg.get("use_sliding_window"):
+            raise ValueError("config.use_sliding_window: sliding-window attention is not supported yet")
         experts = {"mixtral": cfg.get("num_local_experts", 0),
-                   "olmoe": cfg.get("num_experts") or cfg.get("num_local_experts", 0)}.get(model_type, 0)
+                   "olmoe": cfg.get("num_experts") or cfg.get("num_local_experts", 0),
+                   "qwen2_moe": cfg.get("num_experts", 0)}.get(model_type, 0)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -67,6 +76,7 @@ class TargetConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        qwen_moe = model_type == "qwen2_moe" and bool(experts)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -82,25 +92,55 @@ class TargetConfig:
             eos_token_ids=eos_ids,
             num_experts=int(experts),
             experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if experts else 0,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if model_type == "olmoe" else True,
+            norm_topk_prob={"olmoe": bool(cfg.get("norm_topk_prob", True)),
+                            "qwen2_moe": bool(cfg.get("norm_topk_prob", False))}.get(model_type, True),
             qk_norm=model_type == "olmoe",
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
+            # Qwen2's attention always has q/k/v biases; Qwen2-MoE's config has a switch (default on)
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]) if qwen_moe else None,
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if qwen_moe else 0,
+            dense_layers=_qwen2_moe_dense_layers(cfg) if qwen_moe else (),
         )
 
     def digest(self) -> str:
-        """sha256 of the canonical JSON of this config (the fingerprint's config part)."""
+        """sha256 of the canonical JSON of this config (the fingerprint's config part).
+
+        A field added after a kind shipped is left out while it holds its default, so every config
+        that existed before hashes exactly as it did (shipped drafters record this digest)."""
         fields = asdict(self)
         if not self.num_experts:  # a dense config hashes as it did before MoE support existed
             fields.pop("num_experts"), fields.pop("experts_per_token")
-        for name, default in (("norm_topk_prob", True), ("qk_norm", False), ("clip_qkv", None)):
-            if fields[name] == default:  # ... and a Mixtral config as it did before OLMoE support
+        for name, default in (("norm_topk_prob", True), ("qk_norm", False), ("clip_qkv", None),  # pre-OLMoE
+                              ("qkv_bias", False), ("moe_intermediate_size", None),              # pre-Qwen2
+                              ("shared_expert_intermediate_size", 0), ("dense_layers", ())):
+            if fields[name] == default:
                 fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
     @property
+    def expert_intermediate_size(self) -> int:
+        """Hidden width of one routed expert: ``moe_intermediate_size`` (Qwen2-MoE) or ``intermediate_size``."""
+        return self.moe_intermediate_size if self.moe_intermediate_size is not None else self.intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a routed mixture-of-experts MLP (else a dense one)."""
+        return bool(self.num_experts) and layer not in self.dense_layers
+
+    @property
     def expert_bytes_per_expert(self) -> int:
-        """fp32 bytes of one expert's weights (gate, up, down)."""
-        return 3 * self.hidden_size * self.intermediate_size * 4 if self.num_experts else 0
+        """fp32 bytes of one routed expert's weights (gate, up, down); a shared expert is read by every
+        row, like the dense weights, and is not counted."""
+        return 3 * self.hidden_size * self.expert_intermediate_size * 4 if self.num_experts else 0
+
+
+def _qwen2_moe_dense_layers(cfg: dict) -> tuple[int, ...]:
+    """Qwen2-MoE layers with a dense MLP, by transformers' rule: layer i is sparse iff i is not in
+    ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``. Worked example: 4 layers,
+    step 2, mlp_only_layers [3] -> sparse 1 only -> dense (0, 2, 3)."""
+    only = set(cfg.get("mlp_only_layers") or ())
+    step = int(cfg.get("decoder_sparse_step", 1))
+    return tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step != 0)
 
 
 @dataclass(frozen=True)
@@ -235,10 +275,10 @@ class GrowingKV:
 
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool = False, eps: float = 1e-6,
-                 clip_qkv: float | None = None):
+                 clip_qkv: float | None = None, qkv_bias: bool = False):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.wqkv = nn.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=False)
+        self.wqkv = nn.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=qkv_bias)  # q, k, v rows fused (+ bias: Qwen2)
         self.wo = nn.Linear(heads * head_dim, d, bias=False)
         self.q_norm = RMSNorm(heads * head_dim, eps) if qk_norm else None     # OLMoE: over all heads at once
         self.k_norm = RMSNorm(kv_heads * head_dim, eps) if qk_norm else None
@@ -345,19 +385,27 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """A sparse mixture-of-experts MLP of the Mixtral or OLMoE kind: softmax router, top-k, the top-k
-    weights renormalised (Mixtral) or not (OLMoE, ``norm_topk_prob: false``), SiLU-gated experts (seed 0x09A).
+    """A sparse mixture-of-experts MLP of the Mixtral, OLMoE or Qwen2-MoE kind: softmax router, top-k, the
+    top-k weights renormalised (Mixtral) or not (OLMoE, Qwen2-MoE: ``norm_topk_prob: false``), SiLU-gated
+    *routed* experts of width ``ffn`` (seed 0x09A).
 
-    Each forward records the experts every row routed to in ``last_routing`` ([N, k] int64, rows in
-    input order), so the engine can count the union of experts a verify touched.
+    A *shared expert* (Qwen2-MoE, ``shared_ffn > 0``) is a dense SiLU-gated MLP that every row reads; its
+    output is scaled by ``sigmoid(shared_gate(x))`` (one scalar per row) and added to the routed sum.
+
+    Each forward records the routed experts every row went to in ``last_routing`` ([N, k] int64, rows in
+    input order), so the engine can count the union of experts a verify touched; the shared expert is
+    read by every forward and is not part of it.
     """
 
-    def __init__(self, d: int, ffn: int, num_experts: int, top_k: int, norm_topk_prob: bool = True):
+    def __init__(self, d: int, ffn: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
+                 shared_ffn: int = 0):
         super().__init__()
         self.ffn, self.num_experts, self.top_k, self.norm_topk_prob = ffn, num_experts, top_k, norm_topk_prob
         self.router = nn.Linear(d, num_experts, bias=False)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn, d))  # [E, 2f, d]
         self.down = nn.Parameter(torch.empty(num_experts, d, ffn))         # [E, d, f]
+        self.shared = MLP(d, shared_ffn) if shared_ffn else None
+        self.shared_gate = nn.Linear(d, 1, bias=False) if shared_ffn else None
         self.last_routing: torch.Tensor | None = None
 
     def forward(self, x):  # [..., d]
@@ -375,18 +423,21 @@ class MoE(nn.Module):
             gate, up = F.linear(h[row], self.gate_up[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down[e]) * weights[row, slot, None]
             out.index_add_(0, row, y)
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(h)) * self.shared(h)  # [N, 1] * [N, d]
         return out.reshape(shape)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float,
                  num_experts: int = 0, top_k: int = 0, norm_topk_prob: bool = True, qk_norm: bool = False,
-                 clip_qkv: float | None = None):
+                 clip_qkv: float | None = None, qkv_bias: bool = False, shared_ffn: int = 0):
+        """``ffn``: the dense MLP's width, or each routed expert's when ``num_experts`` > 0."""
         super().__init__()
         self.attn_norm = RMSNorm(d, eps)
-        self.attn = Attention(d, heads, kv_heads, head_dim, qk_norm, eps, clip_qkv)
+        self.attn = Attention(d, heads, kv_heads, head_dim, qk_norm, eps, clip_qkv, qkv_bias)
         self.mlp_norm = RMSNorm(d, eps)
-        self.mlp = MoE(d, ffn, num_experts, top_k, norm_topk_prob) if num_experts else MLP(d, ffn)
+        self.mlp = MoE(d, ffn, num_experts, top_k, norm_topk_prob, shared_ffn) if num_experts else MLP(d, ffn)
 
     def forward(self, x, cos, sin, cache, layer, start, mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, start, mask)
@@ -412,9 +463,12 @@ class TargetModel(nn.Module):
         d = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(
-            DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-                         cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob, cfg.qk_norm, cfg.clip_qkv)
-            for _ in range(cfg.num_layers)
+            DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.expert_intermediate_size if cfg.is_moe_layer(i) else cfg.intermediate_size,
+                         cfg.rms_norm_eps, cfg.num_experts if cfg.is_moe_layer(i) else 0, cfg.experts_per_token,
+                         cfg.norm_topk_prob, cfg.qk_norm, cfg.clip_qkv, cfg.qkv_bias,
+                         cfg.shared_expert_intermediate_size)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
@@ -498,38 +552,55 @@ class TargetModel(nn.Module):
 
     # --- weights ---------------------------------------------------------------------------
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Fill from a transformers Llama state dict (``model.layers.N.self_attn.q_proj.weight`` ...)."""
+        """Fill from a transformers state dict of a supported kind (``model.layers.N.self_attn.q_proj.weight``
+        ...), and refuse one that holds a tensor this target did not consume: an ignored tensor (a bias,
+        a norm, a shared expert) would otherwise give silently wrong logits. Rotary ``inv_freq`` buffers
+        (recomputed here) and a tied ``lm_head.weight`` (the embedding) are the only tensors skipped."""
         c = self.cfg
+        used: set[str] = set()
 
         def get(name):
             if name not in sd:
                 raise ValueError(f"checkpoint: missing tensor {name!r}")
+            used.add(name)
             return sd[name]
+
+        def gated_mlp(p, mlp: MLP):  # an HF SiLU-gated MLP (gate_proj, up_proj, down_proj) under prefix p
+            mlp.w_gate_up.weight.copy_(torch.cat([get(p + "gate_proj.weight"), get(p + "up_proj.weight")], 0))
+            mlp.w_down.weight.copy_(get(p + "down_proj.weight"))
 
         with torch.no_grad():
             self.embed.weight.copy_(get("model.embed_tokens.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                layer.attn.wqkv.weight.copy_(torch.cat([get(p + "self_attn.q_proj.weight"),
-                                                        get(p + "self_attn.k_proj.weight"),
-                                                        get(p + "self_attn.v_proj.weight")], 0))
+                qkv = [p + f"self_attn.{x}_proj." for x in "qkv"]
+                layer.attn.wqkv.weight.copy_(torch.cat([get(x + "weight") for x in qkv], 0))
+                if c.qkv_bias:
+                    layer.attn.wqkv.bias.copy_(torch.cat([get(x + "bias") for x in qkv], 0))  # [(H + 2 H_kv) hd]
                 layer.attn.wo.weight.copy_(get(p + "self_attn.o_proj.weight"))
                 if c.qk_norm:
                     layer.attn.q_norm.weight.copy_(get(p + "self_attn.q_norm.weight"))
                     layer.attn.k_norm.weight.copy_(get(p + "self_attn.k_norm.weight"))
-                if c.num_experts:  # transformers' fused Mixtral/OLMoE experts: gate_up [E, 2f, d], down [E, d, f]
+                if isinstance(layer.mlp, MoE):  # transformers' fused experts: gate_up [E, 2f, d], down [E, d, f]
                     layer.mlp.router.weight.copy_(get(p + "mlp.gate.weight"))
                     layer.mlp.gate_up.copy_(get(p + "mlp.experts.gate_up_proj"))
                     layer.mlp.down.copy_(get(p + "mlp.experts.down_proj"))
+                    if layer.mlp.shared is not None:
+                        gated_mlp(p + "mlp.shared_expert.", layer.mlp.shared)
+                        layer.mlp.shared_gate.weight.copy_(get(p + "mlp.shared_expert_gate.weight"))
                 else:
-                    layer.mlp.w_gate_up.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"),
-                                                               get(p + "mlp.up_proj.weight")], 0))
-                    layer.mlp.w_down.weight.copy_(get(p + "mlp.down_proj.weight"))
+                    gated_mlp(p + "mlp.", layer.mlp)
                 layer.attn_norm.weight.copy_(get(p + "input_layernorm.weight"))
                 layer.mlp_norm.weight.copy_(get(p + "post_attention_layernorm.weight"))
             self.norm.weight.copy_(get("model.norm.weight"))
             if not c.tie_word_embeddings:
                 self.lm_head.weight.copy_(get("lm_head.weight"))
+        skipped = {"lm_head.weight"} if c.tie_word_embeddings else set()
+        unused = [k for k in sd if k not in used and k not in skipped and k.rsplit(".", 1)[-1] != "inv_freq"]
+        if unused:
+            raise ValueError(f"checkpoint: tensor {unused[0]!r} is not used by this target"
+                             + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
+                             + "; its config and weights disagree, or the architecture is not supported")
 
     def weight_digest(self) -> str:
         """sha256 over every parameter's name, shape and fp32 bytes (the fingerprint's weight part)."""

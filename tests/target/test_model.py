@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.testing import ours_from_hf, tiny_hf_llama
-from eyas.target.model import FeatureTap, TargetConfig, eagle1_feature_address, eagle3_feature_address
+from eyas.testing import ours_from_hf, tiny_hf_llama, tiny_hf_qwen2
+from eyas.target.model import (FeatureTap, TargetConfig, TargetModel, eagle1_feature_address, eagle3_feature_address,
+                               quantize_int8)
 
 TOL = 1e-4
 
@@ -28,6 +29,75 @@ def test_tiny_logits_equal_hf(shape):
         ref = hf(ids).logits
     out = full_forward(ours, ids[0].tolist())
     assert (out.logits - ref).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_qwen2_logits_equal_hf(tie):
+    """Qwen2 (dense): the q/k/v projection biases are loaded into the fused wqkv; without them the logits
+    move far beyond the tolerance (the bug this test pins: biases once silently dropped)."""
+    hf = tiny_hf_qwen2(tie=tie)
+    ours = ours_from_hf(hf)
+    assert ours.cfg.qkv_bias and ours.layers[0].attn.wo.bias is None
+    ids = torch.randint(0, hf.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    out = full_forward(ours, ids[0].tolist())
+    assert (out.logits - ref).abs().max().item() < TOL
+    for layer in ours.layers:
+        layer.attn.wqkv.bias.zero_()
+    assert (full_forward(ours, ids[0].tolist()).logits - ref).abs().max().item() > 100 * TOL
+
+
+def test_an_unconsumed_checkpoint_tensor_is_refused():
+    """A checkpoint tensor the target does not read is an error naming it (a Qwen2 checkpoint under a Llama
+    config: its q/k/v biases); rotary inv_freq buffers and a tied lm_head.weight are not."""
+    hf = tiny_hf_qwen2()
+    as_llama = TargetConfig.from_hf({**hf.config.to_dict(), "model_type": "llama"})
+    assert not as_llama.qkv_bias
+    with pytest.raises(ValueError, match=r"^checkpoint: tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' .*"
+                                         r"\(and 5 more\)"):
+        TargetModel(as_llama).load_hf_state_dict(hf.state_dict())
+    tied = tiny_hf_llama(tie=True)
+    sd = {**tied.state_dict(), "model.rotary_emb.inv_freq": torch.ones(4),
+          "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4), "lm_head.weight": tied.lm_head.weight}
+    TargetModel(TargetConfig.from_hf(tied.config)).load_hf_state_dict(sd)
+    with pytest.raises(ValueError, match="^checkpoint: tensor 'model.extra.weight' is not used"):
+        TargetModel(TargetConfig.from_hf(tied.config)).load_hf_state_dict({**sd, "model.extra.weight": torch.ones(1)})
+
+
+def test_qwen2_int8_keeps_the_qkv_bias():
+    """int8: the biased wqkv becomes a RowStableInt8Linear whose fbgemm linear carries the fp32 bias
+    unchanged (SmoothQuant scales only the weight's input columns), and its output tracks fp32 to well
+    within the bias's own size."""
+    hf = tiny_hf_qwen2(seed=3)
+    fp, q = ours_from_hf(hf), quantize_int8(ours_from_hf(hf))
+    bias = fp.layers[0].attn.wqkv.bias                                     # [(H + 2 H_kv) hd]
+    assert torch.equal(q.layers[0].attn.wqkv.qlinear.bias(), bias)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
+    x = fp.layers[0].attn_norm(fp.embed(ids))                               # [1, T, d]
+    err = (q.layers[0].attn.wqkv(x) - fp.layers[0].attn.wqkv(x)).abs().max().item()
+    assert err < 0.2 * bias.abs().max().item()
+    assert full_forward(q, ids[0].tolist()).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("build, digest", [
+    (tiny_hf_llama, "171a82362ee775fac9625994d2df98c8b76e0b82b85a4fb09a3eab885a53bfca"),
+    (lambda: tiny_hf_llama(tie=True), "c06621e60ba0e99cd65184ec70b02671631b65762ba2efd1eb586eb424789773"),
+])
+def test_dense_config_digests_are_pinned(build, digest):
+    """Digests computed before Qwen2 support: new config fields must not move a dense Llama fingerprint."""
+    assert TargetConfig.from_hf(build().config).digest() == digest
+
+
+def test_the_default_targets_config_digest_is_pinned():
+    """SmolLM2-135M's config (the fields its config.json sets; no weights are loaded) hashes to the
+    digest the shipped drafters in drafters/*/manifest.json record."""
+    smollm2 = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+               "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+               "max_position_embeddings": 8192, "rms_norm_eps": 9.999999747378752e-06, "tie_word_embeddings": True,
+               "eos_token_id": 2, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+               "attention_bias": False, "mlp_bias": False}
+    assert TargetConfig.from_hf(smollm2).digest() == "42f05d7e81184a0c52bba08e0105fd6c97ff3f224b5424e4533bbf4d6f17b92a"
 
 
 def test_feature_taps_equal_hf_hidden_states(tiny_pair):
