@@ -280,5 +280,8 @@ class TargetWorker:
         reply = wire.decision_to_proto(decision, request_id=request_id, round=verified.round)
         t2 = time.perf_counter()
         reply.compute_ms, reply.accept_ms = 1000 * (t2 - t0), 1000 * (t2 - t1)
+        if verified.flat is not None and s.engine.cfg.num_experts:  # MoE: what this verify read (seed 0x09A)
+            reply.expert_bytes = s.engine.last_request_expert_bytes.get(request_id, 0)
+            reply.batch_expert_bytes = s.engine.last_expert_bytes
         s.pending = Verdict(verified.round, verified.flat, decision, reply)
         return reply

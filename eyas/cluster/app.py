@@ -70,6 +70,9 @@ class ServeConfig(BaseModel):
     scheduler: Literal["tree-work", "prompt-length"] = "tree-work"
     max_batch: int = Field(16, ge=1)          # requests per batched round
     max_verify_rows: int = Field(256, ge=1)   # verify rows per batched round (all requests together)
+    # MoE targets: expert weights one batched verify may read (the union its rows route to; seed 0x09A);
+    # None = no cap. Ignored for a dense target.
+    max_expert_bytes: int | None = Field(None, ge=1)
     curve_repeats: int = Field(3, ge=1)       # timings per row count when the latency curve is measured
     kv_capacity_bytes: int = Field(2 * 1024 ** 3, gt=0)  # a target replica's KV budget (the autoscaler's KV signal)
 

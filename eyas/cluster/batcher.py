@@ -27,7 +27,7 @@ from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.generate import FINISH_LENGTH, decide, finish_tokens
 from eyas.protocol.messages import Seed
 from eyas.protocol.tree import DraftTree
-from eyas.scheduler.cost import TreeShape
+from eyas.scheduler.cost import ExpertTraffic, TreeShape
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate, Plan
 from eyas.target.engine import TargetEngine
@@ -90,6 +90,7 @@ class RoundLog:
     predicted_ms: float
     new_tokens: int
     expert_bytes: int = 0   # MoE targets: expert weights the batch's verify rows routed to (seed 0x09A)
+    predicted_expert_bytes: int = 0   # ... as the plan predicted them
 
 
 class BatchRunner:
@@ -102,6 +103,7 @@ class BatchRunner:
         self.policy = policy
         self.curve = curve
         self.draft_cost = draft_cost if draft_cost is not None else DraftCost()
+        self.experts = ExpertTraffic(**target.expert_traffic_shape())   # MoE: calibrated by live verifies
         self.max_tree_rows = max_tree_rows if drafter is not None else 1
         self.prior = AcceptanceEstimate()
         self.running: dict[str, Running] = {}
@@ -140,7 +142,7 @@ class BatchRunner:
         candidates = [Candidate(r.request_id, r.arrival, len(r.prompt_ids), len(r.prompt_ids) + len(r.out) - 1,
                                 r.acceptance, Seed.total_rows(r.unread) if self.drafter else 0)
                       for r in self.running.values()]
-        plan = self.policy.plan(candidates, self.curve, self.draft_cost)                     # plan
+        plan = self.policy.plan(candidates, self.curve, self.draft_cost, self.experts)       # plan
         if not plan.shapes:
             raise RuntimeError("scheduler: no request fits the budgets")
         trees = {rid: DraftTree.empty() for rid in plan.shapes}
@@ -164,6 +166,7 @@ class BatchRunner:
         verify_ms = 1000 * (time.perf_counter() - t0)
         rows = sum(v.flat.num_rows for v in verified if not isinstance(v, ValueError))
         self.curve.observe(rows, verify_ms)
+        self.experts.observe(rows, self.target.last_expert_bytes)
         new_tokens = 0
         for (rid, tree), v in zip(items, verified):
             r = self.running[rid]
@@ -190,7 +193,7 @@ class BatchRunner:
             if r.done:
                 self._finish(r)
         self.log.append(RoundLog(len(items), rows, verify_ms, plan.predicted_ms, new_tokens,
-                                 self.target.last_expert_bytes))
+                                 self.target.last_expert_bytes, plan.expert_bytes))
         return plan
 
     def run(self) -> dict[str, Finished]:

@@ -45,6 +45,7 @@ from eyas.cluster.verifier_client import DrafterUnavailable
 from eyas.drafting.engine import TreeSpec
 from eyas.protocol.schema import GenerateRequest
 from eyas.runtime import StopStrings, build_report, tree_for
+from eyas.scheduler.cost import ExpertTraffic
 from eyas.scheduler.latency import LatencyCurve
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
 from eyas.target.loader import load_tokenizer
@@ -126,11 +127,13 @@ class EyasTarget:
         self.drafter = None if drafter is None else ServeCalls(drafter, self.replica_id, c.drafter_timeout_s)
         self.curve_key = f"{c.target}/{c.precision}/{_device_kind(c.torch_threads)}"
         curve = self._start_curve()
-        budgets = Budgets(max_batch=c.max_batch, max_verify_rows=c.max_verify_rows)
+        budgets = Budgets(max_batch=c.max_batch, max_verify_rows=c.max_verify_rows,
+                          max_expert_bytes=c.max_expert_bytes)
         policy = TreeWorkPolicy(budgets) if c.scheduler == "tree-work" else PromptLengthPolicy(budgets)
         self.loop = RoundLoop(WorkerCalls(self.locked, c.target_timeout_s, local=True), self.drafter,
                               self._drafter_info(), policy, curve, on_round=self.telemetry.record_round,
-                              on_finish=lambda *_: self.reporter.poke())
+                              on_finish=lambda *_: self.reporter.poke(),
+                              experts=ExpertTraffic(**self.worker.engine_for(()).expert_traffic_shape()))
         self.reporter = Reporter(self.app_name, self.replica_id, "target", self._report)
 
     def _start_curve(self) -> LatencyCurve:
@@ -205,14 +208,15 @@ class EyasTarget:
         return {"pending_verify_rows": work["pending_verify_rows"], "draft_rows": work["draft_rows"],
                 "kv_bytes_used": float(leak["kv_bytes_allocated"]),
                 "kv_bytes_capacity": float(self.cfg.kv_capacity_bytes),
-                "expert_bytes": float(leak["last_expert_bytes"])}
+                "expert_bytes": work["expert_bytes"]}
 
     def _report(self) -> dict:
         leak = self.locked.leak_check()
         work = self.loop.work()
         return {"worker": dict(leak, live_requests=work["live"] + work["pending"], actor_name=_actor_name(),
                                namespace="serve"),
-                "loop": {"latency_curve": self.loop.curve.to_dict(), "draft_cost": self.loop.draft_cost.to_dict(), "rounds": self.loop.rounds, **work},
+                "loop": {"latency_curve": self.loop.curve.to_dict(), "draft_cost": self.loop.draft_cost.to_dict(),
+                         "experts": self.loop.experts.to_dict(), "rounds": self.loop.rounds, **work},
                 "autoscaling": self._autoscaling(work, leak),
                 "telemetry": self.telemetry.snapshot()}
 

@@ -40,7 +40,7 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import Seed
 from eyas.protocol.tree import DraftTree, flatten_tree
-from eyas.scheduler.cost import PLAIN, TreeShape
+from eyas.scheduler.cost import PLAIN, ExpertTraffic, TreeShape
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
 from eyas.verification.sampling import SamplingParams
@@ -119,14 +119,17 @@ class RoundLoop:
     def __init__(self, target: WorkerCalls, drafter: WorkerCalls | None, drafter_info: dict, policy,
                  curve: LatencyCurve, on_round: Callable[[RoundRecord], None] | None = None,
                  on_finish: Callable[[str, GenerationResult], None] | None = None,
-                 draft_cost: DraftCost | None = None):
+                 draft_cost: DraftCost | None = None, experts: ExpertTraffic | None = None):
         """``draft_cost``: the scheduler's starting cost of drafting; by default the drafter's start-up
-        measurement from ``drafter_info`` (its costliest method's), else the optimistic prior."""
+        measurement from ``drafter_info`` (its costliest method's), else the optimistic prior.
+        ``experts``: an MoE target's expert traffic model (``TargetEngine.expert_traffic_shape``), which
+        live verifies calibrate; None for a dense target."""
         self.target, self.drafter, self.drafter_info = target, drafter, drafter_info
         self.policy, self.curve = policy, curve
         # what a round's drafting adds (the propose call, hop included); live rounds refit it
         self.draft_cost = draft_cost if draft_cost is not None else DraftCost.from_points(
             measured_draft_points(drafter_info))
+        self.experts = experts if experts is not None else ExpertTraffic()
         self.on_round, self.on_finish = on_round, on_finish
         self.prior = AcceptanceEstimate()
         self.live: dict[str, Live] = {}
@@ -136,6 +139,7 @@ class RoundLoop:
         self.rounds = 0
         self.last_verify_rows = 0   # rows of the last round, all requests together
         self.last_draft_rows = 0    # draft tree nodes of the last round, all requests together
+        self.last_expert_bytes = 0  # MoE: expert weights the last round's batched verify read
         self.thread = threading.Thread(target=self._run, name="eyas-round-loop", daemon=True)
         self.thread.start()
 
@@ -171,6 +175,7 @@ class RoundLoop:
                              come first). Example: a live request at 4 of 16 tokens after 2 rounds
                              of 3 rows (2 tokens a round) has 6 rounds x 3 rows = 18 rows left;
         draft_rows:          the last round's draft tree nodes, all requests together;
+        expert_bytes:        MoE targets: expert weights the last round's verify read (0 when dense);
         live / pending:      requests in rounds / waiting for admission.
         """
         with self.lock:
@@ -183,7 +188,7 @@ class RoundLoop:
             last_rows = x.rounds[-1].tree_nodes + 1 if x.rounds else 1
             rows += max(x.max_new_tokens - len(x.out), 0) / max(per_round, 1.0) * last_rows
         return {"pending_verify_rows": float(rows + waiting), "draft_rows": float(self.last_draft_rows if live else 0),
-                "live": len(live), "pending": pending}
+                "expert_bytes": float(self.last_expert_bytes if live else 0), "live": len(live), "pending": pending}
 
     # --- the loop (its own thread) ----------------------------------------------------------------
     def _run(self) -> None:
@@ -255,7 +260,7 @@ class RoundLoop:
                            Seed.total_rows(x.unread) if x.speculative else 0)
                  for x in self.live.values()]
         backlog = {c.request_id: c.draft_backlog for c in cands}
-        plan = self.policy.plan(cands, self.curve, self.draft_cost)                            # plan
+        plan = self.policy.plan(cands, self.curve, self.draft_cost, self.experts)              # plan
         shapes = {rid: self._fit(self.live[rid], shape) for rid, shape in plan.shapes.items()}
         batch = [self.live[rid] for rid in shapes]
         start_ns, t0 = time.time_ns(), time.perf_counter()
@@ -286,6 +291,8 @@ class RoundLoop:
         self.last_verify_rows, self.last_draft_rows = rows, rows - len(flats)
         verify_ms = 1000 * (t3 - t2)
         self.curve.observe(rows, verify_ms)
+        self.last_expert_bytes = max((d.batch_expert_bytes for _, d in to_publish), default=0)
+        self.experts.observe(rows, self.last_expert_bytes)
         self.rounds += 1
         accept_s = max((d.accept_ms for _, d in to_publish), default=0.0) / 1000
         # the Ray hop cost: the round's wall time outside the workers' own compute (calls, encoding, queues)
@@ -308,7 +315,8 @@ class RoundLoop:
                                           hop_s=hop_s))
             if self.on_round is not None:
                 self.on_round(RoundRecord(live.request_id, d.round, flat if nodes else None, decision, start_ns,
-                                          t1 - t0, t2 - t1, t3 - t2, accept_s, t4 - t3, live.fallback))
+                                          t1 - t0, t2 - t1, t3 - t2, accept_s, t4 - t3, live.fallback,
+                                          d.expert_bytes, d.batch_expert_bytes))
             self._emit(live, list(ack.output_tokens))
 
     # --- helpers ------------------------------------------------------------------------------------

@@ -89,6 +89,9 @@ class Telemetry:
         self.accept_length = meter.create_histogram("eyas.accept_length", unit="{token}")
         self.tree_nodes = meter.create_histogram("eyas.tree_nodes", unit="{node}")
         self.verify_rows = meter.create_histogram("eyas.verify_rows", unit="{row}")
+        # MoE targets (seed 0x09A): expert weights a request's own verify rows read (the batch's union is a
+        # round span attribute and the loop's ``work()["expert_bytes"]``)
+        self.expert_bytes = meter.create_histogram("eyas.verify_expert_bytes", unit="By")
         self.proposed = meter.create_counter("eyas.draft.proposed", unit="{node}")
         self.accepted = meter.create_counter("eyas.draft.accepted", unit="{node}")
         self.conf_proposed = meter.create_counter("eyas.draft.confidence.proposed", unit="{node}")
@@ -118,6 +121,8 @@ class Telemetry:
         d = rec.decision
         attrs = {"eyas.request_id": rec.request_id, "eyas.round": rec.round, "eyas.accept_length": d.accept_length,
                  "eyas.tree_nodes": 0 if rec.flat is None else rec.flat.num_rows - 1, "eyas.fallback": rec.fallback}
+        if rec.batch_expert_bytes:
+            attrs.update({"eyas.expert_bytes": rec.expert_bytes, "eyas.batch_expert_bytes": rec.batch_expert_bytes})
         root = self.tracer.start_span("eyas.round", start_time=rec.start_ns, attributes=attrs)
         ctx = trace.set_span_in_context(root)
         t = rec.start_ns
@@ -136,6 +141,8 @@ class Telemetry:
         rows = 1 if rec.flat is None else rec.flat.num_rows
         self.verify_rows.record(rows)
         self.tree_nodes.record(rows - 1)
+        if rec.batch_expert_bytes:
+            self.expert_bytes.record(rec.expert_bytes)
         if rec.flat is None:
             return
         accepted = set(d.accepted_rows.tolist())

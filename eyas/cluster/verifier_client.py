@@ -246,6 +246,8 @@ class RoundRecord:
     accept_s: float                # the target's decision, inside verify_s
     publish_s: float               # the Publish call
     fallback: bool                 # the drafter was given up before this round
+    expert_bytes: int = 0          # MoE target: expert weights this request's own verify rows routed to
+    batch_expert_bytes: int = 0    # MoE target: the union over the whole batched verify (seed 0x09A)
 
 
 def _propose(drafter, request_id: str, seed: Seed, tree: TreeSpec) -> tuple[DraftTree, float]:

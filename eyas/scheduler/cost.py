@@ -98,7 +98,7 @@ class BatchWork:
     draft_rows: int
     tree_nodes: int
     kv_bytes: int
-    expert_bytes: int
+    expert_bytes: int   # the requests' own unions summed: an upper bound of the batch's union (shared experts)
 
 
 def batch_work(works: list[RoundWork]) -> BatchWork:
@@ -106,3 +106,78 @@ def batch_work(works: list[RoundWork]) -> BatchWork:
                      sum(w.tree_nodes for w in works), sum(w.kv_bytes for w in works),
                      sum(w.expert_bytes for w in works))
 
+
+
+EXPERT_EMA = 0.2      # how fast the routing skew follows live rounds
+
+
+@dataclass
+class ExpertTraffic:
+    """Bytes of expert weights a verify of R rows reads on a mixture-of-experts target (seed 0x09A).
+
+    Terms: each of ``moe_layers`` layers routes every row to ``experts_per_token`` (k) of its
+    ``num_experts`` (E) experts; a verify reads the *union* of the experts its rows route to, each
+    ``bytes_per_expert`` bytes. If each row's k experts were a uniformly random k-subset, an expert
+    would be missed by one row with probability 1 - k/E, so R rows touch
+
+        U(R) = E * (1 - (1 - k/E) ** R)         experts per layer, in expectation,
+
+    Real routing is skewed (popular experts), so fewer are touched: ``skew`` (observed / predicted,
+    an exponential average over live rounds) scales the figure; a verify never reads fewer than k
+    per layer nor more than all E. A dense target is
+    ``ExpertTraffic()`` and predicts 0.
+
+    Worked example: E = 8, k = 2, 2 MoE layers, 1 MB an expert: one row reads 2 experts per layer
+    (4 MB); two rows 8 * (1 - 0.75**2) = 3.5 per layer (7 MB); 64 rows nearly all 8 (16 MB, the cap).
+    """
+
+    moe_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    bytes_per_expert: int = 0
+    skew: float = 1.0
+    observations: int = 0
+
+    def __post_init__(self):
+        for name in ("moe_layers", "num_experts", "experts_per_token", "bytes_per_expert"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 0:
+                raise ValueError(f"experts.{name}: {getattr(self, name)!r} is not a count")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts.experts_per_token: {self.experts_per_token} > num_experts {self.num_experts}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_layers > 0 and self.num_experts > 0 and self.bytes_per_expert > 0
+
+    @property
+    def all_bytes(self) -> int:
+        """Every routed expert of every MoE layer: the most a verify can read."""
+        return self.moe_layers * self.num_experts * self.bytes_per_expert
+
+    def union_size(self, rows: int) -> float:
+        """U(rows): expected experts touched per layer under uniform routing."""
+        if not self.is_moe or rows <= 0:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** rows)
+
+    def predict(self, rows: int) -> int:
+        """Expected expert bytes a verify of ``rows`` rows (all requests of a batch together) reads."""
+        if not self.is_moe or rows <= 0:
+            return 0
+        per_layer = max(self.union_size(rows) * self.skew, min(self.experts_per_token, self.num_experts))
+        return int(min(round(self.moe_layers * per_layer * self.bytes_per_expert), self.all_bytes))
+
+    def observe(self, rows: int, expert_bytes: int, weight: float = EXPERT_EMA) -> None:
+        """Fold a live verify's rows and measured union bytes into ``skew``."""
+        if not self.is_moe or rows <= 0 or expert_bytes <= 0:
+            return
+        uniform = self.moe_layers * self.union_size(rows) * self.bytes_per_expert
+        ratio = max(expert_bytes / uniform, 1e-3)
+        self.skew += weight * (ratio - self.skew)
+        self.observations += 1
+
+    def to_dict(self) -> dict:
+        return {"moe_layers": self.moe_layers, "num_experts": self.num_experts,
+                "experts_per_token": self.experts_per_token, "bytes_per_expert": self.bytes_per_expert,
+                "skew": round(self.skew, 4), "observations": self.observations}

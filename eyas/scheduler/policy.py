@@ -17,7 +17,9 @@ one request's tree, or raises every request to one shape at once: the drafting c
 is paid once per round (its part per draft row by each request), so where one request's gain cannot
 pay for it the whole batch's may. When verify rows are expensive (a steep curve), drafting is slow
 or a request's drafts are rarely accepted, no upgrade pays and speculation shrinks to plain
-decoding, for that request or all.
+decoding, for that request or all. On a mixture-of-experts target a verify reads the union of the
+experts its rows route to (seed 0x09A), which grows with the batch's rows (:class:`ExpertTraffic`);
+``Budgets.max_expert_bytes`` caps it, for admissions and tree upgrades alike.
 
 ``PromptLengthPolicy`` (the baseline, selectable by config): batches of requests with similar prompt
 lengths, every one with the same fixed tree.
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eyas.scheduler.cost import PLAIN, RoundWork, TreeShape, round_work
+from eyas.scheduler.cost import PLAIN, ExpertTraffic, RoundWork, TreeShape, round_work
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 
 MAX_DEPTH = 8
@@ -89,6 +91,7 @@ class Budgets:
     max_kv_bytes: int = 1 << 34
     target_kv_bytes_per_row: int = 0
     draft_kv_bytes_per_row: int = 0
+    max_expert_bytes: int | None = None   # MoE: expert weights one verify may read (None: no cap; seed 0x09A)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class Plan:
     work: tuple[RoundWork, ...]
     predicted_ms: float
     expected_tokens: float
+    expert_bytes: int = 0              # MoE: predicted union of expert weights the batch's verify reads
 
     @property
     def tokens_per_s(self) -> float:
@@ -107,9 +111,19 @@ class Plan:
         return sum(w.verify_rows for w in self.work)
 
 
-def _work(c: Candidate, shape: TreeShape, b: Budgets) -> RoundWork:
+NO_EXPERTS = ExpertTraffic()   # a dense target
+
+
+def _work(c: Candidate, shape: TreeShape, b: Budgets, experts: ExpertTraffic = NO_EXPERTS) -> RoundWork:
+    """One request's round; its ``expert_bytes`` are those its own verify rows would read alone."""
     return round_work(c.request_id, shape, committed_len=c.committed_len,
-                      target_kv_bytes_per_row=b.target_kv_bytes_per_row, draft_kv_bytes_per_row=b.draft_kv_bytes_per_row)
+                      target_kv_bytes_per_row=b.target_kv_bytes_per_row, draft_kv_bytes_per_row=b.draft_kv_bytes_per_row,
+                      expert_bytes=experts.predict(shape.verify_rows))
+
+
+def _experts_fit(experts: ExpertTraffic, rows: int, b: Budgets) -> bool:
+    """Whether a verify of ``rows`` rows in all stays within the expert-bytes budget."""
+    return b.max_expert_bytes is None or experts.predict(rows) <= b.max_expert_bytes
 
 
 class TreeWorkPolicy:
@@ -121,14 +135,19 @@ class TreeWorkPolicy:
         self.shapes = tuple(sorted(set(shapes) | {PLAIN}, key=lambda s: (s.verify_rows, s.draft_rows)))
         self.speculate = speculate
 
-    def plan(self, waiting: list[Candidate], curve: LatencyCurve, draft: DraftCost | None = None) -> Plan:
-        """The batch and its trees. ``draft`` is what drafting adds to a round (None: free)."""
+    def plan(self, waiting: list[Candidate], curve: LatencyCurve, draft: DraftCost | None = None,
+             experts: ExpertTraffic = NO_EXPERTS) -> Plan:
+        """The batch and its trees. ``draft`` is what drafting adds to a round (None: free);
+        ``experts`` predicts an MoE target's expert bytes, held to ``budgets.max_expert_bytes``
+        (the oldest request is always admitted: one row must be able to run)."""
         b = self.budgets
         batch: list[Candidate] = []
         rows = kv = 0
         for c in sorted(waiting, key=lambda c: c.arrival):  # admission: oldest first, plain work must fit
             w = _work(c, PLAIN, b)
             if len(batch) == b.max_batch or rows + w.verify_rows > b.max_verify_rows or kv + w.kv_bytes > b.max_kv_bytes:
+                continue
+            if batch and not _experts_fit(experts, rows + w.verify_rows, b):
                 continue
             batch.append(c)
             rows, kv = rows + w.verify_rows, kv + w.kv_bytes
@@ -174,7 +193,8 @@ class TreeWorkPolicy:
                                   sum(drafted_rows(by_id[r], k) - drafted_rows(by_id[r], level[r]) for r in up)))
             best = None
             for up, d_tok, d_rows, d_kv, new_depth, d_drows in moves:
-                if rows + d_rows > b.max_verify_rows or kv + d_kv > b.max_kv_bytes:
+                if rows + d_rows > b.max_verify_rows or kv + d_kv > b.max_kv_bytes \
+                        or not _experts_fit(experts, rows + d_rows, b):
                     continue
                 j = (total_tokens + d_tok) / (curve.predict(rows + d_rows) + draft_ms(new_depth, drows + d_drows))
                 if j > best_j * (1 + MIN_GAIN) and (best is None or j > best[0]):
@@ -185,8 +205,8 @@ class TreeWorkPolicy:
             level.update(up)
             rows, kv, total_tokens, drows = rows + d_rows, kv + d_kv, total_tokens + d_tok, drows + d_drows
         shapes = {c.request_id: self.shapes[level[c.request_id]] for c in batch}
-        work = tuple(_work(c, shapes[c.request_id], b) for c in batch)
-        return Plan(shapes, work, curve.predict(rows) + draft_ms(depth, drows), total_tokens)
+        work = tuple(_work(c, shapes[c.request_id], b, experts) for c in batch)
+        return Plan(shapes, work, curve.predict(rows) + draft_ms(depth, drows), total_tokens, experts.predict(rows))
 
 
 class PromptLengthPolicy:
@@ -198,7 +218,9 @@ class PromptLengthPolicy:
         self.budgets = budgets
         self.shape = shape
 
-    def plan(self, waiting: list[Candidate], curve: LatencyCurve, draft: DraftCost | None = None) -> Plan:
+    def plan(self, waiting: list[Candidate], curve: LatencyCurve, draft: DraftCost | None = None,
+             experts: ExpertTraffic = NO_EXPERTS) -> Plan:
+        """The fixed tree for every member; MoE expert bytes are predicted and reported, not budgeted."""
         if not waiting:
             return Plan({}, (), 0.0, 0.0)
         b = self.budgets
@@ -215,12 +237,13 @@ class PromptLengthPolicy:
             batch, shape = [oldest], PLAIN
         else:
             shape = self.shape
-        work = tuple(_work(c, shape, b) for c in batch)
+        work = tuple(_work(c, shape, b, experts) for c in batch)
         expected = sum(1.0 + c.acceptance.expected(shape.depth_cap) for c in batch)
         ms = curve.predict(sum(w.verify_rows for w in work)) + (
             draft.predict(shape.depth_cap, sum(shape.drafter_rows(c.draft_backlog) for c in batch))
             if draft is not None and shape.speculates else 0.0)
-        return Plan({c.request_id: shape for c in batch}, work, ms, expected)
+        return Plan({c.request_id: shape for c in batch}, work, ms, expected,
+                    experts.predict(sum(w.verify_rows for w in work)))
 
 
 POLICIES = {"tree-work": TreeWorkPolicy, "prompt-length": PromptLengthPolicy}

@@ -23,7 +23,7 @@ import torch
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.target.experts import expert_bytes, expert_union
-from eyas.target.model import FeatureTap, KVCache, Segment, TargetModel
+from eyas.target.model import FeatureTap, KVCache, MoE, Segment, TargetModel
 
 PREFILL_ROUND = 0  # the round number of the prompt's prefill; speculation rounds count from 1
 
@@ -64,6 +64,16 @@ class TargetEngine:
         self.sessions: dict[str, TargetSession] = {}
         self.last_expert_union: tuple[tuple[int, ...], ...] = ()  # MoE: experts the last verify touched, per layer
         self.last_expert_bytes: int = 0
+        self.last_request_expert_bytes: dict[str, int] = {}  # MoE: each request's own rows' union, last verify
+
+    def expert_traffic_shape(self) -> dict[str, int]:
+        """What the scheduler's expert model needs (``eyas.scheduler.cost.ExpertTraffic``): MoE layers,
+        routed experts per layer, top-k and bytes of one expert; all 0 for a dense target."""
+        moe_layers = sum(1 for layer in self.model.layers if isinstance(layer.mlp, MoE))
+        if not self.cfg.num_experts or not moe_layers:
+            return {"moe_layers": 0, "num_experts": 0, "experts_per_token": 0, "bytes_per_expert": 0}
+        return {"moe_layers": moe_layers, "num_experts": self.cfg.num_experts,
+                "experts_per_token": self.cfg.experts_per_token, "bytes_per_expert": self.cfg.expert_bytes_per_expert}
 
     # --- sessions ------------------------------------------------------------------------------
     def open_session(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, max_tree_rows: int) -> None:
@@ -127,14 +137,23 @@ class TargetEngine:
         out = self.model(flat.tokens.unsqueeze(0), flat.positions.unsqueeze(0), s.cache, s.committed_len,
                          None if mask is None else mask.unsqueeze(0), self.taps, logits_rows="all")
         s.pending = Verified(request_id, s.round + 1, flat, out.logits[0], out.features[0])
-        self._account_experts()
+        self._account_experts([(request_id, flat.num_rows)])
         return s.pending
 
-    def _account_experts(self) -> None:
-        """Record the union of experts the forward's rows routed to, and its weight bytes (seed 0x09A)."""
+    def _account_experts(self, members: list[tuple[str, int]]) -> None:
+        """Record the union of experts the forward's rows routed to, and its weight bytes, for the
+        whole forward and for each member request's own rows (``members``: (request id, rows) in
+        packed order) (seed 0x09A)."""
         if self.cfg.num_experts:
-            self.last_expert_union = expert_union(self.model.expert_routing())
+            routing = self.model.expert_routing()
+            self.last_expert_union = expert_union(routing)
             self.last_expert_bytes = expert_bytes(self.last_expert_union, self.cfg.expert_bytes_per_expert)
+            lo, per_request = 0, {}
+            for request_id, rows in members:
+                per_request[request_id] = expert_bytes(expert_union(routing, slice(lo, lo + rows)),
+                                                       self.cfg.expert_bytes_per_expert)
+                lo += rows
+            self.last_request_expert_bytes = per_request
 
     @torch.inference_mode()
     def verify_batch(self, items: list[tuple[str, DraftTree]]) -> list[Verified | ValueError]:
@@ -157,7 +176,7 @@ class TargetEngine:
             [Segment(flat.tokens, flat.positions, s.cache, s.committed_len, mask) for s, flat, mask in ok],
             self.taps) if ok else [])
         if ok:
-            self._account_experts()
+            self._account_experts([(s.request_id, flat.num_rows) for s, flat, _ in ok])
         results: list[Verified | ValueError] = []
         for p in prepared:
             if isinstance(p, ValueError):

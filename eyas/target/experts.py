@@ -7,14 +7,15 @@ takes the bytes of that union (``RoundWork.expert_bytes``).
 from __future__ import annotations
 
 
-def expert_union(routing: list) -> tuple[tuple[int, ...], ...]:
-    """Per MoE layer, the sorted union of experts that any row routed to (seed 0x09A).
+def expert_union(routing: list, rows: slice = slice(None)) -> tuple[tuple[int, ...], ...]:
+    """Per MoE layer, the sorted union of experts that any row (of ``rows``) routed to (seed 0x09A).
 
     routing: per layer a [N, k] int64 tensor (row -> its top-k experts), as
-    ``TargetModel.expert_routing()`` returns after a verify. Worked example: rows routed
-    [[0, 2], [2, 3], [0, 3]] -> (0, 2, 3).
+    ``TargetModel.expert_routing()`` returns after a verify; ``rows`` picks one request's rows of a
+    packed batch. Worked example: rows routed [[0, 2], [2, 3], [0, 3]] -> (0, 2, 3); rows 1:2 alone
+    -> (2, 3).
     """
-    return tuple(tuple(sorted(set(r.reshape(-1).tolist()))) for r in routing)
+    return tuple(tuple(sorted(set(r[rows].reshape(-1).tolist()))) for r in routing)
 
 
 def expert_bytes(union: tuple[tuple[int, ...], ...], bytes_per_expert: int) -> int:

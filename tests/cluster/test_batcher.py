@@ -79,6 +79,10 @@ def test_an_moe_target_reports_the_expert_bytes_of_each_batched_round():
     per_expert = moe.cfg.expert_bytes_per_expert
     assert all(r.expert_bytes > 0 and r.expert_bytes % per_expert == 0 for r in runner.log)
     assert all(r.expert_bytes <= moe.cfg.num_layers * moe.cfg.num_experts * per_expert for r in runner.log)
+    # the plan predicted each round's bytes from its rows, and every round calibrated the prediction
+    assert all(r.predicted_expert_bytes >= moe.cfg.num_layers * moe.cfg.experts_per_token * per_expert
+               for r in runner.log)
+    assert runner.experts.observations == len(runner.log)
 
 
 def test_plain_rounds_skip_the_drafter_and_output_is_unchanged(tiny_target, drafter, monkeypatch):

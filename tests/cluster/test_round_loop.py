@@ -138,7 +138,8 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
     target, drafter = workers
     loop = RoundLoop(WorkerCalls(target, 30, local=True), None, {}, TreeWorkPolicy(Budgets()), FLAT.copy())
     try:
-        assert loop.work() == {"pending_verify_rows": 0.0, "draft_rows": 0.0, "live": 0, "pending": 0}
+        assert loop.work() == {"pending_verify_rows": 0.0, "draft_rows": 0.0, "expert_bytes": 0.0, "live": 0,
+                               "pending": 0}
 
         def live(rid, prompt, max_new):
             return Live(rid, prompt, max_new, "eagle1", TreeSpec(), SamplingParams(), 0, None,
@@ -159,6 +160,41 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
         assert loop.work()["pending_verify_rows"] == 0.0  # finished requests leave no work behind
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("budget_rows", [None, 1])
+def test_an_moe_target_reports_expert_bytes_per_request_and_per_round_and_the_budget_holds(budget_rows):
+    """Seed 0x09A through the worker protocol: every round's decisions carry the expert bytes of the
+    request's own rows and of the whole batched verify; the loop's expert model learns from each round.
+    With a budget of one row's experts every round verifies one request alone. Output stays exact."""
+    from eyas.scheduler.cost import ExpertTraffic
+    from eyas.testing import ours_from_hf, tiny_hf_mixtral
+
+    moe = ours_from_hf(tiny_hf_mixtral(experts=16, top_k=2, seed=5))
+    target = TargetWorker(moe)
+    drafter = DrafterWorker({"eagle1": tiny_eagle1_engine(moe)}, moe.cfg.vocab_size)
+    experts = ExpertTraffic(**target.engine_for(()).expert_traffic_shape())
+    budget = None if budget_rows is None else experts.predict(budget_rows)
+    records = []
+    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
+                     drafter.info(), TreeWorkPolicy(Budgets(max_batch=8, max_expert_bytes=budget)), FLAT.copy(),
+                     on_round=records.append, experts=experts)
+    jobs = [(p, "eagle1") for p in prompts(4)]
+    results = run_all(loop, jobs, n=12)
+    assert_target_only_output(moe, jobs, results, 12)
+    per_expert, most = moe.cfg.expert_bytes_per_expert, experts.all_bytes
+    assert records and all(0 < r.expert_bytes <= r.batch_expert_bytes <= most for r in records)
+    assert all(r.expert_bytes % per_expert == 0 and r.batch_expert_bytes % per_expert == 0 for r in records)
+    assert loop.experts is experts and experts.observations == loop.rounds
+    by_round = {}
+    for r in records:
+        by_round.setdefault(r.start_ns, []).append(r)
+    if budget_rows is None:
+        assert max(len(rs) for rs in by_round.values()) > 1          # rounds were shared
+    else:
+        assert all(len(rs) == 1 and rs[0].flat is None for rs in by_round.values())  # one plain row a round
+        assert all(r.batch_expert_bytes == r.expert_bytes for r in records)
+    assert target.leak_check()["ok"] and not target.sessions
 
 
 def test_stats_merge_every_replicas_report():

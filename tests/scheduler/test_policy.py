@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from eyas.scheduler.cost import PLAIN, TreeShape, batch_work, round_work
+from eyas.scheduler.cost import PLAIN, ExpertTraffic, TreeShape, batch_work, round_work
 from eyas.scheduler.latency import DraftCost, LatencyCurve, measure_curve
 from eyas.scheduler.policy import (AcceptanceEstimate, Budgets, Candidate, PromptLengthPolicy,
                                    TreeWorkPolicy)
@@ -85,6 +85,33 @@ def test_budgets_bound_the_batch_and_admission_is_oldest_first():
     assert set(plan.shapes) == {"r5", "r4", "r3"} and plan.verify_rows <= 20
     kv = TreeWorkPolicy(Budgets(max_kv_bytes=2_500, target_kv_bytes_per_row=10)).plan(reqs, FLAT)
     assert len(kv.shapes) == 2 and sum(w.kv_bytes for w in kv.work) <= 2_500  # 101 rows * 10 B each, plus trees
+
+
+# an MoE target with 64 experts, top-2, in one layer, 1 byte an expert: predict(rows) = 64 (1 - (62/64)^rows)
+# rounded: 2 B for one row, 8 B for 4, 14 B for 8, 25 B for 16, 48 B for 44
+WIDE_MOE = ExpertTraffic(moe_layers=1, num_experts=64, experts_per_token=2, bytes_per_expert=1)
+
+
+def test_an_expert_bytes_budget_keeps_an_moe_verify_small():
+    """Seed 0x09A: rows route to a growing union of experts. Unbudgeted, a well-accepted request gets
+    a big tree on a flat curve; with at most 14 B of experts (8 rows' worth) its tree stays within 8 rows.
+    Each request's own figure is the bytes its rows alone would read."""
+    good = cand("good", rates=[0.9] * 8)
+    free = TreeWorkPolicy().plan([good], FLAT, experts=WIDE_MOE)
+    assert free.verify_rows > 8 and free.expert_bytes == WIDE_MOE.predict(free.verify_rows)
+    capped = TreeWorkPolicy(Budgets(max_expert_bytes=WIDE_MOE.predict(8))).plan([good], FLAT, experts=WIDE_MOE)
+    assert capped.shapes["good"].speculates and capped.verify_rows <= 8
+    assert capped.expert_bytes <= WIDE_MOE.predict(8) == 14
+    assert capped.work[0].expert_bytes == WIDE_MOE.predict(capped.verify_rows)
+    assert TreeWorkPolicy().plan([good], FLAT).expert_bytes == 0          # a dense target reads no experts
+
+
+def test_an_expert_bytes_budget_bounds_admission_oldest_first_and_never_starves_the_oldest():
+    reqs = [cand(f"r{i}", arrival=10 - i) for i in range(5)]
+    plan = TreeWorkPolicy(Budgets(max_expert_bytes=WIDE_MOE.predict(3))).plan(reqs, STEEP, experts=WIDE_MOE)
+    assert set(plan.shapes) == {"r4", "r3", "r2"} and plan.verify_rows == 3
+    tiny = TreeWorkPolicy(Budgets(max_expert_bytes=1)).plan(reqs, FLAT, experts=WIDE_MOE)  # below one row's 2 B
+    assert set(tiny.shapes) == {"r4"} and tiny.shapes["r4"] == PLAIN
 
 
 def test_the_prompt_length_baseline_batches_similar_prompts_with_one_fixed_tree():
