@@ -198,6 +198,35 @@ class TargetWorker:
                 out[i] = Refusal.of(v) if isinstance(v, ValueError) else self._decided(requests[i].request_id, s, v, t0)
         return out
 
+    def prefill_batch(self, requests: list[pb.PrefillRequest]) -> list[pb.AcceptDecision | Refusal]:
+        """Prefill and decide several newly opened requests in one forward per feature address.
+
+        A retried prefill gets its earlier decision again; a refused request (unknown session, one
+        already past its prefill) gets a :class:`Refusal` and touches nothing; the others are
+        prefilled as if alone."""
+        t0 = time.perf_counter()
+        out: list[pb.AcceptDecision | Refusal | None] = [None] * len(requests)
+        groups: dict[int, list[tuple[int, WorkerSession]]] = {}
+        seen: set[str] = set()
+        for i, request in enumerate(requests):
+            try:
+                if request.request_id in seen:
+                    raise ValueError(f"request_id: {request.request_id!r} appears twice in one batch")
+                seen.add(request.request_id)
+                s = self._session(request.request_id)
+                if s.pending is not None and s.pending.flat is None:
+                    out[i] = s.pending.reply  # a retried prefill: the same decision
+                    continue
+                groups.setdefault(id(s.engine), []).append((i, s))
+            except (ValueError, SessionNotFound) as err:
+                out[i] = Refusal.of(err)
+        for members in groups.values():
+            engine = members[0][1].engine
+            verified = engine.prefill_batch([requests[i].request_id for i, _ in members])
+            for (i, s), v in zip(members, verified):
+                out[i] = Refusal.of(v) if isinstance(v, ValueError) else self._decided(requests[i].request_id, s, v, t0)
+        return out
+
     def publish_batch(self, requests: list[pb.PublishRequest]) -> list[pb.PublishAck | Refusal]:
         """Each request's own publish transaction; one refusal never touches another's state."""
         out = []

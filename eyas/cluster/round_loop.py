@@ -10,7 +10,8 @@ All live requests of a target worker advance together, one round at a time:
     publish  ONE call: ``TargetWorker.publish_batch``, each request its own transaction
 
 so the per-round Ray cost is three calls for the whole batch, not three per request. Requests join
-between rounds (their prefill runs at admission) and leave when they finish, are cancelled or fail.
+between rounds (the arrivals since the last round are prefilled together, in one batched forward)
+and leave when they finish, are cancelled or fail.
 The loop is the one owner of the per-request scheduling state (:class:`Live`); the workers own the KV.
 
 Greedy requests get the tree the policy plans (within their own knobs); a sampled request always
@@ -199,15 +200,16 @@ class RoundLoop:
                 if self.stopped:
                     break
                 admitted, self.pending = self.pending, []
-            for live in admitted:
+            if admitted:
                 try:
-                    self._admit(live)
-                except Exception as err:  # never let one request's admission stop the loop
-                    log.exception("admission of %s failed", live.request_id)
-                    if live.request_id in self.live:
-                        self._finish(live, FINISH_ERROR, err)
-                    elif not live.future.done():
-                        live.future.set_exception(err)
+                    self._admit(admitted)
+                except Exception as err:  # never let admission stop the loop
+                    log.exception("admission of %s failed", [x.request_id for x in admitted])
+                    for live in admitted:
+                        if live.request_id in self.live:
+                            self._finish(live, FINISH_ERROR, err)
+                        elif not live.future.done():
+                            live.future.set_exception(err)
             for live in [x for x in self.live.values() if x.cancel.is_set()]:
                 self._finish(live, FINISH_CANCELLED)
             if self.live:
@@ -218,41 +220,63 @@ class RoundLoop:
                     for live in list(self.live.values()):
                         self._finish(live, FINISH_ERROR, err)
 
-    def _admit(self, live: Live) -> None:
+    def _admit(self, admitted: list[Live]) -> None:
+        """Open the arrivals' target sessions, prefill them all in ONE batched forward, publish each
+        prefill (its own transaction), then open their draft sessions. A request refused at any step
+        fails alone."""
+        t0 = time.perf_counter()
+        opened = [live for live in admitted if self._open(live)]
+        if not opened:
+            return
+        for live in opened:
+            self.live[live.request_id] = live
+        decisions = self.target("prefill_batch", [pb.PrefillRequest(request_id=x.request_id) for x in opened])
+        prefilled = []
+        for live, d in zip(opened, decisions):
+            if isinstance(d, Refusal):
+                self._finish(live, FINISH_ERROR, ValueError(d.message))
+            else:
+                prefilled.append((live, d))
+        acks = self.target("publish_batch", [pb.PublishRequest(request_id=live.request_id, round=d.round)
+                                             for live, d in prefilled]) if prefilled else []
+        for (live, _), ack in zip(prefilled, acks):
+            if isinstance(ack, Refusal):
+                self._finish(live, FINISH_ERROR, ValueError(ack.message))
+                continue
+            live.seed = wire.seed_from_proto(ack.seed)
+            live.unread = [live.seed]
+            live.prefill_s = time.perf_counter() - t0
+            self._open_draft(live)
+            self._emit(live, list(ack.output_tokens))
+
+    def _open(self, live: Live) -> bool:
+        """The request's target session; a refusal (naming the field) fails its future."""
         info = self.drafter_info.get(live.method, {})
         taps = tuple(tuple(t) for t in info.get("taps", ())) if live.method != "target" else ()
         max_rows = live.tree.max_candidates + 1 if live.method != "target" else 1
         spec = wire.SessionSpec(live.request_id, tuple(live.prompt_ids), live.max_new_tokens, max_rows,
                                 live.sampling.temperature, live.sampling.top_p, live.sampling.top_k, live.seed_value,
                                 taps)
-        t0 = time.perf_counter()
         try:
             opened = self.target("open_session", wire.session_spec_to_proto(spec))
         except Exception as err:
             live.future.set_exception(_as_value_error(err))
-            return
+            return False
         live.eos = tuple(opened.eos_token_ids)
-        self.live[live.request_id] = live
-        try:
-            decision = self.target("prefill", pb.PrefillRequest(request_id=live.request_id))
-            ack = self.target("publish", pb.PublishRequest(request_id=live.request_id, round=decision.round))
-        except Exception as err:
-            self._finish(live, FINISH_ERROR, err)
+        return True
+
+    def _open_draft(self, live: Live) -> None:
+        if live.method == "target":
             return
-        live.seed = wire.seed_from_proto(ack.seed)
-        live.unread = [live.seed]
-        live.prefill_s = time.perf_counter() - t0
-        if live.method != "target":
-            if self.drafter is None or live.method not in self.drafter_info:
-                live.fallback = True
-            else:
-                try:
-                    self.drafter("open_session", live.request_id, live.method,
-                                 live.tree.draft_slots(len(live.prompt_ids), live.max_new_tokens))
-                    live.drafter_open = True
-                except DrafterUnavailable:
-                    live.fallback = True
-        self._emit(live, list(ack.output_tokens))
+        if self.drafter is None or live.method not in self.drafter_info:
+            live.fallback = True
+            return
+        try:
+            self.drafter("open_session", live.request_id, live.method,
+                         live.tree.draft_slots(len(live.prompt_ids), live.max_new_tokens))
+            live.drafter_open = True
+        except DrafterUnavailable:
+            live.fallback = True
 
     def _round(self) -> None:
         cands = [Candidate(x.request_id, x.arrival, len(x.prompt_ids), len(x.prompt_ids) + len(x.out) - 1,

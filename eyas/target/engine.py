@@ -131,6 +131,36 @@ class TargetEngine:
         return s.pending
 
     @torch.inference_mode()
+    def prefill_batch(self, request_ids: list[str]) -> list[Verified | ValueError]:
+        """Prefill several requests' prompts in ONE forward (packed: each its own KV cache and causal
+        mask; the LM head runs on each prompt's last row only). A request that cannot be prefilled
+        (unknown, already prefilled) gets its ``ValueError`` in its place and is left out."""
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_id: a request appears twice in one batch")
+        prepared: list[TargetSession | ValueError] = []
+        for request_id in request_ids:
+            try:
+                s = self._session(request_id)
+                if s.committed_len or s.pending is not None:
+                    raise ValueError(f"request_id: {request_id!r} is already prefilled")
+                prepared.append(s)
+            except ValueError as err:
+                prepared.append(err)
+        ok = [s for s in prepared if not isinstance(s, ValueError)]
+        segments = [Segment(torch.tensor(s.tokens, dtype=torch.int64), torch.arange(s.prompt_len), s.cache, 0,
+                            torch.ones(s.prompt_len, s.prompt_len, dtype=torch.bool).tril_()) for s in ok]
+        outs = iter(self.model.forward_packed(segments, self.taps, logits_rows="last") if ok else [])
+        results: list[Verified | ValueError] = []
+        for s in prepared:
+            if isinstance(s, ValueError):
+                results.append(s)
+                continue
+            out = next(outs)
+            s.pending = Verified(s.request_id, PREFILL_ROUND, None, out.logits[0], out.features[0])
+            results.append(s.pending)
+        return results
+
+    @torch.inference_mode()
     def verify(self, request_id: str, tree: DraftTree) -> Verified:
         """Run the frontier token plus ``tree`` as one forward over provisional slots (seed 0x05C)."""
         s, flat, mask = self._prepare_verify(request_id, tree)

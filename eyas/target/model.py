@@ -503,10 +503,14 @@ class TargetModel(nn.Module):
         return self._run(self.embed(tokens), taps, logits_rows,
                          lambda i, layer, x: layer(x, cos, sin, cache, i, start, mask))
 
-    def forward_packed(self, segments: list[Segment], taps: tuple[FeatureTap, ...]) -> list[ForwardOut]:
+    def forward_packed(self, segments: list[Segment], taps: tuple[FeatureTap, ...],
+                       logits_rows: str = "all") -> list[ForwardOut]:
         """Several requests' rows in one forward (each with its own KV cache and mask); one
-        :class:`ForwardOut` per segment, with logits of every row."""
+        :class:`ForwardOut` per segment, with logits of every row (``"all"``: verifies) or of each
+        segment's last row only (``"last"``: batched prefills, whose other rows need no LM head)."""
         assert segments, "segments: at least one"
+        if logits_rows not in ("all", "last"):
+            raise ValueError(f"logits_rows: {logits_rows!r} is not all/last")
         placed, lo = [], 0
         for seg in segments:
             t = seg.tokens.shape[0]
@@ -521,8 +525,12 @@ class TargetModel(nn.Module):
             lo += t
         tokens = torch.cat([s.tokens for s in placed])[None]       # [1, T]
         cos, sin = self.rope(torch.cat([s.positions for s in placed])[None])
-        out = self._run(self.embed(tokens), taps, "all",
+        rows = "all" if logits_rows == "all" else torch.tensor([b - 1 for _, b in (s.rows for s in placed)])
+        out = self._run(self.embed(tokens), taps, rows,
                         lambda i, layer, x: layer.forward_segments(x, cos, sin, placed, i))
+        if logits_rows == "last":  # out.logits: [1, n_segments, V], one last row per segment
+            return [ForwardOut(out.logits[:, i:i + 1], out.features[:, s.rows[0]:s.rows[1]])
+                    for i, s in enumerate(placed)]
         return [ForwardOut(out.logits[:, a:b], out.features[:, a:b]) for a, b in (s.rows for s in placed)]
 
     def expert_routing(self) -> list[torch.Tensor]:
@@ -540,7 +548,9 @@ class TargetModel(nn.Module):
         features = torch.cat([self.norm(tapped[t.layers_applied]) if t.normed and t.layers_applied != len(self.layers)
                               else (final if t.normed else tapped[t.layers_applied]) for t in taps], dim=-1) \
             if taps else final[..., :0]
-        if logits_rows == "all":
+        if isinstance(logits_rows, torch.Tensor):  # [n] row indices (forward_packed: each segment's last)
+            logits = self.lm_head(final[:, logits_rows]).float()
+        elif logits_rows == "all":
             logits = self.lm_head(final).float()
         elif logits_rows == "last":
             logits = self.lm_head(final[:, -1:]).float()

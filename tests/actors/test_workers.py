@@ -187,3 +187,20 @@ def test_bad_seeds_and_unknown_methods_are_refused_naming_the_field(tiny_target,
         w.propose("nobody", bad, TREE)
     assert w.close_session("x") and not w.close_session("x")
     assert w.leak_check()["ok"]
+
+
+def test_a_batched_prefill_answers_a_retry_with_the_same_decision_and_refuses_alone(worker):
+    """prefill_batch: a request prefilled before gets its earlier decision again; an unknown or repeated
+    request gets a Refusal naming the field; the valid ones are decided as single prefills would be."""
+    from eyas.actors.target_worker import Refusal
+    from eyas.protocol import wire
+
+    for rid, prompt in (("x", PROMPT), ("y", PROMPT[:3])):
+        worker.open_session(wire.session_spec_to_proto(wire.SessionSpec(rid, tuple(prompt), 8, 1)))
+    first = worker.prefill(pb.PrefillRequest(request_id="x"))
+    out = worker.prefill_batch([pb.PrefillRequest(request_id=r) for r in ("x", "ghost", "y", "y")])
+    assert out[0] is first
+    assert isinstance(out[1], Refusal) and out[1].message.startswith("request_id: ")
+    assert isinstance(out[3], Refusal) and "twice" in out[3].message
+    assert isinstance(out[2], pb.AcceptDecision) and out[2].round == first.round
+    assert worker.publish(pb.PublishRequest(request_id="y", round=out[2].round)).committed_len == 3

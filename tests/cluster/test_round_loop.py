@@ -162,6 +162,46 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
         loop.close()
 
 
+class CountingTarget:
+    """A TargetWorker that records the size of every prefill_batch call (and refuses single prefills)."""
+
+    def __init__(self, worker: TargetWorker):
+        self.worker, self.prefill_batches = worker, []
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def prefill(self, request):
+        raise AssertionError("the loop prefills in batches")
+
+    def prefill_batch(self, requests):
+        self.prefill_batches.append(len(requests))
+        return self.worker.prefill_batch(requests)
+
+
+def test_arrivals_between_rounds_are_prefilled_together_in_one_forward(tiny_target, workers):
+    """Six requests (one with a prompt outside the vocabulary) arrive while the loop is busy: it opens
+    the five valid ones, prefills them in ONE batched call, and every output is target-only's."""
+    target, drafter = workers
+    counting = CountingTarget(target)
+    loop = RoundLoop(WorkerCalls(counting, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
+                     drafter.info(), TreeWorkPolicy(Budgets(max_batch=8)), FLAT.copy())
+    jobs = [(p, "eagle1" if i % 2 else "target") for i, p in enumerate(prompts(5))]
+    try:
+        with loop.lock:  # the loop thread waits: every request below arrives before its next look
+            futures = [loop.submit(f"r{i}", p, 12, method, TreeSpec(), SamplingParams(), 0)
+                       for i, (p, method) in enumerate(jobs)]
+            bad = loop.submit("bad", [1, 10_000], 12, "target", TreeSpec(), SamplingParams(), 0)
+        results = [f.result(timeout=120) for f in futures]
+        with pytest.raises(ValueError, match="^prompt_ids: "):
+            bad.result(timeout=60)
+    finally:
+        loop.close()
+    assert counting.prefill_batches == [5]
+    assert_target_only_output(tiny_target, jobs, results, 12)
+    assert target.leak_check()["ok"] and not target.sessions and not drafter.session_method
+
+
 @pytest.mark.parametrize("budget_rows", [None, 1])
 def test_an_moe_target_reports_expert_bytes_per_request_and_per_round_and_the_budget_holds(budget_rows):
     """Seed 0x09A through the worker protocol: every round's decisions carry the expert bytes of the

@@ -90,3 +90,45 @@ def test_a_request_that_fails_validation_mid_batch_leaves_the_others_unchanged(t
     assert (s.committed_len, s.tokens, s.round) == state_b and batched.sessions["c"].pending is None
     with pytest.raises(ValueError, match="^request_id: "):
         batched.verify_batch([("a", TREES["a"]), ("a", TREES["a"])])
+
+
+def test_batched_prefill_equals_each_prompt_prefilled_alone(tiny_target, tiny_pair):
+    """Three prompts of 3, 8 and 12 tokens in one packed forward: each last-row logit row equals its
+    own prefill's and HF's causal forward; features and the KV each publish commits are the same."""
+    hf, _ = tiny_pair
+    taps = eagle1_feature_address(tiny_target.cfg)
+    alone, batched = TargetEngine(tiny_target, taps), TargetEngine(tiny_target, taps)
+    for e in (alone, batched):
+        for rid, prompt in PROMPTS.items():
+            e.open_session(rid, prompt, 30, 8)
+    together = dict(zip(PROMPTS, batched.prefill_batch(list(PROMPTS))))
+    from eyas.protocol.messages import AcceptDecision
+
+    for rid, prompt in PROMPTS.items():
+        s, b = alone.prefill(rid), together[rid]
+        assert b.logits.shape == s.logits.shape == (1, tiny_target.cfg.vocab_size) and b.flat is None
+        torch.testing.assert_close(b.logits, s.logits, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            torch.testing.assert_close(b.logits[0], hf(torch.tensor([prompt])).logits[0, -1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.features, s.features, rtol=1e-5, atol=1e-5)
+        frontier = int(s.logits[-1].argmax())
+        assert frontier == int(b.logits[-1].argmax())
+        rows = torch.arange(len(prompt))
+        for e, v in ((alone, s), (batched, b)):
+            e.publish(rid, v.round, AcceptDecision(rows, torch.tensor(prompt[1:]), frontier))
+        n = len(prompt)
+        torch.testing.assert_close(batched.sessions[rid].cache.k[..., :n, :], alone.sessions[rid].cache.k[..., :n, :],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_batched_prefill_refuses_a_bad_member_and_prefills_the_others(tiny_target):
+    e = TargetEngine(tiny_target, ())
+    for rid in ("a", "c"):
+        e.open_session(rid, PROMPTS[rid], 8, 8)
+    e.prefill("c")                                   # c is already prefilled
+    res = e.prefill_batch(["a", "ghost", "c"])
+    assert isinstance(res[1], ValueError) and str(res[1]).startswith("request_id: 'ghost'")
+    assert isinstance(res[2], ValueError) and "already prefilled" in str(res[2])
+    assert res[0].round == e.sessions["a"].pending.round and e.sessions["a"].pending is res[0]
+    with pytest.raises(ValueError, match="^request_id: "):
+        e.prefill_batch(["a", "a"])
