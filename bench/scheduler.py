@@ -89,8 +89,8 @@ def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], ma
                          draft_cost=DraftCost.from_points(draft_points) if policy == "tree-work" else None)
     queue = [(f"{policy}-{concurrency}-{i}", eyas.encode(p)) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
-    while queue or runner.running:
-        while queue and len(runner.running) < concurrency:
+    while queue or runner.in_flight:
+        while queue and runner.in_flight < concurrency:
             rid, ids = queue.pop(0)
             runner.submit(rid, ids, max_new_tokens)
         runner.step()

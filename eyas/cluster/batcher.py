@@ -2,6 +2,8 @@
 
 Each round (seed 0x09):
 
+    admit   -> ``TargetEngine.prefill_batch``: the requests submitted since the last round, their
+               prompts in one packed forward, each prefill published on its own
     plan    -> the policy picks the batch and each request's tree from the latency curve and the
                requests' recent acceptance (eyas.scheduler.policy)
     propose -> ``DrafterEngine.propose_batch``: the drafter grows every planned request's tree, each
@@ -107,36 +109,58 @@ class BatchRunner:
         self.max_tree_rows = max_tree_rows if drafter is not None else 1
         self.prior = AcceptanceEstimate()
         self.running: dict[str, Running] = {}
+        self.admitting: dict[str, Running] = {}   # submitted, prefilled together at the next step
         self.finished: dict[str, Finished] = {}
         self.log: list[RoundLog] = []
 
     # --- admission ------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], max_new_tokens: int,
                sampling: SamplingParams = SamplingParams(), seed: int = 0) -> None:
-        """Open the request's sessions and run its prefill (validation errors raise here, naming the field)."""
+        """Open the request's sessions (validation errors raise here, naming the field); its prefill
+        runs at the next :meth:`step`, batched with every other request submitted since the last one."""
         self.target.open_session(request_id, prompt_ids, max_new_tokens, self.max_tree_rows)
         try:
             if self.drafter is not None:
                 self.drafter.open_session(request_id, len(prompt_ids) + max_new_tokens + 2 * self.max_tree_rows
                                           + 8 * self.max_tree_rows)
-            r = Running(request_id, list(prompt_ids), max_new_tokens, sampling, torch.Generator().manual_seed(seed),
-                        tuple(self.target.cfg.eos_token_ids), time.perf_counter(),
-                        AcceptanceEstimate.from_prior(self.prior))
-            verified = self.target.prefill(request_id)
-            r.seed, ack = self.target.publish(request_id, verified.round, decide(verified, r.prompt_ids, r.sampling,
-                                                                                  r.generator))
         except Exception:
             self._close(request_id)
             raise
-        r.unread = [r.seed]
-        r.out.extend(ack.output_tokens)
-        r.first_token_s = time.perf_counter()
-        self.running[request_id] = r
-        if r.done:
-            self._finish(r)
+        self.admitting[request_id] = Running(request_id, list(prompt_ids), max_new_tokens, sampling,
+                                             torch.Generator().manual_seed(seed), tuple(self.target.cfg.eos_token_ids),
+                                             time.perf_counter(), AcceptanceEstimate.from_prior(self.prior))
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished (admitting or running)."""
+        return len(self.admitting) + len(self.running)
+
+    def _admit(self) -> None:
+        """Prefill every submitted request in one forward, then publish each (its own transaction)."""
+        admitting, self.admitting = list(self.admitting.values()), {}
+        if not admitting:
+            return
+        verified = self.target.prefill_batch([r.request_id for r in admitting])
+        for r, v in zip(admitting, verified):
+            try:
+                if isinstance(v, ValueError):
+                    raise v
+                r.seed, ack = self.target.publish(r.request_id, v.round, decide(v, r.prompt_ids, r.sampling,
+                                                                                r.generator))
+            except ValueError as err:
+                r.error = str(err)
+                self._finish(r)
+                continue
+            r.unread = [r.seed]
+            r.out.extend(ack.output_tokens)
+            r.first_token_s = time.perf_counter()
+            self.running[r.request_id] = r
+            if r.done:
+                self._finish(r)
 
     # --- one round ------------------------------------------------------------------------------
     def step(self) -> Plan | None:
+        self._admit()                                                                         # admit
         if not self.running:
             return None
         candidates = [Candidate(r.request_id, r.arrival, len(r.prompt_ids), len(r.prompt_ids) + len(r.out) - 1,
@@ -197,14 +221,15 @@ class BatchRunner:
         return plan
 
     def run(self) -> dict[str, Finished]:
-        while self.running:
+        while self.in_flight:
             self.step()
         return self.finished
 
     def cancel(self, request_id: str) -> None:
-        if request_id in self.running:
-            self.running[request_id].error = "cancelled"
-            self._finish(self.running[request_id])
+        r = self.running.get(request_id) or self.admitting.pop(request_id, None)
+        if r is not None:
+            r.error = "cancelled"
+            self._finish(r)
 
     # --- internals ------------------------------------------------------------------------------
     def _finish(self, r: Running) -> None:

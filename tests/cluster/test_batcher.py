@@ -63,7 +63,7 @@ def test_an_invalid_request_is_refused_at_submit_and_the_batch_goes_on(tiny_targ
     runner.submit("ok", [1, 2, 3], max_new_tokens=8)
     with pytest.raises(ValueError, match="^prompt: "):
         runner.submit("bad", [1, 10_000], max_new_tokens=8)
-    assert set(runner.running) == {"ok"} and "bad" not in target.sessions and "bad" not in drafter.sessions
+    assert set(runner.admitting) == {"ok"} and "bad" not in target.sessions and "bad" not in drafter.sessions
     assert len(runner.run()["ok"].token_ids) == 8
 
 
@@ -103,4 +103,26 @@ def test_plain_rounds_skip_the_drafter_and_output_is_unchanged(tiny_target, draf
         assert done[rid].token_ids == generate(base, p, max_new_tokens=20).token_ids, rid
     assert len(calls) == len(runner.log) // 3 > 0
     assert sum(f.speculative_rounds for f in done.values()) > 0
+    assert not target.sessions and not drafter.sessions
+
+
+def test_requests_submitted_between_steps_are_prefilled_in_one_batched_forward(tiny_target, drafter, monkeypatch):
+    """Three submits, then a step: one prefill_batch of 3 (no single prefill), and a cancel before the
+    step leaves no session behind."""
+    target = TargetEngine(tiny_target, eagle1_feature_address(tiny_target.cfg))
+    sizes = []
+    real = target.prefill_batch
+    monkeypatch.setattr(target, "prefill_batch", lambda ids: sizes.append(len(ids)) or real(ids))
+    monkeypatch.setattr(target, "prefill", lambda rid: pytest.fail("a single prefill"))
+    runner = BatchRunner(target, drafter, TreeWorkPolicy(), FLAT.copy())
+    ps = prompts(4)
+    for rid, p in ps.items():
+        runner.submit(rid, p, max_new_tokens=10)
+    runner.cancel("q3")
+    assert runner.in_flight == 3 and runner.finished["q3"].finish_reason == "cancelled"
+    done = runner.run()
+    assert sizes == [3]
+    base = TargetEngine(tiny_target, ())
+    for rid in ("q0", "q1", "q2"):
+        assert done[rid].token_ids == generate(base, ps[rid], max_new_tokens=10).token_ids, rid
     assert not target.sessions and not drafter.sessions
