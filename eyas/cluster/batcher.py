@@ -29,7 +29,7 @@ from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.generate import FINISH_LENGTH, decide, finish_tokens
 from eyas.protocol.messages import Seed
 from eyas.protocol.tree import DraftTree
-from eyas.scheduler.cost import ExpertTraffic, TreeShape
+from eyas.scheduler.cost import ExpertTraffic, TreeShape, prefill_chunks
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate, Plan
 from eyas.target.engine import TargetEngine
@@ -136,10 +136,13 @@ class BatchRunner:
         return len(self.admitting) + len(self.running)
 
     def _admit(self) -> None:
-        """Prefill every submitted request in one forward, then publish each (its own transaction)."""
+        """Prefill every submitted request in batched forwards (one per ``MAX_PREFILL_ROWS`` prompt
+        rows), then publish each (its own transaction)."""
         admitting, self.admitting = list(self.admitting.values()), {}
-        if not admitting:
-            return
+        for chunk in prefill_chunks([len(r.prompt_ids) for r in admitting]):
+            self._prefill([admitting[i] for i in chunk])
+
+    def _prefill(self, admitting: list[Running]) -> None:
         verified = self.target.prefill_batch([r.request_id for r in admitting])
         for r, v in zip(admitting, verified):
             try:

@@ -41,7 +41,7 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import Seed
 from eyas.protocol.tree import DraftTree, flatten_tree
-from eyas.scheduler.cost import PLAIN, ExpertTraffic, TreeShape
+from eyas.scheduler.cost import PLAIN, ExpertTraffic, TreeShape, prefill_chunks
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
 from eyas.verification.sampling import SamplingParams
@@ -221,15 +221,17 @@ class RoundLoop:
                         self._finish(live, FINISH_ERROR, err)
 
     def _admit(self, admitted: list[Live]) -> None:
-        """Open the arrivals' target sessions, prefill them all in ONE batched forward, publish each
-        prefill (its own transaction), then open their draft sessions. A request refused at any step
-        fails alone."""
+        """Open the arrivals' target sessions, prefill them in batched forwards (ONE for up to
+        ``MAX_PREFILL_ROWS`` prompt rows), publish each prefill (its own transaction), then open their
+        draft sessions. A request refused at any step fails alone."""
         t0 = time.perf_counter()
         opened = [live for live in admitted if self._open(live)]
-        if not opened:
-            return
         for live in opened:
             self.live[live.request_id] = live
+        for chunk in prefill_chunks([len(x.prompt_ids) for x in opened]):
+            self._prefill([opened[i] for i in chunk], t0)
+
+    def _prefill(self, opened: list[Live], t0: float) -> None:
         decisions = self.target("prefill_batch", [pb.PrefillRequest(request_id=x.request_id) for x in opened])
         prefilled = []
         for live, d in zip(opened, decisions):

@@ -117,8 +117,8 @@ NO_EXPERTS = ExpertTraffic()   # a dense target
 def _work(c: Candidate, shape: TreeShape, b: Budgets, experts: ExpertTraffic = NO_EXPERTS) -> RoundWork:
     """One request's round; its ``expert_bytes`` are those its own verify rows would read alone."""
     return round_work(c.request_id, shape, committed_len=c.committed_len,
-                      target_kv_bytes_per_row=b.target_kv_bytes_per_row, draft_kv_bytes_per_row=b.draft_kv_bytes_per_row,
-                      expert_bytes=experts.predict(shape.verify_rows))
+                      target_kv_bytes_per_row=b.target_kv_bytes_per_row,
+                      draft_kv_bytes_per_row=b.draft_kv_bytes_per_row, expert_bytes=experts.predict(shape.verify_rows))
 
 
 def _experts_fit(experts: ExpertTraffic, rows: int, b: Budgets) -> bool:
