@@ -154,19 +154,17 @@ class TreeWorkPolicy:
         if not batch:
             return Plan({}, (), 0.0, 0.0)
         level = {c.request_id: 0 for c in batch}  # index into self.shapes
-        by_id = {c.request_id: c for c in batch}
         draft_ms = draft.predict if draft is not None else (lambda depth, rows=0: 0.0)
 
-        def tokens(c: Candidate, shape: TreeShape) -> float:
-            return 1.0 + c.acceptance.expected(shape.depth_cap)
+        # per request and shape index, computed once: expected tokens, KV bytes, drafter rows
+        n_shapes = len(self.shapes)
+        tok = {c.request_id: [1.0 + c.acceptance.expected(s.depth_cap) for s in self.shapes] for c in batch}
+        kvb = {c.request_id: [_work(c, s, b).kv_bytes for s in self.shapes] for c in batch}
+        drw = {c.request_id: [s.drafter_rows(c.draft_backlog) for s in self.shapes] for c in batch}
+        vrows = [s.verify_rows for s in self.shapes]
+        caps = [s.depth_cap for s in self.shapes]
 
-        def kv_of(c: Candidate, i: int) -> int:
-            return _work(c, self.shapes[i], b).kv_bytes
-
-        def drafted_rows(c: Candidate, i: int) -> int:
-            return self.shapes[i].drafter_rows(c.draft_backlog)
-
-        total_tokens = sum(tokens(c, PLAIN) for c in batch)
+        total_tokens = sum(tok[c.request_id][0] for c in batch)
         depth = 0                                       # the deepest tree in the batch (0: nobody drafts)
         drows = 0                                       # draft rows of the batch's trees, all together
         best_j = total_tokens / (curve.predict(rows) + draft_ms(depth, drows))
@@ -175,22 +173,18 @@ class TreeWorkPolicy:
             # drafting cost is paid once, so one request alone may not pay for it where all do);
             # each move as (new levels, d_tokens, d_rows, d_kv, new depth, d_draft_rows)
             moves = []
-            for c in batch:
-                cur = level[c.request_id]
-                for nxt in range(cur + 1, len(self.shapes)):
-                    moves.append(({c.request_id: nxt}, tokens(c, self.shapes[nxt]) - tokens(c, self.shapes[cur]),
-                                  self.shapes[nxt].verify_rows - self.shapes[cur].verify_rows,
-                                  kv_of(c, nxt) - kv_of(c, cur), max(depth, self.shapes[nxt].depth_cap),
-                                  drafted_rows(c, nxt) - drafted_rows(c, cur)))
-            for k in range(1, len(self.shapes)):
+            for rid, cur in level.items():
+                t, kvr, dr = tok[rid], kvb[rid], drw[rid]
+                for nxt in range(cur + 1, n_shapes):
+                    moves.append(({rid: nxt}, t[nxt] - t[cur], vrows[nxt] - vrows[cur], kvr[nxt] - kvr[cur],
+                                  max(depth, caps[nxt]), dr[nxt] - dr[cur]))
+            for k in range(1, n_shapes):
                 up = {rid: k for rid, i in level.items() if i < k}
                 if len(up) > 1:
-                    moves.append((up, sum(tokens(by_id[r], self.shapes[k]) - tokens(by_id[r], self.shapes[level[r]])
-                                          for r in up),
-                                  sum(self.shapes[k].verify_rows - self.shapes[level[r]].verify_rows for r in up),
-                                  sum(kv_of(by_id[r], k) - kv_of(by_id[r], level[r]) for r in up),
-                                  max(depth, self.shapes[k].depth_cap),
-                                  sum(drafted_rows(by_id[r], k) - drafted_rows(by_id[r], level[r]) for r in up)))
+                    moves.append((up, sum(tok[r][k] - tok[r][level[r]] for r in up),
+                                  sum(vrows[k] - vrows[level[r]] for r in up),
+                                  sum(kvb[r][k] - kvb[r][level[r]] for r in up), max(depth, caps[k]),
+                                  sum(drw[r][k] - drw[r][level[r]] for r in up)))
             best = None
             for up, d_tok, d_rows, d_kv, new_depth, d_drows in moves:
                 if rows + d_rows > b.max_verify_rows or kv + d_kv > b.max_kv_bytes \
