@@ -13,6 +13,11 @@ import pytest
 
 from eyas.cluster.experiment import free_port
 
+# Serve's proxy must answer its readiness check within 5 s by default; on a loaded 2-core machine (a
+# training job beside the tests) it may not, and Serve then kills and restarts it forever. Ray's own
+# knob, read by the controller and proxies this process's local Ray starts (they inherit the env).
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+
 # The fixed-tree scheduler drafts every round, so the drafter's paths (proposals over a Serve handle,
 # a killed replica, reseeds) run in every request. The tree-work policy may rightly stop drafting once
 # it has measured that drafting does not pay on this CPU; it is covered in-process
