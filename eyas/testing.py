@@ -76,6 +76,25 @@ def tiny_hf_olmoe(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int
     return model
 
 
+def tiny_hf_mistral(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    seed: int = 0, init_std: float = 0.2, sliding_window: int | None = 8):
+    """A random-weight HF MistralForCausalLM whose attention window is ``sliding_window`` tokens."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=init_std,
+                        sliding_window=sliding_window, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg.rope_theta = 10000.0
+    model = MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
 def tiny_hf_qwen2(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                   seed: int = 0, init_std: float = 0.2, tie: bool = False):
     """A random-weight HF Qwen2ForCausalLM (dense; q/k/v projections carry biases, o_proj none)."""

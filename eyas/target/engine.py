@@ -87,9 +87,11 @@ class TargetEngine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
         slots = len(prompt_ids) + max_new_tokens + max_tree_rows + 1
-        if slots > self.cfg.max_position_embeddings:
+        if slots > self.cfg.max_context:
+            window = (", the checkpoint's sliding window" if self.cfg.max_context < self.cfg.max_position_embeddings
+                      else "")
             raise ValueError(f"max_new_tokens: prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) "
-                             f"+ tree rows exceed the context ({self.cfg.max_position_embeddings})")
+                             f"+ tree rows exceed the context ({self.cfg.max_context}{window})")
         self.sessions[request_id] = TargetSession(request_id, self.model.allocate_cache(1, slots), len(prompt_ids),
                                                   tokens=list(prompt_ids))
 

@@ -50,6 +50,7 @@ class TargetConfig:
     moe_intermediate_size: int | None = None  # routed experts' width when set (Qwen2-MoE); else intermediate_size
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE shared expert (a gated dense MLP in every MoE layer); 0 = none
     dense_layers: tuple[int, ...] = ()  # in an MoE config, layers with a dense MLP of intermediate_size (Qwen2-MoE)
+    sliding_window: int | None = None   # attention window of the checkpoint (Mistral, Mixtral, Qwen2); None = full
 
     @classmethod
     def from_hf(cls, hf_config) -> "TargetConfig":
@@ -60,9 +61,9 @@ class TargetConfig:
         if model_type not in ("llama", "mistral", "qwen2", "mixtral", "olmoe", "qwen2_moe"):
             raise ValueError(f"config.model_type: {model_type!r} is not a Llama-family decoder" + (
                 " (MoE: the Mixtral, OLMoE and Qwen2-MoE kinds only yet)" if "moe" in model_type else ""))
-        qwen = model_type in ("qwen2", "qwen2_moe")
-        if qwen and cfg.get("use_sliding_window"):
-            raise ValueError("config.use_sliding_window: sliding-window attention is not supported yet")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"config.hidden_act: {act!r} is not supported (the SwiGLU MLP uses silu)")
         experts = {"mixtral": cfg.get("num_local_experts", 0),
                    "olmoe": cfg.get("num_experts") or cfg.get("num_local_experts", 0),
                    "qwen2_moe": cfg.get("num_experts", 0)}.get(model_type, 0)
@@ -101,6 +102,7 @@ class TargetConfig:
             moe_intermediate_size=int(cfg["moe_intermediate_size"]) if qwen_moe else None,
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if qwen_moe else 0,
             dense_layers=_qwen2_moe_dense_layers(cfg) if qwen_moe else (),
+            sliding_window=_sliding_window(cfg, model_type),
         )
 
     def digest(self) -> str:
@@ -113,10 +115,23 @@ class TargetConfig:
             fields.pop("num_experts"), fields.pop("experts_per_token")
         for name, default in (("norm_topk_prob", True), ("qk_norm", False), ("clip_qkv", None),  # pre-OLMoE
                               ("qkv_bias", False), ("moe_intermediate_size", None),              # pre-Qwen2
-                              ("shared_expert_intermediate_size", 0), ("dense_layers", ())):
+                              ("shared_expert_intermediate_size", 0), ("dense_layers", ()),
+                              ("sliding_window", None)):
             if fields[name] == default:
                 fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def max_context(self) -> int:
+        """Tokens a session may hold: ``max_position_embeddings``, capped at ``sliding_window``.
+
+        Eyas's attention is full causal. A sliding-window checkpoint lets query i see key j only while
+        ``i - j < sliding_window``; over a context of at most ``sliding_window`` tokens every such pair
+        holds, so the two forwards are the same computation. Capping the context there keeps every
+        output exact instead of silently diverging past the window (a windowed KV cache: not yet)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -132,6 +147,28 @@ class TargetConfig:
         """fp32 bytes of one routed expert's weights (gate, up, down); a shared expert is read by every
         row, like the dense weights, and is not counted."""
         return 3 * self.hidden_size * self.expert_intermediate_size * 4 if self.num_experts else 0
+
+
+def _sliding_window(cfg: dict, model_type: str) -> int | None:
+    """The checkpoint's attention window, or None when every layer attends to the full context.
+
+    Mistral and Mixtral window every layer when ``sliding_window`` is set; Qwen2 and Qwen2-MoE only
+    under ``use_sliding_window`` (some of their layers, by ``max_window_layers``; capping the context
+    at the window is exact for all of them alike). transformers 5 also lists ``layer_types``; a list
+    without ``"sliding_attention"`` means no window."""
+    if model_type not in ("mistral", "mixtral", "qwen2", "qwen2_moe"):
+        return None
+    if model_type.startswith("qwen2") and not cfg.get("use_sliding_window"):
+        return None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.sliding_window: must be a positive integer or null, got {window!r}")
+    return window
 
 
 def _qwen2_moe_dense_layers(cfg: dict) -> tuple[int, ...]:

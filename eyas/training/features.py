@@ -76,6 +76,10 @@ class FeatureCache:
         from safetensors.torch import save_file
 
         assert not any(p.requires_grad for p in model.parameters()), "the target must be frozen"
+        longest = max((len(s.input_ids) for s in samples), default=0)
+        if longest > model.cfg.max_context:  # past a sliding window the full-causal forward is not the target's
+            raise ValueError(f"data.max_len: a sample holds {longest} tokens, beyond the target's context "
+                             f"({model.cfg.max_context}); lower data.max_len")
         self.folder.mkdir(parents=True, exist_ok=True)
         if self.manifest_path.exists():
             manifest = self.check(fingerprint, taps)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.testing import ours_from_hf, tiny_hf_llama, tiny_hf_qwen2
+from eyas.testing import ours_from_hf, tiny_hf_llama, tiny_hf_mistral, tiny_hf_qwen2
 from eyas.target.model import (FeatureTap, TargetConfig, TargetModel, eagle1_feature_address, eagle3_feature_address,
                                quantize_int8)
 
@@ -185,6 +185,52 @@ def test_config_rejects_unsupported_rope():
         TargetConfig.from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
                               "num_attention_heads": 2, "intermediate_size": 8,
                               "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
+def test_a_sliding_window_caps_the_context():
+    """Mistral with an 8-token window. Worked example: within 8 tokens every query sees every earlier key,
+    so our full-causal forward equals HF's windowed one; at 12 tokens HF's rows 8-11 lose their oldest keys
+    and differ. So the context is capped at the window (``max_context`` 8) and a session that would pass
+    it is refused, naming the field, before any KV is allocated."""
+    from eyas.target.engine import TargetEngine
+
+    hf = tiny_hf_mistral(sliding_window=8)
+    ours = ours_from_hf(hf)
+    assert (ours.cfg.sliding_window, ours.cfg.max_position_embeddings, ours.cfg.max_context) == (8, 256, 8)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits                                               # [1, 12, V]
+    out = full_forward(ours, ids[0].tolist()).logits                       # [1, 12, V]
+    assert (out[:, :8] - ref[:, :8]).abs().max().item() < TOL
+    assert (out[:, 8:] - ref[:, 8:]).abs().amax(-1).min().item() > 100 * TOL
+    engine = TargetEngine(ours, ())
+    engine.open_session("fits", [1, 2, 3], max_new_tokens=2, max_tree_rows=2)   # 3 + 2 + 2 + 1 = 8 slots
+    with pytest.raises(ValueError, match=r"^max_new_tokens: .*context \(8, the checkpoint's sliding window\)"):
+        engine.open_session("long", [1, 2, 3], max_new_tokens=3, max_tree_rows=2)
+    assert set(engine.sessions) == {"fits"}
+    unwindowed = TargetConfig.from_hf(tiny_hf_mistral(sliding_window=None).config)
+    assert unwindowed.sliding_window is None and unwindowed.max_context == 256
+    assert unwindowed.digest() == TargetConfig.from_hf({**hf.config.to_dict(), "sliding_window": None}).digest()
+    assert ours.cfg.digest() != unwindowed.digest()
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("sliding_window", 0, "^config.sliding_window: must be a positive integer"),
+    ("sliding_window", 4.5, "^config.sliding_window"),
+    ("hidden_act", "gelu", "^config.hidden_act: 'gelu'"),
+])
+def test_config_refuses_what_the_forward_cannot_run(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        TargetConfig.from_hf({**tiny_hf_mistral().config.to_dict(), field: value})
+
+
+def test_qwen2_window_only_under_use_sliding_window():
+    raw = tiny_hf_qwen2().config.to_dict()
+    assert TargetConfig.from_hf({**raw, "sliding_window": 8}).sliding_window is None
+    assert TargetConfig.from_hf({**raw, "use_sliding_window": True, "sliding_window": 8,
+                                 "layer_types": None}).max_context == 8
+    assert TargetConfig.from_hf({**raw, "use_sliding_window": True, "sliding_window": 8,
+                                 "layer_types": ["full_attention"] * 2}).sliding_window is None
 
 
 @pytest.mark.real_model

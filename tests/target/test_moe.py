@@ -91,7 +91,8 @@ def test_a_dense_config_keeps_its_fingerprint_digest(tiny_target):
 
     legacy = {k: v for k, v in asdict(tiny_target.cfg).items()   # the fields before MoE, OLMoE and Qwen2 support
               if k not in ("num_experts", "experts_per_token", "norm_topk_prob", "qk_norm", "clip_qkv", "qkv_bias",
-                           "moe_intermediate_size", "shared_expert_intermediate_size", "dense_layers")}
+                           "moe_intermediate_size", "shared_expert_intermediate_size", "dense_layers",
+                           "sliding_window")}
     assert tiny_target.cfg.digest() == hashlib.sha256(json.dumps(legacy, sort_keys=True).encode()).hexdigest()
 
 
@@ -121,8 +122,9 @@ def test_a_qwen2_moe_config_reads_its_own_knobs():
     assert stepped.dense_layers == (0, 2, 3, 4) and stepped.is_moe_layer(1) and not stepped.is_moe_layer(3)
     assert TargetConfig.from_hf({k: v for k, v in raw.items() if k != "norm_topk_prob"}).norm_topk_prob is False
     assert cfg.digest() != TargetConfig.from_hf({**raw, "mlp_only_layers": []}).digest()
-    with pytest.raises(ValueError, match="^config.use_sliding_window"):
-        TargetConfig.from_hf({**raw, "use_sliding_window": True})
+    assert cfg.sliding_window is None  # Qwen2-MoE's default window (0) is off under use_sliding_window false
+    windowed = TargetConfig.from_hf({**raw, "use_sliding_window": True, "sliding_window": 16, "layer_types": None})
+    assert windowed.max_context == 16
 
 
 def test_an_olmoe_config_reads_its_own_knobs():
