@@ -149,17 +149,13 @@ def cmd_serve(args) -> int:
     import signal
     import time
 
-    import yaml
-
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local: `serve status/deploy` need no token
     from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app, parse_config
+    from eyas.cluster.experiment import load_serve_config
 
-    app_args = {}
-    if args.config:
-        doc = yaml.safe_load(open(args.config))
-        apps = [a for a in (doc.get("applications") or []) if a.get("name", "eyas") == "eyas"]
-        app_args = dict(apps[0].get("args") or {}) if apps else {}
-    parse_config(app_args)  # a bad config fails here, naming the field
+    # A file without an `eyas` application is an error, not a silent fall-back to the defaults.
+    app_args = load_serve_config(args.config) if args.config else {}
+    parse_config(app_args)  # a bad config fails here, naming the field, before Ray starts
     import ray
     from ray import serve
 

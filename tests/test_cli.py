@@ -37,6 +37,28 @@ def test_bad_training_config_names_the_field(tmp_path, capsys):
     assert "config.ttt_steps" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, message", [
+    ("applications: [{name: other, args: {}}]", "applications: no application named 'eyas'"),
+    ("applications: {eyas: 1}", "applications: must be a list of mappings"),
+    ("- just\n- a list", "a Serve config is a mapping"),
+    ("applications: [{name: eyas, args: [1]}]", "applications[eyas].args: must be a mapping"),
+    ("applications: [{name: eyas, args: {target_replicas: 0}}]", "target_replicas"),
+    ("applications: [{name: eyas, args: {nonsense_key: 1}}]", "nonsense_key"),
+    ("applications: [name: eyas", "not valid YAML"),
+])
+def test_serve_refuses_a_bad_config_before_starting_ray(tmp_path, capsys, text, message):
+    """`eyas serve --config` fails with exit code 2 and a message naming the field; before this, a file
+    whose application was not named `eyas` silently served the defaults. No Ray is started (a started
+    one would block here)."""
+    import ray
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(text + "\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    assert message in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
 @pytest.mark.real_model
 def test_generate_json_and_out_of_vocabulary_ids(capsys, real_eyas):
     assert main(["generate", "--prompt", "Say hi.", "--method", "target", "--max-new-tokens", "4", "--json"]) == 0

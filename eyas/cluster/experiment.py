@@ -413,11 +413,27 @@ def _references(target: str, schedule: list[Arrival]) -> dict[tuple[str, int], l
 
 
 def load_serve_config(path: str | Path, app: str = "eyas") -> dict:
-    doc = yaml.safe_load(Path(path).read_text())
-    apps = [a for a in (doc.get("applications") or []) if a.get("name", "eyas") == app]
+    """The ``args`` of application ``app`` in a Serve config file (``ray_configs/serve.yaml``'s shape).
+
+    Every way the file can be wrong is a ValueError naming the file and the field: unreadable YAML,
+    a document that is not a mapping, ``applications`` not a list, no application named ``app``,
+    ``args`` not a mapping. (The args themselves are checked by ``eyas.cluster.app.parse_config``.)"""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML ({err})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a Serve config is a mapping with an `applications` list, got {type(doc).__name__}")
+    apps = doc.get("applications") or []
+    if not isinstance(apps, list) or not all(isinstance(a, dict) for a in apps):
+        raise ValueError(f"{path}: applications: must be a list of mappings")
+    apps = [a for a in apps if a.get("name", "eyas") == app]
     if not apps:
         raise ValueError(f"{path}: applications: no application named {app!r}")
-    return dict(apps[0].get("args") or {})
+    args = apps[0].get("args") or {}
+    if not isinstance(args, dict):
+        raise ValueError(f"{path}: applications[{app}].args: must be a mapping, got {type(args).__name__}")
+    return dict(args)
 
 
 def run_autoscale(workload: Workload, out_dir: str | Path, *, serve_config: str | Path | None = None,
