@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import load_prompts  # noqa: E402
 
 from eyas.cluster.batcher import BatchRunner  # noqa: E402
+from eyas.cluster.sim import percentile  # noqa: E402
 from eyas.runtime import Eyas, set_threads  # noqa: E402
 from eyas.scheduler.latency import DraftCost, LatencyCurve  # noqa: E402
 from eyas.actors.target_worker import TargetWorker  # noqa: E402
@@ -103,8 +104,7 @@ def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], ma
     logs = runner.log
     return {"policy": policy, "concurrency": concurrency, "requests": len(fin), "wall_s": wall, "tokens": tokens,
             "throughput": tokens / wall, "per_token_ms": per_tok, "lengths": [len(f.token_ids) for f in fin],
-            "per_token_p50_ms": statistics.median(per_tok), "per_token_p99_ms": sorted(per_tok)[
-                min(len(per_tok) - 1, round(0.99 * (len(per_tok) - 1)))],
+            "per_token_p50_ms": percentile(per_tok, 50), "per_token_p99_ms": percentile(per_tok, 99),
             "rounds": len(logs), "mean_batch": statistics.fmean(r.batch for r in logs),
             "mean_verify_rows": statistics.fmean(r.verify_rows for r in logs),
             "speculative_rounds": sum(f.speculative_rounds for f in fin), "curve_end": runner.curve.to_dict(),

@@ -39,17 +39,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import load_prompts  # noqa: E402
+from eyas.cluster.sim import percentile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("target", "eagle3")
 HTTP_PORT = 8765  # Serve's HTTP proxy (unused here; the clients speak gRPC on a free port)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
 def one_request(address: str, prompt: str, method: str, max_new_tokens: int) -> dict:

@@ -52,6 +52,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
+
 MS_PER_S = 1000.0
 S_PER_HOUR = 3600.0
 ROUTER_SLACK = 4  # rebuild the router heap when it holds this many entries per active replica
@@ -369,13 +371,9 @@ class SimResult:
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) with linear interpolation between order statistics
     (numpy's default); NaN for no values. E.g. ``percentile([1, 2, 3, 4], 50) == 2.5``."""
-    if not values:
+    if len(values) == 0:
         return math.nan
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
 
 
 # --------------------------------------------------------------------------------------- internals
