@@ -16,10 +16,21 @@ def tiny_hf_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int
                       eos_token_id=None, bos_token_id=None, pad_token_id=None)
     cfg.rope_theta = 10000.0
     model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # make the norms non-trivial too
+    return _spread(model, init_std)
+
+
+def _spread(model, init_std: float, normal_names: tuple[str, ...] = (), bias_std: float | None = None):
+    """Make a fresh HF model's weights non-trivial, in ``named_parameters`` order (so a seed gives the
+    same weights as ever): norm weights uniform in [0.5, 1.5]; with ``bias_std``, biases N(0, bias_std);
+    parameters whose name contains one of ``normal_names``, N(0, init_std)."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif bias_std is not None and name.endswith(".bias"):
+                p.normal_(0, bias_std)
+            elif any(key in name for key in normal_names):
+                p.normal_(0, init_std)
     return model
 
 
@@ -45,13 +56,8 @@ def tiny_hf_mixtral(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: i
                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
     cfg.rope_theta = 10000.0
     model = MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "experts" in name:  # fused expert tensors are not touched by init_std in every version
-                p.normal_(0, init_std)
-    return model
+    # fused expert tensors are not touched by init_std in every version
+    return _spread(model, init_std, normal_names=("experts",))
 
 
 def tiny_hf_olmoe(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -67,13 +73,8 @@ def tiny_hf_olmoe(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int
                       rms_norm_eps=1e-5, initializer_range=init_std, tie_word_embeddings=False,
                       eos_token_id=None, bos_token_id=None, pad_token_id=None)
     model = OlmoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "experts" in name or "gate" in name:  # fused experts and the router start at zero/untouched
-                p.normal_(0, init_std)
-    return model
+    # fused experts and the router start at zero/untouched
+    return _spread(model, init_std, normal_names=("experts", "gate"))
 
 
 def tiny_hf_mistral(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -88,11 +89,7 @@ def tiny_hf_mistral(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: i
                         sliding_window=sliding_window, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     cfg.rope_theta = 10000.0
     model = MistralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return model
+    return _spread(model, init_std)
 
 
 def tiny_hf_qwen2(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -107,13 +104,8 @@ def tiny_hf_qwen2(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int
                       use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                       eos_token_id=None, bos_token_id=None, pad_token_id=None)
     model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):  # HF starts biases at zero, which would hide a bias never loaded
-                p.normal_(0, 2 * init_std)
-    return model
+    # HF starts biases at zero, which would hide a bias never loaded
+    return _spread(model, init_std, bias_std=2 * init_std)
 
 
 def tiny_hf_qwen2_moe(vocab: int = 64, hidden: int = 32, layers: int = 3, heads: int = 4, kv_heads: int = 2,
@@ -136,15 +128,8 @@ def tiny_hf_qwen2_moe(vocab: int = 64, hidden: int = 32, layers: int = 3, heads:
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                          eos_token_id=None, bos_token_id=None, pad_token_id=None)
     model = Qwen2MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):  # zero at init
-                p.normal_(0, 2 * init_std)
-            elif "experts" in name or "gate" in name:  # fused experts, router, shared-expert gate: zero/untouched
-                p.normal_(0, init_std)
-    return model
+    # biases start at zero; fused experts, router and shared-expert gate at zero or untouched by init_std
+    return _spread(model, init_std, normal_names=("experts", "gate"), bias_std=2 * init_std)
 
 
 def tiny_eagle1_engine(target):
