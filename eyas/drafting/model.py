@@ -20,7 +20,7 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 
-from eyas.target.model import DecoderLayer, KVCache, RMSNorm, RotaryTable, Segment, TargetConfig
+from eyas.target.model import DecoderLayer, KVCache, RMSNorm, RotaryTable, Segment, TargetConfig, head_rows
 
 METHODS = ("eagle1", "eagle3")
 FULL_VOCAB = 0  # draft_vocab_size value meaning "the target's whole vocabulary"
@@ -148,8 +148,8 @@ class Drafter(nn.Module):
     def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """hidden: [..., d] -> draft logits [..., out_vocab] (draft-vocabulary ids for EAGLE-3)."""
         if self.head is not None:
-            return self.head(self.norm(hidden)).float()
-        return target_lm_head(hidden).float()
+            return head_rows(self.head, self.norm(hidden)).float()
+        return head_rows(target_lm_head, hidden).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[draft_ids] if self.head is not None else draft_ids

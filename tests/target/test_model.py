@@ -6,7 +6,7 @@ import torch
 
 from eyas.testing import ours_from_hf, tiny_hf_llama, tiny_hf_mistral, tiny_hf_qwen2
 from eyas.target.model import (FeatureTap, TargetConfig, TargetModel, eagle1_feature_address, eagle3_feature_address,
-                               quantize_int8)
+                               head_rows, quantize_int8)
 
 TOL = 1e-4
 
@@ -231,6 +231,29 @@ def test_qwen2_window_only_under_use_sliding_window():
                                  "layer_types": None}).max_context == 8
     assert TargetConfig.from_hf({**raw, "use_sliding_window": True, "sliding_window": 8,
                                  "layer_types": ["full_attention"] * 2}).sliding_window is None
+
+
+def test_head_rows_is_the_heads_product():
+    """head_rows computes a bias-free vocabulary head over several rows as (W @ x^T)^T: equal to head(x)
+    up to float rounding, in x's leading shape; one row, autograd and a hooked head (int8 calibration
+    counts the head's inputs through a hook) get head(x) itself, bit for bit."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+    x = torch.randn(2, 7, 16)                                                     # [B, T, d]
+    with torch.inference_mode():
+        out = head_rows(head, x)
+        assert out.shape == (2, 7, 300) and out.is_contiguous()
+        assert torch.allclose(out, head(x), atol=1e-5)
+        assert torch.equal(head_rows(head, x[:1, :1]), head(x[:1, :1]))
+    seen = []
+    hook = head.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+    with torch.inference_mode():
+        head_rows(head, x)
+    hook.remove()
+    assert seen == [(2, 7, 16)]
+    y = head_rows(head, x.requires_grad_())                                       # training: autograd path
+    y.sum().backward()
+    assert head.weight.grad is not None and x.grad is not None
 
 
 @pytest.mark.real_model
