@@ -144,6 +144,9 @@ def cmd_train(args) -> int:
     return 0
 
 
+SERVE_ENDPOINT_DEFAULTS = {"host": "127.0.0.1", "http_port": 8000, "grpc_port": 9000}
+
+
 def cmd_serve(args) -> int:
     import os
     import signal
@@ -151,11 +154,19 @@ def cmd_serve(args) -> int:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local: `serve status/deploy` need no token
     from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app, parse_config
-    from eyas.cluster.experiment import load_serve_config
+    from eyas.cluster.experiment import load_serve_config, load_serve_endpoints
 
     # A file without an `eyas` application is an error, not a silent fall-back to the defaults.
     app_args = load_serve_config(args.config) if args.config else {}
     parse_config(app_args)  # a bad config fails here, naming the field, before Ray starts
+    # addresses: a flag, else the file's http_options / grpc_options, else the defaults
+    endpoints = {**SERVE_ENDPOINT_DEFAULTS, **(load_serve_endpoints(args.config) if args.config else {}),
+                 **{k: v for k, v in (("host", args.host), ("http_port", args.http_port),
+                                      ("grpc_port", args.grpc_port)) if v is not None}}
+    args.host, args.http_port, args.grpc_port = endpoints["host"], endpoints["http_port"], endpoints["grpc_port"]
+    if args.check_config:
+        print(json.dumps({"endpoints": endpoints, "args": app_args}))
+        return 0
     import ray
     from ray import serve
 
@@ -253,9 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--config", help="a Serve config (ray_configs/serve.yaml); its eyas application's args are used")
     s.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
     s.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray (default: all cores)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--grpc-port", type=int, default=9000)
-    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--host", help="HTTP proxy host (default: the config's http_options.host, else 127.0.0.1)")
+    s.add_argument("--grpc-port", type=int, help="gRPC port (default: the config's grpc_options.port, else 9000)")
+    s.add_argument("--http-port", type=int, help="HTTP port (default: the config's http_options.port, else 8000)")
+    s.add_argument("--check-config", action="store_true",
+                   help="validate the config, print the addresses and app args it resolves to as JSON, and exit")
     s.set_defaults(func=cmd_serve)
     st = sub.add_parser("stats", help="telemetry of a running server")
     st.add_argument("--server", default="127.0.0.1:9000")

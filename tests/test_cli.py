@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from eyas.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
 
 JSON_KEYS = {"method", "token_ids", "text", "new_tokens", "target_forwards", "accept_length_mean", "wall_s",
              "tokens_per_s"}
@@ -56,6 +59,31 @@ def test_serve_refuses_a_bad_config_before_starting_ray(tmp_path, capsys, text, 
     cfg.write_text(text + "\n")
     assert main(["serve", "--config", str(cfg)]) == 2
     assert message in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_serve_takes_its_addresses_from_the_config_unless_a_flag_says_otherwise(tmp_path, capsys):
+    """--check-config prints what `eyas serve` would start: the shipped ray_configs/serve.yaml's ports
+    (gRPC 9000, HTTP 8000 on 127.0.0.1); a file's own ports; a flag over the file; defaults without one."""
+    import ray
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("http_options: {host: 0.0.0.0, port: 8123}\ngrpc_options: {port: 9123}\n"
+                   "applications: [{name: eyas, args: {target_replicas: 2}}]\n")
+
+    def check(*argv):
+        assert main(["serve", "--check-config", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert check("--config", str(cfg)) == {"endpoints": {"host": "0.0.0.0", "http_port": 8123, "grpc_port": 9123},
+                                           "args": {"target_replicas": 2}}
+    assert check("--config", str(cfg), "--grpc-port", "7000")["endpoints"]["grpc_port"] == 7000
+    assert check()["endpoints"] == {"host": "127.0.0.1", "http_port": 8000, "grpc_port": 9000}
+    assert check("--config", str(REPO / "ray_configs" / "serve.yaml"))["endpoints"] == {"host": "127.0.0.1", "http_port": 8000,
+                                                                       "grpc_port": 9000}
+    cfg.write_text("grpc_options: {port: 70000}\napplications: [{name: eyas}]\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    assert "grpc_options.port: must be a port number" in capsys.readouterr().err
     assert not ray.is_initialized()
 
 

@@ -412,18 +412,42 @@ def _references(target: str, schedule: list[Arrival]) -> dict[tuple[str, int], l
             for k in keys}
 
 
-def load_serve_config(path: str | Path, app: str = "eyas") -> dict:
-    """The ``args`` of application ``app`` in a Serve config file (``ray_configs/serve.yaml``'s shape).
-
-    Every way the file can be wrong is a ValueError naming the file and the field: unreadable YAML,
-    a document that is not a mapping, ``applications`` not a list, no application named ``app``,
-    ``args`` not a mapping. (The args themselves are checked by ``eyas.cluster.app.parse_config``.)"""
+def _read_serve_doc(path: str | Path) -> dict:
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML ({err})") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: a Serve config is a mapping with an `applications` list, got {type(doc).__name__}")
+    return doc
+
+
+def load_serve_endpoints(path: str | Path) -> dict:
+    """The proxies' addresses a Serve config file sets: ``{"host", "http_port", "grpc_port"}``, each
+    only where the file gives it (``http_options.host``/``.port``, ``grpc_options.port``); a port that
+    is not an integer in [1, 65535] is a ValueError naming the field."""
+    doc, found = _read_serve_doc(path), {}
+    for section, key, name in (("http_options", "host", "host"), ("http_options", "port", "http_port"),
+                               ("grpc_options", "port", "grpc_port")):
+        options = doc.get(section) or {}
+        if not isinstance(options, dict):
+            raise ValueError(f"{path}: {section}: must be a mapping")
+        if options.get(key) is None:
+            continue
+        value = options[key]
+        if name != "host" and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535):
+            raise ValueError(f"{path}: {section}.{key}: must be a port number in [1, 65535], got {value!r}")
+        found[name] = value
+    return found
+
+
+def load_serve_config(path: str | Path, app: str = "eyas") -> dict:
+    """The ``args`` of application ``app`` in a Serve config file (``ray_configs/serve.yaml``'s shape).
+
+    Every way the file can be wrong is a ValueError naming the file and the field: unreadable YAML,
+    a document that is not a mapping, ``applications`` not a list, no application named ``app``,
+    ``args`` not a mapping. (The args themselves are checked by ``eyas.cluster.app.parse_config``.)"""
+    doc = _read_serve_doc(path)
     apps = doc.get("applications") or []
     if not isinstance(apps, list) or not all(isinstance(a, dict) for a in apps):
         raise ValueError(f"{path}: applications: must be a list of mappings")
