@@ -154,29 +154,28 @@ def cmd_serve(args) -> int:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local: `serve status/deploy` need no token
     from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app, parse_config
-    from eyas.cluster.experiment import load_serve_config, load_serve_endpoints
+    from eyas.cluster.experiment import load_serve_file
 
     # A file without an `eyas` application is an error, not a silent fall-back to the defaults.
-    app_args = load_serve_config(args.config) if args.config else {}
+    app_args, file_endpoints = load_serve_file(args.config) if args.config else ({}, {})
     parse_config(app_args)  # a bad config fails here, naming the field, before Ray starts
+    flags = {"host": args.host, "http_port": args.http_port, "grpc_port": args.grpc_port}
     # addresses: a flag, else the file's http_options / grpc_options, else the defaults
-    endpoints = {**SERVE_ENDPOINT_DEFAULTS, **(load_serve_endpoints(args.config) if args.config else {}),
-                 **{k: v for k, v in (("host", args.host), ("http_port", args.http_port),
-                                      ("grpc_port", args.grpc_port)) if v is not None}}
-    args.host, args.http_port, args.grpc_port = endpoints["host"], endpoints["http_port"], endpoints["grpc_port"]
+    endpoints = {**SERVE_ENDPOINT_DEFAULTS, **file_endpoints, **{k: v for k, v in flags.items() if v is not None}}
     if args.check_config:
         print(json.dumps({"endpoints": endpoints, "args": app_args}))
         return 0
     import ray
     from ray import serve
 
+    host, http_port, grpc_port = endpoints["host"], endpoints["http_port"], endpoints["grpc_port"]
     ray.init(address=args.address, include_dashboard=False,
              **({"num_cpus": args.num_cpus} if args.num_cpus and not args.address else {}))
-    serve.start(http_options={"host": args.host, "port": args.http_port},
-                grpc_options={"port": args.grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+    serve.start(http_options={"host": host, "port": http_port},
+                grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
     serve.run(build_app(app_args), name="eyas", route_prefix="/")
-    print(f"eyas serving: gRPC {args.host}:{args.grpc_port} (eyas.v1.Eyas), HTTP http://{args.host}:{args.http_port}/"
-          f"  -- try: eyas generate --server 127.0.0.1:{args.grpc_port} --prompt 'Hello'", flush=True)
+    print(f"eyas serving: gRPC {host}:{grpc_port} (eyas.v1.Eyas), HTTP http://{host}:{http_port}/"
+          f"  -- try: eyas generate --server 127.0.0.1:{grpc_port} --prompt 'Hello'", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:

@@ -79,8 +79,8 @@ def test_serve_takes_its_addresses_from_the_config_unless_a_flag_says_otherwise(
                                            "args": {"target_replicas": 2}}
     assert check("--config", str(cfg), "--grpc-port", "7000")["endpoints"]["grpc_port"] == 7000
     assert check()["endpoints"] == {"host": "127.0.0.1", "http_port": 8000, "grpc_port": 9000}
-    assert check("--config", str(REPO / "ray_configs" / "serve.yaml"))["endpoints"] == {"host": "127.0.0.1", "http_port": 8000,
-                                                                       "grpc_port": 9000}
+    shipped = check("--config", str(REPO / "ray_configs" / "serve.yaml"))
+    assert shipped["endpoints"] == {"host": "127.0.0.1", "http_port": 8000, "grpc_port": 9000}
     cfg.write_text("grpc_options: {port: 70000}\napplications: [{name: eyas}]\n")
     assert main(["serve", "--config", str(cfg)]) == 2
     assert "grpc_options.port: must be a port number" in capsys.readouterr().err

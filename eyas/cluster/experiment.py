@@ -422,11 +422,40 @@ def _read_serve_doc(path: str | Path) -> dict:
     return doc
 
 
-def load_serve_endpoints(path: str | Path) -> dict:
-    """The proxies' addresses a Serve config file sets: ``{"host", "http_port", "grpc_port"}``, each
-    only where the file gives it (``http_options.host``/``.port``, ``grpc_options.port``); a port that
-    is not an integer in [1, 65535] is a ValueError naming the field."""
-    doc, found = _read_serve_doc(path), {}
+def load_serve_config(path: str | Path, app: str = "eyas") -> dict:
+    """The ``args`` of application ``app`` in a Serve config file (``ray_configs/serve.yaml``'s shape);
+    see :func:`load_serve_file`."""
+    return _serve_app_args(_read_serve_doc(path), path, app)
+
+
+def load_serve_file(path: str | Path, app: str = "eyas") -> tuple[dict, dict]:
+    """Read a Serve config file once -> (``args`` of application ``app``, the proxies' addresses it sets).
+
+    The addresses are ``{"host", "http_port", "grpc_port"}``, each only where the file gives it
+    (``http_options.host``/``.port``, ``grpc_options.port``). Every way the file can be wrong is a
+    ValueError naming the file and the field: unreadable YAML, a document that is not a mapping,
+    ``applications`` not a list, no application named ``app``, ``args`` not a mapping, an options
+    section not a mapping, a port not an integer in [1, 65535]. (The args themselves are checked by
+    ``eyas.cluster.app.parse_config``.)"""
+    doc = _read_serve_doc(path)
+    return _serve_app_args(doc, path, app), _serve_endpoints(doc, path)
+
+
+def _serve_app_args(doc: dict, path: str | Path, app: str) -> dict:
+    apps = doc.get("applications") or []
+    if not isinstance(apps, list) or not all(isinstance(a, dict) for a in apps):
+        raise ValueError(f"{path}: applications: must be a list of mappings")
+    apps = [a for a in apps if a.get("name", "eyas") == app]
+    if not apps:
+        raise ValueError(f"{path}: applications: no application named {app!r}")
+    args = apps[0].get("args") or {}
+    if not isinstance(args, dict):
+        raise ValueError(f"{path}: applications[{app}].args: must be a mapping, got {type(args).__name__}")
+    return dict(args)
+
+
+def _serve_endpoints(doc: dict, path: str | Path) -> dict:
+    found = {}
     for section, key, name in (("http_options", "host", "host"), ("http_options", "port", "http_port"),
                                ("grpc_options", "port", "grpc_port")):
         options = doc.get(section) or {}
@@ -439,25 +468,6 @@ def load_serve_endpoints(path: str | Path) -> dict:
             raise ValueError(f"{path}: {section}.{key}: must be a port number in [1, 65535], got {value!r}")
         found[name] = value
     return found
-
-
-def load_serve_config(path: str | Path, app: str = "eyas") -> dict:
-    """The ``args`` of application ``app`` in a Serve config file (``ray_configs/serve.yaml``'s shape).
-
-    Every way the file can be wrong is a ValueError naming the file and the field: unreadable YAML,
-    a document that is not a mapping, ``applications`` not a list, no application named ``app``,
-    ``args`` not a mapping. (The args themselves are checked by ``eyas.cluster.app.parse_config``.)"""
-    doc = _read_serve_doc(path)
-    apps = doc.get("applications") or []
-    if not isinstance(apps, list) or not all(isinstance(a, dict) for a in apps):
-        raise ValueError(f"{path}: applications: must be a list of mappings")
-    apps = [a for a in apps if a.get("name", "eyas") == app]
-    if not apps:
-        raise ValueError(f"{path}: applications: no application named {app!r}")
-    args = apps[0].get("args") or {}
-    if not isinstance(args, dict):
-        raise ValueError(f"{path}: applications[{app}].args: must be a mapping, got {type(args).__name__}")
-    return dict(args)
 
 
 def run_autoscale(workload: Workload, out_dir: str | Path, *, serve_config: str | Path | None = None,
