@@ -257,7 +257,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", help='a .jsonl file, one {"prompt": ...} per line (default: MT-bench first turns)')
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "int8"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16w", "int8"])
     p.add_argument("--threads", type=int, help="torch CPU threads (default: EYAS_THREADS or all cores)")
     p.add_argument("--json", help="write every number to this .json file")
     p.add_argument("--plot", help="the plot's .png (default: next to --json, else bench/out/acceptance.png)")

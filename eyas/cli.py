@@ -2,7 +2,7 @@
 
     eyas generate --prompt TEXT [--method target|eagle1|eagle3] [--drafter PATH] [--max-new-tokens N]
                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--tree-kind dynamic|static|chain]
-                  [--tree-depth D --tree-width W --tree-budget B] [--precision fp32|int8] [--raw] [--json]
+                  [--tree-depth D --tree-width W --tree-budget B] [--precision fp32|fp16w|int8] [--raw] [--json]
     eyas generate --server HOST:PORT ...   the same flags and --json output, over the Eyas gRPC service
     eyas demo [--prompt TEXT]     speculative vs target-only on the default model, with the speedup
     eyas serve [--config ray_configs/serve.yaml] [--grpc-port 9000] [--http-port 8000]
@@ -36,7 +36,7 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-depth", type=int)
     p.add_argument("--tree-width", type=int)
     p.add_argument("--tree-budget", type=int)
-    p.add_argument("--precision", default="fp32", help="served precision of the target: fp32 | int8")
+    p.add_argument("--precision", default="fp32", help="served precision of the target: fp32 | fp16w (fp16 weights, fp32 compute) | int8")
     p.add_argument("--target", default="smollm2-135m", help="smollm2-135m, a .gguf file, or an HF checkpoint dir")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
 

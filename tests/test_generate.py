@@ -11,7 +11,8 @@ from eyas.generate import generate
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import DraftTree
 from eyas.target.engine import TargetEngine
-from eyas.target.model import eagle1_feature_address, eagle3_feature_address, quantize_int8
+from eyas.target.model import (eagle1_feature_address, eagle3_feature_address, quantize_fp16_weights,
+                               quantize_int8)
 from eyas.testing import ours_from_hf, tiny_hf_llama
 from eyas.verification.accept import stochastic_accept
 from eyas.verification.sampling import SamplingParams, sample, target_probs
@@ -102,6 +103,17 @@ def test_greedy_identity_int8_served_precision():
     base = generate(TargetEngine(model, ()), prompt, max_new_tokens=30)
     spec = generate(target, prompt, max_new_tokens=30, drafter=drafter, tree=TreeSpec())
     assert spec.token_ids == base.token_ids
+
+
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+def test_greedy_identity_fp16w_served_precision(method):
+    """fp16w (fp16 weights, fp32 compute) is a served precision: speculative equals target-only at it."""
+    model = quantize_fp16_weights(ours_from_hf(tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=3)))
+    target, drafter = engines(model, method)
+    for prompt in ([3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7, 7, 9, 30, 11]):
+        base = generate(TargetEngine(model, ()), prompt, max_new_tokens=30)
+        for tree in TREES:
+            assert generate(target, prompt, max_new_tokens=30, drafter=drafter, tree=tree).token_ids == base.token_ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,6 +287,28 @@ def test_hass_is_a_method_name_served_by_an_eagle1_architecture_drafter(real_eya
     assert spec.token_ids == base.token_ids and report["drafter"] == handle.source
     with pytest.raises(ValueError, match="^drafter: .* holds a eagle1 drafter, not eagle3"):
         real_eyas.drafter("eagle3", handle.source)
+
+
+@pytest.mark.real_model
+def test_greedy_identity_fp16w_real_model():
+    """At the served fp16w precision (fbgemm fp16 weights, fp32 compute; no row-stable attention,
+    as at fp32), EAGLE-3 and EAGLE-1 speculative greedy output equals fp16w target-only output on two
+    MT-bench first turns, in fewer target forwards. Its drafters draft with fp16 weights too."""
+    from eyas.protocol.schema import parse_request
+    from eyas.runtime import Eyas
+    from eyas.training.data import mtbench_questions
+
+    eyas = Eyas(precision="fp16w")
+    assert eyas.loaded.precision == "fp16w"
+    for method in ("eagle3", "eagle1"):
+        assert not any(isinstance(m, torch.nn.Linear) for m in eyas.drafter(method).engine.drafter.modules())
+    questions = [q["turns"][0] for q in mtbench_questions()]
+    for prompt in (questions[0], questions[3]):
+        base, _ = eyas.generate(parse_request(prompt=prompt, method="target", max_new_tokens=24))
+        for method in ("eagle3", "eagle1"):
+            spec, _ = eyas.generate(parse_request(prompt=prompt, method=method, max_new_tokens=24))
+            assert spec.token_ids == base.token_ids, (prompt, method)
+            assert len(spec.rounds) < len(base.rounds)
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: str = DEFAULT_TARGET
-    precision: Literal["fp32", "int8"] = "fp32"
+    precision: Literal["fp32", "fp16w", "int8"] = "fp32"
     methods: list[Literal["eagle1", "hass", "eagle3"]] = Field(default_factory=lambda: ["eagle3", "eagle1"])
     drafters: dict[str, str] = Field(default_factory=dict)  # method -> drafter folder (default: shipped)
     # replica counts: fixed, unless the kind's autoscaling config is given (then it rules)

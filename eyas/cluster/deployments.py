@@ -240,7 +240,8 @@ class EyasDrafter:
 
         self.cfg = c = parse_config(config)
         self.replica_id = _replica_id()
-        self.worker = DrafterWorker.load(c.target, tuple(c.methods), dict(c.drafters) or None, c.torch_threads)
+        self.worker = DrafterWorker.load(c.target, tuple(c.methods), dict(c.drafters) or None, c.torch_threads,
+                                         c.precision)
         self.worker.measure_costs()   # the targets' schedulers start from this replica's measured draft cost
         self.lock = threading.Lock()
         self.recent: dict[str, tuple[float, int]] = {}  # caller (target replica) -> (time, draft rows of its last round)

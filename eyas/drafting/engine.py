@@ -234,7 +234,7 @@ class _Growth:
 
     def context_rows(self, drafter: Drafter, embed: nn.Embedding):
         n, a = self.s.committed_len, self.seed.features.shape[0]
-        state = drafter.target_state(self.seed.features.to(drafter.fuse.weight.dtype))  # [A, d]
+        state = drafter.target_state(self.seed.features.to(drafter.dtype))  # [A, d]
         mask = torch.cat([torch.ones(a, n, dtype=torch.bool), torch.ones(a, a, dtype=torch.bool).tril()], 1)
         return state, embed(self.seed.advanced_tokens), Segment(self.seed.advanced_tokens, torch.arange(n, n + a),
                                                                 self.s.cache, n, mask if a > 1 else None)

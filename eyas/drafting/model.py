@@ -104,9 +104,14 @@ class Drafter(nn.Module):
         self.t2d.zero_()
         self.t2d[d2t] = True
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The drafter's activation dtype (read from a norm: its Linears may hold packed fp16 weights)."""
+        return self.embed_norm.weight.dtype
+
     def allocate_cache(self, max_slots: int) -> KVCache:
         c = self.cfg
-        w = self.fuse.weight
+        w = self.embed_norm.weight
         return KVCache.allocate(1, 1, c.num_kv_heads, max_slots, c.head_dim, w.dtype, w.device)
 
     def target_state(self, features: torch.Tensor) -> torch.Tensor:

