@@ -5,7 +5,10 @@ What it measures, in ONE run and on the same prompts (all greedy, fp32 unless na
     hf-generate          transformers ``generate``, greedy, with the chat-templated prompt ids
     hf-prompt-lookup     transformers prompt-lookup decoding (``prompt_lookup_num_tokens=10``)
     eyas-target-fp32     Eyas target-only decoding (the baseline of the speculative methods)
-    eyas-target-int8     the same at int8 (``--precision int8|both``)
+    eyas-target-fp16w    the same at fp16w: fp16 weights, fp32 compute (``--precision fp16w|all``)
+    eyas-eagle3-fp16w-chain1  EAGLE-3 at fp16w, one candidate a round (width 1, depth 1)
+    eyas-eagle3-fp16w-tree4   EAGLE-3 at fp16w, a small dynamic tree (width 2, depth 2, budget 4)
+    eyas-target-int8     the same at int8 (``--precision int8|all``)
     eyas-eagle1          EAGLE-1 drafter, EAGLE-2 dynamic tree (the drafter's default TreeSpec)
     eyas-eagle3          EAGLE-3 drafter, EAGLE-2 dynamic tree
     eyas-eagle1-chain4   EAGLE-1 drafter, a chain of depth 4
@@ -94,6 +97,11 @@ def all_methods(precisions: list[str]) -> list[Method]:
     methods = [Method("hf-generate", "hf"),
                Method("hf-prompt-lookup", "hf", hf_kwargs={"prompt_lookup_num_tokens": 10})]
     methods += [Method(f"eyas-target-{p}", "eyas", p, request={"method": "target"}) for p in precisions]
+    if "fp16w" in precisions:  # a flat verify curve to ~5 rows: small trees are the ones that can pay
+        methods += [Method("eyas-eagle3-fp16w-chain1", "eyas", "fp16w",
+                           request={"method": "eagle3", "tree_width": 1, "tree_depth": 1, "tree_budget": 1}),
+                    Method("eyas-eagle3-fp16w-tree4", "eyas", "fp16w",
+                           request={"method": "eagle3", "tree_width": 2, "tree_depth": 2, "tree_budget": 4})]
     methods += [Method("eyas-eagle1", "eyas", request={"method": "eagle1"}),
                 Method("eyas-eagle3", "eyas", request={"method": "eagle3"}),
                 Method("eyas-eagle1-chain4", "eyas", request={"method": "eagle1", "tree_kind": "chain",
@@ -311,8 +319,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", help='a .jsonl file, one {"prompt": ...} per line (default: MT-bench first turns)')
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--precision", default="both", choices=["fp32", "int8", "both"],
-                   help="adds Eyas target-only int8 and its latency curve (fp32 always runs: it is a baseline)")
+    p.add_argument("--precision", default="all", choices=["fp32", "fp16w", "int8", "all"],
+                   help="adds that precision's Eyas methods and latency curve (fp32 always runs: it is a baseline)")
     p.add_argument("--methods", nargs="+", help="a subset of the methods (the two baselines always run)")
     p.add_argument("--out", default="bench/out/decode_speed", help="writes OUT.json and OUT.png")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: EYAS_THREADS or all cores)")
@@ -332,7 +340,9 @@ def load_hf(tokenizer):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    precisions = ["fp32"] if args.precision == "fp32" else ["fp32", "int8"]  # fp32 is always a baseline
+    # fp32 is always a baseline
+    precisions = ["fp32", "fp16w", "int8"] if args.precision == "all" else sorted({"fp32", args.precision},
+                                                                                 key=["fp32", "fp16w", "int8"].index)
     set_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit)
     methods = select_methods(precisions, args.methods)

@@ -1,6 +1,6 @@
 """Scheduler policies under a mixed workload: target-only batching vs prompt-length vs tree-work.
 
-In one process, on the real default target (fp32 unless --precision int8) and the shipped EAGLE-3
+In one process, on the real default target (fp32 unless --precision fp16w|int8) and the shipped EAGLE-3
 drafter, a closed loop keeps C requests in flight (C = 1, 4, 16): whenever one finishes the next is
 submitted. Every round runs ONE batched target forward over the planned requests' rows
 (``TargetEngine.verify_batch``). The workload mixes short and long prompts and chatty (MT-bench
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
                          "(default: 8x the target-only p50 at the lowest concurrency of this run)")
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
                     help="a subset to run (target-only always runs: it is the baseline)")
-    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "fp16w", "int8"])
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json", default=str(RESULTS / "scheduler.json"))
     args = ap.parse_args(argv)

@@ -175,6 +175,8 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: {precision!r} is not one of {PRECISIONS}")
+    if precision != "fp32" and device != "cpu":
+        raise ValueError(f"precision: {precision} (fbgemm kernels) runs on the CPU only, not {device!r}")
     folder = checkpoint_folder(source)
     cfg_dict = json.loads((folder / "config.json").read_text())
     cfg = TargetConfig.from_hf(cfg_dict)
@@ -197,12 +199,8 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     fingerprint = TargetFingerprint(**meta)
     model.to(device)
     if precision == "fp16w":
-        if device != "cpu":
-            raise ValueError("precision: fp16w (fbgemm fp16 weights) runs on the CPU only")
         quantize_fp16_weights(model)
     if precision == "int8":
-        if device != "cpu":
-            raise ValueError("precision: int8 (fbgemm dynamic) runs on the CPU only")
         calib = tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
         quantize_int8(model, calib)
     return LoadedTarget(model, tokenizer, fingerprint, precision, str(source))
