@@ -52,6 +52,7 @@ from decode_speed import WARMUP_NEW_TOKENS, fmt_ratio, load_prompts, trim_after_
 from eyas.drafting.manifest import MANIFEST_FILE, WEIGHTS_FILE, read_manifest  # noqa: E402
 from eyas.protocol.schema import parse_request  # noqa: E402
 from eyas.runtime import REPO_DRAFTERS, Eyas, set_threads  # noqa: E402
+from eyas.target.loader import PRECISIONS  # noqa: E402
 
 TABLE_DEPTHS = 5       # accept@1..5 in the printed table (the JSON holds every depth)
 MARKDOWN_DEPTHS = 3    # accept@1..3 in the Markdown table
@@ -257,7 +258,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", help='a .jsonl file, one {"prompt": ...} per line (default: MT-bench first turns)')
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16w", "int8"])
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: EYAS_THREADS or all cores)")
     p.add_argument("--json", help="write every number to this .json file")
     p.add_argument("--plot", help="the plot's .png (default: next to --json, else bench/out/acceptance.png)")

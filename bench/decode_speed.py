@@ -52,6 +52,7 @@ import torch
 from eyas.protocol.schema import parse_request
 from eyas.runtime import Eyas, set_threads
 from eyas.target.model import eagle3_feature_address
+from eyas.target.loader import PRECISIONS
 from eyas.training.data import mtbench_path
 
 LATENCY_ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -319,7 +320,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", help='a .jsonl file, one {"prompt": ...} per line (default: MT-bench first turns)')
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--precision", default="all", choices=["fp32", "fp16w", "int8", "all"],
+    p.add_argument("--precision", default="all", choices=[*PRECISIONS, "all"],
                    help="adds that precision's Eyas methods and latency curve (fp32 always runs: it is a baseline)")
     p.add_argument("--methods", nargs="+", help="a subset of the methods (the two baselines always run)")
     p.add_argument("--out", default="bench/out/decode_speed", help="writes OUT.json and OUT.png")
@@ -341,8 +342,7 @@ def load_hf(tokenizer):
 def main(argv=None) -> int:
     args = parse_args(argv)
     # fp32 is always a baseline
-    precisions = ["fp32", "fp16w", "int8"] if args.precision == "all" else sorted({"fp32", args.precision},
-                                                                                 key=["fp32", "fp16w", "int8"].index)
+    precisions = [p for p in PRECISIONS if p == "fp32" or args.precision in ("all", p)]
     set_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit)
     methods = select_methods(precisions, args.methods)

@@ -47,6 +47,7 @@ from decode_speed import load_prompts  # noqa: E402
 from eyas.cluster.batcher import BatchRunner  # noqa: E402
 from eyas.cluster.sim import percentile  # noqa: E402
 from eyas.runtime import Eyas, set_threads  # noqa: E402
+from eyas.target.loader import PRECISIONS  # noqa: E402
 from eyas.scheduler.latency import DraftCost, LatencyCurve  # noqa: E402
 from eyas.actors.target_worker import TargetWorker  # noqa: E402
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy  # noqa: E402
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
                          "(default: 8x the target-only p50 at the lowest concurrency of this run)")
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
                     help="a subset to run (target-only always runs: it is the baseline)")
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "fp16w", "int8"])
+    ap.add_argument("--precision", default="fp32", choices=PRECISIONS)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json", default=str(RESULTS / "scheduler.json"))
     args = ap.parse_args(argv)

@@ -20,7 +20,7 @@ from eyas.generate import GenerationResult, generate
 from eyas.protocol.schema import GenerateRequest
 from eyas.target.engine import TargetEngine
 from eyas.target.loader import DEFAULT_TARGET, LoadedTarget, encode_prompt, load_target
-from eyas.target.model import FeatureTap, eagle1_feature_address, eagle3_feature_address, fp16_weight_linears
+from eyas.target.model import FeatureTap, eagle1_feature_address, eagle3_feature_address, quantize_fp16_weights
 from eyas.verification.sampling import SamplingParams
 
 REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
@@ -82,7 +82,7 @@ class Eyas:
             taps = eagle1_feature_address(self.cfg) if arch == "eagle1" else eagle3_feature_address(self.cfg)
             source, default_tree = "random-init", TreeSpec()
         if self.loaded.precision == "fp16w":
-            fp16_weight_linears(drafter)  # drafting precision moves acceptance only, never the output
+            quantize_fp16_weights(drafter)  # drafting precision moves acceptance only, never the output
         handle = DrafterHandle(DrafterEngine(drafter, self.model.embed, self.model.lm_head, int8_head=True,
                                              taps=taps), taps, source, default_tree)
         self._drafters[key] = handle

@@ -34,7 +34,7 @@ from eyas.generate import FINISH_ERROR
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.schema import GenerateRequest
-from eyas.target.loader import DEFAULT_TARGET, encode_prompt, load_tokenizer
+from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, encode_prompt, load_tokenizer
 
 log = logging.getLogger("eyas.serve")
 
@@ -47,7 +47,7 @@ class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: str = DEFAULT_TARGET
-    precision: Literal["fp32", "fp16w", "int8"] = "fp32"
+    precision: Literal[PRECISIONS] = "fp32"
     methods: list[Literal["eagle1", "hass", "eagle3"]] = Field(default_factory=lambda: ["eagle3", "eagle1"])
     drafters: dict[str, str] = Field(default_factory=dict)  # method -> drafter folder (default: shipped)
     # replica counts: fixed, unless the kind's autoscaling config is given (then it rules)

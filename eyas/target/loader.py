@@ -200,7 +200,7 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     model.to(device)
     if precision == "fp16w":
         quantize_fp16_weights(model)
-    if precision == "int8":
+    elif precision == "int8":
         calib = tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
         quantize_int8(model, calib)
     return LoadedTarget(model, tokenizer, fingerprint, precision, str(source))

@@ -680,8 +680,9 @@ class TargetModel(nn.Module):
         return h.hexdigest()
 
 
-def quantize_fp16_weights(model: TargetModel) -> TargetModel:
-    """Served precision ``fp16w``: every Linear (LM head included) keeps its weights in fp16, packed
+def quantize_fp16_weights(module: nn.Module) -> nn.Module:
+    """Served precision ``fp16w``, in place: every ``nn.Linear`` under ``module`` (a target: LM head
+    included; or a drafter: it drafts at fp16w beside such a target) keeps its weights in fp16, packed
     for fbgemm, and computes in fp32 (fp32 activations, fp32 accumulation): ``torch.ao``'s dynamic
     fp16 linear. The embedding, norms, attention and MoE expert stacks stay fp32.
 
@@ -694,14 +695,9 @@ def quantize_fp16_weights(model: TargetModel) -> TargetModel:
     depends on the rows beside it only in the last bits of the fp32 accumulation, as at fp32
     (measured: at most 3e-6 apart), and activations are not rounded to a grid, so, unlike
     ``int8``, no row-stable attention is needed. The model is not fp32's: fp16 rounds 42 % of
-    SmolLM2-135M's weights (at most 0.002 apart).
+    SmolLM2-135M's weights (at most 0.002 apart). Inference only: the new modules hold packed
+    weights, no parameters.
     """
-    return fp16_weight_linears(model)
-
-
-def fp16_weight_linears(module: nn.Module) -> nn.Module:
-    """Every ``nn.Linear`` under ``module`` becomes fbgemm's fp16-weight, fp32-compute linear, in place
-    (inference only: the new modules hold packed weights, no parameters)."""
     from torch.ao.quantization import quantize_dynamic
 
     if "fbgemm" not in torch.backends.quantized.supported_engines:
