@@ -39,6 +39,7 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", help="served precision of the target: fp32 | fp16w (fp16 weights, fp32 compute) | int8")
     p.add_argument("--target", default="smollm2-135m", help="smollm2-135m, a .gguf file, or an HF checkpoint dir")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
+    p.add_argument("--request-id", help="name the request (so that `eyas cancel` can stop it); default: the server names it")
 
 
 def _request(args, method: str | None = None):
@@ -53,7 +54,8 @@ def _request(args, method: str | None = None):
     return parse_request(prompt=args.prompt, prompt_ids=ids, raw=args.raw, method=method or args.method,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          top_k=args.top_k, seed=args.seed, drafter=args.drafter, tree_kind=args.tree_kind,
-                         tree_depth=args.tree_depth, tree_width=args.tree_width, tree_budget=args.tree_budget)
+                         tree_depth=args.tree_depth, tree_width=args.tree_width, tree_budget=args.tree_budget,
+                         request_id=getattr(args, "request_id", None))
 
 
 def cmd_generate(args) -> int:
@@ -196,6 +198,15 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_cancel(args) -> int:
+    from eyas.cluster.client import EyasClient
+
+    with EyasClient(args.server) as client:
+        client.cancel(args.request_id)
+    print(f"cancel sent for {args.request_id!r} (a no-op if it is not running)")
+    return 0
+
+
 def cmd_experiment(args) -> int:
     from eyas.cluster.experiment import run_autoscale
     from eyas.cluster.workload import load_workload
@@ -272,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("stats", help="telemetry of a running server")
     st.add_argument("--server", default="127.0.0.1:9000")
     st.set_defaults(func=cmd_stats)
+    c = sub.add_parser("cancel", help="stop a named request (generate --request-id) on a running server")
+    c.add_argument("request_id")
+    c.add_argument("--server", default="127.0.0.1:9000")
+    c.set_defaults(func=cmd_cancel)
     ex = sub.add_parser("experiment", help="cluster experiments")
     exs = ex.add_subparsers(dest="experiment", required=True)
     a = exs.add_parser("autoscale", help="replay a workload against the autoscaling app; record a timeline")

@@ -26,11 +26,18 @@ JSON_KEYS = {"method", "token_ids", "text", "new_tokens", "target_forwards", "ac
     (["--prompt", "hi", "--tree-width", "0"], "tree_width"),
     (["--prompt-ids", "1,x,3"], "prompt_ids"),
     (["--prompt-ids", "1,-4"], "prompt_ids"),
+    (["--prompt", "hi", "--request-id", " "], "request_id"),
 ])
 def test_bad_input_names_the_field(capsys, argv, field):
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {field}:"), err
+
+
+@pytest.mark.parametrize("name", ["", "r" * 257])
+def test_a_bad_cancel_names_request_id_before_connecting(capsys, name):
+    assert main(["cancel", name, "--server", "127.0.0.1:1"]) == 2  # nothing listens there: never reached
+    assert capsys.readouterr().err.strip().startswith("error: request_id:")
 
 
 def test_bad_training_config_names_the_field(tmp_path, capsys):

@@ -10,9 +10,16 @@ and tree-work policy (eyas/cluster/serve_policy.py), or at fixed counts.
 
 RPCs (eyas.proto, service ``Eyas``): ``Generate``, ``GenerateStream`` (one chunk per round, the
 last with finish reason and stats), ``Stats`` (every replica's telemetry, tree work, latency curve
-and leak invariant, merged from the app's registry). A bad request gets ``INVALID_ARGUMENT`` naming
-the field; nothing is opened for it. A client that goes away cancels its request at the next round
-boundary, and its sessions are closed.
+and leak invariant, merged from the app's registry), ``Cancel`` (stop a named request). A bad request
+gets ``INVALID_ARGUMENT`` naming the field; nothing is opened for it.
+
+Cancellation, two ways, both stopping the request at its next round boundary and closing its
+sessions: (1) the client closes its stream, and Serve cancels the ingress call and with it the
+target call; (2) the client names its request (``request_id``) and calls ``Cancel``: the ingress posts
+the name to the app's registry, and the target replica running it picks it up with its next report
+(about 0.5 s). (1) alone is not enough with Ray Serve 2.60: its gRPC proxy drops a client's cancel
+that arrives while it is writing a chunk to that client (``bench/cancel.py``: 7 of 20 early closes
+on a loaded 2-core machine were lost). ``EyasClient.stream`` names every request and does both.
 
 Build it with ``build_app(config)`` (``serve run ray_configs/serve.yaml``, ``eyas serve``), where
 ``config`` is a :class:`ServeConfig` as a dict.
@@ -22,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Literal
 
 import grpc
@@ -33,7 +41,7 @@ from eyas.cluster.registry import HEAD_NODE_RESOURCE, app_name, get_registry
 from eyas.generate import FINISH_ERROR
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
-from eyas.protocol.schema import GenerateRequest
+from eyas.protocol.schema import GenerateRequest, parse_cancel
 from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, encode_prompt, load_tokenizer
 
 log = logging.getLogger("eyas.serve")
@@ -178,12 +186,28 @@ class EyasServer:
     async def Stats(self, request: pb.StatsRequest, grpc_context=None) -> pb.StatsResponse:
         return pb.StatsResponse(json=json.dumps(await self.stats(), default=str))
 
-    # --- HTTP (POST JSON with the GenerateRequest fields; GET /stats) -------------------------------
+    async def Cancel(self, request: pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
+        try:
+            await self.cancel(wire.cancel_request_from_proto(request).request_id)
+        except ValueError as err:
+            return _invalid(grpc_context, err, pb.CancelResponse())
+        return pb.CancelResponse()
+
+    # --- HTTP (POST JSON with the GenerateRequest fields; POST /cancel {"request_id"}; GET /stats) ----
     async def __call__(self, http_request):
         from starlette.responses import JSONResponse
 
         if http_request.method == "GET":
             return JSONResponse(json.loads(json.dumps(await self.stats(), default=str)))
+        if http_request.url.path.rstrip("/").endswith("/cancel"):
+            try:
+                body = await http_request.json()
+                if not isinstance(body, dict):
+                    raise ValueError("request: the body must be a JSON object")
+                await self.cancel(parse_cancel(**body).request_id)
+            except Exception as err:
+                return JSONResponse({"error": str(err)}, status_code=400)
+            return JSONResponse({})
         try:
             body = await http_request.json()
             if not isinstance(body, dict):
@@ -208,7 +232,7 @@ class EyasServer:
         """The request's stream of items from one target replica. The caller cancels it in a ``finally``
         of its own coroutine, so that a client that goes away stops the request at once (a ``finally`` in
         an inner async generator would run only when that generator is garbage-collected)."""
-        return self.target.generate.remote(req.model_dump(), ids)
+        return self.target.generate.remote(req.model_dump(), ids, time.time())
 
     def _validate(self, request: pb.GenerateRequest) -> tuple[GenerateRequest, list[int]]:
         req = wire.generate_request_from_proto(request)
@@ -221,6 +245,11 @@ class EyasServer:
                 raise ValueError(f"prompt_ids: {bad[:5]} lie outside the vocabulary [0, {vocab})")
             return req, list(req.prompt_ids)
         return req, encode_prompt(self.tokenizer, req.prompt, req.raw)
+
+    async def cancel(self, request_id: str) -> None:
+        """A named cancel: posted to the app's registry, from where the target replica that runs the
+        request (if any) picks it up with its next report. Idempotent; unknown names are no-ops."""
+        await get_registry(self.app_name).cancel.remote(request_id)
 
     async def stats(self) -> dict:
         """Every live replica's report, merged: workers (leak invariant), per-replica round loops and

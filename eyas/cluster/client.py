@@ -9,12 +9,16 @@
 Requests are validated here first (``eyas.protocol.schema``), so a bad field fails before the
 network with the same ``ValueError("<field>: <why>")`` the server would send as INVALID_ARGUMENT.
 A server refusal raises :class:`ServerRejected` (a ``ValueError``) with the server's message.
-Closing a stream early (``break``, or ``close()`` on the iterator) cancels the call; the server stops
-the request at its next round and frees its sessions.
+Closing a stream early (``break``, or ``close()`` on the iterator) cancels the request: the client
+cancels the call *and* sends ``Cancel`` for the request's name (every streamed request is named; a
+bare call-cancel can be lost in Ray Serve 2.60's gRPC proxy). The server stops the request at its
+next round and frees its sessions. ``cancel(request_id)`` stops any named request.
 """
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 from typing import Iterator
 
 import grpc
@@ -24,6 +28,7 @@ from eyas.protocol import eyas_pb2_grpc
 from eyas.protocol import wire
 from eyas.protocol.schema import parse_request
 
+log = logging.getLogger("eyas.client")
 APPLICATION_METADATA = "application"  # Serve's gRPC proxy routes by this key when it hosts several apps
 
 
@@ -61,13 +66,30 @@ class EyasClient:
         return json.loads(reply.report_json)
 
     def stream(self, **fields) -> Iterator[pb.GenerateChunk]:
+        """One chunk per round. The request is named (``request_id``, a fresh one unless given), so
+        that stopping early can cancel it by name as well as by closing the call."""
+        if not fields.get("request_id"):
+            fields["request_id"] = uuid.uuid4().hex
         call = self.stub.GenerateStream(self.request(**fields), timeout=self.timeout_s, metadata=self.metadata)
+        ended = False
         try:
-            yield from call
+            for chunk in call:
+                ended = bool(chunk.finish_reason)
+                yield chunk
         except grpc.RpcError as err:
+            ended = True
             raise self._mapped(err) from None
         finally:
             call.cancel()  # a no-op once the stream ended; cancels the request when the caller stops early
+            if not ended:
+                try:
+                    self.cancel(fields["request_id"])
+                except Exception as err:  # best effort: the call's own cancel went out already
+                    log.warning("Cancel(%s) failed: %s", fields["request_id"], err)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop the named in-flight request wherever it runs (a no-op for an unknown or finished one)."""
+        self._call(self.stub.Cancel, wire.cancel_request_to_proto(request_id))
 
     def stats(self) -> dict:
         return json.loads(self._call(self.stub.Stats, pb.StatsRequest()).json)

@@ -38,7 +38,7 @@ from ray import serve
 
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import Refusal, TargetWorker
-from eyas.cluster.registry import Reporter, app_name, get_registry
+from eyas.cluster.registry import Reporter, app_name, cancels_due, get_registry
 from eyas.cluster.round_loop import RoundLoop, WorkerCalls
 from eyas.cluster.telemetry import Telemetry
 from eyas.cluster.verifier_client import DrafterUnavailable
@@ -134,7 +134,10 @@ class EyasTarget:
                               self._drafter_info(), policy, curve, on_round=self.telemetry.record_round,
                               on_finish=lambda *_: self.reporter.poke(),
                               experts=ExpertTraffic(**self.worker.engine_for(()).expert_traffic_shape()))
-        self.reporter = Reporter(self.app_name, self.replica_id, "target", self._report)
+        # named requests in flight here: request id -> (wall time the ingress received it, its cancel)
+        self.inflight: dict[str, tuple[float, threading.Event]] = {}
+        self.reporter = Reporter(self.app_name, self.replica_id, "target", self._report,
+                                 on_cancels=self._cancel_named)
 
     def _start_curve(self) -> LatencyCurve:
         """The verify latency curve: a sibling's (same target, precision and device kind) when the app's
@@ -163,12 +166,19 @@ class EyasTarget:
             return {}
 
     # --- requests (from the ingress) ------------------------------------------------------------
-    async def generate(self, request: dict, prompt_ids: list[int]):
-        """Stream ``{"tokens": [...]}`` per publish, then ``{"report": ...}`` (or ``{"invalid": msg}``)."""
+    async def generate(self, request: dict, prompt_ids: list[int], received_at: float | None = None):
+        """Stream ``{"tokens": [...]}`` per publish, then ``{"report": ...}`` (or ``{"invalid": msg}``).
+
+        The request stops early (finish reason ``cancelled``) when its caller goes away or when a
+        named cancel for its ``request_id`` issued after ``received_at`` (the ingress's wall time)
+        reaches this replica (see :meth:`_cancel_named`)."""
         req = GenerateRequest(**request)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
+        named = req.request_id or None
+        if named is not None:
+            self.inflight[named] = (time.time() if received_at is None else received_at, cancel)
         future = loop.run_in_executor(None, self._run, req, prompt_ids, cancel,
                                       lambda new: loop.call_soon_threadsafe(queue.put_nowait, list(new)))
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, STREAM_DONE))
@@ -183,6 +193,15 @@ class EyasTarget:
             yield {"report": report}
         finally:
             cancel.set()  # a no-op after a finished request; stops one whose caller went away
+            if named is not None and self.inflight.get(named, (None, None))[1] is cancel:
+                del self.inflight[named]
+
+    def _cancel_named(self, cancels: dict[str, float]) -> None:
+        """The reporter thread's hook: stop the in-flight requests that the registry's named cancels
+        (request id -> issued at) apply to."""
+        entries = dict(self.inflight)  # the event loop adds and removes entries; act on a copy
+        for rid in cancels_due({rid: received for rid, (received, _) in entries.items()}, cancels):
+            entries[rid][1].set()
 
     def _run(self, req: GenerateRequest, ids: list[int], cancel: threading.Event, on_tokens) -> dict:
         if req.method != "target" and not self.loop.drafter_info and self.drafter is not None:

@@ -7,6 +7,12 @@ e.g. when a request finishes), and removes itself when it shuts down. The ingres
 :meth:`Registry.snapshot`. A replica that died without saying goodbye ages out after ``max_age_s``.
 
 The registry only *mirrors* state: each replica stays the one owner of what it reports.
+
+It also carries **named cancels** (the ``Cancel`` RPC): the ingress posts ``request_id`` with the
+time it was issued (:class:`CancelBook`); every report's reply hands the book's recent entries back,
+and each target replica stops its own in-flight requests of those names (:func:`cancels_due`). So a
+cancel reaches whichever replica runs the request within one report period, whichever ingress replica
+took it, and independently of the client's stream (whose close Ray Serve 2.60's gRPC proxy can lose).
 """
 from __future__ import annotations
 
@@ -21,6 +27,36 @@ log = logging.getLogger("eyas.registry")
 REGISTRY_PREFIX = "eyas-registry"
 DEFAULT_MAX_AGE_S = 10.0
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node offers it
+REPLY_TIMEOUT_S = 5.0   # a target replica waits this long for the registry's reply to its report
+CANCEL_TTL_S = 120.0  # how long a named cancel is handed out (it may overtake its request by this much)
+
+
+class CancelBook:
+    """Named cancels, each kept ``ttl_s`` seconds: ``request_id -> wall time it was issued``."""
+
+    def __init__(self, ttl_s: float = CANCEL_TTL_S):
+        self.ttl_s = ttl_s
+        self.issued: dict[str, float] = {}
+
+    def cancel(self, request_id: str, now: float) -> None:
+        self.issued[request_id] = now
+
+    def recent(self, now: float) -> dict[str, float]:
+        for rid in [r for r, t in self.issued.items() if now - t > self.ttl_s]:
+            del self.issued[rid]
+        return dict(self.issued)
+
+
+def cancels_due(inflight: dict[str, float], cancels: dict[str, float]) -> list[str]:
+    """The in-flight requests a set of named cancels stops.
+
+    inflight: request id -> wall time the ingress received the request;
+    cancels:  request id -> wall time the cancel was issued.
+    A cancel applies to a request received no later than the cancel, so a client that reuses a
+    cancelled id for a new request (after the old one ended) is not cancelled again. Example:
+    inflight {"a": 10.0, "b": 12.0}, cancels {"a": 11.0, "b": 11.5, "c": 1.0} -> ["a"].
+    """
+    return [rid for rid, received in inflight.items() if rid in cancels and received <= cancels[rid]]
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -28,6 +64,7 @@ class Registry:
     def __init__(self):
         self.reports: dict[str, tuple[str, float, dict]] = {}  # replica id -> (kind, wall time, payload)
         self.curves: dict[str, dict] = {}  # (target, precision, device) key -> the latest latency curve
+        self.cancels = CancelBook()
 
     def put_curve(self, key: str, curve: dict) -> None:
         """A target replica's latency curve (measured, or updated from its live rounds)."""
@@ -38,8 +75,15 @@ class Registry:
         replica starts from it instead of measuring its own (seconds of start-up on a CPU)."""
         return self.curves.get(key)
 
-    def report(self, replica_id: str, kind: str, payload: dict) -> None:
-        self.reports[replica_id] = (kind, time.time(), payload)
+    def report(self, replica_id: str, kind: str, payload: dict) -> dict[str, float]:
+        """Store a replica's state; reply with the recent named cancels (request id -> issued at)."""
+        now = time.time()
+        self.reports[replica_id] = (kind, now, payload)
+        return self.cancels.recent(now)
+
+    def cancel(self, request_id: str) -> None:
+        """A named cancel from the ingress (the ``Cancel`` RPC); idempotent."""
+        self.cancels.cancel(request_id, time.time())
 
     def forget(self, replica_id: str) -> None:
         self.reports.pop(replica_id, None)
@@ -72,11 +116,13 @@ def get_registry(app_name: str):
 
 
 class Reporter:
-    """Posts ``payload()`` for one replica every ``period_s`` seconds, or at once after :meth:`poke`."""
+    """Posts ``payload()`` for one replica every ``period_s`` seconds, or at once after :meth:`poke`;
+    hands each reply (the recent named cancels) to ``on_cancels`` when given."""
 
     def __init__(self, app_name: str, replica_id: str, kind: str, payload: Callable[[], dict],
-                 period_s: float = 0.5):
+                 period_s: float = 0.5, on_cancels: Callable[[dict[str, float]], None] | None = None):
         self.app_name, self.replica_id, self.kind, self.payload = app_name, replica_id, kind, payload
+        self.on_cancels = on_cancels
         self.period_s = period_s
         self.wake = threading.Event()
         self.stopped = False
@@ -92,7 +138,9 @@ class Reporter:
             try:
                 if self.registry is None:
                     self.registry = get_registry(self.app_name)
-                self.registry.report.remote(self.replica_id, self.kind, self.payload())
+                reply = self.registry.report.remote(self.replica_id, self.kind, self.payload())
+                if self.on_cancels is not None:
+                    self.on_cancels(ray.get(reply, timeout=REPLY_TIMEOUT_S))
             except Exception:  # the registry restarts or the replica is going away: try again next period
                 log.debug("report failed", exc_info=True)
                 self.registry = None

@@ -50,6 +50,11 @@ class EyasStub:
                 request_serializer=eyas_dot_protocol_dot_eyas__pb2.StatsRequest.SerializeToString,
                 response_deserializer=eyas_dot_protocol_dot_eyas__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/eyas.v1.Eyas/Cancel',
+                request_serializer=eyas_dot_protocol_dot_eyas__pb2.CancelRequest.SerializeToString,
+                response_deserializer=eyas_dot_protocol_dot_eyas__pb2.CancelResponse.FromString,
+                _registered_method=True)
 
 
 class EyasServicer:
@@ -78,6 +83,15 @@ class EyasServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cancel(self, request, context):
+        """Stop a named request (GenerateRequest.request_id) wherever it runs; idempotent, and a no-op for
+        an unknown or finished one. Closing a stream also cancels it, but Ray Serve 2.60's gRPC proxy can
+        lose that signal (see README, "Cancellation"); this call cannot be lost that way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EyasServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +109,11 @@ def add_EyasServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=eyas_dot_protocol_dot_eyas__pb2.StatsRequest.FromString,
                     response_serializer=eyas_dot_protocol_dot_eyas__pb2.StatsResponse.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=eyas_dot_protocol_dot_eyas__pb2.CancelRequest.FromString,
+                    response_serializer=eyas_dot_protocol_dot_eyas__pb2.CancelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +198,33 @@ class Eyas:
             '/eyas.v1.Eyas/Stats',
             eyas_dot_protocol_dot_eyas__pb2.StatsRequest.SerializeToString,
             eyas_dot_protocol_dot_eyas__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/eyas.v1.Eyas/Cancel',
+            eyas_dot_protocol_dot_eyas__pb2.CancelRequest.SerializeToString,
+            eyas_dot_protocol_dot_eyas__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

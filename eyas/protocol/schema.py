@@ -1,4 +1,4 @@
-"""Pydantic validation of what arrives at an edge: a client's generate request.
+"""Pydantic validation of what arrives at an edge: a client's generate and cancel requests.
 
 Every violation becomes a ``ValueError`` whose message starts with the offending field's name,
 so a CLI prints it and a gRPC server maps it to ``INVALID_ARGUMENT`` unchanged.
@@ -11,6 +11,18 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 METHODS = ("target", "eagle1", "hass", "eagle3")   # hass: an EAGLE-1-architecture drafter trained with HASS
+
+
+MAX_REQUEST_ID_LEN: int = 256  # a request id (``request_id``) is 1 to this many characters
+
+
+def _request_id(v: str | None, required: bool) -> str | None:
+    if v is None or (not v and not required):
+        return v
+    if not v.strip() or len(v) > MAX_REQUEST_ID_LEN:
+        raise ValueError(f"request_id: must be a non-empty string of at most {MAX_REQUEST_ID_LEN} "
+                         f"characters, got {v[:40]!r}{'...' if len(v) > 40 else ''}")
+    return v
 
 
 class GenerateRequest(BaseModel):
@@ -39,6 +51,11 @@ class GenerateRequest(BaseModel):
         if v not in METHODS:
             raise ValueError(f"unknown method {v!r}; expected one of {METHODS}")
         return v
+
+    @field_validator("request_id")
+    @classmethod
+    def _named(cls, v):
+        return _request_id(v, required=False)  # unset or "": the server names the request
 
     @field_validator("max_new_tokens")
     @classmethod
@@ -94,10 +111,32 @@ class GenerateRequest(BaseModel):
         return self
 
 
+class CancelRequest(BaseModel):
+    """Stop the in-flight request the client named ``request_id`` (the ``Cancel`` RPC)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str
+
+    @field_validator("request_id")
+    @classmethod
+    def _named(cls, v):
+        return _request_id(v, required=True)
+
+
 def parse_request(**fields) -> GenerateRequest:
     """Validate ``fields``; raise ``ValueError("<field>: <why>")`` on the first violation."""
+    return _parse(GenerateRequest, fields)
+
+
+def parse_cancel(**fields) -> CancelRequest:
+    """Like :func:`parse_request`, for a ``Cancel``."""
+    return _parse(CancelRequest, fields)
+
+
+def _parse(model, fields: dict):
     try:
-        return GenerateRequest(**fields)
+        return model(**fields)
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "request"

@@ -23,11 +23,11 @@ import torch
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol.codec import ANY_DIM, DEFAULT_MAX_NUMEL, decode_tensor, encode_tensor
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
-from eyas.protocol.schema import GenerateRequest, parse_request
+from eyas.protocol.schema import MAX_REQUEST_ID_LEN, CancelRequest, GenerateRequest, parse_cancel, parse_request
 from eyas.protocol.tree import (PARENT_IS_SEED, ROW_IS_ROOT, DraftTree, FlatTree, flatten_tree,
                                 retrieve_from_parents, tree_mask_from_parents, validate_flat_tree)
 
-MAX_REQUEST_ID_LEN: int = 256
+
 NO_LIMIT = None  # a converter argument meaning "this check is not requested"
 
 
@@ -329,6 +329,17 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
         fields["prompt_ids"] = list(msg.prompt_ids)
     with _inbound():
         return parse_request(raw=msg.raw, stop=list(msg.stop), **fields)
+
+
+def cancel_request_from_proto(msg: pb.CancelRequest) -> CancelRequest:
+    """Validate a ``Cancel`` through ``schema.parse_cancel``."""
+    with _inbound():
+        return parse_cancel(request_id=msg.request_id)
+
+
+def cancel_request_to_proto(request_id: str) -> pb.CancelRequest:
+    """The wire form of a ``Cancel``, validated first (``ValueError`` naming ``request_id``)."""
+    return pb.CancelRequest(request_id=parse_cancel(request_id=request_id).request_id)
 
 
 def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:

@@ -113,9 +113,16 @@ def test_the_python_client_validates_before_sending(client):
         client._call(client.stub.Generate, pb.GenerateRequest(prompt="hi", method="eagle2"))
 
 
+def _cancelled_count(client) -> float:
+    return sum(p["value"] for p in client.stats()["metrics"].get("eyas.requests", [])
+               if p["attributes"]["finish_reason"] == "cancelled")
+
+
 def test_a_client_that_goes_away_cancels_its_request_and_frees_its_sessions(client, no_leaks):
+    """EyasClient.stream closes the call and sends Cancel for the request's name; either stops it."""
     import time
 
+    before = _cancelled_count(client)
     long_answer = "Count from 1 to 300, one number per line, and say nothing else."
     stream = client.stream(prompt=long_answer, method="eagle3", max_new_tokens=400)
     got = [next(stream), next(stream)]
@@ -123,12 +130,39 @@ def test_a_client_that_goes_away_cancels_its_request_and_frees_its_sessions(clie
     stream.close()  # the client leaves mid-answer
     no_leaks(client)
     deadline = time.monotonic() + 30  # the request's metric is recorded just after its sessions close
-    while True:
-        requests = client.stats()["metrics"]["eyas.requests"]
-        if any(p["attributes"]["finish_reason"] == "cancelled" for p in requests) or time.monotonic() > deadline:
-            break
+    while _cancelled_count(client) == before and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert any(p["attributes"]["finish_reason"] == "cancelled" for p in requests), requests
+    assert _cancelled_count(client) == before + 1
+
+
+def test_cancel_stops_a_named_request_whose_stream_stays_open(client, no_leaks):
+    """The Cancel RPC alone (the stream is neither closed nor cancelled): the stream ends early with
+    finish reason "cancelled"; Cancel is idempotent, and a no-op for an unknown name."""
+    import uuid
+
+    name = f"cancel-me-{uuid.uuid4().hex}"
+    request = client.request(prompt="Count from 1 to 300, one number per line, and say nothing else.",
+                             method="eagle3", max_new_tokens=400, request_id=name)
+    chunks = client.stub.GenerateStream(request, metadata=client.metadata, timeout=300)
+    first = next(chunks)
+    assert first.token_ids and not first.finish_reason
+    client.cancel(name)
+    client.cancel(name)
+    client.cancel(f"never-sent-{uuid.uuid4().hex}")
+    rest = list(chunks)
+    assert rest[-1].finish_reason == "cancelled"
+    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) < 400
+    no_leaks(client)
+
+
+def test_a_bad_cancel_gets_invalid_argument_naming_request_id(client):
+    for bad in ("", "  ", "r" * 257):
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.Cancel(pb.CancelRequest(request_id=bad), metadata=client.metadata, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("request_id: "), err.value.details()
+    with pytest.raises(ValueError, match="^request_id: "):
+        client.cancel("")  # the Python client validates first
 
 
 def test_stats_reports_round_spans_and_speculation_metrics(client):

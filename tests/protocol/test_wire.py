@@ -195,9 +195,22 @@ def test_generate_request_round_trip_keeps_unset_fields_unset():
     (pb.GenerateRequest(prompt="hi", method="eagle9"), "method"),
     (pb.GenerateRequest(prompt="hi", tree_kind="bushy"), "tree_kind"),
     (pb.GenerateRequest(prompt_ids=[1, -2]), "prompt_ids"),
+    (pb.GenerateRequest(prompt="hi", request_id=" "), "request_id"),
+    (pb.GenerateRequest(prompt="hi", request_id="r" * 257), "request_id"),
 ])
 def test_generate_request_rejections_name_the_field(msg, field):
     with pytest.raises(WireError, match=f"^{field}: "):
         wire.generate_request_from_proto(msg)
     with pytest.raises(WireError, match="^drafter: "):
         wire.generate_request_to_proto(parse_request(prompt="hi", drafter="/tmp/d"))
+
+
+def test_cancel_request_round_trip_and_rejections():
+    """A Cancel names one request: 1 to 256 characters, not blank; both directions validate."""
+    assert wire.cancel_request_from_proto(wire.cancel_request_to_proto("req-7")).request_id == "req-7"
+    assert wire.generate_request_from_proto(pb.GenerateRequest(prompt="hi", request_id="")).request_id == ""
+    for bad in ("", "   ", "r" * 257):
+        with pytest.raises(WireError, match="^request_id: "):
+            wire.cancel_request_from_proto(pb.CancelRequest(request_id=bad))
+        with pytest.raises(ValueError, match="^request_id: "):
+            wire.cancel_request_to_proto(bad)

@@ -1,0 +1,30 @@
+"""The registry's named-cancel book and the rule that decides which in-flight requests a cancel stops."""
+from __future__ import annotations
+
+from eyas.cluster.registry import CancelBook, cancels_due
+
+
+def test_cancel_book_hands_out_each_cancel_for_its_ttl_then_forgets_it():
+    """ttl 10 s: a cancel issued at t=100 is handed out at t=105 and t=110, gone at t=110.5;
+    cancelling again refreshes the time."""
+    book = CancelBook(ttl_s=10.0)
+    assert book.recent(now=0.0) == {}
+    book.cancel("a", now=100.0)
+    book.cancel("b", now=104.0)
+    assert book.recent(now=105.0) == {"a": 100.0, "b": 104.0}
+    assert book.recent(now=110.0) == {"a": 100.0, "b": 104.0}
+    assert book.recent(now=110.5) == {"b": 104.0}
+    book.cancel("b", now=112.0)
+    assert book.recent(now=120.0) == {"b": 112.0}
+    assert book.recent(now=122.5) == {}
+
+
+def test_a_cancel_stops_only_requests_received_no_later_than_it():
+    """inflight {"a": 10, "b": 12, "d": 11.5}, cancels {"a": 11, "b": 11.5, "c": 1, "d": 11.5}:
+    a (received before its cancel) and d (the same instant) stop; b is a newer request that reuses a
+    cancelled name, c is not here."""
+    inflight = {"a": 10.0, "b": 12.0, "d": 11.5}
+    cancels = {"a": 11.0, "b": 11.5, "c": 1.0, "d": 11.5}
+    assert sorted(cancels_due(inflight, cancels)) == ["a", "d"]
+    assert cancels_due({}, cancels) == []
+    assert cancels_due(inflight, {}) == []
