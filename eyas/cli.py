@@ -16,6 +16,7 @@ Bad input exits with status 2 and one line ``error: <field>: <why>``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import warnings
@@ -85,9 +86,11 @@ def _generate_remote(args, req) -> int:
             print(json.dumps(client.generate(**fields)))
             return 0
         stats = None
-        for chunk in client.stream(**fields):
-            print(chunk.text, end="", flush=True)
-            stats = chunk.stats if chunk.finish_reason else stats
+        # closed before the channel, so that Ctrl-C cancels the request (call and name) on the server
+        with contextlib.closing(client.stream(**fields)) as stream:
+            for chunk in stream:
+                print(chunk.text, end="", flush=True)
+                stats = chunk.stats if chunk.finish_reason else stats
         print()
         if stats is not None:
             print(f"[{req.method}] {stats.new_tokens} tokens in {stats.wall_ms / 1000:.2f} s, {stats.rounds} target "
