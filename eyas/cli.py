@@ -56,7 +56,7 @@ def _request(args, method: str | None = None):
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          top_k=args.top_k, seed=args.seed, drafter=args.drafter, tree_kind=args.tree_kind,
                          tree_depth=args.tree_depth, tree_width=args.tree_width, tree_budget=args.tree_budget,
-                         request_id=getattr(args, "request_id", None))
+                         request_id=args.request_id)
 
 
 def cmd_generate(args) -> int:

@@ -199,19 +199,13 @@ class EyasServer:
 
         if http_request.method == "GET":
             return JSONResponse(json.loads(json.dumps(await self.stats(), default=str)))
-        if http_request.url.path.rstrip("/").endswith("/cancel"):
-            try:
-                body = await http_request.json()
-                if not isinstance(body, dict):
-                    raise ValueError("request: the body must be a JSON object")
-                await self.cancel(parse_cancel(**body).request_id)
-            except Exception as err:
-                return JSONResponse({"error": str(err)}, status_code=400)
-            return JSONResponse({})
         try:
             body = await http_request.json()
             if not isinstance(body, dict):
                 raise ValueError("request: the body must be a JSON object")
+            if http_request.url.path.rstrip("/").endswith("/cancel"):
+                await self.cancel(parse_cancel(**body).request_id)
+                return JSONResponse({})
             request = wire.generate_request_to_proto(GenerateRequest(**{k: v for k, v in body.items()}))
             req, ids = self._validate(request)
         except Exception as err:

@@ -27,7 +27,6 @@ from eyas.protocol.schema import MAX_REQUEST_ID_LEN, CancelRequest, GenerateRequ
 from eyas.protocol.tree import (PARENT_IS_SEED, ROW_IS_ROOT, DraftTree, FlatTree, flatten_tree,
                                 retrieve_from_parents, tree_mask_from_parents, validate_flat_tree)
 
-
 NO_LIMIT = None  # a converter argument meaning "this check is not requested"
 
 
