@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.manifest import load_drafter
@@ -19,8 +20,8 @@ from eyas.drafting.model import DrafterConfig, init_drafter
 from eyas.generate import GenerationResult, generate
 from eyas.protocol.schema import GenerateRequest
 from eyas.target.engine import TargetEngine
-from eyas.target.loader import DEFAULT_TARGET, LoadedTarget, encode_prompt, load_target
-from eyas.target.model import FeatureTap, eagle1_feature_address, eagle3_feature_address, quantize_fp16_weights
+from eyas.target.loader import DEFAULT_TARGET, LoadedTarget, TargetFingerprint, encode_prompt, load_target
+from eyas.target.model import FeatureTap, TargetConfig, eagle1_feature_address, eagle3_feature_address, quantize_fp16_weights
 from eyas.verification.sampling import SamplingParams
 
 REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
@@ -35,6 +36,30 @@ class DrafterHandle:
     taps: tuple[FeatureTap, ...]
     source: str       # checkpoint folder, or "random-init" (untrained)
     default_tree: TreeSpec
+
+
+def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: TargetFingerprint,
+                 embed: nn.Embedding, lm_head: nn.Module, precision: str) -> DrafterHandle:
+    """The drafter of ``method`` for the target with ``cfg``/``fingerprint``: the checkpoint at
+    ``path`` (default: the shipped one; refused if trained for another target), or a random one with
+    a warning when none is shipped. ``embed``/``lm_head`` are the target's own (not owned here); at
+    ``fp16w`` the drafter's linears hold fp16 weights too."""
+    folder = Path(path) if path else REPO_DRAFTERS / DEFAULT_DRAFTER_DIRS[method]
+    if path or (folder / "manifest.json").exists():
+        drafter, manifest = load_drafter(folder, fingerprint)
+        if manifest.method != ARCHITECTURE[method]:
+            raise ValueError(f"drafter: {folder} holds a {manifest.method} drafter, not {ARCHITECTURE[method]}")
+        taps, source = manifest.taps(), str(folder)
+        default_tree = TreeSpec(**manifest.tree_abi.default_tree)
+    else:
+        warnings.warn(f"no trained {method} drafter at {folder}; using an untrained (random) one")
+        arch = ARCHITECTURE[method]
+        drafter = init_drafter(DrafterConfig.for_target(arch, cfg))
+        taps = eagle1_feature_address(cfg) if arch == "eagle1" else eagle3_feature_address(cfg)
+        source, default_tree = "random-init", TreeSpec()
+    if precision == "fp16w":
+        quantize_fp16_weights(drafter)  # drafting precision moves acceptance only, never the output
+    return DrafterHandle(DrafterEngine(drafter, embed, lm_head, int8_head=True, taps=taps), taps, source, default_tree)
 
 
 def set_threads(threads: int | None = None) -> None:
@@ -68,23 +93,8 @@ class Eyas:
         key = (method, path)
         if key in self._drafters:
             return self._drafters[key]
-        folder = Path(path) if path else REPO_DRAFTERS / DEFAULT_DRAFTER_DIRS[method]
-        if path or (folder / "manifest.json").exists():
-            drafter, manifest = load_drafter(folder, self.loaded.fingerprint)
-            if manifest.method != ARCHITECTURE[method]:
-                raise ValueError(f"drafter: {folder} holds a {manifest.method} drafter, not {ARCHITECTURE[method]}")
-            taps, source = manifest.taps(), str(folder)
-            default_tree = TreeSpec(**manifest.tree_abi.default_tree)
-        else:
-            warnings.warn(f"no trained {method} drafter at {folder}; using an untrained (random) one")
-            arch = ARCHITECTURE[method]
-            drafter = init_drafter(DrafterConfig.for_target(arch, self.cfg))
-            taps = eagle1_feature_address(self.cfg) if arch == "eagle1" else eagle3_feature_address(self.cfg)
-            source, default_tree = "random-init", TreeSpec()
-        if self.loaded.precision == "fp16w":
-            quantize_fp16_weights(drafter)  # drafting precision moves acceptance only, never the output
-        handle = DrafterHandle(DrafterEngine(drafter, self.model.embed, self.model.lm_head, int8_head=True,
-                                             taps=taps), taps, source, default_tree)
+        handle = make_drafter(method, path, self.cfg, self.loaded.fingerprint, self.model.embed,
+                              self.model.lm_head, self.loaded.precision)
         self._drafters[key] = handle
         return handle
 

@@ -55,6 +55,21 @@ class LoadedTarget:
     source: str
 
 
+@dataclass
+class LoadedHead:
+    """The parts of a target that a drafter reads and nothing else: the token embedding and the LM
+    head (seed 0x03A: the drafter embeds tokens and scores its states with the frozen target's own
+    tables), with the target's config and fingerprint. A drafter replica holds this instead of the
+    whole target: for SmolLM2-135M the decoder layers are three quarters of the weights."""
+
+    embed: torch.nn.Embedding  # [V, d] weight
+    lm_head: torch.nn.Module   # d -> V: an nn.Linear, or fbgemm fp16-packed at fp16w
+    cfg: TargetConfig
+    fingerprint: TargetFingerprint
+    precision: str
+    source: str
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
 
@@ -135,6 +150,24 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _read_tensors(folder: Path, names: set[str]) -> dict[str, torch.Tensor]:
+    """Only the tensors ``names`` of the checkpoint in ``folder`` (safetensors are read lazily, by name)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return {k: v for k, v in _read_state_dict(folder).items() if k in names}
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in names & set(handle.keys()):
+                out[name] = handle.get_tensor(name)
+    missing = sorted(names - set(out))
+    if missing:
+        raise ValueError(f"checkpoint: missing tensor {missing[0]!r}")
+    return out
+
+
 def checkpoint_folder(source: str | os.PathLike = DEFAULT_TARGET) -> Path:
     """The HF-style folder that ``source`` names (a GGUF is dequantized into the cache once)."""
     if str(source) == DEFAULT_TARGET:
@@ -204,3 +237,42 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
         calib = tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
         quantize_int8(model, calib)
     return LoadedTarget(model, tokenizer, fingerprint, precision, str(source))
+
+
+def load_target_head(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp32") -> LoadedHead:
+    """Load only the embedding and LM head of the target ``source`` (see :func:`load_target`).
+
+    precision: ``"fp32"`` or ``"fp16w"`` (the LM head then holds fbgemm fp16 weights, exactly as
+    ``load_target(..., "fp16w")``'s does). The fingerprint comes from the one ``load_target`` cached
+    beside the checkpoint; a checkpoint without it is loaded whole once, to compute and cache it.
+    """
+    if precision not in ("fp32", "fp16w"):
+        raise ValueError(f"precision: {precision!r} is not one of ('fp32', 'fp16w') for a target head")
+    folder = checkpoint_folder(source)
+    cfg = TargetConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    meta_path = folder / "eyas_fingerprint.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    if meta.get("config_digest") != cfg.digest():
+        fingerprint = load_target(source, "fp32").fingerprint  # writes the cache when it can
+    else:
+        fingerprint = TargetFingerprint(**meta)
+    names = {"model.embed_tokens.weight"} | (set() if cfg.tie_word_embeddings else {"lm_head.weight"})
+    tensors = _read_tensors(folder, names)
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    holder = torch.nn.Module()
+    holder.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    with torch.no_grad():
+        for name, param in (("model.embed_tokens.weight", embed.weight), ("lm_head.weight", holder.lm_head.weight)):
+            if name in tensors and tuple(tensors[name].shape) != tuple(param.shape):
+                raise ValueError(f"checkpoint: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                                 f"the config says {tuple(param.shape)}")
+        embed.weight.copy_(tensors["model.embed_tokens.weight"])
+        if cfg.tie_word_embeddings:
+            holder.lm_head.weight = embed.weight
+        else:
+            holder.lm_head.weight.copy_(tensors["lm_head.weight"])
+    holder.requires_grad_(False)
+    embed.requires_grad_(False)
+    if precision == "fp16w":
+        quantize_fp16_weights(holder)
+    return LoadedHead(embed, holder.lm_head, cfg, fingerprint, precision, str(source))

@@ -19,3 +19,78 @@ def test_a_bad_precision_or_device_is_refused_before_loading(tmp_path, precision
     # tmp_path holds no checkpoint: reaching the loader would fail differently
     with pytest.raises(ValueError, match=message):
         load_target(tmp_path, precision, device)
+
+
+def _tiny_checkpoint(folder, tie: bool):
+    """A tiny random Llama saved as an HF folder (safetensors), with the real tokenizer beside it."""
+    from eyas.target.loader import load_tokenizer
+    from eyas.testing import tiny_hf_llama
+
+    tiny_hf_llama(tie=tie, seed=3).save_pretrained(folder)
+    load_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_target_head_is_the_whole_targets_embedding_and_head(tmp_path, tie):
+    """A drafter replica loads only the embedding and LM head (load_target_head); they equal the
+    whole target's, as does the fingerprint. The first call finds no cached fingerprint and loads
+    the target whole once to make it; the second reads it from the cache file."""
+    import torch
+
+    from eyas.target.loader import load_target_head
+
+    folder = _tiny_checkpoint(tmp_path / "ckpt", tie)
+    head = load_target_head(folder)
+    assert (folder / "eyas_fingerprint.json").exists()
+    full = load_target(folder)
+    assert head.fingerprint == full.fingerprint == load_target_head(folder).fingerprint
+    assert head.cfg == full.model.cfg and head.precision == "fp32"
+    assert torch.equal(head.embed.weight, full.model.embed.weight)
+    assert torch.equal(head.lm_head.weight, full.model.lm_head.weight)
+    assert (head.lm_head.weight.data_ptr() == head.embed.weight.data_ptr()) == tie
+    assert not any(p.requires_grad for p in (head.embed.weight, head.lm_head.weight))
+
+
+def test_the_fp16w_target_head_scores_exactly_as_the_fp16w_target(tmp_path):
+    import torch
+
+    from eyas.target.loader import load_target_head
+
+    folder = _tiny_checkpoint(tmp_path / "ckpt", tie=True)
+    head, full = load_target_head(folder, "fp16w"), load_target(folder, "fp16w")
+    assert not isinstance(head.lm_head, torch.nn.Linear)
+    x = torch.randn(5, head.cfg.hidden_size)  # [rows, d]
+    assert torch.equal(head.lm_head(x), full.model.lm_head(x))
+    assert torch.equal(head.embed.weight, full.model.embed.weight)
+
+
+def test_a_target_head_refuses_int8(tmp_path):
+    from eyas.target.loader import load_target_head
+
+    with pytest.raises(ValueError, match=r"^precision: 'int8' is not one of \('fp32', 'fp16w'\)"):
+        load_target_head(tmp_path, "int8")
+
+
+def test_a_drafter_worker_loads_no_decoder_layer(tmp_path, monkeypatch):
+    """The drafter deployment's worker reads the target's head only: once the fingerprint is cached
+    it never loads the whole target. A drafter trained for another target (the shipped SmolLM2 one)
+    is refused for this one; with none shipped, an untrained one drafts through the head."""
+    import eyas.runtime
+    import eyas.target.loader
+    from eyas.actors.drafter_worker import DrafterWorker
+
+    folder = _tiny_checkpoint(tmp_path / "ckpt", tie=False)
+    with pytest.raises(ValueError, match=r"^manifest\.target_fingerprint\.config_digest: "):
+        DrafterWorker.load(str(folder), ("eagle1",))
+
+    def whole_target(*args, **kwargs):
+        raise AssertionError("the drafter worker loaded the whole target")
+
+    monkeypatch.setattr(eyas.target.loader, "load_target", whole_target)
+    monkeypatch.setattr(eyas.runtime, "REPO_DRAFTERS", tmp_path / "none-shipped")
+    with pytest.warns(UserWarning, match="untrained"):
+        worker = DrafterWorker.load(str(folder), ("eagle1", "eagle3"))
+    assert worker.vocab_size == 64 and set(worker.engines) == {"eagle1", "eagle3"}
+    points = worker.measure_costs(repeats=1)
+    assert all(ms > 0 for m in points for _, _, ms in points[m])
