@@ -225,8 +225,10 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     if meta.get("config_digest") != cfg.digest():
         meta = {"config_digest": cfg.digest(), "weight_digest": model.weight_digest(),
                 "tokenizer_digest": tokenizer_digest(tokenizer)}
-        try:
-            meta_path.write_text(json.dumps(meta))
+        try:  # atomically: a replica starting beside this one may read it at any moment
+            tmp = meta_path.with_name(f"{meta_path.name}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps(meta))
+            os.replace(tmp, meta_path)
         except OSError:
             pass  # read-only checkpoint folder: recompute next time
     fingerprint = TargetFingerprint(**meta)
