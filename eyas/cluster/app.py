@@ -41,7 +41,7 @@ from eyas.cluster.registry import HEAD_NODE_RESOURCE, app_name, get_registry
 from eyas.generate import FINISH_ERROR
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
-from eyas.protocol.schema import GenerateRequest, parse_cancel
+from eyas.protocol.schema import GenerateRequest, parse_cancel, parse_request
 from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, encode_prompt, load_tokenizer
 
 log = logging.getLogger("eyas.serve")
@@ -199,16 +199,18 @@ class EyasServer:
 
         if http_request.method == "GET":
             return JSONResponse(json.loads(json.dumps(await self.stats(), default=str)))
-        try:
-            body = await http_request.json()
+        try:  # the client's mistakes are 400s that name the field, as over gRPC; anything else is a 500
+            try:
+                body = json.loads(await http_request.body())
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"request: the body is not JSON ({err})") from None
             if not isinstance(body, dict):
                 raise ValueError("request: the body must be a JSON object")
             if http_request.url.path.rstrip("/").endswith("/cancel"):
                 await self.cancel(parse_cancel(**body).request_id)
                 return JSONResponse({})
-            request = wire.generate_request_to_proto(GenerateRequest(**{k: v for k, v in body.items()}))
-            req, ids = self._validate(request)
-        except Exception as err:
+            req, ids = self._validate(wire.generate_request_to_proto(parse_request(**body)))
+        except ValueError as err:
             return JSONResponse({"error": str(err)}, status_code=400)
         report = None
         stream = self._start(req, ids)

@@ -27,7 +27,8 @@ E2E_CONFIG = {"methods": ["eagle3", "eagle1"], "target_replicas": 1, "drafter_re
 
 
 @pytest.fixture(scope="module")
-def serve_address():
+def serve_ports():
+    """The app on a fresh local Ray: {"grpc": port, "http": port} on 127.0.0.1."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -36,13 +37,23 @@ def serve_address():
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=160 * 1024 ** 2, log_to_driver=False,
              namespace="eyas-e2e")
-    grpc_port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+    ports = {"grpc": free_port(), "http": free_port()}
+    serve.start(http_options={"host": "127.0.0.1", "port": ports["http"]},
+                grpc_options={"port": ports["grpc"], "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
     serve.run(build_app(E2E_CONFIG), name="eyas", route_prefix="/")
-    yield f"127.0.0.1:{grpc_port}"
+    yield ports
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serve_address(serve_ports):
+    return f"127.0.0.1:{serve_ports['grpc']}"
+
+
+@pytest.fixture(scope="module")
+def http_url(serve_ports):
+    return f"http://127.0.0.1:{serve_ports['http']}"
 
 
 @pytest.fixture()

@@ -165,6 +165,54 @@ def test_a_bad_cancel_gets_invalid_argument_naming_request_id(client):
         client.cancel("")  # the Python client validates first
 
 
+def _http(url: str, body: bytes | None = None) -> tuple[int, object]:
+    """(status, decoded JSON) of a GET (no body) or a POST of ``body`` to ``url``."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.parametrize("body, error", [
+    (b'{"prompt": "hi", "top_p": 0}', "top_p: "),
+    (b'{"prompt": "hi", "max_new_tokens": "many"}', "max_new_tokens: "),
+    (b'{"prompt": "hi", "colour": "red"}', "colour: "),
+    (b'{"prompt": "hi", "method": "medusa"}', "method: "),
+    (b'{"prompt_ids": [99999999]}', "prompt_ids: "),
+    (b'["hi"]', "request: the body must be a JSON object"),
+    (b'{"prompt": "hi"', "request: the body is not JSON"),
+])
+def test_http_bad_requests_get_400_naming_the_field(http_url, client, body, error, no_leaks):
+    """The HTTP route validates as gRPC does: one line that starts with the field, status 400."""
+    status, reply = _http(http_url + "/", body)
+    assert status == 400 and reply["error"].startswith(error), reply
+    assert "\n" not in reply["error"]
+    no_leaks(client)
+
+
+def test_http_generate_cancel_and_stats(http_url, client, reference, no_leaks):
+    """POST / answers greedy exactly as target-only does; POST /cancel takes a name (400 naming
+    request_id for a blank one, 200 for an unknown one); GET /stats reports the workers."""
+    import json
+
+    status, report = _http(http_url + "/", json.dumps({"prompt": PROMPTS[0], "method": "eagle3",
+                                                        "max_new_tokens": N}).encode())
+    assert status == 200 and report["token_ids"] == reference[PROMPTS[0]]
+    assert _http(http_url + "/cancel", b'{"request_id": "nobody-by-this-name"}') == (200, {})
+    status, reply = _http(http_url + "/cancel", b'{"request_id": "  "}')
+    assert status == 400 and reply["error"].startswith("request_id: "), reply
+    status, stats = _http(http_url + "/stats")
+    assert status == 200 and stats["workers"]
+    no_leaks(client)
+
+
 def test_stats_reports_round_spans_and_speculation_metrics(client):
     import time
 
