@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +28,12 @@ REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
 DEFAULT_DRAFTER_DIRS = {"eagle1": "smollm2-135m-eagle1", "hass": "smollm2-135m-hass", "eagle3": "smollm2-135m-eagle3"}
 # A serving method's drafter architecture: HASS changes training only (seed 0x07C), so it serves as EAGLE-1.
 ARCHITECTURE = {"eagle1": "eagle1", "hass": "eagle1", "eagle3": "eagle3"}
+# The default tree at fp16w (fbgemm, CPU only), in place of a manifest's larger one: there a verify
+# of r rows costs about 1 + r/16 one-row forwards up to ~5 rows and climbs faster beyond, so a
+# 17-row tree loses to target-only. Measured on 10 MT-bench prompts at 40 tokens, EAGLE-3, against
+# fp16w target-only in the same run: 4/5/16 (the manifest's) 0.62x; 2/2/4 0.97x; 2/2/3 1.07x;
+# 3/2/5 1.05x; 1/2/2 1.01x (all 80 prompts: 2/2/4 1.01x). A request's own knobs still win.
+FP16W_DEFAULT_TREE = TreeSpec(kind="dynamic", expand_width=2, max_depth=2, verify_budget=4)
 
 
 @dataclass
@@ -43,7 +49,8 @@ def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: 
     """The drafter of ``method`` for the target with ``cfg``/``fingerprint``: the checkpoint at
     ``path`` (default: the shipped one; refused if trained for another target), or a random one with
     a warning when none is shipped. ``embed``/``lm_head`` are the target's own (not owned here); at
-    ``fp16w`` the drafter's linears hold fp16 weights too."""
+    ``fp16w`` the drafter's linears hold fp16 weights too and the default tree is at most
+    :data:`FP16W_DEFAULT_TREE`."""
     folder = Path(path) if path else REPO_DRAFTERS / DEFAULT_DRAFTER_DIRS[method]
     if path or (folder / "manifest.json").exists():
         drafter, manifest = load_drafter(folder, fingerprint)
@@ -59,7 +66,14 @@ def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: 
         source, default_tree = "random-init", TreeSpec()
     if precision == "fp16w":
         quantize_fp16_weights(drafter)  # drafting precision moves acceptance only, never the output
+        default_tree = smaller_tree(default_tree, FP16W_DEFAULT_TREE)
     return DrafterHandle(DrafterEngine(drafter, embed, lm_head, int8_head=True, taps=taps), taps, source, default_tree)
+
+
+def smaller_tree(tree: TreeSpec, cap: TreeSpec) -> TreeSpec:
+    """``tree`` with each EAGLE-2 knob (width, depth, budget) at most ``cap``'s."""
+    return replace(tree, expand_width=min(tree.expand_width, cap.expand_width),
+                   max_depth=min(tree.max_depth, cap.max_depth), verify_budget=min(tree.verify_budget, cap.verify_budget))
 
 
 def set_threads(threads: int | None = None) -> None:

@@ -214,5 +214,6 @@ def test_a_drafter_worker_for_an_fp16w_target_drafts_with_fp16_weights():
     engine = w.engines["eagle3"]
     assert not any(isinstance(m, torch.nn.Linear) for m in engine.drafter.modules())
     assert not isinstance(engine.lm_head, torch.nn.Linear)
+    assert w.default_trees["eagle3"] == TreeSpec("dynamic", expand_width=2, max_depth=2, verify_budget=4)
     points = w.measure_costs(repeats=1)["eagle3"]
     assert points and all(ms > 0 for _, _, ms in points)
