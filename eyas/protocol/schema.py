@@ -16,12 +16,21 @@ METHODS = ("target", "eagle1", "hass", "eagle3")   # hass: an EAGLE-1-architectu
 MAX_REQUEST_ID_LEN: int = 256  # a request id (``request_id``) is 1 to this many characters
 
 
+def request_id_problem(value: str) -> str | None:
+    """Why ``value`` is not a request id (1 to MAX_REQUEST_ID_LEN characters, not blank), or None.
+    The one rule for every edge: client requests here, Verifier messages in ``wire.check_request_id``."""
+    if not value.strip() or len(value) > MAX_REQUEST_ID_LEN:
+        return (f"must be a non-empty string of at most {MAX_REQUEST_ID_LEN} characters, "
+                f"got {value[:40]!r}{'...' if len(value) > 40 else ''} ({len(value)} characters)")
+    return None
+
+
 def _request_id(v: str | None, required: bool) -> str | None:
     if v is None or (not v and not required):
         return v
-    if not v.strip() or len(v) > MAX_REQUEST_ID_LEN:
-        raise ValueError(f"request_id: must be a non-empty string of at most {MAX_REQUEST_ID_LEN} "
-                         f"characters, got {v[:40]!r}{'...' if len(v) > 40 else ''}")
+    problem = request_id_problem(v)
+    if problem:
+        raise ValueError(f"request_id: {problem}")
     return v
 
 

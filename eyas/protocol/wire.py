@@ -23,7 +23,8 @@ import torch
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol.codec import ANY_DIM, DEFAULT_MAX_NUMEL, decode_tensor, encode_tensor
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
-from eyas.protocol.schema import MAX_REQUEST_ID_LEN, CancelRequest, GenerateRequest, parse_cancel, parse_request
+from eyas.protocol.schema import (CancelRequest, GenerateRequest, parse_cancel, parse_request,
+                                  request_id_problem)
 from eyas.protocol.tree import (PARENT_IS_SEED, ROW_IS_ROOT, DraftTree, FlatTree, flatten_tree,
                                 retrieve_from_parents, tree_mask_from_parents, validate_flat_tree)
 
@@ -46,9 +47,10 @@ def _inbound() -> Iterator[None]:
 
 
 def check_request_id(value: str, name: str = "request_id") -> str:
-    """A request id is 1 to MAX_REQUEST_ID_LEN characters."""
-    if not value or len(value) > MAX_REQUEST_ID_LEN:
-        raise WireError(f"{name}: expected 1 to {MAX_REQUEST_ID_LEN} characters, got {len(value)}")
+    """A request id, by the client edges' rule (``schema.request_id_problem``)."""
+    problem = request_id_problem(value)
+    if problem:
+        raise WireError(f"{name}: {problem}")
     return value
 
 

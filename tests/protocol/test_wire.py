@@ -89,7 +89,8 @@ def test_root_only_tree_round_trips():
     ({"round": ROUND - 1}, "round", "stale or from the future"),
     ({"round": ROUND + 1}, "round", "stale or from the future"),
     ({"base_position": BASE + 1}, "base_position", "not the committed length"),
-    ({"request_id": ""}, "request_id", "1 to 256 characters"),
+    ({"request_id": ""}, "request_id", "non-empty string of at most 256 characters"),
+    ({"request_id": "  "}, "request_id", "non-empty string of at most 256 characters"),
 ])
 def test_inbound_flat_tree_is_rejected_naming_the_field(overrides, field, why):
     with pytest.raises(WireError) as err:
