@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from dataclasses import dataclass, asdict
 from pathlib import Path
 
@@ -105,10 +106,28 @@ def _file_digest(path: Path) -> str:
 
 
 def _materialize_gguf(gguf: Path) -> Path:
-    """Dequantize ``gguf`` once into a cache folder of safetensors + config + tokenizer."""
+    """Dequantize ``gguf`` once into a cache folder of safetensors + config + tokenizer.
+
+    Processes that start together (a Serve app's replicas) take turns on a file lock: the first
+    writes the folder, the others wait and then read it, instead of each dequantizing its own copy
+    (measured before the lock: two 517 MB ``.tmpPID`` folders left behind by the losers of the
+    rename race). A crash leaves at most its own ``.tmpPID`` folder, removed by the next writer."""
     folder = cache_root() / f"{gguf.stem}-{_file_digest(gguf)}"
     if (folder / "eyas_target.json").exists():
         return folder
+    from filelock import FileLock
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if (folder / "eyas_target.json").exists():  # another process wrote it while we waited
+            return folder
+        for stale in folder.parent.glob(folder.name + ".tmp*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        _write_materialized(gguf, folder)
+    return folder
+
+
+def _write_materialized(gguf: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -125,11 +144,9 @@ def _materialize_gguf(gguf: Path) -> Path:
     save_file(state, str(tmp / "model.safetensors"))
     tok.save_pretrained(tmp)
     (tmp / "eyas_target.json").write_text(json.dumps({"source": str(gguf)}))
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process won the race; use theirs
-        pass
-    return folder
+    if folder.exists():  # a folder without eyas_target.json: an unfinished write from before
+        shutil.rmtree(folder)
+    tmp.rename(folder)
 
 
 def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:

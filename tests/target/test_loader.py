@@ -94,3 +94,37 @@ def test_a_drafter_worker_loads_no_decoder_layer(tmp_path, monkeypatch):
     assert worker.vocab_size == 64 and set(worker.engines) == {"eagle1", "eagle3"}
     points = worker.measure_costs(repeats=1)
     assert all(ms > 0 for m in points for _, _, ms in points[m])
+
+
+def test_replicas_that_start_together_materialize_the_gguf_once(tmp_path, monkeypatch):
+    """Four threads (as a Serve app's replicas) ask for the same GGUF's cache folder at once: the
+    file lock lets one write it while the others wait, and every one gets the same folder. A stale
+    ``.tmpPID`` folder from a crashed writer is removed."""
+    import threading
+    import time
+
+    import eyas.target.loader as loader
+
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"not really a gguf")
+    writes = []
+
+    def fake_write(_gguf, folder):
+        writes.append(folder)
+        time.sleep(0.3)
+        folder.mkdir()
+        (folder / "eyas_target.json").write_text("{}")
+
+    monkeypatch.setattr(loader, "_write_materialized", fake_write)
+    first = loader.cache_root() / f"model-{loader._file_digest(gguf)}"
+    stale = first.with_name(first.name + ".tmp999999")
+    stale.mkdir(parents=True)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(loader._materialize_gguf(gguf))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [first] * 4 and writes == [first]
+    assert not stale.exists()
