@@ -213,6 +213,62 @@ def test_http_generate_cancel_and_stats(http_url, client, reference, no_leaks):
     no_leaks(client)
 
 
+def _live_requests(client) -> int:
+    return sum(w["live_requests"] for w in client.stats()["workers"])
+
+
+def _wait_for(predicate, timeout_s: float = 60.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+COUNT_300 = {"prompt": "Count from 1 to 300, one number per line, and say nothing else.", "method": "eagle3",
+             "max_new_tokens": 400}
+
+
+def test_http_cancel_by_name_ends_a_running_http_request(http_url, client, no_leaks):
+    """POST /cancel with the name of a running POST / request: that request answers 200 with
+    finish_reason "cancelled" and fewer than its 400 tokens."""
+    import json
+    import threading
+    import uuid
+
+    name = f"http-{uuid.uuid4().hex}"
+    answer = {}
+    thread = threading.Thread(target=lambda: answer.update(
+        zip(("status", "report"), _http(http_url + "/", json.dumps({**COUNT_300, "request_id": name}).encode()))))
+    thread.start()
+    assert _wait_for(lambda: _live_requests(client) == 1)
+    assert _http(http_url + "/cancel", json.dumps({"request_id": name}).encode()) == (200, {})
+    thread.join(timeout=120)
+    assert answer["status"] == 200 and answer["report"]["finish_reason"] == "cancelled"
+    assert answer["report"]["new_tokens"] < 400
+    no_leaks(client)
+
+
+def test_an_http_client_that_disconnects_cancels_its_request(http_url, client, no_leaks):
+    """Closing the connection of a running POST / stops the request (Serve's HTTP proxy cancels the
+    ingress call, whose ``finally`` cancels the target call): it counts as cancelled, nothing leaks."""
+    import http.client
+    import json
+    from urllib.parse import urlparse
+
+    before = _cancelled_count(client)
+    url = urlparse(http_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
+    conn.request("POST", "/", body=json.dumps(COUNT_300), headers={"Content-Type": "application/json"})
+    assert _wait_for(lambda: _live_requests(client) == 1)
+    conn.close()  # the client leaves before the answer
+    no_leaks(client)
+    assert _wait_for(lambda: _cancelled_count(client) == before + 1, timeout_s=30)
+
+
 def test_stats_reports_round_spans_and_speculation_metrics(client):
     import time
 
