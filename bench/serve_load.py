@@ -21,6 +21,7 @@ Run:
     .venv/bin/python bench/serve_load.py                               # 1, 4, 16 clients, 32 tokens
     .venv/bin/python bench/serve_load.py --concurrency 1 4 --requests 8 --max-new-tokens 64
     .venv/bin/python bench/serve_load.py --server 127.0.0.1:9000       # against `eyas serve`
+    .venv/bin/python bench/serve_load.py --precision fp16w --json bench/results/serve_load-fp16w.json
 
 Writes bench/results/serve_load.json and .png (latency, TTFT and throughput against concurrency).
 """
@@ -155,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", help="a .jsonl of {\"prompt\": ...} instead of MT-bench")
     ap.add_argument("--target-replicas", type=int, default=1)
     ap.add_argument("--drafter-replicas", type=int, default=1)
+    ap.add_argument("--precision", choices=("fp32", "fp16w", "int8"), default="fp32",
+                    help="the served target precision of the local app (both methods run at it)")
     ap.add_argument("--json", default=str(RESULTS / "serve_load.json"))
     args = ap.parse_args(argv)
 
@@ -166,7 +169,7 @@ def main(argv=None) -> int:
     if address is None:
         print("starting a local Ray and the Eyas application ...", flush=True)
         address, stop = start_local({"methods": ["eagle3"], "target_replicas": args.target_replicas,
-                                     "drafter_replicas": args.drafter_replicas})
+                                     "drafter_replicas": args.drafter_replicas, "precision": args.precision})
     try:
         for method in METHODS:  # warm-up: first forwards, lazy engine set-up
             one_request(address, prompts[0], method, 4)
@@ -195,7 +198,8 @@ def main(argv=None) -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "server": args.server,
-                               "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=1))
+                               "precision": args.precision, "max_new_tokens": args.max_new_tokens, "rows": rows},
+                              indent=1))
     plot(rows, out.with_suffix(".png"))
     hop = statistics.fmean(r["hop_ms_per_round"] for r in rows if r["method"] == "eagle3")
     print(f"\nsummary: {len(rows)} levels; Ray hop cost {hop:.1f} ms per speculative round; "
