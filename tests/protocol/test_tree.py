@@ -190,3 +190,21 @@ def test_validate_flat_tree_rejects_bad_arguments(kwargs, field):
 def test_flat_tree_layout_errors_name_the_field(change, field):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(_flat(), **change)
+
+
+def test_a_draft_tree_pickles_through_lists_and_arrives_equal_and_validated():
+    """Ray pickles trees between replicas: the round trip keeps every value and dtype (float32
+    confidences survive float64 lists exactly), an empty tree stays empty, and the arrival runs
+    the constructor's checks again."""
+    import pickle
+
+    from eyas.protocol import tree as tree_module
+
+    t = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([PARENT_IS_SEED, PARENT_IS_SEED, 0]),
+                  torch.tensor([1, 1, 2]), torch.tensor([0.7, 0.1, 1 / 3], dtype=torch.float32))
+    back = pickle.loads(pickle.dumps(t))
+    for name in ("tokens", "parents", "depths", "draft_probs"):
+        assert torch.equal(getattr(back, name), getattr(t, name)) and getattr(back, name).dtype == getattr(t, name).dtype
+    assert pickle.loads(pickle.dumps(DraftTree.empty())).num_nodes == 0
+    with pytest.raises(ValueError, match="^depths: node 2"):
+        tree_module._draft_tree_from_lists([5, 6, 7], [PARENT_IS_SEED, PARENT_IS_SEED, 0], [1, 1, 3], [0.7, 0.1, 0.2])
