@@ -43,24 +43,13 @@ MAX_NEW_TOKENS = 400
 MODES = ("close", "close+Cancel")
 
 
-def finish_counts(client) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for p in client.stats()["metrics"].get("eyas.requests", []):
-        out[p["attributes"]["finish_reason"]] = out.get(p["attributes"]["finish_reason"], 0) + p["value"]
-    return out
-
-
-def sessions_free(client) -> bool:
-    return all(w["live_sessions"] == 0 and w["live_requests"] == 0 for w in client.stats()["workers"])
-
-
 def wait_finished(client, before: dict, since: float, wait_s: float) -> tuple[float | None, str | None]:
     """(seconds from ``since`` until every session is free, the new finish reason), or Nones at ``wait_s``."""
     freed_s = None
     while time.monotonic() - since < wait_s:
-        if freed_s is None and sessions_free(client):
+        if freed_s is None and client.idle():
             freed_s = time.monotonic() - since
-        after = finish_counts(client)
+        after = client.finish_counts()
         new = {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
         if new and freed_s is not None:
             return freed_s, max(new, key=new.get)
@@ -70,7 +59,7 @@ def wait_finished(client, before: dict, since: float, wait_s: float) -> tuple[fl
 
 def one_trial(client, mode: str, wait_s: float) -> dict:
     """Leave after two chunks; wait until the request's finish is recorded and every session is free."""
-    before = finish_counts(client)
+    before = client.finish_counts()
     name = uuid.uuid4().hex
     if mode == "close":
         request = client.request(prompt=PROMPT, method="eagle3", max_new_tokens=MAX_NEW_TOKENS, request_id=name)

@@ -94,6 +94,19 @@ class EyasClient:
     def stats(self) -> dict:
         return json.loads(self._call(self.stub.Stats, pb.StatsRequest()).json)
 
+    def finish_counts(self) -> dict[str, float]:
+        """Requests finished so far, per finish reason ("stop", "length", "cancelled", "error"), over
+        every target replica (the ``eyas.requests`` metric of ``Stats``)."""
+        counts: dict[str, float] = {}
+        for point in self.stats()["metrics"].get("eyas.requests", []):
+            reason = point["attributes"]["finish_reason"]
+            counts[reason] = counts.get(reason, 0) + point["value"]
+        return counts
+
+    def idle(self) -> bool:
+        """Whether no worker of the app holds a session or an in-flight request (a drain check)."""
+        return all(w["live_sessions"] == 0 and w["live_requests"] == 0 for w in self.stats()["workers"])
+
     def _call(self, method, request):
         try:
             return method(request, timeout=self.timeout_s, metadata=self.metadata)

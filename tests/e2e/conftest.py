@@ -72,11 +72,9 @@ def no_leaks():
 def wait_until_no_sessions(client, timeout_s: float = 60.0) -> list[dict]:
     """The leak invariant: poll Stats until no worker holds a session, then check every worker's books."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        workers = client.stats()["workers"]
-        if all(w["live_sessions"] == 0 and w["live_requests"] == 0 for w in workers) or time.monotonic() > deadline:
-            break
+    while not client.idle() and time.monotonic() < deadline:
         time.sleep(0.2)
+    workers = client.stats()["workers"]
     for w in workers:
         assert w["live_sessions"] == 0 and w.get("kv_slots_allocated", 0) == 0, w
         assert w["ok"] in (True, None), w   # None: a worker that is dead or restarting (it holds nothing)

@@ -114,8 +114,7 @@ def test_the_python_client_validates_before_sending(client):
 
 
 def _cancelled_count(client) -> float:
-    return sum(p["value"] for p in client.stats()["metrics"].get("eyas.requests", [])
-               if p["attributes"]["finish_reason"] == "cancelled")
+    return client.finish_counts().get("cancelled", 0)
 
 
 def test_a_client_that_goes_away_cancels_its_request_and_frees_its_sessions(client, no_leaks):
