@@ -12,8 +12,9 @@ long answer ("Count from 1 to 300 ...", 400 tokens) after its first two chunks:
 Per trial: seconds from leaving until no worker holds a session, and whether the cancel was lost:
 the request finished by itself, or not within ``--wait-s`` (the bench then stops it by name so that
 it does not load the next trials). With 2 busy-loop processes on a 2-core machine even a cancel that
-arrives takes 10-17 s to free the sessions, too close to ``--wait-s`` to tell; with 1 it takes ~1 s. Printed as a table with each mode's lost
-fraction and median free time as a ratio of the ``close`` baseline of the same run.
+arrives takes 10-17 s to free the sessions, too close to ``--wait-s`` to tell; with 1 it takes ~1 s.
+Printed as a table with each mode's lost fraction and median free time as a ratio of the ``close``
+baseline of the same run.
 
 Run:
     .venv/bin/python bench/cancel.py                    # 20 trials per mode, 1 busy-loop process

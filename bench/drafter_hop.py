@@ -34,22 +34,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "Count from 1 to 300, one number per line, and say nothing else."
 
 
-class _Locked:
-    """A worker behind a lock, as the deployments hold theirs."""
-
-    def __init__(self, worker):
-        self.worker, self.lock = worker, threading.Lock()
-
-    def __getattr__(self, name):
-        method = getattr(self.worker, name)
-
-        def call(*args):
-            with self.lock:
-                return method(*args)
-
-        return call
-
-
 def _median_ms(values) -> float:
     return 1000 * statistics.median(values) if values else 0.0
 
@@ -96,6 +80,7 @@ def main(argv=None) -> int:
 
     from eyas.actors.drafter_worker import DrafterWorker
     from eyas.actors.target_worker import TargetWorker
+    from eyas.cluster.deployments import _Locked
     from eyas.cluster.round_loop import WorkerCalls
     from eyas.drafting.engine import TreeSpec
     from eyas.target.loader import encode_prompt, load_tokenizer
@@ -103,7 +88,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # as the deployments run (torch_threads: 1)
     tree = TreeSpec("dynamic", *args.tree)
     print(f"loading the target and the EAGLE-3 drafter ({args.precision}) ...", flush=True)
-    target = _Locked(TargetWorker.load("smollm2-135m", args.precision, 1))
+    target = _Locked(TargetWorker.load("smollm2-135m", args.precision, 1), threading.Lock())
     ids = encode_prompt(load_tokenizer(), PROMPT)
     local = DrafterWorker.load("smollm2-135m", ("eagle3",), threads=1, precision=args.precision)
     local.measure_costs(1)
@@ -117,8 +102,9 @@ def main(argv=None) -> int:
 
     rows = {}
     with tqdm(total=2 * args.requests + args.calls, desc="hop", unit="call") as bar:
-        rows["local"] = drive(target, WorkerCalls(_Locked(local), 120, local=True, drafter=True), local.info(),
-                              ids, tree, args.requests, args.max_new_tokens, "local", bar)
+        local_calls = WorkerCalls(_Locked(local, threading.Lock()), 120, local=True, drafter=True)
+        rows["local"] = drive(target, local_calls, local.info(), ids, tree, args.requests, args.max_new_tokens,
+                              "local", bar)
         bar.set_postfix_str("starting Ray and the drafter replica")
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  object_store_memory=160 * 1024 ** 2)

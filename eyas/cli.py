@@ -40,7 +40,8 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", help="served precision of the target: fp32 | fp16w (fp16 weights, fp32 compute) | int8")
     p.add_argument("--target", default="smollm2-135m", help="smollm2-135m, a .gguf file, or an HF checkpoint dir")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
-    p.add_argument("--request-id", help="name the request (so that `eyas cancel` can stop it); default: the server names it")
+    p.add_argument("--request-id",
+                   help="name the request (so that `eyas cancel` can stop it); default: the server names it")
 
 
 def _request(args, method: str | None = None):

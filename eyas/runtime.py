@@ -21,7 +21,8 @@ from eyas.generate import GenerationResult, generate
 from eyas.protocol.schema import GenerateRequest
 from eyas.target.engine import TargetEngine
 from eyas.target.loader import DEFAULT_TARGET, LoadedTarget, TargetFingerprint, encode_prompt, load_target
-from eyas.target.model import FeatureTap, TargetConfig, eagle1_feature_address, eagle3_feature_address, quantize_fp16_weights
+from eyas.target.model import (FeatureTap, TargetConfig, eagle1_feature_address, eagle3_feature_address,
+                               quantize_fp16_weights)
 from eyas.verification.sampling import SamplingParams
 
 REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
@@ -73,7 +74,8 @@ def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: 
 def smaller_tree(tree: TreeSpec, cap: TreeSpec) -> TreeSpec:
     """``tree`` with each EAGLE-2 knob (width, depth, budget) at most ``cap``'s."""
     return replace(tree, expand_width=min(tree.expand_width, cap.expand_width),
-                   max_depth=min(tree.max_depth, cap.max_depth), verify_budget=min(tree.verify_budget, cap.verify_budget))
+                   max_depth=min(tree.max_depth, cap.max_depth),
+                   verify_budget=min(tree.verify_budget, cap.verify_budget))
 
 
 def set_threads(threads: int | None = None) -> None:

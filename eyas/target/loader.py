@@ -21,6 +21,7 @@ import torch
 from eyas.target.model import TargetConfig, TargetModel, quantize_fp16_weights, quantize_int8
 
 DEFAULT_TARGET = "smollm2-135m"
+FINGERPRINT_FILE = "eyas_fingerprint.json"  # beside the checkpoint: the fingerprint, computed once
 PRECISIONS = ("fp32", "fp16w", "int8")
 # The fixed passage whose activations calibrate the int8 clamps (part of the served int8 model).
 CALIBRATION_TEXT = (
@@ -185,6 +186,13 @@ def _read_tensors(folder: Path, names: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _cached_fingerprint(folder: Path, cfg: TargetConfig) -> TargetFingerprint | None:
+    """The fingerprint ``load_target`` cached beside the checkpoint, if it is for this config."""
+    path = folder / FINGERPRINT_FILE
+    meta = json.loads(path.read_text()) if path.exists() else {}
+    return TargetFingerprint(**meta) if meta.get("config_digest") == cfg.digest() else None
+
+
 def checkpoint_folder(source: str | os.PathLike = DEFAULT_TARGET) -> Path:
     """The HF-style folder that ``source`` names (a GGUF is dequantized into the cache once)."""
     if str(source) == DEFAULT_TARGET:
@@ -237,18 +245,16 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     model.load_hf_state_dict(_read_state_dict(folder))
     model.eval()
 
-    meta_path = folder / "eyas_fingerprint.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    if meta.get("config_digest") != cfg.digest():
-        meta = {"config_digest": cfg.digest(), "weight_digest": model.weight_digest(),
-                "tokenizer_digest": tokenizer_digest(tokenizer)}
+    fingerprint = _cached_fingerprint(folder, cfg)
+    if fingerprint is None:
+        fingerprint = TargetFingerprint(cfg.digest(), model.weight_digest(), tokenizer_digest(tokenizer))
+        meta_path = folder / FINGERPRINT_FILE
         try:  # atomically: a replica starting beside this one may read it at any moment
             tmp = meta_path.with_name(f"{meta_path.name}.tmp{os.getpid()}")
-            tmp.write_text(json.dumps(meta))
+            tmp.write_text(json.dumps(fingerprint.to_dict()))
             os.replace(tmp, meta_path)
         except OSError:
             pass  # read-only checkpoint folder: recompute next time
-    fingerprint = TargetFingerprint(**meta)
     model.to(device)
     if precision == "fp16w":
         quantize_fp16_weights(model)
@@ -269,29 +275,19 @@ def load_target_head(source: str | os.PathLike = DEFAULT_TARGET, precision: str 
         raise ValueError(f"precision: {precision!r} is not one of ('fp32', 'fp16w') for a target head")
     folder = checkpoint_folder(source)
     cfg = TargetConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    meta_path = folder / "eyas_fingerprint.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    if meta.get("config_digest") != cfg.digest():
-        fingerprint = load_target(source, "fp32").fingerprint  # writes the cache when it can
-    else:
-        fingerprint = TargetFingerprint(**meta)
+    fingerprint = _cached_fingerprint(folder, cfg) or load_target(source, "fp32").fingerprint  # caches it
     names = {"model.embed_tokens.weight"} | (set() if cfg.tie_word_embeddings else {"lm_head.weight"})
     tensors = _read_tensors(folder, names)
-    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    for name, tensor in tensors.items():  # both are [V, d]
+        if tuple(tensor.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"checkpoint: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the config says {(cfg.vocab_size, cfg.hidden_size)}")
+    # built from the checkpoint's tensors (fp32, as the whole target's parameters), not initialised
+    embed = torch.nn.Embedding.from_pretrained(tensors["model.embed_tokens.weight"].float(), freeze=True)
     holder = torch.nn.Module()
-    holder.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-    with torch.no_grad():
-        for name, param in (("model.embed_tokens.weight", embed.weight), ("lm_head.weight", holder.lm_head.weight)):
-            if name in tensors and tuple(tensors[name].shape) != tuple(param.shape):
-                raise ValueError(f"checkpoint: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
-                                 f"the config says {tuple(param.shape)}")
-        embed.weight.copy_(tensors["model.embed_tokens.weight"])
-        if cfg.tie_word_embeddings:
-            holder.lm_head.weight = embed.weight
-        else:
-            holder.lm_head.weight.copy_(tensors["lm_head.weight"])
-    holder.requires_grad_(False)
-    embed.requires_grad_(False)
+    holder.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+    holder.lm_head.weight = embed.weight if cfg.tie_word_embeddings else \
+        torch.nn.Parameter(tensors["lm_head.weight"].float(), requires_grad=False)
     if precision == "fp16w":
         quantize_fp16_weights(holder)
     return LoadedHead(embed, holder.lm_head, cfg, fingerprint, precision, str(source))

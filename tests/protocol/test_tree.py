@@ -202,9 +202,12 @@ def test_a_draft_tree_pickles_through_lists_and_arrives_equal_and_validated():
 
     t = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([PARENT_IS_SEED, PARENT_IS_SEED, 0]),
                   torch.tensor([1, 1, 2]), torch.tensor([0.7, 0.1, 1 / 3], dtype=torch.float32))
-    back = pickle.loads(pickle.dumps(t))
+    blob = pickle.dumps(t)
+    assert len(blob) < 400  # lists, not four pickled tensors (about 1.5 kB)
+    back = pickle.loads(blob)
     for name in ("tokens", "parents", "depths", "draft_probs"):
-        assert torch.equal(getattr(back, name), getattr(t, name)) and getattr(back, name).dtype == getattr(t, name).dtype
+        assert torch.equal(getattr(back, name), getattr(t, name))
+        assert getattr(back, name).dtype == getattr(t, name).dtype
     assert pickle.loads(pickle.dumps(DraftTree.empty())).num_nodes == 0
     with pytest.raises(ValueError, match="^depths: node 2"):
         tree_module._draft_tree_from_lists([5, 6, 7], [PARENT_IS_SEED, PARENT_IS_SEED, 0], [1, 1, 3], [0.7, 0.1, 0.2])

@@ -74,7 +74,7 @@ def test_a_target_head_refuses_int8(tmp_path):
 
 def test_a_drafter_worker_loads_no_decoder_layer(tmp_path, monkeypatch):
     """The drafter deployment's worker reads the target's head only: once the fingerprint is cached
-    it never loads the whole target. A drafter trained for another target (the shipped SmolLM2 one)
+    it never builds the whole target. A drafter trained for another target (the shipped SmolLM2 one)
     is refused for this one; with none shipped, an untrained one drafts through the head."""
     import eyas.runtime
     import eyas.target.loader
@@ -85,9 +85,10 @@ def test_a_drafter_worker_loads_no_decoder_layer(tmp_path, monkeypatch):
         DrafterWorker.load(str(folder), ("eagle1",))
 
     def whole_target(*args, **kwargs):
-        raise AssertionError("the drafter worker loaded the whole target")
+        raise AssertionError("the drafter worker built the whole target")
 
-    monkeypatch.setattr(eyas.target.loader, "load_target", whole_target)
+    # every whole-target load (load_target, through any module's name for it) builds a TargetModel
+    monkeypatch.setattr(eyas.target.loader, "TargetModel", whole_target)
     monkeypatch.setattr(eyas.runtime, "REPO_DRAFTERS", tmp_path / "none-shipped")
     with pytest.warns(UserWarning, match="untrained"):
         worker = DrafterWorker.load(str(folder), ("eagle1", "eagle3"))
