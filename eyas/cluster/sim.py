@@ -437,8 +437,11 @@ class _Sim:
         self.round_s: dict[int, float] = {}  # batch size -> seconds of a round without prefill rows
         self.seq = 0
         self.replicas: list[_Replica] = []   # every replica ever launched, by id
-        self.alive: list[_Replica] = []      # not stopped, by id
-        self.active: list[_Replica] = []     # ready and not draining, by id: the routing targets
+        # keyed by id (insertion order = launch order): a replica's start and stop are O(1), so a plan
+        # that launches tens of thousands of replicas stays linear in its events
+        self.alive: dict[int, _Replica] = {}   # not stopped
+        self.active: dict[int, _Replica] = {}  # ready and not draining: the routing targets
+        self.busy_count = 0                    # alive replicas in a round
         self.router: list[tuple[int, int, int]] = []  # heap of (load, served, id) of active replicas; stale
         #                                               entries (an older load or served) are skipped lazily
         self.pool_queue: deque[_Req] = deque()  # arrived while no replica was ready
@@ -473,7 +476,7 @@ class _Sim:
     def launch(self, t: float, delay: float) -> _Replica:
         r = _Replica(len(self.replicas), t)
         self.replicas.append(r)
-        self.alive.append(r)
+        self.alive[r.id] = r
         self.peak = max(self.peak, len(self.alive))
         self.push(t + delay, _READY, r)
         return r
@@ -482,7 +485,8 @@ class _Sim:
         if r.status != STARTING:  # cancelled while starting
             return
         r.status, r.ready_s = ACTIVE, t
-        self.set_active()
+        self.active[r.id] = r
+        heapq.heappush(self.router, (r.load, r.served, r.id))
         waiting, self.pool_queue = self.pool_queue, deque()
         routed = {self.route(q, t, start=False) for q in waiting}
         for r2 in sorted(routed, key=lambda x: x.id):  # after routing them all, so that they share a round
@@ -493,13 +497,13 @@ class _Sim:
             self.serving_closed += t - r.ready_s
         r.status = STOPPED
         self.billed_closed += t - r.launch_s
-        self.alive.remove(r)
-        self.set_active()
+        del self.alive[r.id]
+        self.active.pop(r.id, None)  # its router entries go stale and are skipped
 
     def set_active(self) -> None:
-        """Recompute the routing targets after a status change (rare), and rebuild the router heap."""
-        self.active = [r for r in self.alive if r.status == ACTIVE]
-        self.router = [(r.load, r.served, r.id) for r in self.active]
+        """Recompute the routing targets after a resize (once per control tick), and rebuild the router heap."""
+        self.active = {r.id: r for r in self.alive.values() if r.status == ACTIVE}
+        self.router = [(r.load, r.served, r.id) for r in self.active.values()]
         heapq.heapify(self.router)
 
     def offer(self, r: _Replica) -> None:
@@ -520,10 +524,10 @@ class _Sim:
 
     def resize(self, desired: int, t: float) -> None:
         """Grow: un-drain (oldest first), then launch. Shrink: cancel starting, then drain, newest first."""
-        serving = [r for r in self.alive if r.status in (STARTING, ACTIVE)]
+        serving = [r for r in self.alive.values() if r.status in (STARTING, ACTIVE)]
         if desired > len(serving):
             need = desired - len(serving)
-            for r in [r for r in self.alive if r.status == DRAINING][:need]:
+            for r in [r for r in self.alive.values() if r.status == DRAINING][:need]:
                 r.status = ACTIVE
                 need -= 1
             for _ in range(need):
@@ -573,6 +577,7 @@ class _Sim:
                 self.stop(r, t)
             return
         r.busy = True
+        self.busy_count += 1
         r.round_start = t
         if extra_rows:
             dur = m.round_ms(r.running, extra_rows) / MS_PER_S
@@ -581,12 +586,12 @@ class _Sim:
             if dur is None:
                 dur = self.round_s[r.running] = m.round_ms(r.running) / MS_PER_S
         if m.host_replicas is not None:  # a shared host: the rounds in flight share its speed
-            busy = sum(1 for x in self.alive if x.busy)
-            dur *= max(1.0, busy / m.host_replicas)
+            dur *= max(1.0, self.busy_count / m.host_replicas)
         self.push(t + dur, _ROUND_END, r)
 
     def round_end(self, r: _Replica, t: float) -> None:
         r.busy = False
+        self.busy_count -= 1
         self.busy_closed += t - r.round_start
         for q in r.joiners:
             q.first_token = t
@@ -615,7 +620,7 @@ class _Sim:
     def totals(self, t: float) -> tuple[float, float, float]:
         """(busy, serving, billed) replica-seconds from 0 to ``t``, open intervals included."""
         busy, serving, billed = self.busy_closed, self.serving_closed, self.billed_closed
-        for r in self.alive:
+        for r in self.alive.values():
             billed += t - r.launch_s
             if r.status in (ACTIVE, DRAINING):
                 serving += t - r.ready_s
@@ -625,8 +630,8 @@ class _Sim:
 
     def counts(self) -> tuple[int, int, int]:
         """(ready non-draining, starting, draining) replicas."""
-        starting = sum(r.status == STARTING for r in self.alive)
-        draining = sum(r.status == DRAINING for r in self.alive)
+        starting = sum(r.status == STARTING for r in self.alive.values())
+        draining = sum(r.status == DRAINING for r in self.alive.values())
         return len(self.active), starting, draining
 
     def control(self, t: float) -> None:

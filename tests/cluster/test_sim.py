@@ -6,7 +6,6 @@ Units: times in seconds unless a name says ``_ms``; lengths in tokens; rates per
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
@@ -261,28 +260,54 @@ def test_invalid_inputs_are_rejected():
 
 SPEED_RATE = 1000.0     # requests/s
 SPEED_S = 30.0          # simulated seconds of arrivals
-SPEED_WALL_S = 20.0     # wall-clock budget
 SPEED_REPLICAS = 160    # ~98 % utilised at this load
 
 
-def test_thousand_requests_per_second_for_30_s_is_fast():
+def test_thousand_requests_per_second_for_30_s_on_160_replicas():
     """~30,000 requests (mean output 160 tokens, tau 3, 16-node trees, max_batch 32) on 160 replicas
-    in under 20 s wall. In the steady state (10..30 s) the pool emits what arrives:
+    (a few seconds of wall time; no wall-clock assertion, tests assert behaviour). In the steady state (10..30 s) the pool emits what arrives:
     1000 req/s * 160 tokens = 160,000 tokens/s, within 5 %."""
     model = ReplicaModel(Curve.from_points({1: 20.0, 64: 25.0, 256: 40.0, 1024: 120.0}), tokens_per_round=3.0,
                          rows_per_request=17, max_batch=32, draft_ms=Curve.from_points({1: 2.0, 512: 6.0}),
                          draft_rows_per_request=16)
     lengths = ((64, 0.5), (256, 0.5))
     work = Workload(Arrivals.poisson(SPEED_RATE, duration_s=SPEED_S), output_len=lengths, prompt_len=128)
-    t0 = time.perf_counter()
     r = simulate(work, model, ClusterModel(replicas=SPEED_REPLICAS, node_size=8), seed=0)
-    wall = time.perf_counter() - t0
-    assert wall < SPEED_WALL_S, wall
     assert r.unfinished == 0 and abs(len(r.requests) - SPEED_RATE * SPEED_S) < 5 * math.sqrt(SPEED_RATE * SPEED_S)
     steady = [p.tokens_per_s for p in r.timeline if 10 <= p.time_s <= SPEED_S]
     offered = SPEED_RATE * sum(n * p for n, p in lengths)
     assert sum(steady) / len(steady) == pytest.approx(offered, rel=0.05)
     assert 0 < r.mean_utilisation <= 1
+
+
+MANY_REPLICAS = 5000
+
+
+def test_thousands_of_replicas_rebuild_the_routing_table_once_per_control_tick(monkeypatch):
+    """A policy that asks for 5,000 replicas at the first tick (1 s), then for 1 from 6 s on.
+
+    Starting, readying and stopping a replica are O(1); only a resize (once per control tick) rebuilds
+    the routing table. Before this, every replica that became ready or stopped rebuilt it over all
+    alive replicas: O(N^2) in the replicas launched, which made `eyas experiment autoscale`'s plan at
+    100 req/s with 1 verify row per replica (~50,000 replicas) run for tens of minutes.
+    Worked example: ticks at 1..12 s; 5,000 replicas launched at 1 s are ready at 4 s (3 s start-up);
+    the tick at 6 s stops the 4,999 idle newest ones at once; 12 s of ticks = 12 rebuilds at most.
+    """
+    from eyas.cluster import sim
+
+    rebuilds = []
+    real = sim._Sim.set_active
+    monkeypatch.setattr(sim._Sim, "set_active", lambda self: (rebuilds.append(1), real(self))[1])
+    model = ReplicaModel(Curve.from_points({1: ROUND_MS}), max_batch=4)
+    policy = lambda s: MANY_REPLICAS if s.time_s < 6 else 1  # noqa: E731
+    cluster = ClusterModel(replicas=1, autoscaling=Autoscaling(policy, control_interval_s=CONTROL_S,
+                                                               startup_delay_s=STARTUP_S))
+    work = Workload(Arrivals.explicit([0.5 * i for i in range(20)]), output_len=4, prompt_len=4)
+    r = simulate(work, model, cluster, until_s=12.0)
+    ready = {p.time_s: p.ready for p in r.timeline}
+    assert r.peak_replicas == MANY_REPLICAS and ready[5.0] == MANY_REPLICAS and r.timeline[-1].replicas == 1
+    assert r.unfinished == 0
+    assert len(rebuilds) <= 12, len(rebuilds)
 
 
 def test_replicas_on_a_shared_host_slow_each_other_down():
