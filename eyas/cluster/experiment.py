@@ -377,20 +377,38 @@ def fit_cost_scale(schedule: list[Arrival], cal: Calibration, policy: TargetScal
     return math.exp((lo + hi) / 2)
 
 
+CAPACITY_BATCHES = 8  # a saturated replica's capacity is timed over this many full batches of requests
+
+
+def replica_capacity(cal: Calibration, policy: TargetScalingConfig, max_batch: int, output_len: int) -> float:
+    """Requests/s one saturated replica finishes, by simulation: ``CAPACITY_BATCHES x max_batch``
+    requests of ``output_len`` tokens arrive at once at one replica that may not scale. Unlike a
+    full batch's round time alone, this counts every joiner's prefill rows and the fitted cost scale.
+    """
+    one = policy.model_copy(update={"min_replicas": 1, "max_replicas": 1})
+    n = CAPACITY_BATCHES * max_batch
+    r = predict([Arrival(0.0, "capacity", "", output_len, 0)] * n, cal, one, max_batch, initial_replicas=1,
+                until_s=0.0)
+    done = n - r.unfinished  # a replica slower than predict's 600-s horizon leaves some unfinished
+    return done / r.makespan_s if done and r.makespan_s > 0 else 0.0
+
+
 def plan(cal: Calibration, policy: TargetScalingConfig, max_batch: int, rates: list[float], duration_s: float,
          output_len: int, cost_per_replica_hour: float = 1.0) -> list[dict]:
-    """Predicted replicas, nodes, latency and cost at arrival rates far above this machine's (Poisson)."""
+    """Predicted replicas, nodes, latency and cost at arrival rates far above this machine's (Poisson).
+
+    Each rate starts at its steady-state count, ``ceil(rate / replica_capacity)``, so that the plan is
+    not a cold start: from a count that cannot keep up, the queue grows until replicas launched now
+    are ready, and a rows-per-replica policy asks for a replica per few queued rows (tens of
+    thousands at 100 req/s).
+    """
     big = policy.model_copy(update={"max_replicas": 100_000, "max_step_up": None})
-    # start at the steady-state count (a full batch per replica), so the plan is not a cold start
-    full = max_batch * cal.rows_per_request
-    curve = sim.Curve.from_points(cal.verify_ms)
-    round_s = cal.cost_scale * (curve(full) + cal.draft_ms_per_round + cal.hop_ms_per_round) / 1000
-    per_replica = max_batch * cal.tokens_per_round / round_s / output_len        # requests/s one replica finishes
+    per_replica = replica_capacity(cal, policy, max_batch, output_len)
     out = []
     for rate in rates:
         schedule = [Arrival(t, "plan", "", output_len, 0) for t in
                     sim.Arrivals.poisson(rate, duration_s=duration_s).sample(random.Random(0))]
-        r = predict(schedule, cal, big, max_batch, initial_replicas=max(1, math.ceil(rate / per_replica)),
+        r = predict(schedule, cal, big, max_batch, initial_replicas=max(1, math.ceil(rate / per_replica)) if per_replica else 1,
                     until_s=duration_s)
         out.append({"rate_per_s": rate, "requests": len(schedule), "peak_replicas": r.peak_replicas,
                     "peak_nodes": r.peak_nodes, "p50_latency_s": r.p50_latency_s, "p99_latency_s": r.p99_latency_s,

@@ -49,6 +49,18 @@ def test_planning_far_above_this_machine_gives_replicas_in_proportion_to_the_rat
     assert low["unfinished"] == 0 and high["unfinished"] == 0
 
 
+def test_the_plan_starts_at_a_replica_count_that_keeps_up_with_the_rate():
+    """At 100 req/s, with a policy that never asks for more (1,000 pending rows per replica), the
+    plan's latency does not grow with how long it runs: its starting count, from the simulated
+    capacity of one saturated replica (prefill rows included), keeps up. Measured: p99 1.91 s after
+    10 s and 1.94 s after 40 s (21 replicas). The old start, from a full batch's round time alone,
+    fell behind: 16 replicas, p99 4.15 s after 10 s and 9.8 s after 40 s."""
+    policy = TargetScalingConfig(min_replicas=1, target_verify_rows_per_replica=1000, upscale_delay_s=1)
+    short, long_ = (plan(CAL, policy, max_batch=8, rates=[100], duration_s=d, output_len=20)[0] for d in (10, 40))
+    assert short["peak_replicas"] == long_["peak_replicas"]
+    assert long_["p99_latency_s"] < 1.2 * short["p99_latency_s"], (short, long_)
+
+
 @pytest.mark.parametrize("name", ["cluster.yaml", "fake_cluster.yaml"])
 def test_the_cluster_configs_pass_rays_cluster_schema(name):
     from ray.autoscaler._private.util import prepare_config, validate_config
