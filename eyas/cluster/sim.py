@@ -58,6 +58,7 @@ MS_PER_S = 1000.0
 S_PER_HOUR = 3600.0
 ROUTER_SLACK = 4  # rebuild the router heap when it holds this many entries per active replica
 ROUNDS_EPS = 1e-9  # output_len / tau within this of an integer counts as that integer (float noise)
+NOT_ROUTED = -1  # RequestRecord.replica of a request never routed (the run ended first)
 
 # event kinds, in the order they run at equal times
 _ROUND_END, _READY, _ARRIVAL, _CONTROL, _ROUND_START, _SAMPLE = range(6)
@@ -389,7 +390,7 @@ class _Req:
         self.rounds = model.rounds(output_len)
         self.last_tokens = output_len - (self.rounds - 1) * model.tokens_per_round  # tokens of the last round
         self.prefill_rows = prompt_len * model.prefill_rows_per_prompt_token
-        self.replica = -1
+        self.replica = NOT_ROUTED
         self.first_token = math.nan
         self.finish = math.nan
 
