@@ -306,7 +306,7 @@ class RequestRecord:
     prompt_len: int
     output_len: int
     rounds: int
-    replica: int          # the id of the replica that served it (0 = the first)
+    replica: int          # the id of the replica that served it (0 = the first; NOT_ROUTED: none)
     first_token_s: float  # end of its first round
     finish_s: float       # end of its last round
 
