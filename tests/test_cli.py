@@ -94,6 +94,26 @@ def test_serve_takes_its_addresses_from_the_config_unless_a_flag_says_otherwise(
     assert not ray.is_initialized()
 
 
+def test_a_gpu_reservation_is_warned_about_since_replicas_compute_on_the_cpu(tmp_path, capsys):
+    """`target_num_gpus: 1` is a valid Ray reservation, but no Eyas replica computes on a GPU yet: the
+    config check says so, naming the field, on stderr and in --check-config's JSON; 0 GPUs says nothing."""
+    import ray
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("applications: [{name: eyas, args: {target_num_gpus: 1, drafter_num_gpus: 0.5}}]\n")
+    assert main(["serve", "--check-config", "--config", str(cfg)]) == 0
+    captured = capsys.readouterr()
+    warnings = json.loads(captured.out)["warnings"]
+    assert [w.split(":")[0] for w in warnings] == ["config.target_num_gpus", "config.drafter_num_gpus"]
+    assert all("does not use" in w and "CPU" in w for w in warnings)
+    assert "warning: config.target_num_gpus: 1 reserves GPUs" in captured.err
+    cfg.write_text("applications: [{name: eyas, args: {target_num_gpus: 0}}]\n")
+    assert main(["serve", "--check-config", "--config", str(cfg)]) == 0
+    captured = capsys.readouterr()
+    assert "warnings" not in json.loads(captured.out) and "warning" not in captured.err
+    assert not ray.is_initialized()
+
+
 @pytest.mark.real_model
 def test_generate_json_and_out_of_vocabulary_ids(capsys, real_eyas):
     assert main(["generate", "--prompt", "Say hi.", "--method", "target", "--max-new-tokens", "4", "--json"]) == 0

@@ -95,6 +95,12 @@ class ServeConfig(BaseModel):
                 raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
         return v
 
+    def warnings(self) -> list[str]:
+        """What this config asks for that Eyas does not do: a GPU reservation (replicas compute on the CPU)."""
+        return [f"{kind}_num_gpus: {gpus:g} reserves GPUs that each {kind} replica does not use: Eyas computes on "
+                f"the CPU (GPU execution: not yet, see the README)"
+                for kind, gpus in (("target", self.target_num_gpus), ("drafter", self.drafter_num_gpus)) if gpus > 0]
+
 
 def parse_config(config: dict | None) -> ServeConfig:
     try:
@@ -293,6 +299,8 @@ def build_app(args: dict | None = None):
     from eyas.cluster.deployments import EyasDrafter, EyasTarget
 
     config = parse_config(args)  # fail here, naming the field, before any replica starts
+    for warning in config.warnings():
+        log.warning("config.%s", warning)
     raw = config.model_dump()
     drafter = None
     if config.drafter_replicas > 0 or config.drafter_autoscaling is not None:
