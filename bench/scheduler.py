@@ -2,14 +2,17 @@
 
 In one process, on the real default target (fp32 unless --precision fp16w|int8) and the shipped EAGLE-3
 drafter, a closed loop keeps C requests in flight (C = 1, 4, 16): whenever one finishes the next is
-submitted. Every round runs ONE batched target forward over the planned requests' rows
-(``TargetEngine.verify_batch``). The workload mixes short and long prompts and chatty (MT-bench
-first turns) and repetitive text (prompts that ask to repeat or continue a list), so acceptance
-varies between requests.
+submitted. The loop is the serving replica's own ``RoundLoop`` over an in-process ``TargetWorker`` and
+``DrafterWorker`` (the same messages and calls as an ``EyasTarget`` replica, without Ray): every round
+runs ONE batched target forward over the planned requests' rows. Each request asks for what serving
+gives it, the drafter's default tree (4/5/16 at fp32, 2/2/4 at fp16w), and a policy's tree is capped by
+it. The workload mixes short and long prompts and chatty (MT-bench first turns) and repetitive text
+(prompts that ask to repeat or continue a list), so acceptance varies between requests.
 
 Policies, in the same run and on the same requests (rotating order per level):
     target-only      continuous batching, no drafting (every request 1 row a round)
-    prompt-length    batches of similar prompt lengths, a fixed EAGLE-2 tree (width 4, depth 5, budget 16)
+    prompt-length    batches of similar prompt lengths, one fixed EAGLE-2 tree (width 4, depth 5,
+                     budget 16, within the request's tree)
     tree-work        the Eyas policy: batch and per-request trees chosen from the latency curve and
                      each request's recent acceptance (eyas/scheduler/policy.py)
 
@@ -32,6 +35,7 @@ Writes bench/results/scheduler.json and .png.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import platform
@@ -44,7 +48,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import load_prompts  # noqa: E402
 
-from eyas.cluster.batcher import BatchRunner  # noqa: E402
+from eyas.actors.drafter_worker import DrafterWorker  # noqa: E402
+from eyas.cluster.round_loop import RoundLoop, WorkerCalls  # noqa: E402
+from eyas.drafting.engine import TreeSpec  # noqa: E402
+from eyas.verification.sampling import SamplingParams  # noqa: E402
 from eyas.cluster.sim import percentile  # noqa: E402
 from eyas.runtime import Eyas, set_threads  # noqa: E402
 from eyas.target.loader import PRECISIONS  # noqa: E402
@@ -73,44 +80,73 @@ def workload(n: int, limit: int) -> list[str]:
     return mix
 
 
-def measure(eyas: Eyas, taps) -> LatencyCurve:
+def measure(worker: TargetWorker, taps) -> LatencyCurve:
     """Verify latency against total rows, at a 128-token committed prefix, on this machine."""
-    worker = TargetWorker(eyas.model)
     return LatencyCurve.from_points(worker.measure_latency((1, 2, 4, 8, 16, 32, 64, 128), repeats=3, prefix=128,
                                                            taps=taps))
 
 
 def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], max_new_tokens: int, curve,
-               handle, bar, draft_points: list) -> dict:
+               workers: tuple, bar, draft_points: list) -> dict:
+    """One (policy, concurrency) level through the serving loop (``RoundLoop``) over in-process workers."""
+    target, drafter, info = workers
     budgets = Budgets(max_batch=max(concurrency, 1), max_verify_rows=256)
     pol = {"target-only": lambda: TreeWorkPolicy(budgets, speculate=False),
            "prompt-length": lambda: PromptLengthPolicy(budgets),
            "tree-work": lambda: TreeWorkPolicy(budgets)}[policy]()
-    drafter = None if policy == "target-only" else handle.engine
-    runner = BatchRunner(eyas.target_engine(handle.taps), drafter, pol, curve,
-                         draft_cost=DraftCost.from_points(draft_points) if policy == "tree-work" else None)
+    speculative = policy != "target-only"
+    method = "eagle3" if speculative else "target"
+    tree = info["eagle3"]["default_tree"] if speculative else TreeSpec()   # what serving gives a request
+    rounds: dict[int, list[int]] = {}       # round start -> each published request's verify rows
+    first: dict[str, float] = {}
+    finished_at: dict[str, float] = {}
+
+    def on_round(rec) -> None:
+        rounds.setdefault(rec.start_ns, []).append(rec.flat.num_rows if rec.flat is not None else 1)
+
+    loop = RoundLoop(target, drafter if speculative else None, info if speculative else {}, pol, curve,
+                     on_round=on_round, on_finish=lambda rid, _: finished_at.setdefault(rid, time.perf_counter()),
+                     draft_cost=DraftCost.from_points(draft_points) if policy == "tree-work" else DraftCost())
     queue = [(f"{policy}-{concurrency}-{i}", eyas.encode(p)) for i, p in enumerate(prompts)]
+    futures: dict[concurrent.futures.Future, str] = {}
+    results = {}
+
+    def submit() -> None:
+        rid, ids = queue.pop(0)
+
+        def on_tokens(tokens: list[int]) -> bool:
+            if tokens:
+                first.setdefault(rid, time.perf_counter())
+            return False
+
+        futures[loop.submit(rid, ids, max_new_tokens, method, tree, SamplingParams(), 0, on_tokens)] = rid
+
     t0 = time.perf_counter()
-    while queue or runner.in_flight:
-        while queue and runner.in_flight < concurrency:
-            rid, ids = queue.pop(0)
-            runner.submit(rid, ids, max_new_tokens)
-        runner.step()
-        bar.update(len(runner.finished) - bar.n_done)
-        bar.n_done = len(runner.finished)
+    try:
+        while queue and len(futures) < concurrency:
+            submit()
+        while futures:  # closed loop: whenever one finishes, the next is submitted
+            done, _ = concurrent.futures.wait(list(futures), return_when=concurrent.futures.FIRST_COMPLETED)
+            for f in done:
+                results[futures.pop(f)] = f.result()
+                bar.update(1)
+                if queue:
+                    submit()
+    finally:
+        loop.close()
     wall = time.perf_counter() - t0
-    fin = list(runner.finished.values())
-    per_tok = [1000 * (f.finished_s - f.first_token_s) / max(len(f.token_ids) - 1, 1) for f in fin]
-    tokens = sum(len(f.token_ids) for f in fin)
-    logs = runner.log
-    return {"policy": policy, "concurrency": concurrency, "requests": len(fin), "wall_s": wall, "tokens": tokens,
-            "throughput": tokens / wall, "per_token_ms": per_tok, "lengths": [len(f.token_ids) for f in fin],
+    per_tok = [1000 * (finished_at[rid] - first[rid]) / max(len(r.token_ids) - 1, 1) for rid, r in results.items()]
+    tokens = sum(len(r.token_ids) for r in results.values())
+    batches = list(rounds.values())
+    return {"policy": policy, "concurrency": concurrency, "requests": len(results), "wall_s": wall, "tokens": tokens,
+            "throughput": tokens / wall, "per_token_ms": per_tok, "lengths": [len(r.token_ids) for r in results.values()],
             "per_token_p50_ms": percentile(per_tok, 50), "per_token_p99_ms": percentile(per_tok, 99),
-            "rounds": len(logs), "mean_batch": statistics.fmean(r.batch for r in logs),
-            "mean_verify_rows": statistics.fmean(r.verify_rows for r in logs),
-            "speculative_rounds": sum(f.speculative_rounds for f in fin), "curve_end": runner.curve.to_dict(),
-            "draft_cost_end": runner.draft_cost.to_dict(),
-            "outputs": {rid.split("-")[-1]: f.token_ids for rid, f in runner.finished.items()}}
+            "rounds": len(batches), "mean_batch": statistics.fmean(len(b) for b in batches),
+            "mean_verify_rows": statistics.fmean(sum(b) for b in batches),
+            "speculative_rounds": sum(1 for r in results.values() for x in r.rounds if x.tree_nodes),
+            "tree": [tree.expand_width, tree.max_depth, tree.verify_budget] if speculative else None,
+            "curve_end": loop.curve.to_dict(), "draft_cost_end": loop.draft_cost.to_dict(),
+            "outputs": {rid.split("-")[-1]: r.token_ids for rid, r in results.items()}}
 
 
 def plot(rows: list[dict], curve: dict, path: Path) -> None:
@@ -155,8 +191,9 @@ def main(argv=None) -> int:
     set_threads(args.threads)
     eyas = Eyas(precision=args.precision)
     handle = eyas.drafter("eagle3")
+    target_worker = TargetWorker(eyas.model)
     print("measuring the verify latency curve ...", flush=True)
-    curve = measure(eyas, handle.taps)
+    curve = measure(target_worker, handle.taps)
     print("curve (rows: ms): " + ", ".join(f"{r}: {m:.0f}" for r, m in zip(curve.rows, curve.ms)), flush=True)
     start_curve = curve.to_dict()
     print("measuring the draft cost ...", flush=True)
@@ -164,6 +201,11 @@ def main(argv=None) -> int:
     start_draft = DraftCost.from_points(draft_points)
     print("draft cost (depth, draft rows: ms): " + ", ".join(f"({d}, {r}): {m:.0f}" for d, r, m in draft_points)
           + f"; fit {start_draft.to_dict()}", flush=True)
+    drafter_worker = DrafterWorker({"eagle3": handle.engine}, eyas.model.cfg.vocab_size, {"eagle3": handle.source},
+                                   {"eagle3": handle.default_tree})
+    drafter_worker.draft_points["eagle3"] = draft_points
+    workers = (WorkerCalls(target_worker, 600, local=True), WorkerCalls(drafter_worker, 600, local=True, drafter=True),
+               drafter_worker.info())
     policies = [p for p in POLICIES if p == "target-only" or p in args.policies]
     levels = [(c, args.requests or max(4, 2 * c)) for c in args.concurrency]
     rows = []
@@ -172,8 +214,7 @@ def main(argv=None) -> int:
             prompts = workload(n, args.limit)
             order = policies[i % len(policies):] + policies[:i % len(policies)]
             for p in order:
-                bar.n_done = 0
-                rows.append(run_policy(eyas, p, c, prompts, args.max_new_tokens, curve.copy(), handle, bar,
+                rows.append(run_policy(eyas, p, c, prompts, args.max_new_tokens, curve.copy(), workers, bar,
                                        draft_points))
     rows.sort(key=lambda r: (r["concurrency"], POLICIES.index(r["policy"])))
     low = min(c for c, _ in levels)

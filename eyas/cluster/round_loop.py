@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from eyas.actors.target_worker import Refusal
-from eyas.cluster.batcher import CONSUME_SEED_ONLY, tree_spec
 from eyas.cluster.verifier_client import DrafterUnavailable, RoundRecord
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, GenerationResult, RoundStats, finish_tokens
@@ -47,6 +46,7 @@ from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
 from eyas.verification.sampling import SamplingParams
 
 log = logging.getLogger("eyas.round_loop")
+CONSUME_SEED_ONLY = TreeSpec(kind="chain", max_depth=0)  # plain decoding: the drafter appends context rows only
 NEVER_ACCEPTS = AcceptanceEstimate([0.0] * 8)  # target-only requests: no tree ever pays
 # A request reseeds its draft session (seed 0x05D) at most this many times before it goes target-only:
 # once for a drafter that died, and again whenever the drafter deployment moved it to a replica that
@@ -460,6 +460,14 @@ class RoundLoop:
         if self.on_finish is not None:
             self.on_finish(live.request_id, result)
         live.future.set_result(result)
+
+
+def tree_spec(shape: TreeShape) -> TreeSpec:
+    """The dynamic tree of a planned shape (``CONSUME_SEED_ONLY`` for a plain one)."""
+    if not shape.speculates:
+        return CONSUME_SEED_ONLY
+    return TreeSpec(kind="dynamic", expand_width=max(shape.expand_width, 1), max_depth=shape.max_depth,
+                    verify_budget=shape.verify_budget)
 
 
 def _snapshot(live: dict) -> list:

@@ -19,6 +19,7 @@ from eyas.testing import EveryThirdRoundPolicy, tiny_eagle1_engine
 from eyas.verification.sampling import SamplingParams
 
 FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 256: 200.0})
+STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 64: 3200.0})
 
 
 @pytest.fixture()
@@ -302,4 +303,22 @@ def test_the_loop_starts_from_the_drafters_measured_cost_and_skips_a_drafter_tha
     results = run_all(loop, jobs, n=12)
     assert_target_only_output(tiny_target, jobs, results, 12)
     assert counting.calls == 0 and all(x.tree_nodes == 0 for r in results for x in r.rounds)
+    assert not target.sessions and not drafter.session_method
+
+
+def test_a_steep_latency_curve_turns_speculation_off_in_the_loop(tiny_target, workers):
+    """A verify of 2 rows costing twice one (and 64 rows 64x): no tree pays, so the tree-work policy
+    plans every round plain. Each request verifies its one root row a round, the drafter proposes
+    nothing, and the output is target-only's."""
+    target, drafter = workers
+    counting = FlakyDrafter(drafter, fail_calls=set())
+    rows = []
+    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(counting, 30, local=True, drafter=True),
+                     drafter.info(), TreeWorkPolicy(Budgets()), STEEP.copy(),
+                     on_round=lambda rec: rows.append(rec.flat))
+    loop.curve.observe = lambda rows, ms, weight=0: None  # keep the curve steep whatever this CPU measures
+    jobs = [(p, "eagle1") for p in prompts(3)]
+    results = run_all(loop, jobs, n=10)
+    assert_target_only_output(tiny_target, jobs, results, 10)
+    assert counting.calls == 0 and rows and all(flat is None for flat in rows)
     assert not target.sessions and not drafter.session_method

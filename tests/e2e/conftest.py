@@ -21,7 +21,7 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 # The fixed-tree scheduler drafts every round, so the drafter's paths (proposals over a Serve handle,
 # a killed replica, reseeds) run in every request. The tree-work policy may rightly stop drafting once
 # it has measured that drafting does not pay on this CPU; it is covered in-process
-# (tests/cluster/test_round_loop.py, test_batcher.py) and served in tests/e2e/test_autoscale.py.
+# (tests/cluster/test_round_loop.py) and served in tests/e2e/test_autoscale.py.
 E2E_CONFIG = {"methods": ["eagle3", "eagle1"], "target_replicas": 1, "drafter_replicas": 1,
               "drafter_timeout_s": 120, "torch_threads": 1, "scheduler": "prompt-length"}
 
