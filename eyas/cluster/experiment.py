@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,8 @@ from eyas.cluster.workload import (BURST_START, Arrival, Sample, Timeline, Workl
                                    plot_timeline, summary)
 
 log = logging.getLogger("eyas.experiment")
+CLOSE_GRACE_S = 30.0  # Replay.close: how long requests still running at the end get to stop once cancelled
+LATE_ERROR = "not finished when the experiment ended (cancelled)"
 LATENCY_WINDOW_S = 10.0       # p50/p99 in a sample cover requests finished in this trailing window
 RATE_WINDOW_S = 5.0           # request rate and tokens/s in a sample: over this trailing window
 HEAD = "head"
@@ -181,6 +184,7 @@ class RequestLog:
     """One replayed request, as the client saw it (times: seconds since the replay started)."""
 
     arrival: Arrival
+    request_id: str = field(default_factory=lambda: f"replay-{uuid.uuid4().hex}")  # its name, for Cancel
     sent_t: float = math.nan
     first_t: float = math.nan
     done_t: float = math.nan
@@ -235,7 +239,8 @@ class Replay:
         rec.sent_t = self.now()
         try:
             for chunk in self._client().stream(prompt=rec.arrival.prompt, method=self.workload.method,
-                                               max_new_tokens=rec.arrival.max_new_tokens):
+                                               max_new_tokens=rec.arrival.max_new_tokens,
+                                               request_id=rec.request_id):
                 if chunk.token_ids and math.isnan(rec.first_t):
                     rec.first_t = self.now()
                 rec.tokens.extend(chunk.token_ids)
@@ -261,8 +266,25 @@ class Replay:
     def finished(self) -> list[RequestLog]:
         return [r for r in self.logs if not math.isnan(r.done_t)]
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
+    def close(self, canceller=None, grace_s: float = CLOSE_GRACE_S) -> list[RequestLog]:
+        """End the replay. Requests still running are cancelled by name (``canceller``: an
+        ``EyasClient``), then their client threads get ``grace_s`` seconds to return, so a stuck request
+        holds the experiment that long, not for its client's whole timeout (600 s); those not sent yet
+        are dropped. Those that were cancelled, dropped or did not return are recorded as errors
+        (``LATE_ERROR``) and returned."""
+        late = [r for r in self.logs if math.isnan(r.done_t)]  # running, or queued for a client thread
+        for rec in late:
+            if canceller is not None and not math.isnan(rec.sent_t):
+                try:
+                    canceller.cancel(rec.request_id)
+                except Exception as err:  # the app may be gone: the wait below still bounds the close
+                    log.warning("Cancel(%s) failed: %s", rec.request_id, err)
+        _, running = concurrent.futures.wait(list(self.futures), timeout=grace_s)
+        self.pool.shutdown(wait=not running, cancel_futures=True)
+        late = [r for r in late if math.isnan(r.done_t) or r.finish_reason == "cancelled"]
+        for rec in late:
+            rec.error = rec.error or LATE_ERROR
+        return late
 
 
 def sample_now(replay: Replay, stats: dict, replicas: dict[str, int], nodes: dict[str, int]) -> Sample:
@@ -608,7 +630,9 @@ def _run(workload, schedule, address, args, node_types, references, timeline, ou
             break
         if s.t >= end_t + 120:  # give scale-down two more minutes, then stop anyway
             break
-    replay.close()
+    late = replay.close(stats_client)
+    if late:
+        log.warning("%d requests were still running at the end and were cancelled", len(late))
     bar.close()
     stats_client.close()
     logs = replay.logs

@@ -301,3 +301,28 @@ def test_a_drafter_replica_killed_mid_request_is_reseeded_and_the_answer_is_unch
     stats = chunks[-1].stats
     assert stats.drafter_reseeds + stats.drafter_fallback >= 1
     no_leaks(client)
+
+
+def test_an_experiment_replay_cancels_what_is_still_running_when_it_ends(serve_address, client, no_leaks):
+    """``Replay.close``, as ``eyas experiment autoscale`` calls it at the end: a request still streaming
+    (a 400-token count) is cancelled by name, so the close does not wait out the client's 600-s timeout;
+    the request ends "cancelled" before its 400 tokens and is recorded as an error; no session is left."""
+    import time
+    from pathlib import Path
+
+    from eyas.cluster.experiment import LATE_ERROR, Replay
+    from eyas.cluster.workload import Arrival, load_workload
+
+    workload = load_workload(Path(__file__).parent / "workloads" / "tiny_burst.yaml")
+    replay = Replay(serve_address, workload, [Arrival(0.0, "long", "Count from 1 to 300, one number per line, "
+                                                                    "and say nothing else.", 400, 0)])
+    replay.start()
+    deadline = time.monotonic() + 120
+    while not replay.token_times and time.monotonic() < deadline:  # the answer is streaming
+        time.sleep(0.1)
+    assert replay.token_times
+    late = replay.close(client, grace_s=120)
+    (rec,) = replay.logs
+    assert late == [rec] and rec.error == LATE_ERROR and rec.finish_reason == "cancelled"
+    assert 0 < len(rec.tokens) < 400
+    no_leaks(client)
