@@ -139,7 +139,8 @@ def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], ma
     tokens = sum(len(r.token_ids) for r in results.values())
     batches = list(rounds.values())
     return {"policy": policy, "concurrency": concurrency, "requests": len(results), "wall_s": wall, "tokens": tokens,
-            "throughput": tokens / wall, "per_token_ms": per_tok, "lengths": [len(r.token_ids) for r in results.values()],
+            "throughput": tokens / wall, "per_token_ms": per_tok,
+            "lengths": [len(r.token_ids) for r in results.values()],
             "per_token_p50_ms": percentile(per_tok, 50), "per_token_p99_ms": percentile(per_tok, 99),
             "rounds": len(batches), "mean_batch": statistics.fmean(len(b) for b in batches),
             "mean_verify_rows": statistics.fmean(sum(b) for b in batches),

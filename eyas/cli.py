@@ -165,12 +165,12 @@ def cmd_serve(args) -> int:
     # A file without an `eyas` application is an error, not a silent fall-back to the defaults.
     app_args, file_endpoints = load_serve_file(args.config) if args.config else ({}, {})
     config_warnings = parse_config(app_args).warnings()  # a bad config fails here, naming the field, before Ray starts
-    for warning in config_warnings:
-        print(f"warning: config.{warning}", file=sys.stderr)
     flags = {"host": args.host, "http_port": args.http_port, "grpc_port": args.grpc_port}
     # addresses: a flag, else the file's http_options / grpc_options, else the defaults
     endpoints = {**SERVE_ENDPOINT_DEFAULTS, **file_endpoints, **{k: v for k, v in flags.items() if v is not None}}
-    if args.check_config:
+    if args.check_config:  # (a real start warns through build_app's log, once)
+        for warning in config_warnings:
+            print(f"warning: config.{warning}", file=sys.stderr)
         print(json.dumps({"endpoints": endpoints, "args": app_args,
                           **({"warnings": [f"config.{w}" for w in config_warnings]} if config_warnings else {})}))
         return 0

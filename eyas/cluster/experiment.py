@@ -430,8 +430,8 @@ def plan(cal: Calibration, policy: TargetScalingConfig, max_batch: int, rates: l
     for rate in rates:
         schedule = [Arrival(t, "plan", "", output_len, 0) for t in
                     sim.Arrivals.poisson(rate, duration_s=duration_s).sample(random.Random(0))]
-        r = predict(schedule, cal, big, max_batch, initial_replicas=max(1, math.ceil(rate / per_replica)) if per_replica else 1,
-                    until_s=duration_s)
+        start = max(1, math.ceil(rate / per_replica)) if per_replica else 1
+        r = predict(schedule, cal, big, max_batch, initial_replicas=start, until_s=duration_s)
         out.append({"rate_per_s": rate, "requests": len(schedule), "peak_replicas": r.peak_replicas,
                     "peak_nodes": r.peak_nodes, "p50_latency_s": r.p50_latency_s, "p99_latency_s": r.p99_latency_s,
                     "tokens_per_s": r.throughput_tokens_per_s,
