@@ -17,6 +17,10 @@ class DataConfig(BaseModel):
     regen_max_new_tokens: int = Field(192, ge=1)     # answers longer than this are cut (end token unsupervised)
     regen_batch: int = Field(64, ge=1)               # prompts per batched generate call
     regen_max_prompt_tokens: int = Field(256, ge=8)  # longer first turns are skipped
+    # where the regenerated answers live: None = beside the feature cache; a folder (for example the
+    # committed data/regen) holds <target>-sharegpt-<split>.answers.jsonl, made or resumed by
+    # `python -m eyas.training.regen`
+    answers_dir: str | None = None
     cache_dir: str = "~/.cache/eyas/features/smollm2-135m-sharegpt"
 
 
@@ -25,6 +29,7 @@ class TrainConfig(BaseModel):
     method: Literal["eagle1", "hass", "eagle3"] = "eagle3"
     target: str = "smollm2-135m"
     out: str = "drafters/smollm2-135m-eagle3"
+    layout: Literal["reference", "eyas-v1"] = "reference"   # the drafter network (eyas.drafting.model)
     init_from: str | None = None                 # warm start: a drafter folder of the same method and target
     data: DataConfig = Field(default_factory=DataConfig)
     epochs: float = Field(1.0, gt=0)

@@ -49,7 +49,8 @@ def regenerated_samples(cfg: TrainConfig, tokenizer, split: str, count: int, cac
     from eyas.training.regen import read_regenerated, regenerate_batched
 
     d = cfg.data
-    path = cache_folder.with_name(cache_folder.name + ".answers.jsonl")
+    path = (Path(d.answers_dir) / f"{cfg.target}-sharegpt-{split}.answers.jsonl" if d.answers_dir
+            else cache_folder.with_name(cache_folder.name + ".answers.jsonl"))
     regenerate_batched(checkpoint_folder(cfg.target), conversations(split), path, limit=count,
                        batch_size=d.regen_batch, max_new_tokens=d.regen_max_new_tokens,
                        max_prompt_tokens=d.regen_max_prompt_tokens, desc=f"regenerate {split}")

@@ -125,3 +125,61 @@ def regenerate_batched(model_folder: str | Path, items: Iterable[tuple[str, list
     print(f"{desc}: {summary.prompts} answers ({summary.resumed} resumed), {summary.new_tokens} tokens in "
           f"{summary.wall_s:.0f} s ({summary.tokens_per_s:.0f} tok/s), {summary.truncated} cut at {max_new_tokens}")
     return summary
+
+
+def regenerate_in_chunks(model_folder: str | Path, items, out_path: str | Path, limit: int, chunk: int,
+                         desc: str = "regenerate", **kwargs) -> RegenSummary:
+    """:func:`regenerate_batched` over the first ``chunk``, ``2 chunk``, ... conversations up to
+    ``limit``: ``items()`` yields them afresh for each chunk. A run stopped anywhere leaves a file whose
+    answers are those of a prefix of the conversations (each chunk sorted by length inside)."""
+    if chunk < 1:
+        raise ValueError("chunk: must be >= 1")
+    total = RegenSummary(0, 0, 0, 0, 0.0)
+    for upto in range(chunk, limit + chunk, chunk):
+        upto = min(upto, limit)
+        s = regenerate_batched(model_folder, items(), out_path, limit=upto, desc=f"{desc} <= {upto}", **kwargs)
+        total = RegenSummary(total.prompts + s.prompts, max(total.resumed, s.resumed), total.new_tokens + s.new_tokens,
+                             total.truncated + s.truncated, total.wall_s + s.wall_s)
+        if upto >= limit:
+            break
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m eyas.training.regen``: answer ShareGPT first turns with the target, resumably.
+
+    Works through the split in chunks of ``--chunk`` conversations (in the data's own order, sorted
+    by length inside a chunk), so a run stopped at any time leaves a file whose answers are a prefix
+    of the split's conversations, not its shortest prompts; a rerun resumes where it stopped.
+    """
+    import argparse
+
+    from eyas.target.loader import DEFAULT_TARGET, checkpoint_folder
+    from eyas.training.data import conversations
+
+    ap = argparse.ArgumentParser(prog="python -m eyas.training.regen", description=main.__doc__)
+    ap.add_argument("--out", required=True, help="the answers JSONL (appended to; resumed)")
+    ap.add_argument("--split", default="train", choices=("train", "heldout"))
+    ap.add_argument("--limit", type=int, required=True, help="answer this many conversations in all")
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    args = ap.parse_args(argv)
+    if args.limit < 1 or args.chunk < 1:
+        ap.error("--limit and --chunk must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    total = regenerate_in_chunks(checkpoint_folder(args.target), lambda: conversations(args.split), args.out,
+                                 limit=args.limit, chunk=args.chunk, batch_size=args.batch,
+                                 max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                                 desc=f"regenerate {args.split}")
+    print(f"regenerate: {total.prompts} new answers, {total.new_tokens} tokens in {total.wall_s:.0f} s "
+          f"({total.tokens_per_s:.1f} tok/s), {total.truncated} cut; {len(read_regenerated(args.out))} in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eyas.testing import tiny_hf_llama
-from eyas.training.regen import first_turn_prompts, read_regenerated, regenerate_batched
+from eyas.training.regen import first_turn_prompts, read_regenerated, regenerate_batched, regenerate_in_chunks
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,17 @@ def test_first_turn_prompts_filters_and_limits(model_folder):
     assert all(msgs[0]["role"] == "user" and len(msgs) == 1 and n <= 64 for _, msgs, n in got)
     with pytest.raises(ValueError, match="^batch_size: "):
         regenerate_batched(".", iter(()), "x.jsonl", limit=1, batch_size=0)
+
+
+def test_chunks_answer_a_prefix_of_the_conversations_in_order(model_folder, tmp_path):
+    """In chunks of 2 the file holds c0 and c1 (the first two usable conversations, sorted by length
+    between them) before c4, and a rerun with a larger limit only appends."""
+    out = tmp_path / "answers.jsonl"
+    kw = dict(batch_size=4, max_new_tokens=3, max_prompt_tokens=64)
+    first = regenerate_in_chunks(model_folder, lambda: iter(CONVERSATIONS), out, limit=2, chunk=2, **kw)
+    assert first.prompts == 2 and sorted(r["id"] for r in read_regenerated(out)) == ["c0", "c1"]
+    more = regenerate_in_chunks(model_folder, lambda: iter(CONVERSATIONS), out, limit=3, chunk=2, **kw)
+    assert (more.prompts, more.resumed) == (1, 2)
+    assert [r["id"] for r in read_regenerated(out)][2:] == ["c4"]
+    with pytest.raises(ValueError, match="^chunk: "):
+        regenerate_in_chunks(model_folder, lambda: iter(()), out, limit=1, chunk=0)
