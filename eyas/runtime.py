@@ -16,13 +16,12 @@ from torch import nn
 
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.manifest import load_drafter
-from eyas.drafting.model import DrafterConfig, init_drafter
+from eyas.drafting.model import DrafterConfig, drafter_feature_address, init_drafter
 from eyas.generate import GenerationResult, generate
 from eyas.protocol.schema import GenerateRequest
 from eyas.target.engine import TargetEngine
 from eyas.target.loader import DEFAULT_TARGET, LoadedTarget, TargetFingerprint, encode_prompt, load_target
-from eyas.target.model import (FeatureTap, TargetConfig, eagle1_feature_address, eagle3_feature_address,
-                               quantize_fp16_weights)
+from eyas.target.model import FeatureTap, TargetConfig, quantize_fp16_weights
 from eyas.verification.sampling import SamplingParams
 
 REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
@@ -63,7 +62,7 @@ def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: 
         warnings.warn(f"no trained {method} drafter at {folder}; using an untrained (random) one")
         arch = ARCHITECTURE[method]
         drafter = init_drafter(DrafterConfig.for_target(arch, cfg))
-        taps = eagle1_feature_address(cfg) if arch == "eagle1" else eagle3_feature_address(cfg)
+        taps = drafter_feature_address(drafter.cfg, cfg)
         source, default_tree = "random-init", TreeSpec()
     if precision == "fp16w":
         quantize_fp16_weights(drafter)  # drafting precision moves acceptance only, never the output

@@ -132,15 +132,20 @@ def tiny_hf_qwen2_moe(vocab: int = 64, hidden: int = 32, layers: int = 3, heads:
     return _spread(model, init_std, normal_names=("experts", "gate"), bias_std=2 * init_std)
 
 
-def tiny_eagle1_engine(target):
-    """An untrained EAGLE-1 DrafterEngine over ``target`` (``init_drafter``'s fixed seed), with its taps."""
+def tiny_eagle1_engine(target, layout: str = "eyas-v1"):
+    """An untrained EAGLE-1 DrafterEngine over ``target`` (``init_drafter``'s fixed seed), with its taps.
+
+    The serving tests need a drafter some of whose proposals the tiny targets accept, and partly
+    rejected ones too; this seed of the ``eyas-v1`` network does both on them (the tests that need
+    an acceptance assert that it happened). An untrained ``reference`` network proposes nothing the
+    target accepts there."""
     from eyas.drafting.engine import DrafterEngine
     from eyas.drafting.model import DrafterConfig, init_drafter
     from eyas.target.model import eagle1_feature_address
 
     cfg = target.cfg
-    return DrafterEngine(init_drafter(DrafterConfig.for_target("eagle1", cfg)), target.embed, target.lm_head,
-                         taps=eagle1_feature_address(cfg))
+    return DrafterEngine(init_drafter(DrafterConfig.for_target("eagle1", cfg, layout=layout)), target.embed,
+                         target.lm_head, taps=eagle1_feature_address(cfg))
 
 
 def branch_tokens(flat, row: int) -> list[int]:

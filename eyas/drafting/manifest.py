@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from eyas.drafting.model import Drafter, DrafterConfig
+from eyas.drafting.model import EYAS_V1, Drafter, DrafterConfig
 from eyas.target.loader import TargetFingerprint
 from eyas.target.model import FeatureTap
 
@@ -112,7 +112,8 @@ def load_drafter(folder: str | Path, fingerprint: TargetFingerprint,
     manifest = read_manifest(folder)
     check_compatible(manifest, fingerprint, taps)
     try:
-        cfg = DrafterConfig(**manifest.drafter_config)
+        # a manifest written before layouts existed is the eyas-v1 layout
+        cfg = DrafterConfig(**{"layout": EYAS_V1, **manifest.drafter_config})
     except TypeError as err:
         raise ValueError(f"manifest.drafter_config: {err}") from None
     if cfg.method != manifest.method:

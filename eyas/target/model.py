@@ -312,10 +312,12 @@ class GrowingKV:
 
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool = False, eps: float = 1e-6,
-                 clip_qkv: float | None = None, qkv_bias: bool = False):
+                 clip_qkv: float | None = None, qkv_bias: bool = False, d_in: int | None = None):
+        """``d_in``: the width the q/k/v projections read, when it is not ``d`` (the EAGLE-3 draft
+        layer reads ``[embedding; state]``, 2d wide, and writes d)."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.wqkv = nn.Linear(d, (heads + 2 * kv_heads) * head_dim, bias=qkv_bias)  # q, k, v rows fused (+ bias: Qwen2)
+        self.wqkv = nn.Linear(d_in or d, (heads + 2 * kv_heads) * head_dim, bias=qkv_bias)  # q, k, v rows fused
         self.wo = nn.Linear(heads * head_dim, d, bias=False)
         self.q_norm = RMSNorm(heads * head_dim, eps) if qk_norm else None     # OLMoE: over all heads at once
         self.k_norm = RMSNorm(kv_heads * head_dim, eps) if qk_norm else None
@@ -361,7 +363,7 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x, cos, sin, cache, layer: int, start: int, mask):
-        """x: [B, T, d]; cache: a KVCache (or GrowingKV); mask: [B, T, start+T] bool or None."""
+        """x: [B, T, d_in]; cache: a KVCache (or GrowingKV); mask: [B, T, start+T] bool or None."""
         B, T, _ = x.shape
         hd = self.head_dim
         q, k, v = self.project(x)

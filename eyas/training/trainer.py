@@ -28,8 +28,8 @@ import torch
 from tqdm import tqdm
 
 from eyas.drafting.manifest import TreeABI, manifest_for, save_drafter
-from eyas.drafting.model import Drafter, DrafterConfig, init_drafter
-from eyas.target.model import FeatureTap, GrowingKV, TargetModel, eagle1_feature_address, eagle3_feature_address
+from eyas.drafting.model import Drafter, DrafterConfig, drafter_feature_address, init_drafter
+from eyas.target.model import FeatureTap, GrowingKV, TargetModel
 from eyas.training.config import TrainConfig
 from eyas.training.features import FeatureBatch, FeatureCache, training_taps
 from eyas.training.losses import (build_draft_vocab, feature_noise, masked_smooth_l1, soft_cross_entropy,
@@ -59,10 +59,10 @@ class DrafterTrainer:
         self.train_data = self._load(train, fingerprint, taps)
         self.heldout_data = self._load(heldout, fingerprint, taps)
         method = "eagle3" if cfg.method == "eagle3" else "eagle1"
-        self.serve_taps: tuple[FeatureTap, ...] = (eagle3_feature_address(target.cfg) if method == "eagle3"
-                                                   else eagle1_feature_address(target.cfg))
         dcfg = DrafterConfig.for_target(method, target.cfg,
-                                        min(cfg.draft_vocab_size, target.cfg.vocab_size) if method == "eagle3" else None)
+                                        min(cfg.draft_vocab_size, target.cfg.vocab_size) if method == "eagle3" else None,
+                                        layout=cfg.layout)
+        self.serve_taps: tuple[FeatureTap, ...] = drafter_feature_address(dcfg, target.cfg)
         self.drafter: Drafter = init_drafter(dcfg, seed=cfg.seed)
         if cfg.init_from:
             self._warm_start(Path(cfg.init_from), method, dcfg)

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from eyas.drafting.manifest import load_drafter, manifest_for, read_manifest, save_drafter
-from eyas.drafting.model import DrafterConfig, init_drafter
+from eyas.drafting.model import EYAS_V1, DrafterConfig, drafter_feature_address, init_drafter
 from eyas.target.loader import TargetFingerprint
-from eyas.target.model import eagle3_feature_address
 
 FP = TargetFingerprint("cfg", "weights", "tok")
 
@@ -18,7 +17,7 @@ FP = TargetFingerprint("cfg", "weights", "tok")
 def saved(tiny_target, tmp_path):
     drafter = init_drafter(DrafterConfig.for_target("eagle3", tiny_target.cfg, draft_vocab_size=16), seed=2)
     drafter.set_draft_vocab(torch.arange(16, dtype=torch.int64) * 2)
-    taps = eagle3_feature_address(tiny_target.cfg)
+    taps = drafter_feature_address(drafter.cfg, tiny_target.cfg)
     save_drafter(tmp_path, drafter, manifest_for("eagle3", drafter, FP, taps))
     return drafter, taps, tmp_path
 
@@ -60,9 +59,9 @@ def test_wrong_tensor_shape_is_named(saved, tmp_path):
 
     _, _, folder = saved
     state = load_file(str(folder / "model.safetensors"))
-    state["fuse.weight"] = state["fuse.weight"][:, :3].contiguous()
+    state["reduce.weight"] = state["reduce.weight"][:, :3].contiguous()
     save_file(state, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="checkpoint.fuse.weight"):
+    with pytest.raises(ValueError, match="checkpoint.reduce.weight"):
         load_drafter(folder, FP)
 
 
@@ -75,3 +74,20 @@ def test_bad_draft_vocab_map_is_refused(saved):
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="d2t"):
         load_drafter(folder, FP)
+
+
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+def test_manifest_without_layout_is_eyas_v1(tiny_target, tmp_path, method):
+    """Checkpoints written before layouts existed (the first shipped drafters) load as eyas-v1,
+    whose tensors (a fuse projection over normed inputs) the reference layout does not have."""
+    cfg = DrafterConfig.for_target(method, tiny_target.cfg, draft_vocab_size=16 if method == "eagle3" else None,
+                                   layout=EYAS_V1)
+    drafter = init_drafter(cfg, seed=3)
+    save_drafter(tmp_path, drafter, manifest_for(method, drafter, FP, drafter_feature_address(cfg, tiny_target.cfg)))
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    del raw["drafter_config"]["layout"]
+    (tmp_path / "manifest.json").write_text(json.dumps(raw))
+    loaded, _ = load_drafter(tmp_path, FP)
+    assert loaded.cfg.layout == EYAS_V1 and "fuse.weight" in loaded.state_dict()
+    if method == "eagle3":
+        assert all(t.normed for t in drafter_feature_address(loaded.cfg, tiny_target.cfg))

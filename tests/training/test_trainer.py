@@ -51,8 +51,8 @@ def make(cfg_kwargs, tiny_setup, out):
 
 @pytest.mark.parametrize("method", ["eagle1", "hass", "eagle3"])
 def test_loss_decreases(tiny_setup, tmp_path, method):
-    """The training loss (every rollout step, noise off) falls by a tenth or more within 150 steps."""
-    trainer = make({"method": method, "epochs": 25, "lr": 1e-2, "noise": "none"}, tiny_setup, tmp_path)
+    """The training loss (every rollout step, noise off) falls by a tenth or more within 240 steps."""
+    trainer = make({"method": method, "epochs": 40, "lr": 1e-2, "noise": "none"}, tiny_setup, tmp_path)
     before = sum(trainer.evaluate(trainer.train_data)["loss"])
     trainer.fit()
     after = sum(trainer.evaluate(trainer.train_data)["loss"])
