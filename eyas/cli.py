@@ -86,7 +86,7 @@ def _generate_remote(args, req) -> int:
     if req.drafter is not None:
         raise ValueError("drafter: --drafter is a server-side choice (ray_configs/serve.yaml), not a request field")
     fields = req.model_dump(exclude_none=True)
-    with EyasClient(args.server) as client:
+    with EyasClient(args.server, api_key=_client_key()) as client:
         if args.json:
             print(json.dumps(client.generate(**fields)))
             return 0
@@ -102,6 +102,13 @@ def _generate_remote(args, req) -> int:
                   f"forwards, tau = {stats.tau:.2f}{' (drafter fallback)' if stats.drafter_fallback else ''}",
                   file=sys.stderr)
     return 0
+
+
+def _client_key() -> str | None:
+    """The API key a client command sends to a server started with one (``EYAS_API_KEY``)."""
+    import os
+
+    return os.environ.get("EYAS_API_KEY") or None
 
 
 def _print_report(report: dict) -> None:
@@ -168,6 +175,9 @@ def cmd_serve(args) -> int:
 
     # A file without an `eyas` application is an error, not a silent fall-back to the defaults.
     app_args, file_endpoints = load_serve_file(args.config) if args.config else ({}, {})
+    api_key = args.api_key or os.environ.get("EYAS_API_KEY")
+    if api_key:
+        app_args = {**app_args, "api_key": api_key}
     config_warnings = parse_config(app_args).warnings()  # a bad config fails here, naming the field, before Ray starts
     flags = {"host": args.host, "http_port": args.http_port, "grpc_port": args.grpc_port}
     # addresses: a flag, else the file's http_options / grpc_options, else the defaults
@@ -175,7 +185,8 @@ def cmd_serve(args) -> int:
     if args.check_config:  # (a real start warns through build_app's log, once)
         for warning in config_warnings:
             print(f"warning: config.{warning}", file=sys.stderr)
-        print(json.dumps({"endpoints": endpoints, "args": app_args,
+        shown = {**app_args, **({"api_key": "<set>"} if app_args.get("api_key") else {})}   # never print the key
+        print(json.dumps({"endpoints": endpoints, "args": shown,
                           **({"warnings": [f"config.{w}" for w in config_warnings]} if config_warnings else {})}))
         return 0
     import ray
@@ -187,7 +198,8 @@ def cmd_serve(args) -> int:
     serve.start(http_options={"host": host, "port": http_port},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
     serve.run(build_app(app_args), name="eyas", route_prefix="/")
-    print(f"eyas serving: gRPC {host}:{grpc_port} (eyas.v1.Eyas), HTTP http://{host}:{http_port}/"
+    print(f"eyas serving: gRPC {host}:{grpc_port} (eyas.v1.Eyas), HTTP http://{host}:{http_port}/ "
+          f"(OpenAI API under /v1{', API key required' if app_args.get('api_key') else ''})"
           f"  -- try: eyas generate --server 127.0.0.1:{grpc_port} --prompt 'Hello'", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -204,7 +216,7 @@ def cmd_serve(args) -> int:
 def cmd_stats(args) -> int:
     from eyas.cluster.client import EyasClient
 
-    with EyasClient(args.server) as client:
+    with EyasClient(args.server, api_key=_client_key()) as client:
         print(json.dumps(client.stats(), indent=1))
     return 0
 
@@ -212,7 +224,7 @@ def cmd_stats(args) -> int:
 def cmd_cancel(args) -> int:
     from eyas.cluster.client import EyasClient
 
-    with EyasClient(args.server) as client:
+    with EyasClient(args.server, api_key=_client_key()) as client:
         client.cancel(args.request_id)
     print(f"cancel sent for {args.request_id!r} (a no-op if it is not running)")
     return 0
@@ -314,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", help="HTTP proxy host (default: the config's http_options.host, else 127.0.0.1)")
     s.add_argument("--grpc-port", type=int, help="gRPC port (default: the config's grpc_options.port, else 9000)")
     s.add_argument("--http-port", type=int, help="HTTP port (default: the config's http_options.port, else 8000)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on HTTP and gRPC (default: "
+                   "$EYAS_API_KEY, else the config's api_key, else none)")
     s.add_argument("--check-config", action="store_true",
                    help="validate the config, print the addresses and app args it resolves to as JSON, and exit")
     s.set_defaults(func=cmd_serve)

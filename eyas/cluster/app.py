@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from typing import Literal
 
 import grpc
@@ -37,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray import serve
 from ray.serve.config import AutoscalingConfig
 
+from eyas.cluster import openai_api as oai
 from eyas.cluster.registry import HEAD_NODE_RESOURCE, app_name, get_registry
 from eyas.generate import FINISH_ERROR
 from eyas.protocol import eyas_pb2 as pb
@@ -83,6 +85,11 @@ class ServeConfig(BaseModel):
     max_expert_bytes: int | None = Field(None, ge=1)
     curve_repeats: int = Field(3, ge=1)       # timings per row count when the latency curve is measured
     kv_capacity_bytes: int = Field(2 * 1024 ** 3, gt=0)  # a target replica's KV budget (the autoscaler's KV signal)
+    # clients must send `Authorization: Bearer <key>` (HTTP) or that metadata (gRPC); None = open.
+    # `eyas serve --api-key` or EYAS_API_KEY set it too. Never logged.
+    api_key: str | None = Field(None, min_length=1, repr=False)
+    served_model_name: str | None = None      # the OpenAI API's model id (default: the target's name)
+    max_body_bytes: int = Field(1024 ** 2, ge=1024)   # HTTP bodies larger than this are refused (413)
 
     @field_validator("target_autoscaling", "drafter_autoscaling")
     @classmethod
@@ -108,6 +115,13 @@ def parse_config(config: dict | None) -> ServeConfig:
     except ValidationError as err:
         first = err.errors()[0]
         raise ValueError(f"config.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+
+
+def _unauthenticated(grpc_context, reply):
+    if grpc_context is not None:
+        grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+        grpc_context.set_details("missing or wrong API key: send 'authorization: Bearer <key>' metadata")
+    return reply
 
 
 def _invalid(grpc_context, err: Exception, reply):
@@ -136,10 +150,25 @@ class EyasServer:
         self.target = target.options(stream=True)
         self.tokenizer = load_tokenizer(self.cfg.target)
         self.app_name = app_name()
+        self.model_name = self.cfg.served_model_name or self.cfg.target
+        self.created = oai.now()
         get_registry(self.app_name)  # start it now, from the head, before any replica reports
+
+    def _authorized(self, grpc_context) -> bool:
+        """The gRPC calls' API-key check (no key configured: every call passes)."""
+        if not self.cfg.api_key:
+            return True
+        metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        try:
+            oai.check_api_key(self.cfg.api_key, metadata.get("authorization"))
+        except oai.OpenAIError:
+            return False
+        return True
 
     # --- the Eyas service --------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+        if not self._authorized(grpc_context):
+            return _unauthenticated(grpc_context, pb.GenerateResponse())
         try:
             req, ids = self._validate(request)
         except ValueError as err:
@@ -158,6 +187,9 @@ class EyasServer:
                                    report_json=json.dumps(report))
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
+        if not self._authorized(grpc_context):
+            yield _unauthenticated(grpc_context, pb.GenerateChunk(finish_reason=FINISH_ERROR, text="unauthenticated"))
+            return
         try:
             req, ids = self._validate(request)
         except ValueError as err:
@@ -190,9 +222,13 @@ class EyasServer:
             stream.cancel()  # the client went away (or we are done): stop the request in its replica now
 
     async def Stats(self, request: pb.StatsRequest, grpc_context=None) -> pb.StatsResponse:
+        if not self._authorized(grpc_context):
+            return _unauthenticated(grpc_context, pb.StatsResponse())
         return pb.StatsResponse(json=json.dumps(await self.stats(), default=str))
 
     async def Cancel(self, request: pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
+        if not self._authorized(grpc_context):
+            return _unauthenticated(grpc_context, pb.CancelResponse())
         try:
             await self.cancel(wire.cancel_request_from_proto(request).request_id)
         except ValueError as err:
@@ -203,6 +239,15 @@ class EyasServer:
     async def __call__(self, http_request):
         from starlette.responses import JSONResponse
 
+        path = http_request.url.path.rstrip("/")
+        root = http_request.scope.get("root_path", "").rstrip("/")   # the app's route prefix, if any
+        path = path[len(root):] if root and path.startswith(root) else path
+        try:
+            oai.check_api_key(self.cfg.api_key, http_request.headers.get("authorization"))
+        except oai.OpenAIError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        if path == "/v1" or path.startswith("/v1/"):
+            return await self._openai(http_request, path)
         if http_request.method == "GET":
             return JSONResponse(json.loads(json.dumps(await self.stats(), default=str)))
         try:  # the client's mistakes are 400s that name the field, as over gRPC; anything else is a 500
@@ -228,6 +273,103 @@ class EyasServer:
         finally:
             stream.cancel()
         return JSONResponse(report)
+
+    # --- the OpenAI API (eyas/cluster/openai_api.py) -----------------------------------------------------
+    async def _body(self, http_request) -> object:
+        """The request's JSON body: bounded in size, and in nesting (a parser's recursion error is a 400)."""
+        raw = await http_request.body()
+        if len(raw) > self.cfg.max_body_bytes:
+            raise oai.OpenAIError(f"request: the body is {len(raw)} bytes, over the {self.cfg.max_body_bytes}-byte "
+                                  "limit", status=413, code="request_too_large")
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise oai.OpenAIError(f"request: the body is not JSON ({err})") from None
+        except RecursionError:
+            raise oai.OpenAIError("request: the body nests too deeply") from None
+
+    async def _openai(self, http_request, path: str):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        try:
+            if path == "/v1/models":
+                if http_request.method != "GET":
+                    raise oai.OpenAIError(f"{path}: use GET", status=405, code="method_not_allowed")
+                return JSONResponse(oai.models(self.model_name, self.created))
+            kind = {"/v1/chat/completions": oai.CHAT, "/v1/completions": oai.COMPLETION}.get(path)
+            if kind is None:
+                raise oai.OpenAIError(f"{path}: no such route (/v1/chat/completions, /v1/completions, /v1/models)",
+                                      status=404, code="not_found")
+            if http_request.method != "POST":
+                raise oai.OpenAIError(f"{path}: use POST", status=405, code="method_not_allowed")
+            parsed = oai.parse_openai(kind, await self._body(http_request), self.tokenizer, self.model_name)
+            try:
+                req, ids = self._validate(wire.generate_request_to_proto(parsed.request))
+            except ValueError as err:
+                field = str(err).split(":", 1)[0]
+                raise oai.OpenAIError(str(err), param=oai.PARAM_OF_FIELD.get(field, field)) from None
+        except oai.OpenAIError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        response_id = ("chatcmpl-" if kind == oai.CHAT else "cmpl-") + (req.request_id or uuid.uuid4().hex)
+        if parsed.stream:
+            return StreamingResponse(self._sse(parsed, req, ids, response_id), media_type="text/event-stream")
+        report = None
+        stream = self._start(req, ids)
+        try:
+            async for item in stream:
+                if "invalid" in item:
+                    field = item["invalid"].split(":", 1)[0]
+                    err = oai.OpenAIError(item["invalid"], param=oai.PARAM_OF_FIELD.get(field, field))
+                    return JSONResponse(err.body(), status_code=err.status)
+                report = item.get("report", report)
+        except Exception:  # noqa: BLE001 - the client gets a clean 500; the log has the rest
+            log.exception("OpenAI request failed")
+            return JSONResponse(_server_error().body(), status_code=500)
+        finally:
+            stream.cancel()   # a no-op after the last item; stops the request when the client went away
+        if report is None or report["finish_reason"] == FINISH_ERROR:
+            return JSONResponse(_server_error().body(), status_code=500)
+        return JSONResponse(oai.response(parsed, response_id, oai.now(), report))
+
+    async def _sse(self, parsed: oai.OpenAIRequest, req: GenerateRequest, ids: list[int], response_id: str):
+        """Server-sent events: one chunk per round that added text, the finish, the usage (when asked
+        for), then ``[DONE]``. A client that closes the stream cancels the request (``finally``)."""
+        created = oai.now()
+        text = oai.StreamText(req.stop)
+        sent: list[int] = []
+        stream = self._start(req, ids)
+        try:
+            if parsed.kind == oai.CHAT:
+                yield _event(oai.chunk(parsed, response_id, created, None, None, role=True))
+            async for item in stream:
+                if "tokens" in item:
+                    sent.extend(item["tokens"])
+                    delta = text.delta(self.tokenizer.decode(sent, skip_special_tokens=True))
+                    if delta:
+                        yield _event(oai.chunk(parsed, response_id, created, delta, None))
+                elif "invalid" in item:
+                    field = item["invalid"].split(":", 1)[0]
+                    yield _event(oai.OpenAIError(item["invalid"], param=oai.PARAM_OF_FIELD.get(field, field)).body())
+                    return
+                else:
+                    report = item["report"]
+                    if report["finish_reason"] == FINISH_ERROR:
+                        yield _event(_server_error().body())
+                        return
+                    delta = text.delta(report["text"], final=True)
+                    if delta:
+                        yield _event(oai.chunk(parsed, response_id, created, delta, None))
+                    yield _event(oai.chunk(parsed, response_id, created, None, oai.finish_reason(report["finish_reason"])))
+                    if parsed.include_usage:
+                        yield _event(oai.usage_chunk(parsed, response_id, created, report))
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001
+            log.exception("OpenAI stream failed")
+            yield _event(_server_error().body())
+        finally:
+            stream.cancel()
 
     # --- internals -----------------------------------------------------------------------------------
     def _start(self, req: GenerateRequest, ids: list[int]):
@@ -258,6 +400,15 @@ class EyasServer:
         autoscaling stats, and the telemetry of all target replicas (metrics and spans concatenated)."""
         reports = await get_registry(self.app_name).snapshot.remote()
         return merge_reports(reports, self.cfg.scheduler)
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _server_error() -> oai.OpenAIError:
+    return oai.OpenAIError("the request failed inside the server; it was not completed", status=500,
+                           type_="server_error", code="internal_error")
 
 
 def merge_reports(reports: list[dict], scheduler: str) -> dict:

@@ -40,11 +40,14 @@ class ServerRejected(ValueError):
 
 class EyasClient:
     def __init__(self, address: str = "127.0.0.1:9000", *, application: str | None = "eyas",
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, api_key: str | None = None):
+        """``api_key``: sent as ``authorization: Bearer <key>`` metadata (a server started with a key
+        answers UNAUTHENTICATED without it)."""
         self.address = address
         self.channel = grpc.insecure_channel(address)
         self.stub = eyas_pb2_grpc.EyasStub(self.channel)
-        self.metadata = ((APPLICATION_METADATA, application),) if application else ()
+        self.metadata = (((APPLICATION_METADATA, application),) if application else ()) + \
+            ((("authorization", f"Bearer {api_key}"),) if api_key else ())
         self.timeout_s = timeout_s
 
     def close(self) -> None:
@@ -115,6 +118,7 @@ class EyasClient:
 
     @staticmethod
     def _mapped(err: grpc.RpcError) -> Exception:
-        if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+        if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                          grpc.StatusCode.UNAUTHENTICATED):
             return ServerRejected(err.code(), err.details())
         return err

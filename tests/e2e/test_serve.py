@@ -288,6 +288,141 @@ def test_stats_reports_round_spans_and_speculation_metrics(client):
     assert {"pending_verify_rows", "draft_rows", "kv_bytes_used", "kv_bytes_capacity", "expert_bytes"} <= set(target)
 
 
+MODEL = "smollm2-135m"   # the OpenAI API's model id: the target's name
+
+
+def _openai(http_url, api_key: str = "no-key-needed", prefix: str = ""):
+    """The official openai client against the app's /v1 routes (no retries: every answer is the first)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{http_url}{prefix}/v1", api_key=api_key, max_retries=0, timeout=300)
+
+
+def _error_body(err) -> dict:
+    body = err.body if isinstance(err.body, dict) else {}
+    return body.get("error", body)
+
+
+def test_openai_chat_and_completions_equal_target_only_with_exact_usage(http_url, client, reference, real_eyas,
+                                                                         no_leaks):
+    """The real openai client: /v1/models lists the target; a greedy chat answer, streamed or not,
+    is the in-process target-only text; usage counts the prompt and answer tokens exactly; the eyas
+    extension reports the speculation; /v1/completions feeds a raw prompt like ``eyas generate --raw``."""
+    from eyas.protocol.schema import parse_request
+    from eyas.target.loader import encode_prompt
+
+    oa = _openai(http_url)
+    assert [m.id for m in oa.models.list().data] == [MODEL]
+    tok = real_eyas.tokenizer
+    want = tok.decode(reference[PROMPTS[0]], skip_special_tokens=True)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    prompt_tokens = len(encode_prompt(tok, PROMPTS[0]))
+    r = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=N, temperature=0,
+                                   extra_body={"method": "eagle3"})
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason in ("stop", "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, len(reference[PROMPTS[0]]))
+    spec = r.model_extra["eyas"]
+    assert spec["method"] == "eagle3" and spec["num_spec_steps"] > 0
+    assert sum(spec["acceptance_histogram"]) == spec["num_accepted_tokens"]   # per depth, adding up
+    chunks = list(oa.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=N, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"method": "eagle1", "tree_kind": "chain"}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reference[PROMPTS[0]])
+    raw = "The three primary colours are"
+    ref = real_eyas.generate(parse_request(prompt=raw, raw=True, method="target", max_new_tokens=16))[1]
+    done = oa.completions.create(model=MODEL, prompt=raw, max_tokens=16, temperature=0)
+    assert done.choices[0].text == ref["text"]
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(encode_prompt(tok, raw, True)),
+                                                                        ref["new_tokens"])
+    streamed = oa.completions.create(model=MODEL, prompt=raw, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == ref["text"]
+    no_leaks(client)
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": 5}, "temperature"),
+    ({"extra_body": {"tree_depth": -1}}, "tree_depth"),
+    ({"extra_body": {"method": "medusa"}}, "method"),
+    ({"extra_body": {"surprise": 1}}, "surprise"),
+])
+def test_openai_bad_parameters_get_400_naming_them(http_url, client, kwargs, param, no_leaks):
+    """OpenAI's error shape, status 400, ``param`` naming the parameter; nothing is opened for it."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        _openai(http_url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                  **kwargs)
+    body = _error_body(info.value)
+    assert body["param"].split(".")[0] == param and body["type"] == "invalid_request_error", body
+    no_leaks(client)
+
+
+def test_openai_unknown_model_is_404_and_a_stray_body_400(http_url, client):
+    import json
+
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as info:
+        _openai(http_url).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}])
+    assert _error_body(info.value)["param"] == "model"
+    status, reply = _http(http_url + "/v1/chat/completions", b"[" * 100000)
+    assert status == 400 and reply["error"]["message"].startswith("request: "), reply
+    status, reply = _http(http_url + "/v1/chat/completions", json.dumps({"model": MODEL}).encode())
+    assert status == 400 and reply["error"]["param"] == "messages", reply
+
+
+def test_openai_a_closed_stream_cancels_its_request(http_url, client, no_leaks):
+    """Closing an SSE stream after its first chunks stops the request within a round: it counts as
+    cancelled and leaves no session."""
+    before = _cancelled_count(client)
+    stream = _openai(http_url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": COUNT_300["prompt"]}], max_tokens=400, temperature=0,
+        stream=True, extra_body={"method": "eagle3"})
+    got = [c for _, c in zip(range(3), stream)]
+    assert got and _live_requests(client) == 1
+    stream.close()
+    no_leaks(client)
+    assert _wait_for(lambda: _cancelled_count(client) == before + 1, timeout_s=30)
+
+
+def test_an_api_key_guards_http_and_grpc(serve_ports, http_url):
+    """A second app started with ``api_key``: the openai client without the key, or with a wrong one,
+    gets 401 in OpenAI's shape; with it, an answer. gRPC without the key metadata is UNAUTHENTICATED."""
+    import openai
+    from ray import serve
+
+    from eyas.cluster.app import build_app
+    from eyas.cluster.client import EyasClient
+
+    key = "e2e-secret-key"
+    keyed = {"methods": [], "drafter_replicas": 0, "target_replicas": 1, "torch_threads": 1, "api_key": key}
+    serve.run(build_app(keyed), name="eyas-keyed", route_prefix="/keyed")
+    try:
+        for wrong in ("no-key-needed", key + "x"):
+            with pytest.raises(openai.AuthenticationError) as info:
+                _openai(http_url, api_key=wrong, prefix="/keyed").models.list()
+            assert _error_body(info.value)["code"] == "invalid_api_key" and key not in str(info.value)
+        r = _openai(http_url, api_key=key, prefix="/keyed").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+            extra_body={"method": "target"})
+        assert r.usage.completion_tokens >= 1
+        with EyasClient(f"127.0.0.1:{serve_ports['grpc']}", application="eyas-keyed", timeout_s=120) as c:
+            with pytest.raises(ServerRejected) as rejected:
+                c.generate(prompt="Hi", method="target", max_new_tokens=2)
+            assert rejected.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with EyasClient(f"127.0.0.1:{serve_ports['grpc']}", application="eyas-keyed", timeout_s=120,
+                        api_key=key) as c:
+            assert c.generate(prompt="Hi", method="target", max_new_tokens=2)["new_tokens"] == 2
+    finally:
+        serve.delete("eyas-keyed")
+
+
 def test_a_drafter_replica_killed_mid_request_is_reseeded_and_the_answer_is_unchanged(client, reference, no_leaks):
     import ray
 

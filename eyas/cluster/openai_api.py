@@ -1,0 +1,305 @@
+"""The OpenAI-compatible front door of the Serve app: requests in, Eyas requests out, and back.
+
+Pure translation, no Ray: :class:`EyasServer` (``eyas/cluster/app.py``) routes ``/v1/*`` here, runs
+the request like any other and hands the report back to be shaped as OpenAI's API shapes it.
+
+Terms:
+- *chat request*: ``POST /v1/chat/completions``; ``messages`` (system, user, assistant turns) are
+  rendered with the target's own chat template, with the generation prompt added.
+- *completion request*: ``POST /v1/completions``; ``prompt`` (one string) is fed as it is, as
+  ``eyas generate --raw`` feeds it (the tokenizer's special tokens added, as vLLM does).
+- *Eyas extension*: the extra body fields ``method``, ``tree_kind``, ``tree_depth``, ``tree_width``,
+  ``tree_budget``, ``top_k`` and ``request_id`` (the openai client's ``extra_body``), validated like
+  every other field; and the response's ``eyas`` object: per-request speculative statistics in the
+  vocabulary of vLLM's spec-decode metrics (:func:`spec_stats`).
+- Every refusal is an :class:`OpenAIError`: status 400 with ``{"error": {"message", "type", "param",
+  "code"}}`` naming the parameter; 404 for an unknown model; 401 for a missing or wrong API key.
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from eyas.generate import FINISH_LENGTH
+from eyas.protocol.schema import GenerateRequest, parse_request
+from eyas.target.loader import encode_prompt
+
+CHAT, COMPLETION = "chat.completion", "text_completion"
+# Eyas's own request fields that an OpenAI body may carry as extras
+EYAS_EXTRAS = ("method", "tree_kind", "tree_depth", "tree_width", "tree_budget", "top_k", "request_id")
+# OpenAI parameters Eyas knows and does not implement: refused by name, never ignored
+UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "logit_bias",
+               "response_format", "parallel_tool_calls", "audio", "modalities", "prediction", "best_of", "echo",
+               "suffix", "reasoning_effort", "web_search_options", "service_tier", "store", "metadata")
+DEFAULT_MAX_TOKENS = 128     # when a request gives neither max_tokens nor max_completion_tokens
+DEFAULT_METHOD = "eagle3"    # when it names no Eyas method
+# Eyas's names -> the OpenAI parameter a validation error should name
+PARAM_OF_FIELD = {"max_new_tokens": "max_tokens", "prompt_ids": "messages", "prompt": "prompt"}
+
+
+class OpenAIError(Exception):
+    """A refusal in OpenAI's error shape."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # the Eyas extension (extra_body)
+    method: str | None = None
+    tree_kind: str | None = None
+    tree_depth: int | None = None
+    tree_width: int | None = None
+    tree_budget: int | None = None
+    top_k: int | None = None
+    request_id: str | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Common):
+    prompt: str
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A parsed OpenAI request: what Eyas runs, and how the answer goes back."""
+
+    kind: str                      # CHAT or COMPLETION
+    request: GenerateRequest
+    prompt_ids: list[int]
+    model: str
+    stream: bool
+    include_usage: bool
+
+
+def _pydantic_error(err: ValidationError) -> OpenAIError:
+    first = err.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    param = loc[0] if loc else None
+    if first["type"] == "extra_forbidden":
+        where = ".".join(loc)
+        return OpenAIError(f"{where}: is not a parameter Eyas supports", param=where, code="unsupported_parameter")
+    return OpenAIError(f"{'.'.join(loc)}: {first['msg']}", param=".".join(loc) or None)
+
+
+def check_api_key(expected: str | None, authorization: str | None) -> None:
+    """Refuse (401) unless ``authorization`` is ``Bearer <expected>``; compared in constant time.
+    No key configured: everything passes. Neither key appears in the error."""
+    if not expected:
+        return
+    given = (authorization or "").removeprefix("Bearer ").strip() if (authorization or "").startswith("Bearer ") \
+        else ""
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise OpenAIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'", status=401,
+                          code="invalid_api_key")
+
+
+def parse_openai(kind: str, body: object, tokenizer, model_name: str) -> OpenAIRequest:
+    """Validate an OpenAI body and turn it into the Eyas request it asks for."""
+    if not isinstance(body, dict):
+        raise OpenAIError("request: the body must be a JSON object")
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, False):
+            raise OpenAIError(f"{name}: is not supported by Eyas", param=name, code="unsupported_parameter")
+    try:
+        parsed = (ChatRequest if kind == CHAT else CompletionRequest).model_validate(
+            {k: v for k, v in body.items() if k not in UNSUPPORTED})
+    except ValidationError as err:
+        raise _pydantic_error(err) from None
+    if parsed.model != model_name:
+        raise OpenAIError(f"model: {parsed.model!r} does not exist; this server serves {model_name!r}",
+                          param="model", status=404, code="model_not_found")
+    if parsed.n != 1:
+        raise OpenAIError(f"n: Eyas returns one choice per request, got {parsed.n}", param="n",
+                          code="unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(parsed, name) != 0:
+            raise OpenAIError(f"{name}: penalties are not supported (they would change the target's distribution)",
+                              param=name, code="unsupported_parameter")
+    if parsed.stream_options is not None and not parsed.stream:
+        raise OpenAIError("stream_options: only allowed with stream: true", param="stream_options")
+    max_param = "max_tokens"
+    if kind == CHAT:
+        if parsed.max_tokens is not None and parsed.max_completion_tokens is not None:
+            raise OpenAIError("max_tokens: give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        max_new = parsed.max_completion_tokens or parsed.max_tokens
+        max_param = "max_completion_tokens" if parsed.max_completion_tokens is not None else "max_tokens"
+        prompt_ids = render_messages(tokenizer, parsed.messages)
+    else:
+        if not parsed.prompt.strip():
+            raise OpenAIError("prompt: must be a non-empty string", param="prompt")
+        prompt_ids = encode_prompt(tokenizer, parsed.prompt, raw=True)   # as `eyas generate --raw` feeds it
+        if not prompt_ids:
+            raise OpenAIError("prompt: encodes to no token", param="prompt")
+        max_new = parsed.max_tokens
+    stop = [parsed.stop] if isinstance(parsed.stop, str) else list(parsed.stop or [])
+    fields = {"prompt_ids": prompt_ids, "max_new_tokens": max_new if max_new is not None else DEFAULT_MAX_TOKENS,
+              "temperature": parsed.temperature, "top_p": parsed.top_p, "stop": stop,
+              "method": parsed.method or DEFAULT_METHOD}
+    if parsed.seed is not None:
+        fields["seed"] = parsed.seed
+    fields.update({k: getattr(parsed, k) for k in EYAS_EXTRAS if k != "method" and getattr(parsed, k) is not None})
+    try:
+        req = parse_request(**fields)
+    except ValueError as err:
+        field = str(err).split(":", 1)[0]
+        param = max_param if field == "max_new_tokens" else PARAM_OF_FIELD.get(field, field)
+        if kind == COMPLETION and field == "prompt_ids":
+            param = "prompt"
+        raise OpenAIError(f"{param}:{str(err).split(':', 1)[1]}" if ":" in str(err) else str(err),
+                          param=param) from None
+    return OpenAIRequest(kind=kind, request=req, prompt_ids=prompt_ids, model=model_name, stream=parsed.stream,
+                         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage))
+
+
+def render_messages(tokenizer, messages: list[Message]) -> list[int]:
+    """Token ids of a conversation through the tokenizer's own chat template (generation prompt added)."""
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    if not getattr(tokenizer, "chat_template", None):
+        raise OpenAIError("messages: the target's tokenizer has no chat template; use /v1/completions",
+                          param="messages")
+    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# --- responses -----------------------------------------------------------------------------------------
+def finish_reason(eyas_reason: str) -> str:
+    return "length" if eyas_reason == FINISH_LENGTH else "stop"
+
+
+def spec_stats(report: dict) -> dict:
+    """Per-request speculative statistics (vLLM's spec-decode names).
+
+    A *speculative step* is a round that verified at least one drafted token. ``num_draft_tokens``
+    counts the drafted tokens verified (tree nodes, the root excluded); ``num_accepted_tokens`` those
+    accepted; ``acceptance_histogram[i]`` (``num_accepted_tokens_per_pos``) the steps that accepted a
+    token at depth i+1; ``mean_acceptance_length`` = 1 + accepted / steps (the bonus token counted,
+    as vLLM counts it); ``draft_acceptance_rate`` = accepted / drafted.
+    """
+    spec = [r for r in report.get("rounds", []) if r["tree_nodes"] > 0]
+    drafted = sum(r["tree_nodes"] for r in spec)
+    accepted = sum(r["accept_length"] for r in spec)
+    depth = max((r["accept_length"] for r in spec), default=0)
+    histogram = [sum(1 for r in spec if r["accept_length"] > i) for i in range(depth)]
+    return {"method": report["method"], "num_spec_steps": len(spec), "num_draft_tokens": drafted,
+            "num_accepted_tokens": accepted, "acceptance_histogram": histogram,
+            "mean_acceptance_length": 1 + accepted / len(spec) if spec else 0.0,
+            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "tokens_per_target_forward": report["accept_length_mean"], "target_forwards": report["target_forwards"],
+            "drafter_fallback": report["drafter_fallback"]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(req: OpenAIRequest, response_id: str, created: int, report: dict) -> dict:
+    """The non-streamed answer."""
+    reason = finish_reason(report["finish_reason"])
+    if req.kind == CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": report["text"]}, "finish_reason": reason,
+                  "logprobs": None}
+    else:
+        choice = {"index": 0, "text": report["text"], "finish_reason": reason, "logprobs": None}
+    return {"id": response_id, "object": req.kind, "created": created, "model": req.model, "choices": [choice],
+            "usage": usage(len(req.prompt_ids), report["new_tokens"]), "eyas": spec_stats(report)}
+
+
+def chunk(req: OpenAIRequest, response_id: str, created: int, text: str | None, reason: str | None,
+          role: bool = False) -> dict:
+    """One streamed chunk: a text delta (or the finish), in the chat or the completion shape."""
+    if req.kind == CHAT:
+        delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        obj = "text_completion"
+    return {"id": response_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+
+
+def usage_chunk(req: OpenAIRequest, response_id: str, created: int, report: dict) -> dict:
+    obj = "chat.completion.chunk" if req.kind == CHAT else "text_completion"
+    return {"id": response_id, "object": obj, "created": created, "model": req.model, "choices": [],
+            "usage": usage(len(req.prompt_ids), report["new_tokens"]), "eyas": spec_stats(report)}
+
+
+def models(model_name: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "eyas"}]}
+
+
+class StreamText:
+    """The text a stream may send so far: the decoded tokens, cut before the first stop string, with
+    any tail that could still grow into a stop string held back, so that the streamed text adds up to
+    exactly the non-streamed text (which the target cuts before the stop string)."""
+
+    def __init__(self, stop: list[str]):
+        self.stop = [s for s in stop if s]
+        self.sent = ""
+
+    def safe(self, full: str, final: bool = False) -> str:
+        cuts = [full.index(s) for s in self.stop if s in full]
+        if cuts:
+            return full[:min(cuts)]
+        if final:
+            return full
+        hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+        return full[:len(full) - hold]
+
+    def delta(self, full: str, final: bool = False) -> str:
+        safe = self.safe(full, final)
+        out = safe[len(self.sent):] if safe.startswith(self.sent) else ""
+        self.sent = max(self.sent, safe, key=len) if safe.startswith(self.sent) else self.sent
+        return out
+
+
+def now() -> int:
+    return int(time.time())
