@@ -75,6 +75,9 @@ class ServeConfig(BaseModel):
     target_timeout_s: float = Field(300.0, gt=0)
     drafter_timeout_s: float = Field(30.0, gt=0)
     console_spans: bool = False
+    # traces to an OTLP collector (host:port, gRPC), e.g. "127.0.0.1:4317"; needs the
+    # opentelemetry-exporter-otlp-proto-grpc package. None = spans stay in memory (`eyas stats`).
+    otlp_endpoint: str | None = None
     # "tree-work": a replica's live requests advance in batched rounds with per-request trees from the
     # latency curve; "prompt-length": batched rounds of similar prompt lengths, one fixed tree (the baseline)
     scheduler: Literal["tree-work", "prompt-length"] = "tree-work"
@@ -102,6 +105,21 @@ class ServeConfig(BaseModel):
                 raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
         return v
 
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp(cls, v: str | None) -> str | None:
+        import importlib.util
+
+        if v is None:
+            return v
+        try:
+            found = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ValueError("needs the opentelemetry-exporter-otlp-proto-grpc package (pip install it)")
+        return v
+
     def warnings(self) -> list[str]:
         """What this config asks for that Eyas does not do: a GPU reservation (replicas compute on the CPU)."""
         return [f"{kind}_num_gpus: {gpus:g} reserves GPUs that each {kind} replica does not use: Eyas computes on "
@@ -114,7 +132,8 @@ def parse_config(config: dict | None) -> ServeConfig:
         return ServeConfig.model_validate(config or {})
     except ValidationError as err:
         first = err.errors()[0]
-        raise ValueError(f"config.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+        raise ValueError(f"config.{'.'.join(str(p) for p in first['loc'])}: "
+                         f"{first['msg'].removeprefix('Value error, ')}") from None
 
 
 def _unauthenticated(grpc_context, reply):
@@ -248,6 +267,10 @@ class EyasServer:
             return JSONResponse(err.body(), status_code=err.status)
         if path == "/v1" or path.startswith("/v1/"):
             return await self._openai(http_request, path)
+        if path == "/metrics" and http_request.method == "GET":
+            from starlette.responses import Response
+
+            return Response(await self.prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8")
         if http_request.method == "GET":
             return JSONResponse(json.loads(json.dumps(await self.stats(), default=str)))
         try:  # the client's mistakes are 400s that name the field, as over gRPC; anything else is a 500
@@ -394,6 +417,13 @@ class EyasServer:
         """A named cancel: posted to the app's registry, from where the target replica that runs the
         request (if any) picks it up with its next report. Idempotent; unknown names are no-ops."""
         await get_registry(self.app_name).cancel.remote(request_id)
+
+    async def prometheus(self) -> str:
+        """Every live target replica's metrics in Prometheus's text format, labelled by ``replica``."""
+        from eyas.cluster.telemetry import merge_prometheus
+
+        reports = await get_registry(self.app_name).snapshot.remote()
+        return merge_prometheus({r["replica"]: r["prometheus"] for r in reports if r.get("prometheus")})
 
     async def stats(self) -> dict:
         """Every live replica's report, merged: workers (leak invariant), per-replica round loops and

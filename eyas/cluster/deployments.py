@@ -122,8 +122,10 @@ class EyasTarget:
         self.worker = TargetWorker.load(c.target, c.precision, c.torch_threads)
         self.locked = _Locked(self.worker, self.worker_lock)
         self.tokenizer = load_tokenizer(c.target)
-        self.telemetry = Telemetry(f"eyas-target-{self.replica_id}", console=c.console_spans)
+        self.telemetry = Telemetry(f"eyas-target-{self.replica_id}", console=c.console_spans,
+                                   otlp_endpoint=c.otlp_endpoint)
         self.telemetry.add_kv_source(lambda: {"target": self.locked.leak_check()["kv_bytes_allocated"]})
+        self.telemetry.add_queue_source(lambda: self.loop.work()["pending"])
         self.drafter = None if drafter is None else ServeCalls(drafter, self.replica_id, c.drafter_timeout_s)
         self.curve_key = f"{c.target}/{c.precision}/{_device_kind(c.torch_threads)}"
         curve = self._start_curve()
@@ -182,14 +184,18 @@ class EyasTarget:
         future = loop.run_in_executor(None, self._run, req, prompt_ids, cancel,
                                       lambda new: loop.call_soon_threadsafe(queue.put_nowait, list(new)))
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, STREAM_DONE))
+        start = time.time() if received_at is None else received_at
+        first_token_s = None
         try:
             while (new := await queue.get()) is not STREAM_DONE:
+                first_token_s = time.time() - start if first_token_s is None else first_token_s
                 yield {"tokens": new}
             try:
                 report = future.result()
             except ValueError as err:
                 yield {"invalid": str(err)}
                 return
+            self.telemetry.record_latency(req.method, time.time() - start, first_token_s)
             yield {"report": report}
         finally:
             cancel.set()  # a no-op after a finished request; stops one whose caller went away
@@ -237,7 +243,7 @@ class EyasTarget:
                 "loop": {"latency_curve": self.loop.curve.to_dict(), "draft_cost": self.loop.draft_cost.to_dict(),
                          "experts": self.loop.experts.to_dict(), "rounds": self.loop.rounds, **work},
                 "autoscaling": self._autoscaling(work, leak),
-                "telemetry": self.telemetry.snapshot()}
+                "telemetry": self.telemetry.snapshot(), "prometheus": self.telemetry.prometheus_text()}
 
     def check_health(self) -> None:
         if not self.loop.thread.is_alive():

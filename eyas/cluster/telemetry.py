@@ -19,6 +19,16 @@ Metrics (instrument names):
 - ``eyas.tree_nodes``, ``eyas.verify_rows`` (histograms per round).
 - ``eyas.kv_bytes`` (observable gauge, attribute ``side`` = target | draft): bytes held by live sessions.
 - ``eyas.requests`` (counter, attributes ``method``, ``finish_reason``) and ``eyas.drafter_fallbacks``.
+- vLLM's spec-decode counters, same meaning: ``eyas.spec_decode.num_drafts`` (rounds that verified a
+  drafted token), ``.num_draft_tokens`` (drafted tokens verified), ``.num_accepted_tokens``,
+  ``.num_accepted_tokens_per_pos`` (attribute ``position``, 0-based depth).
+- ``eyas.draft.duration``, ``eyas.verify.duration`` (histograms per round, seconds),
+  ``eyas.request.duration`` and ``eyas.request.time_to_first_token`` (per request, seconds, from the
+  ingress's receipt), ``eyas.queue_depth`` (observable gauge: requests waiting to join the batch).
+
+The same instruments also feed an OpenTelemetry ``PrometheusMetricReader`` over a registry of this
+object's own (:meth:`Telemetry.prometheus_text`); the app's ``GET /metrics`` merges the target
+replicas' texts with a ``replica`` label (:func:`merge_prometheus`).
 """
 from __future__ import annotations
 
@@ -37,6 +47,9 @@ from opentelemetry.sdk.trace.export import (ConsoleSpanExporter, SimpleSpanProce
                                             SpanExportResult)
 
 from eyas.cluster.verifier_client import RoundRecord
+
+# seconds: rounds on a CPU take tens to hundreds of ms, requests up to minutes
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 CONFIDENCE_BUCKETS = 10
 ROUND_STEPS = ("draft", "pack", "verify", "accept", "publish")
@@ -83,8 +96,19 @@ class Telemetry:
 
             self.tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint)))
         self.tracer = self.tracer_provider.get_tracer("eyas")
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+        from prometheus_client import CollectorRegistry
+
         self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader], resource=resource)
+        self.prometheus_registry = CollectorRegistry(auto_describe=False)   # this object's own, not the global one
+        self.prometheus_reader = PrometheusMetricReader(registry=self.prometheus_registry, disable_target_info=True,
+                                                         scope_info_enabled=False)
+        seconds = View(instrument_name="eyas.*.duration", aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS))
+        ttft = View(instrument_name="eyas.request.time_to_first_token",
+                    aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS))
+        self.meter_provider = MeterProvider(metric_readers=[self.reader, self.prometheus_reader], resource=resource,
+                                            views=[seconds, ttft])
         meter = self.meter_provider.get_meter("eyas")
         self.accept_length = meter.create_histogram("eyas.accept_length", unit="{token}")
         self.tree_nodes = meter.create_histogram("eyas.tree_nodes", unit="{node}")
@@ -98,13 +122,36 @@ class Telemetry:
         self.conf_accepted = meter.create_counter("eyas.draft.confidence.accepted", unit="{node}")
         self.requests = meter.create_counter("eyas.requests", unit="{request}")
         self.fallbacks = meter.create_counter("eyas.drafter_fallbacks", unit="{request}")
+        self.num_drafts = meter.create_counter("eyas.spec_decode.num_drafts", unit="{draft}")
+        self.num_draft_tokens = meter.create_counter("eyas.spec_decode.num_draft_tokens", unit="{token}")
+        self.num_accepted_tokens = meter.create_counter("eyas.spec_decode.num_accepted_tokens", unit="{token}")
+        self.num_accepted_per_pos = meter.create_counter("eyas.spec_decode.num_accepted_tokens_per_pos", unit="{token}")
+        self.draft_duration = meter.create_histogram("eyas.draft.duration", unit="s")
+        self.verify_duration = meter.create_histogram("eyas.verify.duration", unit="s")
+        self.request_duration = meter.create_histogram("eyas.request.duration", unit="s")
+        self.ttft = meter.create_histogram("eyas.request.time_to_first_token", unit="s")
         self._kv_sources: list[Callable[[], dict[str, int]]] = []
+        self._queue_sources: list[Callable[[], int]] = []
         meter.create_observable_gauge("eyas.kv_bytes", callbacks=[self._observe_kv], unit="By")
+        meter.create_observable_gauge("eyas.queue_depth", callbacks=[self._observe_queue], unit="{request}")
 
     # --- recording --------------------------------------------------------------------------------
     def add_kv_source(self, source: Callable[[], dict[str, int]]) -> None:
         """``source() -> {"target": bytes, "draft": bytes}``, read at each metrics collection."""
         self._kv_sources.append(source)
+
+    def add_queue_source(self, source: Callable[[], int]) -> None:
+        """``source() -> requests waiting``, read at each metrics collection."""
+        self._queue_sources.append(source)
+
+    def _observe_queue(self, _options):
+        total = 0
+        for source in self._queue_sources:
+            try:
+                total += int(source())
+            except Exception:  # an unreachable loop must not break metric collection
+                continue
+        return [Observation(total)]
 
     def _observe_kv(self, _options):
         totals: dict[str, int] = {}
@@ -138,13 +185,20 @@ class Telemetry:
         root.end(end_time=end)
 
         self.accept_length.record(d.accept_length)
+        self.verify_duration.record(rec.verify_s)
         rows = 1 if rec.flat is None else rec.flat.num_rows
         self.verify_rows.record(rows)
         self.tree_nodes.record(rows - 1)
         if rec.batch_expert_bytes:
             self.expert_bytes.record(rec.expert_bytes)
-        if rec.flat is None:
+        if rec.flat is None or rows == 1:
             return
+        self.draft_duration.record(rec.draft_s)
+        self.num_drafts.add(1)
+        self.num_draft_tokens.add(rows - 1)
+        self.num_accepted_tokens.add(d.accept_length)
+        for position in range(d.accept_length):
+            self.num_accepted_per_pos.add(1, {"position": position})
         accepted = set(d.accepted_rows.tolist())
         depths = rec.flat.depths.tolist()
         probs = rec.flat.draft_probs.tolist()
@@ -161,6 +215,18 @@ class Telemetry:
         self.requests.add(1, {"method": method, "finish_reason": finish_reason})
         if fallback:
             self.fallbacks.add(1, {"method": method})
+
+    def record_latency(self, method: str, duration_s: float, ttft_s: float | None) -> None:
+        """A finished request's time from the ingress's receipt to its end (and to its first token)."""
+        self.request_duration.record(max(duration_s, 0.0), {"method": method})
+        if ttft_s is not None:
+            self.ttft.record(max(ttft_s, 0.0), {"method": method})
+
+    def prometheus_text(self) -> str:
+        """This object's metrics in Prometheus's text format, as the OTel Prometheus exporter renders them."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.prometheus_registry).decode()
 
     # --- reading ----------------------------------------------------------------------------------
     def metrics(self) -> dict:
@@ -201,3 +267,27 @@ def acceptance_by(metrics: dict, proposed: str, accepted: str, key: str) -> dict
     tot = {str(p["attributes"][key]): p["value"] for p in metrics.get(proposed, [])}
     acc = {str(p["attributes"][key]): p["value"] for p in metrics.get(accepted, [])}
     return {k: acc.get(k, 0) / n for k, n in sorted(tot.items()) if n}
+
+
+def merge_prometheus(texts: dict[str, str]) -> str:
+    """Several replicas' Prometheus texts (replica id -> text) as one exposition: each family once,
+    every sample labelled with its ``replica``."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.samples import Sample
+
+    families: dict[str, Metric] = {}
+    for replica, text in sorted(texts.items()):
+        for fam in text_string_to_metric_families(text):
+            merged = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit))
+            merged.samples.extend(Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
+                                  for s in fam.samples)
+
+    class _Merged:
+        def collect(self):
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry).decode()

@@ -53,3 +53,45 @@ def test_one_round_gives_a_span_tree_with_every_step():
     assert all(spans[n]["parent"] == root["span_id"] for n in ("draft", "pack", "verify", "accept", "publish"))
     assert abs(root["duration_ms"] - 44.0) < 1e-6   # draft + pack + verify + publish; accept lies inside verify
     assert abs(spans["accept"]["duration_ms"] - 2.0) < 1e-6
+
+
+def _families(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_prometheus_text_has_vllms_spec_decode_counters_and_latencies():
+    """The OTel Prometheus exporter's text, parsed by prometheus_client: the round above is one draft
+    of 3 tokens with 1 accepted (at position 0); a request's duration and time to first token."""
+    t = Telemetry()
+    t.add_queue_source(lambda: 2)
+    t.record_round(one_round())
+    t.record_latency("eagle3", 1.5, 0.2)
+    fam = _families(t.prometheus_text())
+    value = {name: fam[name].samples[0].value for name in ("eyas_spec_decode_num_drafts",
+                                                           "eyas_spec_decode_num_draft_tokens",
+                                                           "eyas_spec_decode_num_accepted_tokens")}
+    assert value == {"eyas_spec_decode_num_drafts": 1, "eyas_spec_decode_num_draft_tokens": 3,
+                     "eyas_spec_decode_num_accepted_tokens": 1}
+    per_pos = {s.labels["position"]: s.value for s in fam["eyas_spec_decode_num_accepted_tokens_per_pos"].samples}
+    assert per_pos == {"0": 1}
+    assert fam["eyas_queue_depth"].samples[0].value == 2
+    hist = {s.name: s.value for s in fam["eyas_request_time_to_first_token_seconds"].samples
+            if not s.labels.get("le")}
+    assert hist["eyas_request_time_to_first_token_seconds_count"] == 1
+    assert hist["eyas_request_time_to_first_token_seconds_sum"] == 0.2
+    assert fam["eyas_verify_duration_seconds"].type == "histogram"
+
+
+def test_merged_replicas_keep_every_sample_with_its_replica():
+    from eyas.cluster.telemetry import merge_prometheus
+
+    a, b = Telemetry(), Telemetry()
+    a.record_round(one_round())
+    b.record_round(one_round())
+    b.record_round(one_round())
+    fam = _families(merge_prometheus({"A": a.prometheus_text(), "B": b.prometheus_text()}))
+    drafts = {s.labels["replica"]: s.value for s in fam["eyas_spec_decode_num_drafts"].samples}
+    assert drafts == {"A": 1, "B": 2}
+    assert merge_prometheus({}) == ""

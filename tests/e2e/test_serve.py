@@ -423,6 +423,36 @@ def test_an_api_key_guards_http_and_grpc(serve_ports, http_url):
         serve.delete("eyas-keyed")
 
 
+def test_metrics_endpoint_parses_and_its_counters_move(http_url, client):
+    """GET /metrics: Prometheus text (the OTel Prometheus exporter's, merged over target replicas)
+    that prometheus_client parses; after one speculative request the request, spec-decode and
+    latency series have moved."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(http_url + "/metrics", timeout=60) as response:
+            assert response.headers["Content-Type"].startswith("text/plain")
+            text = response.read().decode()
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name.endswith(("_total", "_count")) and "le" not in s.labels:
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    names = ("eyas_requests_total", "eyas_spec_decode_num_drafts_total", "eyas_spec_decode_num_draft_tokens_total",
+             "eyas_request_duration_seconds_count", "eyas_request_time_to_first_token_seconds_count",
+             "eyas_verify_duration_seconds_count")
+    before = scrape()
+    client.generate(prompt=PROMPTS[1], method="eagle3", max_new_tokens=8)
+    assert _wait_for(lambda: scrape().get("eyas_requests_total", 0) > before.get("eyas_requests_total", 0),
+                     timeout_s=30)
+    after = scrape()
+    assert all(after.get(n, 0) > before.get(n, 0) for n in names), {n: (before.get(n), after.get(n)) for n in names}
+
+
 def test_a_drafter_replica_killed_mid_request_is_reseeded_and_the_answer_is_unchanged(client, reference, no_leaks):
     import ray
 
