@@ -93,6 +93,9 @@ class ServeConfig(BaseModel):
     api_key: str | None = Field(None, min_length=1, repr=False)
     served_model_name: str | None = None      # the OpenAI API's model id (default: the target's name)
     max_body_bytes: int = Field(1024 ** 2, ge=1024)   # HTTP bodies larger than this are refused (413)
+    # requests one ingress runs at once (streaming or not, every API); past it a request is refused as
+    # overloaded at once (HTTP 503, gRPC RESOURCE_EXHAUSTED) instead of waiting without end
+    max_inflight_requests: int = Field(256, ge=1)
 
     @field_validator("target_autoscaling", "drafter_autoscaling")
     @classmethod
@@ -143,6 +146,34 @@ def _unauthenticated(grpc_context, reply):
     return reply
 
 
+class Overloaded(Exception):
+    """The ingress already runs ``max_inflight_requests`` requests."""
+
+
+def _overloaded(grpc_context, err: Overloaded, reply):
+    if grpc_context is not None:
+        grpc_context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        grpc_context.set_details(str(err))
+    return reply
+
+
+class _Admitted:
+    """A target replica's stream that holds one of the ingress's admission slots until ``cancel()``
+    (every caller cancels in a ``finally``; a second cancel is a no-op)."""
+
+    def __init__(self, stream, release):
+        self.stream, self.release = stream, release
+
+    def __aiter__(self):
+        return self.stream.__aiter__()
+
+    def cancel(self) -> None:
+        self.stream.cancel()
+        if self.release is not None:
+            release, self.release = self.release, None
+            release()
+
+
 def _invalid(grpc_context, err: Exception, reply):
     if grpc_context is not None:
         grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
@@ -171,6 +202,7 @@ class EyasServer:
         self.app_name = app_name()
         self.model_name = self.cfg.served_model_name or self.cfg.target
         self.created = oai.now()
+        self.inflight = 0   # admitted requests (the event loop is this count's only writer)
         get_registry(self.app_name)  # start it now, from the head, before any replica reports
 
     def _authorized(self, grpc_context) -> bool:
@@ -193,7 +225,10 @@ class EyasServer:
         except ValueError as err:
             return _invalid(grpc_context, err, pb.GenerateResponse())
         report = None
-        stream = self._start(req, ids)
+        try:
+            stream = self._start(req, ids)
+        except Overloaded as err:
+            return _overloaded(grpc_context, err, pb.GenerateResponse())
         try:
             async for item in stream:
                 if "invalid" in item:
@@ -217,7 +252,11 @@ class EyasServer:
             return
         sent: list[int] = []
         text = ""
-        stream = self._start(req, ids)
+        try:
+            stream = self._start(req, ids)
+        except Overloaded as err:
+            yield _overloaded(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
+            return
         try:
             async for item in stream:
                 if "tokens" in item:
@@ -287,7 +326,10 @@ class EyasServer:
         except ValueError as err:
             return JSONResponse({"error": str(err)}, status_code=400)
         report = None
-        stream = self._start(req, ids)
+        try:
+            stream = self._start(req, ids)
+        except Overloaded as err:
+            return JSONResponse({"error": str(err)}, status_code=503)
         try:
             async for item in stream:
                 if "invalid" in item:
@@ -334,10 +376,15 @@ class EyasServer:
         except oai.OpenAIError as err:
             return JSONResponse(err.body(), status_code=err.status)
         response_id = ("chatcmpl-" if kind == oai.CHAT else "cmpl-") + (req.request_id or uuid.uuid4().hex)
+        if self.inflight >= self.cfg.max_inflight_requests:
+            return JSONResponse(_overloaded_error().body(), status_code=503)
         if parsed.stream:
             return StreamingResponse(self._sse(parsed, req, ids, response_id), media_type="text/event-stream")
         report = None
-        stream = self._start(req, ids)
+        try:
+            stream = self._start(req, ids)
+        except Overloaded:
+            return JSONResponse(_overloaded_error().body(), status_code=503)
         try:
             async for item in stream:
                 if "invalid" in item:
@@ -360,7 +407,11 @@ class EyasServer:
         created = oai.now()
         text = oai.StreamText(req.stop)
         sent: list[int] = []
-        stream = self._start(req, ids)
+        try:
+            stream = self._start(req, ids)
+        except Overloaded:   # filled up between the check in _openai and now
+            yield _event(_overloaded_error().body())
+            return
         try:
             if parsed.kind == oai.CHAT:
                 yield _event(oai.chunk(parsed, response_id, created, None, None, role=True))
@@ -399,7 +450,21 @@ class EyasServer:
         """The request's stream of items from one target replica. The caller cancels it in a ``finally``
         of its own coroutine, so that a client that goes away stops the request at once (a ``finally`` in
         an inner async generator would run only when that generator is garbage-collected)."""
-        return self.target.generate.remote(req.model_dump(), ids, time.time())
+        if self.inflight >= self.cfg.max_inflight_requests:
+            raise Overloaded(f"overloaded: {self.inflight} requests in flight (max_inflight_requests); retry later")
+        self.inflight += 1
+        released = []
+
+        def release():
+            if not released:
+                released.append(1)
+                self.inflight -= 1
+
+        try:
+            return _Admitted(self.target.generate.remote(req.model_dump(), ids, time.time()), release)
+        except BaseException:
+            release()
+            raise
 
     def _validate(self, request: pb.GenerateRequest) -> tuple[GenerateRequest, list[int]]:
         req = wire.generate_request_from_proto(request)
@@ -434,6 +499,11 @@ class EyasServer:
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+def _overloaded_error() -> oai.OpenAIError:
+    return oai.OpenAIError("the server is overloaded (max_inflight_requests); retry later", status=503,
+                           type_="server_error", code="overloaded")
 
 
 def _server_error() -> oai.OpenAIError:

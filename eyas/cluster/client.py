@@ -119,6 +119,6 @@ class EyasClient:
     @staticmethod
     def _mapped(err: grpc.RpcError) -> Exception:
         if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                          grpc.StatusCode.UNAUTHENTICATED):
+                          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED):
             return ServerRejected(err.code(), err.details())
         return err

@@ -391,9 +391,11 @@ def test_openai_a_closed_stream_cancels_its_request(http_url, client, no_leaks):
     assert _wait_for(lambda: _cancelled_count(client) == before + 1, timeout_s=30)
 
 
-def test_an_api_key_guards_http_and_grpc(serve_ports, http_url):
-    """A second app started with ``api_key``: the openai client without the key, or with a wrong one,
-    gets 401 in OpenAI's shape; with it, an answer. gRPC without the key metadata is UNAUTHENTICATED."""
+def test_an_api_key_guards_http_and_grpc_and_a_full_server_says_overloaded(serve_ports, http_url):
+    """A second app started with ``api_key`` and ``max_inflight_requests: 1``: the openai client without
+    the key, or with a wrong one, gets 401 in OpenAI's shape; with it, an answer. gRPC without the key
+    metadata is UNAUTHENTICATED. While one request streams, another gets a 503 (gRPC:
+    RESOURCE_EXHAUSTED) at once, and is served again once the first is gone."""
     import openai
     from ray import serve
 
@@ -401,7 +403,8 @@ def test_an_api_key_guards_http_and_grpc(serve_ports, http_url):
     from eyas.cluster.client import EyasClient
 
     key = "e2e-secret-key"
-    keyed = {"methods": [], "drafter_replicas": 0, "target_replicas": 1, "torch_threads": 1, "api_key": key}
+    keyed = {"methods": [], "drafter_replicas": 0, "target_replicas": 1, "torch_threads": 1, "api_key": key,
+             "max_inflight_requests": 1}
     serve.run(build_app(keyed), name="eyas-keyed", route_prefix="/keyed")
     try:
         for wrong in ("no-key-needed", key + "x"):
@@ -419,8 +422,29 @@ def test_an_api_key_guards_http_and_grpc(serve_ports, http_url):
         with EyasClient(f"127.0.0.1:{serve_ports['grpc']}", application="eyas-keyed", timeout_s=120,
                         api_key=key) as c:
             assert c.generate(prompt="Hi", method="target", max_new_tokens=2)["new_tokens"] == 2
+            oa = _openai(http_url, api_key=key, prefix="/keyed")
+            long = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": COUNT_300["prompt"]}],
+                                              max_tokens=400, temperature=0, stream=True,
+                                              extra_body={"method": "target"})
+            assert next(iter(long)).choices          # the first chunk: the request holds the only slot
+            with pytest.raises(openai.InternalServerError) as full:
+                oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                           extra_body={"method": "target"})
+            assert full.value.status_code == 503 and _error_body(full.value)["code"] == "overloaded"
+            with pytest.raises(ServerRejected) as busy:
+                c.generate(prompt="Hi", method="target", max_new_tokens=2)
+            assert busy.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            long.close()
+            assert _wait_for(lambda: _serves(c), timeout_s=60)
     finally:
         serve.delete("eyas-keyed")
+
+
+def _serves(client) -> bool:
+    try:
+        return client.generate(prompt="Hi", method="target", max_new_tokens=2)["new_tokens"] == 2
+    except ServerRejected:
+        return False
 
 
 def test_metrics_endpoint_parses_and_its_counters_move(http_url, client):
