@@ -268,3 +268,23 @@ def test_cli_export_names_why_a_shipped_eyas_v1_drafter_cannot_go(tmp_path, caps
     assert main(["export", "--drafter", str(shipped), "--format", "sglang", "--out", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.startswith("error: drafter_config.layout: eyas-v1")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_the_shipped_reference_drafter_exports_and_comes_back_bit_exact(tmp_path, fmt):
+    """drafters/smollm2-135m-eagle3-reference (trained in the reference layout) goes out in both
+    EAGLE-3 formats and, imported against the real target, comes back tensor for tensor."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from eyas.target.loader import load_target_head
+
+    shipped = Path(__file__).resolve().parents[2] / "drafters" / "smollm2-135m-eagle3-reference"
+    head = load_target_head()
+    out = export_drafter(shipped, fmt, tmp_path / fmt)
+    back = import_drafter(out, head.cfg, head.fingerprint.to_dict(), tmp_path / "back")
+    original, returned = load_file(str(shipped / "model.safetensors")), load_file(str(back.folder / "model.safetensors"))
+    assert set(original) == set(returned) and all(torch.equal(original[k], returned[k]) for k in original)
+    assert back.taps == ((2, False), (15, False), (27, False))
