@@ -13,6 +13,12 @@ last with finish reason and stats), ``Stats`` (every replica's telemetry, tree w
 and leak invariant, merged from the app's registry), ``Cancel`` (stop a named request). A bad request
 gets ``INVALID_ARGUMENT`` naming the field; nothing is opened for it.
 
+HTTP, on the same ingress: the OpenAI API (``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models``; ``eyas/cluster/openai_api.py``), ``GET /metrics`` (Prometheus text of every target
+replica), and Eyas's own JSON routes (``POST /``, ``POST /cancel``, ``GET /stats``). An optional API
+key guards every route and RPC; at most ``max_inflight_requests`` requests run at once (then 503 /
+``RESOURCE_EXHAUSTED``).
+
 Cancellation, two ways, both stopping the request at its next round boundary and closing its
 sessions: (1) the client closes its stream, and Serve cancels the ingress call and with it the
 target call; (2) the client names its request (``request_id``) and calls ``Cancel``: the ingress posts
