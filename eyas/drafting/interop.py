@@ -12,6 +12,10 @@ Terms:
 - *d2t*: Eyas keeps the target id of each draft id; the references keep the offset
   ``target_id - draft_id``. The conversion is exact both ways.
 
+A reference EAGLE-3 with ``fc_norm`` (a norm per tap before ``fc``) keeps its norms as
+``fc_norm.{i}.weight``, as speculators and SpecForge name them; SGLang's loader has none, so that
+export is refused.
+
 Only the ``reference`` layout (``eyas.drafting.model``) can be exported; an ``eyas-v1`` drafter,
 or a reference checkpoint using an option Eyas does not implement, is refused with the reason.
 Export then import is the identity: tensors are copied, never cast.
@@ -81,6 +85,7 @@ def to_reference(state: dict[str, torch.Tensor], cfg: DrafterConfig, fmt: str) -
     if cfg.method == "eagle3":
         out.update({p + ref: state[ours] for ours, ref in _EAGLE3_NORMS.items()})
         out["fc.weight"] = state["reduce.weight"]
+        out.update({f"fc_norm.{i}.weight": state[f"tap_norms.{i}.weight"] for i in range(cfg.num_taps) if cfg.fc_norm})
         out["norm.weight"] = state["norm.weight"]
         out["lm_head.weight"] = state["head.weight"]
         d2t = state["d2t"]
@@ -110,6 +115,7 @@ def from_reference(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, fmt: st
     if cfg.method == "eagle3":
         out.update({ours: tensors[p + ref] for ours, ref in _EAGLE3_NORMS.items()})
         out["reduce.weight"] = tensors["fc.weight"]
+        out.update({f"tap_norms.{i}.weight": tensors[f"fc_norm.{i}.weight"] for i in range(cfg.num_taps) if cfg.fc_norm})
         out["norm.weight"] = tensors["norm.weight"]
         out["head.weight"] = tensors["lm_head.weight"]
         offsets = tensors["d2t"].to(torch.int64)
@@ -126,8 +132,9 @@ def to_reference_names(cfg: DrafterConfig, fmt: str) -> list[str]:
     names = [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
     names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")] + [p + "post_attention_layernorm.weight"]
     if cfg.method == "eagle3":
-        return names + [p + n for n in _EAGLE3_NORMS.values()] + ["fc.weight", "norm.weight", "lm_head.weight",
-                                                                 "d2t", "t2d"]
+        norms = [f"fc_norm.{i}.weight" for i in range(cfg.num_taps)] if cfg.fc_norm else []
+        return names + [p + n for n in _EAGLE3_NORMS.values()] + norms + ["fc.weight", "norm.weight",
+                                                                         "lm_head.weight", "d2t", "t2d"]
     return names + ["fc.weight", "fc.bias"]
 
 
@@ -152,6 +159,9 @@ def _check_exportable(cfg: DrafterConfig, taps: list[TapSpec], fmt: str) -> None
                            "speculators or sglang")
     if cfg.method == "eagle1" and fmt != "eagle":
         raise InteropError(f"format: {fmt} holds EAGLE-3 drafters here; export an EAGLE-1/HASS drafter as eagle")
+    if cfg.fc_norm and fmt == "sglang":
+        raise InteropError("drafter_config.fc_norm: SGLang's LlamaForCausalLMEagle3 has no per-tap norms before fc "
+                           "(SpecForge and speculators do); export it as speculators")
     if any(t.normed for t in taps) and cfg.method == "eagle3":
         raise InteropError("feature_address: the references tap un-normed residual streams")
     if cfg.method == "eagle1":
@@ -176,7 +186,7 @@ def reference_config(manifest: DrafterManifest, cfg: DrafterConfig, fmt: str, ve
                     "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}},
                 "transformer_layer_config": {**base, "architectures": ["LlamaForCausalLM"], "torch_dtype": dtype},
                 "draft_vocab_size": cfg.out_vocab, "norm_before_residual": False, "norm_before_fc": False,
-                "fc_norm": False, "norm_output": False, "target_hidden_size": cfg.hidden_size,
+                "fc_norm": cfg.fc_norm, "norm_output": False, "target_hidden_size": cfg.hidden_size,
                 "eagle_aux_hidden_state_layer_ids": layers, "torch_dtype": dtype}
     if fmt == "sglang":
         return {**base, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg.out_vocab,
@@ -250,8 +260,7 @@ def _import_config(config: dict, fmt: str, target: TargetConfig) -> tuple[Drafte
     layer = config
     if fmt == "speculators":
         layer, where = _num(config, "transformer_layer_config", "config"), "config.transformer_layer_config"
-        for key, supported in (("norm_before_residual", False), ("norm_before_fc", False), ("fc_norm", False),
-                               ("norm_output", False)):
+        for key, supported in (("norm_before_residual", False), ("norm_before_fc", False), ("norm_output", False)):
             # vLLM reads an absent norm_before_residual as true
             value = config.get(key, True if key == "norm_before_residual" else False)
             if bool(value) != supported:
@@ -263,8 +272,7 @@ def _import_config(config: dict, fmt: str, target: TargetConfig) -> tuple[Drafte
         raise InteropError(f"{where}.rope_scaling: a scaled drafter rope is not supported yet")
     if layer.get("attention_bias") or layer.get("mlp_bias"):
         raise InteropError(f"{where}.attention_bias: biased drafter projections are not supported")
-    if fmt == "sglang" and config.get("fc_norm"):
-        raise InteropError("config.fc_norm: per-tap norms before fc are not supported yet")
+    fc_norm = bool(config.get("fc_norm", False))   # speculators' flag, and SpecForge's config attribute
     hidden = int(_num(layer, "hidden_size", where))
     if hidden != target.hidden_size or int(config.get("target_hidden_size") or hidden) != target.hidden_size:
         raise InteropError(f"{where}.hidden_size: {hidden}, the target's is {target.hidden_size}")
@@ -298,7 +306,7 @@ def _import_config(config: dict, fmt: str, target: TargetConfig) -> tuple[Drafte
                             max_position_embeddings=int(_num(layer, "max_position_embeddings", where, 2048)),
                             target_vocab_size=vocab, num_taps=1 if method == "eagle1" else 3,
                             draft_vocab_size=0 if draft_vocab == vocab and method == "eagle1" else draft_vocab,
-                            layout=REFERENCE)
+                            layout=REFERENCE, fc_norm=fc_norm and method == "eagle3")
     except ValueError as err:
         raise InteropError(str(err).replace("drafter_config", where)) from None
     return cfg, layers

@@ -57,6 +57,9 @@ class DrafterConfig:
     num_taps: int               # target features per row: 1 (EAGLE-1) or 3 (EAGLE-3)
     draft_vocab_size: int = FULL_VOCAB
     layout: str = REFERENCE     # "reference" | "eyas-v1" (module docstring)
+    # reference EAGLE-3 only: an RMSNorm of its own per tap before fc (SpecForge's and speculators'
+    # ``fc_norm``), so that fc does not read SmolLM2's raw massive activations
+    fc_norm: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -65,6 +68,8 @@ class DrafterConfig:
             raise ValueError(f"drafter_config.layout: {self.layout!r} is not one of {LAYOUTS}")
         if self.method == "eagle1" and (self.num_taps != 1 or self.draft_vocab_size != FULL_VOCAB):
             raise ValueError("drafter_config: eagle1 reads one feature tap and the full target vocabulary")
+        if self.fc_norm and (self.method, self.layout) != ("eagle3", REFERENCE):
+            raise ValueError("drafter_config.fc_norm: only a reference-layout EAGLE-3 drafter has per-tap norms")
         if self.method == "eagle3" and self.num_taps != 3:
             raise ValueError("drafter_config.num_taps: eagle3 fuses three feature taps")
         if not 0 <= self.draft_vocab_size <= self.target_vocab_size:
@@ -73,7 +78,7 @@ class DrafterConfig:
 
     @classmethod
     def for_target(cls, method: str, target: TargetConfig, draft_vocab_size: int | None = None,
-                   layout: str = REFERENCE) -> "DrafterConfig":
+                   layout: str = REFERENCE, fc_norm: bool = False) -> "DrafterConfig":
         if draft_vocab_size is None:
             draft_vocab_size = min(8192, target.vocab_size) if method == "eagle3" else FULL_VOCAB
         return cls(method=method, hidden_size=target.hidden_size, num_heads=target.num_heads,
@@ -82,7 +87,7 @@ class DrafterConfig:
                    rope_theta=SAFEAILAB_ROPE_THETA if (method, layout) == ("eagle1", REFERENCE) else target.rope_theta,
                    max_position_embeddings=target.max_position_embeddings,
                    target_vocab_size=target.vocab_size, num_taps=1 if method == "eagle1" else 3,
-                   draft_vocab_size=draft_vocab_size, layout=layout)
+                   draft_vocab_size=draft_vocab_size, layout=layout, fc_norm=fc_norm)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,6 +137,8 @@ class Drafter(nn.Module):
         self.cfg = cfg
         d = cfg.hidden_size
         self.reduce = nn.Linear(cfg.num_taps * d, d, bias=False) if cfg.num_taps > 1 else None
+        self.tap_norms = nn.ModuleList([RMSNorm(d, cfg.rms_norm_eps) for _ in range(cfg.num_taps)]) \
+            if cfg.fc_norm else None   # reference: fc_norm.{i}
         reference_eagle3 = cfg.layout == REFERENCE and cfg.method == "eagle3"
         if cfg.layout == EYAS_V1 or reference_eagle3:
             # The state and the token embedding are normalised (EAGLE-3's reference does it, and so
@@ -177,6 +184,8 @@ class Drafter(nn.Module):
     def target_state(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., num_taps * d] target taps -> [..., d] state (EAGLE-3 reduction W_R)."""
         assert features.shape[-1] == self.cfg.num_taps * self.cfg.hidden_size, "features: [..., num_taps*d]"
+        if self.tap_norms is not None:
+            features = torch.cat([norm(x) for norm, x in zip(self.tap_norms, features.chunk(self.cfg.num_taps, -1))], -1)
         return self.reduce(features) if self.reduce is not None else features
 
     def layer_input(self, state: torch.Tensor, token_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +246,7 @@ def init_drafter(cfg: DrafterConfig, seed: int = 0) -> Drafter:
     model = Drafter(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm" in name and name.endswith(".weight") and p.ndim == 1:   # every RMSNorm, tap_norms.{i} too
                 p.fill_(1.0)
             elif p.ndim == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)

@@ -30,6 +30,7 @@ class TrainConfig(BaseModel):
     target: str = "smollm2-135m"
     out: str = "drafters/smollm2-135m-eagle3"
     layout: Literal["reference", "eyas-v1"] = "reference"   # the drafter network (eyas.drafting.model)
+    fc_norm: bool = False                        # reference EAGLE-3: a norm per tap before fc
     init_from: str | None = None                 # warm start: a drafter folder of the same method and target
     data: DataConfig = Field(default_factory=DataConfig)
     epochs: float = Field(1.0, gt=0)

@@ -61,7 +61,7 @@ class DrafterTrainer:
         method = "eagle3" if cfg.method == "eagle3" else "eagle1"
         dcfg = DrafterConfig.for_target(method, target.cfg,
                                         min(cfg.draft_vocab_size, target.cfg.vocab_size) if method == "eagle3" else None,
-                                        layout=cfg.layout)
+                                        layout=cfg.layout, fc_norm=cfg.fc_norm and method == "eagle3")
         self.serve_taps: tuple[FeatureTap, ...] = drafter_feature_address(dcfg, target.cfg)
         self.drafter: Drafter = init_drafter(dcfg, seed=cfg.seed)
         if cfg.init_from:

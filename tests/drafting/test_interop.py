@@ -35,12 +35,12 @@ def target(tmp_path_factory):
     return ours_from_hf(hf), folder
 
 
-def random_drafter(target_model, method: str, layout: str = "reference", seed: int = 0):
+def random_drafter(target_model, method: str, layout: str = "reference", seed: int = 0, fc_norm: bool = False):
     """A reference-layout drafter with every weight random (norms too), so no term hides."""
     from eyas.drafting.model import Drafter
 
     cfg = DrafterConfig.for_target(method, target_model.cfg, DRAFT_VOCAB if method == "eagle3" else None,
-                                   layout=layout)
+                                   layout=layout, fc_norm=fc_norm)
     drafter = Drafter(cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -88,17 +88,18 @@ def import_speculators():
     return core.Eagle3DraftModel
 
 
-def test_eagle3_matches_speculators(target, tmp_path):
+@pytest.mark.parametrize("fc_norm", [False, True])
+def test_eagle3_matches_speculators(target, tmp_path, fc_norm):
     """vLLM's speculators loads the export with no missing or unexpected key and computes the same
-    draft logits on the same aux hidden states and tokens."""
+    draft logits on the same aux hidden states and tokens (with and without its per-tap ``fc_norm``)."""
     model_ours, verifier = target
-    drafter = random_drafter(model_ours, "eagle3")
+    drafter = random_drafter(model_ours, "eagle3", fc_norm=fc_norm)
     out = export_drafter(saved(drafter, model_ours, tmp_path / "eyas"), "speculators", tmp_path / "spec",
                          verifier=str(verifier))
     Eagle3DraftModel = import_speculators()
     ref = Eagle3DraftModel.from_pretrained(str(out), dtype=torch.float32).eval()
     assert ref.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
-    assert ref.config.norm_before_residual is False and ref.d2t is not None
+    assert ref.config.norm_before_residual is False and ref.d2t is not None and ref.config.fc_norm is fc_norm
     from safetensors.torch import load_file
     exported = load_file(str(out / "model.safetensors"))
     ignorable = set(Eagle3DraftModel._keys_to_ignore_on_load_missing) | set(Eagle3DraftModel._keys_to_ignore_on_save)
@@ -108,7 +109,9 @@ def test_eagle3_matches_speculators(target, tmp_path):
     ref.layers[0].self_attn.config._attn_implementation = "eager"   # a dense additive mask, not flex's block mask
     with torch.no_grad():
         ref.embed_tokens.weight.copy_(model_ours.embed.weight)       # the target's frozen embedding
-        x = torch.cat([ref.embed_tokens(ids), ref.fc(features)], dim=-1)
+        aux = features if ref.fc_norm is None else torch.cat(
+            [norm(x) for norm, x in zip(ref.fc_norm, features.chunk(3, dim=-1))], dim=-1)
+        x = torch.cat([ref.embed_tokens(ids), ref.fc(aux)], dim=-1)
         positions = torch.arange(T)[None]
         emb = ref.rotary_emb(x, positions)
         h_ref = ref.layers[0](x, attention_mask=causal_additive(), position_ids=positions,
@@ -169,13 +172,14 @@ def test_eagle1_matches_eagle_llm(target, tmp_path):
     assert torch.allclose(logits, model_ours.lm_head(h_ref).float(), atol=1e-4)
 
 
-@pytest.mark.parametrize("method,fmt", [("eagle3", "speculators"), ("eagle3", "sglang"), ("eagle1", "eagle")])
-def test_export_then_import_is_the_identity(target, tmp_path, method, fmt):
+@pytest.mark.parametrize("method,fmt,fc_norm", [("eagle3", "speculators", False), ("eagle3", "speculators", True),
+                                                ("eagle3", "sglang", False), ("eagle1", "eagle", False)])
+def test_export_then_import_is_the_identity(target, tmp_path, method, fmt, fc_norm):
     """Every tensor comes back bit for bit (fp16 as Eyas ships them), with the same taps and config."""
     from safetensors.torch import load_file
 
     model_ours, verifier = target
-    drafter = random_drafter(model_ours, method, seed=6)
+    drafter = random_drafter(model_ours, method, seed=6, fc_norm=fc_norm)
     src = tmp_path / "eyas"
     save_drafter(src, drafter, manifest_for(method, drafter, FP, drafter_feature_address(drafter.cfg, model_ours.cfg)))
     out = export_drafter(src, fmt, tmp_path / fmt, verifier=str(verifier), embed=model_ours.embed.weight)
@@ -196,6 +200,9 @@ def test_export_refuses_what_a_format_cannot_hold(target, tmp_path):
     e3 = saved(random_drafter(model_ours, "eagle3"), model_ours, tmp_path / "e3")
     with pytest.raises(InteropError, match="format: eagle is SafeAILab's EAGLE-1"):
         export_drafter(e3, "eagle", tmp_path / "x")
+    normed = saved(random_drafter(model_ours, "eagle3", fc_norm=True), model_ours, tmp_path / "fcn")
+    with pytest.raises(InteropError, match="drafter_config.fc_norm: SGLang"):
+        export_drafter(normed, "sglang", tmp_path / "x")
     with pytest.raises(InteropError, match="format: 'onnx'"):
         export_drafter(e3, "onnx", tmp_path / "x")
     e1 = saved(random_drafter(model_ours, "eagle1"), model_ours, tmp_path / "e1")
