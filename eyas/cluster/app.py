@@ -377,8 +377,7 @@ class EyasServer:
             try:
                 req, ids = self._validate(wire.generate_request_to_proto(parsed.request))
             except ValueError as err:
-                field = str(err).split(":", 1)[0]
-                raise oai.OpenAIError(str(err), param=oai.PARAM_OF_FIELD.get(field, field)) from None
+                raise oai.invalid(str(err)) from None
         except oai.OpenAIError as err:
             return JSONResponse(err.body(), status_code=err.status)
         response_id = ("chatcmpl-" if kind == oai.CHAT else "cmpl-") + (req.request_id or uuid.uuid4().hex)
@@ -394,8 +393,7 @@ class EyasServer:
         try:
             async for item in stream:
                 if "invalid" in item:
-                    field = item["invalid"].split(":", 1)[0]
-                    err = oai.OpenAIError(item["invalid"], param=oai.PARAM_OF_FIELD.get(field, field))
+                    err = oai.invalid(item["invalid"])
                     return JSONResponse(err.body(), status_code=err.status)
                 report = item.get("report", report)
         except Exception:  # noqa: BLE001 - the client gets a clean 500; the log has the rest
@@ -428,8 +426,7 @@ class EyasServer:
                     if delta:
                         yield _event(oai.chunk(parsed, response_id, created, delta, None))
                 elif "invalid" in item:
-                    field = item["invalid"].split(":", 1)[0]
-                    yield _event(oai.OpenAIError(item["invalid"], param=oai.PARAM_OF_FIELD.get(field, field)).body())
+                    yield _event(oai.invalid(item["invalid"]).body())
                     return
                 else:
                     report = item["report"]
@@ -459,18 +456,15 @@ class EyasServer:
         if self.inflight >= self.cfg.max_inflight_requests:
             raise Overloaded(f"overloaded: {self.inflight} requests in flight (max_inflight_requests); retry later")
         self.inflight += 1
-        released = []
-
-        def release():
-            if not released:
-                released.append(1)
-                self.inflight -= 1
-
         try:
-            return _Admitted(self.target.generate.remote(req.model_dump(), ids, time.time()), release)
+            stream = self.target.generate.remote(req.model_dump(), ids, time.time())
         except BaseException:
-            release()
+            self.inflight -= 1
             raise
+        return _Admitted(stream, self._release)   # _Admitted calls it once
+
+    def _release(self) -> None:
+        self.inflight -= 1
 
     def _validate(self, request: pb.GenerateRequest) -> tuple[GenerateRequest, list[int]]:
         req = wire.generate_request_from_proto(request)

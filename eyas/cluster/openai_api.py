@@ -53,6 +53,12 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def invalid(message: str) -> OpenAIError:
+    """A 400 for Eyas's own ``"<field>: <why>"`` refusal, ``param`` naming the OpenAI parameter."""
+    field = message.split(":", 1)[0]
+    return OpenAIError(message, param=PARAM_OF_FIELD.get(field, field))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
