@@ -181,21 +181,18 @@ class EyasTarget:
         named = req.request_id or None
         if named is not None:
             self.inflight[named] = (time.time() if received_at is None else received_at, cancel)
-        future = loop.run_in_executor(None, self._run, req, prompt_ids, cancel,
+        start = time.time() if received_at is None else received_at
+        future = loop.run_in_executor(None, self._run, req, prompt_ids, cancel, start,
                                       lambda new: loop.call_soon_threadsafe(queue.put_nowait, list(new)))
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, STREAM_DONE))
-        start = time.time() if received_at is None else received_at
-        first_token_s = None
         try:
             while (new := await queue.get()) is not STREAM_DONE:
-                first_token_s = time.time() - start if first_token_s is None else first_token_s
                 yield {"tokens": new}
             try:
                 report = future.result()
             except ValueError as err:
                 yield {"invalid": str(err)}
                 return
-            self.telemetry.record_latency(req.method, time.time() - start, first_token_s)
             yield {"report": report}
         finally:
             cancel.set()  # a no-op after a finished request; stops one whose caller went away
@@ -209,7 +206,17 @@ class EyasTarget:
         for rid in cancels_due({rid: received for rid, (received, _) in entries.items()}, cancels):
             entries[rid][1].set()
 
-    def _run(self, req: GenerateRequest, ids: list[int], cancel: threading.Event, on_tokens) -> dict:
+    def _run(self, req: GenerateRequest, ids: list[int], cancel: threading.Event, start: float, on_tokens) -> dict:
+        """One request on the round loop, from the executor: its report, once finished. The request's
+        count, duration and time to first token (from ``start``, the ingress's receipt) are recorded
+        together, then reported, so a scrape that sees it counted also sees its latencies; a request
+        whose caller went away is counted as well (finish reason ``cancelled``)."""
+        first_token_at: list[float] = []
+
+        def on_new(new) -> None:
+            first_token_at[:] = first_token_at or [time.time()]
+            on_tokens(new)
+
         if req.method != "target" and not self.loop.drafter_info and self.drafter is not None:
             self.loop.drafter_info = self._drafter_info()  # the drafter deployment came up after this replica
         info = self.loop.drafter_info.get(req.method, {})
@@ -217,9 +224,11 @@ class EyasTarget:
         stops = StopStrings(self.tokenizer, req.stop)
         future = self.loop.submit(req.request_id or uuid.uuid4().hex, ids, req.max_new_tokens, req.method, tree,
                                   SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p),
-                                  req.seed, _trimmed(req, on_tokens, stops, set(self.worker.cfg.eos_token_ids)),
+                                  req.seed, _trimmed(req, on_new, stops, set(self.worker.cfg.eos_token_ids)),
                                   cancel)
         result = future.result()
+        self.telemetry.record_latency(req.method, time.time() - start,
+                                      first_token_at[0] - start if first_token_at else None)
         self.telemetry.record_request(req.method, result.finish_reason, result.drafter_fallback)
         self.reporter.poke()
         return build_report(req, result, stops.text(result.token_ids), self.cfg.precision, info.get("source"), tree)
