@@ -28,6 +28,7 @@ Run:
     .venv/bin/python bench/acceptance.py --json bench/out/acceptance.json --threads 4
     .venv/bin/python bench/acceptance.py --prompts my.jsonl --tree-width 8 --tree-depth 6 --tree-budget 32
     .venv/bin/python bench/acceptance.py --methods smollm2-135m-eagle3,smollm2-135m-eagle1-chain
+    .venv/bin/python bench/acceptance.py --drafters runs/candidates      # drafters from another folder
 
 Prints a table, a ready-to-paste Markdown table and a summary line; ``--json OUT.json`` writes every
 number; the plot (tau and speedup bars, acceptance-by-depth lines) goes to ``--plot``, by default next
@@ -265,6 +266,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-width", type=int, help="dynamic tree: nodes expanded per depth (default: the manifest's)")
     p.add_argument("--tree-depth", type=int, help="dynamic tree and chain depth (default: the manifest's)")
     p.add_argument("--tree-budget", type=int, help="dynamic tree: candidate rows verified (default: the manifest's)")
+    p.add_argument("--drafters", help="the folder of drafter folders to bench (default: the repository's drafters/)")
     p.add_argument("--methods", help="comma-separated method names to run (default: all; target always runs), "
                                      "e.g. smollm2-135m-eagle3,smollm2-135m-eagle1-chain")
     return p.parse_args(argv)
@@ -283,7 +285,7 @@ def main(argv=None) -> int:
     eos_ids = set(eyas.cfg.eos_token_ids) | {eyas.tokenizer.eos_token_id}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="no trained .* drafter")  # reported as "random-init"
-        methods, notes = build_methods(eyas, tree_overrides)
+        methods, notes = build_methods(eyas, tree_overrides, Path(args.drafters) if args.drafters else REPO_DRAFTERS)
         if args.methods:
             wanted = {n.strip() for n in args.methods.split(",") if n.strip()}
             unknown = wanted - {m.name for m in methods}

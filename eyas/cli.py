@@ -151,6 +151,8 @@ def cmd_train(args) -> int:
         cfg = cfg.model_copy(update={"method": args.method})
     if args.out:
         cfg = cfg.model_copy(update={"out": args.out})
+    if args.threads:
+        cfg = cfg.model_copy(update={"threads": args.threads})
     set_threads(cfg.threads)
     eyas = Eyas(cfg.target, "fp32")
     train, heldout = prepare_features(cfg, eyas)
@@ -318,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--method", choices=["eagle1", "hass", "eagle3"], help="overrides the config's method")
     t.add_argument("--config", required=True, help="a training YAML (see configs/)")
     t.add_argument("--out", help="overrides the config's output folder")
+    t.add_argument("--threads", type=int, help="overrides the config's torch CPU threads (a resumed run may change it)")
     t.set_defaults(func=cmd_train)
     s = sub.add_parser("serve", help="start a local Ray and the Eyas Serve application")
     s.add_argument("--config", help="a Serve config (ray_configs/serve.yaml); its eyas application's args are used")

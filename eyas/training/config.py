@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class DataConfig(BaseModel):
@@ -22,6 +22,16 @@ class DataConfig(BaseModel):
     # `python -m eyas.training.regen`
     answers_dir: str | None = None
     cache_dir: str = "~/.cache/eyas/features/smollm2-135m-sharegpt"
+    # the train cache to read, made for this many samples (None = train_samples); the run trains on
+    # its first train_samples, so runs of several data sizes (a learning curve) share one extraction
+    cache_samples: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _cache_holds_the_train_samples(self):
+        if self.cache_samples is not None and self.cache_samples < self.train_samples:
+            raise ValueError(f"cache_samples ({self.cache_samples}) must be at least train_samples "
+                             f"({self.train_samples})")
+        return self
 
 
 class TrainConfig(BaseModel):

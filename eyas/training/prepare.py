@@ -14,14 +14,14 @@ from eyas.training.features import FeatureCache, training_taps
 def cache_dirs(cfg: TrainConfig) -> tuple[Path, Path]:
     root = Path(os.path.expanduser(cfg.data.cache_dir))
     tag = f"len{cfg.data.max_len}" + (f"-regen{cfg.data.regen_max_new_tokens}" if cfg.data.regenerate else "")
-    return root / f"train-{cfg.data.train_samples}-{tag}", root / f"heldout-{cfg.data.heldout_samples}-{tag}"
+    return root / f"train-{cfg.data.cache_samples or cfg.data.train_samples}-{tag}", root / f"heldout-{cfg.data.heldout_samples}-{tag}"
 
 
 def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache, FeatureCache]:
     fingerprint = eyas.loaded.fingerprint.to_dict()
     taps = training_taps(eyas.model)
     caches = []
-    for (split, count), folder in zip((("train", cfg.data.train_samples), ("heldout", cfg.data.heldout_samples)),
+    for (split, count), folder in zip((("train", cfg.data.cache_samples or cfg.data.train_samples), ("heldout", cfg.data.heldout_samples)),
                                       cache_dirs(cfg)):
         cache = FeatureCache(folder)
         if cache.manifest_path.exists() and cache.manifest().get("complete"):

@@ -56,7 +56,7 @@ class DrafterTrainer:
         self.out = Path(out or cfg.out)
         self.d = target.cfg.hidden_size
         taps = training_taps(target)
-        self.train_data = self._load(train, fingerprint, taps)
+        self.train_data = self._load(train, fingerprint, taps)[:cfg.data.train_samples]  # a prefix (data.cache_samples)
         self.heldout_data = self._load(heldout, fingerprint, taps)
         method = "eagle3" if cfg.method == "eagle3" else "eagle1"
         dcfg = DrafterConfig.for_target(method, target.cfg,
@@ -296,7 +296,9 @@ class DrafterTrainer:
         final = self.evaluate()
         wall = time.perf_counter() - t0
         tokens = sum(len(fb.input_ids) for fb in self.train_data)
+        supervised = sum(int(fb.loss_mask.sum()) for fb in self.train_data)
         summary = {"steps": self.step, "train_samples": len(self.train_data), "train_tokens": tokens,
+                   "train_supervised_tokens": supervised,
                    "epochs": self.cfg.epochs, "wall_s": round(wall, 1), "resumed": resumed,
                    "skipped_steps": skipped, "final_loss_ema": ema, "heldout": final}
         if start is not None:

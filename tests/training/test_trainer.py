@@ -133,3 +133,23 @@ def test_warm_start_takes_the_weights_and_vocabulary_and_refuses_another_method(
     assert summary["heldout_at_start"] == before and "heldout_at_start" not in first.fit()
     with pytest.raises(ValueError, match="^config.init_from: .* is a eagle3 drafter, not eagle1"):
         make({"method": "eagle1", "epochs": 1, "init_from": str(folder)}, tiny_setup, tmp_path / "c")
+
+
+def test_a_run_trains_on_a_prefix_of_a_larger_cache(tiny_setup, tmp_path):
+    """data.cache_samples: a learning-curve point reads the first train_samples of one shared cache
+    (the same samples, in order, as the cache's own), its draft vocabulary is counted over that
+    prefix alone, and a cache smaller than the run is refused by field."""
+    from eyas.training.losses import build_draft_vocab
+    from eyas.training.prepare import cache_dirs
+
+    trainer = make({"method": "eagle3", "epochs": 1, "data": {"train_samples": 8, "cache_samples": 24}},
+                   tiny_setup, tmp_path)
+    full = tiny_setup[1].samples()
+    assert [fb.sample_id for fb in trainer.train_data] == [fb.sample_id for fb in full[:8]]
+    assert cache_dirs(trainer.cfg)[0].name.startswith("train-24-")
+    counted = torch.zeros(48, dtype=torch.int64)
+    for fb in full[:8]:
+        counted += torch.bincount(fb.input_ids[fb.loss_mask], minlength=48)
+    assert torch.equal(trainer.drafter.d2t, build_draft_vocab(counted, 32)) and trainer.steps_per_epoch == 2
+    with pytest.raises(ValueError, match="cache_samples"):
+        TrainConfig(data={"train_samples": 8, "cache_samples": 4})
