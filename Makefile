@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.eyas-setup-stamp
 REFERENCES := speculators==0.9.0 specforge==0.2.0 eagle-llm==1.2.1
 PROMPT ?= Explain in three sentences why the sky is blue.
 # fp16w (fp16 weights, fp32 compute; x86 CPUs) is where speculation breaks even on a CPU; fp32 is
-# bit-for-bit the HF model but speculation loses there (README "Measured"). DEMO_PRECISION=fp32 for it.
+# bit-for-bit the HF model but speculation loses there (docs/benchmarks.md). DEMO_PRECISION=fp32 for it.
 DEMO_PRECISION ?= fp16w
 
 .PHONY: setup demo test bench clean

@@ -86,7 +86,7 @@ class EyasServicer:
     def Cancel(self, request, context):
         """Stop a named request (GenerateRequest.request_id) wherever it runs; idempotent, and a no-op for
         an unknown or finished one. Closing a stream also cancels it, but Ray Serve 2.60's gRPC proxy can
-        lose that signal (see README, "Cancellation"); this call cannot be lost that way.
+        lose that signal (docs/serving.md, "Cancellation in detail"); this call cannot be lost that way.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
