@@ -50,7 +50,8 @@ from eyas.generate import FINISH_ERROR
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.schema import GenerateRequest, parse_cancel, parse_request
-from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, encode_prompt, load_tokenizer
+from eyas.target.engine import check_context
+from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, encode_prompt, load_target_config, load_tokenizer
 
 log = logging.getLogger("eyas.serve")
 
@@ -205,6 +206,7 @@ class EyasServer:
         self.cfg = parse_config(config)
         self.target = target.options(stream=True)
         self.tokenizer = load_tokenizer(self.cfg.target)
+        self.max_context = load_target_config(self.cfg.target).max_context   # checked here, before any replica
         self.app_name = app_name()
         self.model_name = self.cfg.served_model_name or self.cfg.target
         self.created = oai.now()
@@ -320,9 +322,9 @@ class EyasServer:
             return JSONResponse(json.loads(json.dumps(await self.stats(), default=str)))
         try:  # the client's mistakes are 400s that name the field, as over gRPC; anything else is a 500
             try:
-                body = json.loads(await http_request.body())
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise ValueError(f"request: the body is not JSON ({err})") from None
+                body = await self._body(http_request)   # bounded in size and nesting, as the OpenAI routes
+            except oai.OpenAIError as err:
+                return JSONResponse({"error": err.message}, status_code=err.status)
             if not isinstance(body, dict):
                 raise ValueError("request: the body must be a JSON object")
             if http_request.url.path.rstrip("/").endswith("/cancel"):
@@ -475,8 +477,12 @@ class EyasServer:
             bad = [t for t in req.prompt_ids if t >= vocab]
             if bad:
                 raise ValueError(f"prompt_ids: {bad[:5]} lie outside the vocabulary [0, {vocab})")
-            return req, list(req.prompt_ids)
-        return req, encode_prompt(self.tokenizer, req.prompt, req.raw)
+            ids = list(req.prompt_ids)
+        else:
+            ids = encode_prompt(self.tokenizer, req.prompt, req.raw)
+        check_context(len(ids), req.max_new_tokens, self.max_context,
+                      "prompt_ids" if req.prompt_ids is not None else "prompt")
+        return req, ids
 
     async def cancel(self, request_id: str) -> None:
         """A named cancel: posted to the app's registry, from where the target replica that runs the

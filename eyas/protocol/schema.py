@@ -14,6 +14,16 @@ METHODS = ("target", "eagle1", "hass", "eagle3")   # hass: an EAGLE-1-architectu
 
 
 MAX_REQUEST_ID_LEN: int = 256  # a request id (``request_id``) is 1 to this many characters
+# The smallest non-zero temperature (vLLM's threshold too): below it logits / T overflows fp32 for
+# ordinary logits (1e-300 is 0 in fp32), and the served distribution is the argmax's in all but name.
+MIN_TEMPERATURE: float = 1e-2
+INT32_MAX: int = 2**31 - 1       # the wire's int32 fields (max_new_tokens, top_k, prompt_ids, tree knobs)
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1   # the wire's int64 seed
+# Tree knobs past these are refused at the front door: no drafter here is trained past a handful of
+# steps, and a verify of more rows than MAX_TREE_BUDGET costs more than any speculation could repay.
+MAX_TREE_DEPTH: int = 32
+MAX_TREE_WIDTH: int = 64
+MAX_TREE_BUDGET: int = 512
 
 
 def request_id_problem(value: str) -> str | None:
@@ -35,7 +45,11 @@ def _request_id(v: str | None, required: bool) -> str | None:
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A client's request. Types are strict (``"max_new_tokens": true`` or ``"raw": "yes"`` are
+    refused, not coerced; an int is accepted where a float is asked); every bound is checked here,
+    before any replica does work, and a violation names the field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str | None = None
     prompt_ids: list[int] | None = None
@@ -69,8 +83,15 @@ class GenerateRequest(BaseModel):
     @field_validator("max_new_tokens")
     @classmethod
     def _max_new(cls, v):
-        if v < 1:
-            raise ValueError(f"must be >= 1, got {v}")
+        if not 1 <= v <= INT32_MAX:
+            raise ValueError(f"must be >= 1 and <= {INT32_MAX}, got {v}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        if not INT64_MIN <= v <= INT64_MAX:
+            raise ValueError(f"must fit in 64 signed bits, got {v}")
         return v
 
     @field_validator("temperature")
@@ -78,6 +99,8 @@ class GenerateRequest(BaseModel):
     def _temperature(cls, v):
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"must be a finite number >= 0, got {v}")
+        if 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {v}")
         return v
 
     @field_validator("top_p")
@@ -90,31 +113,30 @@ class GenerateRequest(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v):
-        if v < 0:
-            raise ValueError(f"must be >= 0 (0 = off), got {v}")
+        if not 0 <= v <= INT32_MAX:
+            raise ValueError(f"must be >= 0 (0 = off) and <= {INT32_MAX}, got {v}")
         return v
 
-    @field_validator("tree_depth", "tree_budget")
+    @field_validator("tree_depth", "tree_budget", "tree_width")
     @classmethod
-    def _nonneg(cls, v):
-        if v is not None and v < 0:
-            raise ValueError(f"must be >= 0, got {v}")
-        return v
-
-    @field_validator("tree_width")
-    @classmethod
-    def _width(cls, v):
-        if v is not None and v < 1:
-            raise ValueError(f"must be >= 1, got {v}")
+    def _tree_knob(cls, v, info):
+        if v is None:
+            return v
+        low, high = {"tree_depth": (0, MAX_TREE_DEPTH), "tree_budget": (0, MAX_TREE_BUDGET),
+                     "tree_width": (1, MAX_TREE_WIDTH)}[info.field_name]
+        if not low <= v <= high:
+            raise ValueError(f"must be >= {low} and <= {high}, got {v}")
         return v
 
     @model_validator(mode="after")
     def _prompt(self):
         if self.prompt_ids is not None:
+            if self.prompt is not None:
+                raise ValueError("prompt_ids: give prompt or prompt_ids, not both")
             if not self.prompt_ids:
                 raise ValueError("prompt_ids: must hold at least one token")
-            if any(t < 0 for t in self.prompt_ids):
-                raise ValueError("prompt_ids: token ids must be >= 0")
+            if any(not 0 <= t <= INT32_MAX for t in self.prompt_ids):
+                raise ValueError("prompt_ids: token ids must be >= 0 (and fit in 32 bits)")
         elif self.prompt is None or not self.prompt.strip():
             raise ValueError("prompt: must be a non-empty string (or give prompt_ids)")
         return self

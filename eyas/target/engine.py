@@ -28,6 +28,19 @@ from eyas.target.model import FeatureTap, KVCache, MoE, Segment, TargetModel
 PREFILL_ROUND = 0  # the round number of the prompt's prefill; speculation rounds count from 1
 
 
+def check_context(prompt_tokens: int, max_new_tokens: int, max_context: int, prompt_field: str = "prompt",
+                  note: str = "") -> None:
+    """Refuse a request whose prompt and answer cannot fit in the target's context (one slot is the
+    frontier token's): naming the prompt when it alone does not fit, else ``max_new_tokens``. The
+    front door (the serving ingress) and the engine run the same rule."""
+    if prompt_tokens + 1 > max_context:
+        raise ValueError(f"{prompt_field}: {prompt_tokens} tokens do not fit in the target's context "
+                         f"({max_context}{note})")
+    if prompt_tokens + max_new_tokens + 1 > max_context:
+        raise ValueError(f"max_new_tokens: prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) exceed the "
+                         f"target's context ({max_context}{note}); at most {max_context - prompt_tokens - 1} here")
+
+
 @dataclass(frozen=True)
 class Verified:
     """Target output over one round's rows, still provisional."""
@@ -86,12 +99,13 @@ class TargetEngine:
             raise ValueError(f"prompt: token ids {bad[:5]} lie outside the vocabulary [0, {self.cfg.vocab_size})")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+        window = ", the checkpoint's sliding window" if self.cfg.max_context < self.cfg.max_position_embeddings else ""
+        check_context(len(prompt_ids), max_new_tokens, self.cfg.max_context, "prompt", window)
         slots = len(prompt_ids) + max_new_tokens + max_tree_rows + 1
         if slots > self.cfg.max_context:
-            window = (", the checkpoint's sliding window" if self.cfg.max_context < self.cfg.max_position_embeddings
-                      else "")
-            raise ValueError(f"max_new_tokens: prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) "
-                             f"+ tree rows exceed the context ({self.cfg.max_context}{window})")
+            raise ValueError(f"tree_budget: prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + the "
+                             f"tree's {max_tree_rows} rows exceed the context ({self.cfg.max_context}{window}); "
+                             "ask for a smaller tree or fewer tokens")
         self.sessions[request_id] = TargetSession(request_id, self.model.allocate_cache(1, slots), len(prompt_ids),
                                                   tokens=list(prompt_ids))
 

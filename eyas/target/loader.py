@@ -205,6 +205,11 @@ def checkpoint_folder(source: str | os.PathLike = DEFAULT_TARGET) -> Path:
     return folder
 
 
+def load_target_config(source: str | os.PathLike = DEFAULT_TARGET) -> TargetConfig:
+    """The target's config alone (a front door checks context lengths against it; no weights read)."""
+    return TargetConfig.from_hf(json.loads((checkpoint_folder(source) / "config.json").read_text()))
+
+
 def load_tokenizer(source: str | os.PathLike = DEFAULT_TARGET):
     """The target's tokenizer alone (a serving front end needs no weights)."""
     from transformers import AutoTokenizer

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eyas.protocol.schema import MIN_TEMPERATURE
+
 TOP_K_OFF: int = 0  # top_k value meaning "no top-k truncation"
 
 
@@ -35,6 +37,8 @@ class SamplingParams:
             raise ValueError(f"temperature: expected a number, got {self.temperature!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature: must be finite and >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature: must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature!r}")
         if type(self.top_k) is not int or self.top_k < 0:
             raise ValueError(f"top_k: must be an int >= 0 (0 = off), got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
@@ -77,7 +81,8 @@ def target_probs(
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=1, descending=True, stable=True)
         mass_before = torch.cumsum(sorted_probs, dim=1) - sorted_probs  # [R, V]
-        drop_sorted = mass_before >= params.top_p  # the first (argmax) column is never dropped
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[:, 0] = False  # the argmax is always kept (a top_p below fp32's range compares as 0)
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=1, keepdim=True)

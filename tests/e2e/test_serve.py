@@ -73,6 +73,12 @@ def test_stop_strings_end_the_answer(client):
     (dict(prompt="   "), "prompt"),
     (dict(prompt="hi", top_p=1.5), "top_p"),
     (dict(prompt="hi", top_p=0.0), "top_p"),
+    (dict(prompt_ids=[1] * 8200), "prompt_ids"),                 # past the context: refused at the front door
+    (dict(prompt="hi", max_new_tokens=9000), "max_new_tokens"),
+    (dict(prompt="hi", temperature=1e-300), "temperature"),      # was a run-time "probs: ..." error
+    (dict(prompt="hi", tree_depth=10 ** 6), "tree_depth"),
+    (dict(prompt="hi", tree_budget=10 ** 6), "tree_budget"),     # was blamed on max_new_tokens
+    (dict(prompt="hi", prompt_ids=[1, 2]), "prompt_ids"),        # both given: was prompt_ids silently
 ])
 def test_bad_requests_get_invalid_argument_naming_the_field_and_nothing_changes(client, fields, field, no_leaks):
     for call in (client.stub.Generate, lambda r, **kw: list(client.stub.GenerateStream(r, **kw))):
@@ -187,6 +193,13 @@ def _http(url: str, body: bytes | None = None) -> tuple[int, object]:
     (b'{"prompt_ids": [99999999]}', "prompt_ids: "),
     (b'["hi"]', "request: the body must be a JSON object"),
     (b'{"prompt": "hi"', "request: the body is not JSON"),
+    (b'{"prompt": "hi", "max_new_tokens": 3000000000}', "max_new_tokens: "),   # was "Value out of range"
+    (b'{"prompt": "hi", "seed": 18446744073709551616}', "seed: "),
+    (b'{"prompt": "hi", "max_new_tokens": true}', "max_new_tokens: "),         # was coerced to 1
+    (b'{"prompt": "hi", "raw": "yes"}', "raw: "),                              # was coerced to true
+    (b'{"prompt": "hi", "top_p": 1e-300, "temperature": 1e-300}', "temperature: "),
+    (b'[' * 100_000 + b']' * 100_000, "request: the body nests too deeply"),     # was a 500 (RecursionError)
+    (b'{"prompt_ids": [' + b'1,' * 8199 + b'1]}', "prompt_ids: 8200 tokens do not fit"),
 ])
 def test_http_bad_requests_get_400_naming_the_field(http_url, client, body, error, no_leaks):
     """The HTTP route validates as gRPC does: one line that starts with the field, status 400."""

@@ -226,7 +226,11 @@ def test_a_sliding_window_caps_the_context():
     engine = TargetEngine(ours, ())
     engine.open_session("fits", [1, 2, 3], max_new_tokens=2, max_tree_rows=2)   # 3 + 2 + 2 + 1 = 8 slots
     with pytest.raises(ValueError, match=r"^max_new_tokens: .*context \(8, the checkpoint's sliding window\)"):
-        engine.open_session("long", [1, 2, 3], max_new_tokens=3, max_tree_rows=2)
+        engine.open_session("long", [1, 2, 3], max_new_tokens=5, max_tree_rows=0)
+    with pytest.raises(ValueError, match=r"^tree_budget: .*2 rows exceed the context \(8, the checkpoint's sliding"):
+        engine.open_session("long", [1, 2, 3], max_new_tokens=3, max_tree_rows=2)   # the answer fits, the tree not
+    with pytest.raises(ValueError, match=r"^prompt: 8 tokens do not fit"):
+        engine.open_session("long", list(range(8)), max_new_tokens=1, max_tree_rows=0)
     assert set(engine.sessions) == {"fits"}
     unwindowed = TargetConfig.from_hf(tiny_hf_mistral(sliding_window=None).config)
     assert unwindowed.sliding_window is None and unwindowed.max_context == 256

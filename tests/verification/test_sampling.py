@@ -92,6 +92,8 @@ def test_target_probs_is_fp32_and_normalised():
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=float("inf")), "temperature"),
         (dict(temperature=True), "temperature"),
+        (dict(temperature=1e-300), "temperature"),   # 0 in fp32: logits / T would be inf
+        (dict(temperature=5e-324), "temperature"),
         (dict(top_k=-1), "top_k"),
         (dict(top_k=2.0), "top_k"),
         (dict(top_k=True), "top_k"),
@@ -136,3 +138,12 @@ def test_sample_shapes_and_determinism():
 def test_sample_rejects_bad_probs(probs):
     with pytest.raises(ValueError, match="probs"):
         sample(probs, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-9])
+def test_a_tiny_top_p_keeps_the_argmax(top_p):
+    """A top_p below fp32's range compares as 0 against the masses; the argmax is kept regardless
+    (it was dropped with the rest, and the all-zero row failed in the sampler)."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]])
+    got = target_probs(logits, SamplingParams(temperature=0.7, top_p=top_p))
+    assert torch.equal(got, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
