@@ -42,6 +42,7 @@ from typing import Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import AutoscalingConfig
 
 from eyas.cluster import openai_api as oai
@@ -54,6 +55,8 @@ from eyas.target.engine import check_context
 from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, encode_prompt, load_target_config, load_tokenizer
 
 log = logging.getLogger("eyas.serve")
+RESUME_BACKOFF_S = 0.5   # the wait before a request whose replica died is sent again
+INTERNAL_ERROR = "internal error: the request failed in the server; retry it"   # what a client sees
 
 GRPC_SERVICER_FUNCTIONS = ["eyas.protocol.eyas_pb2_grpc.add_EyasServicer_to_server"]
 
@@ -98,6 +101,8 @@ class ServeConfig(BaseModel):
     # clients must send `Authorization: Bearer <key>` (HTTP) or that metadata (gRPC); None = open.
     # `eyas serve --api-key` or EYAS_API_KEY set it too. Never logged.
     api_key: str | None = Field(None, min_length=1, repr=False)
+    # a request whose target replica dies resumes on another for this long before the client gets an error
+    resume_timeout_s: float = Field(60.0, ge=0)
     served_model_name: str | None = None      # the OpenAI API's model id (default: the target's name)
     max_body_bytes: int = Field(1024 ** 2, ge=1024)   # HTTP bodies larger than this are refused (413)
     # requests one ingress runs at once (streaming or not, every API); past it a request is refused as
@@ -164,21 +169,99 @@ def _overloaded(grpc_context, err: Overloaded, reply):
     return reply
 
 
-class _Admitted:
-    """A target replica's stream that holds one of the ingress's admission slots until ``cancel()``
-    (every caller cancels in a ``finally``; a second cancel is a no-op)."""
+class ReplicaLost(Exception):
+    """The target replica running a request died and no replica resumed it in time. Its message is
+    what the client sees: no pid, address or traceback."""
 
-    def __init__(self, stream, release):
-        self.stream, self.release = stream, release
+
+# Errors of a dead or unreachable replica, on which a request resumes on another one.
+_REPLICA_LOST = (RayActorError, ActorUnavailableError)
+
+
+class _Resuming:
+    """One request's stream of items from the target deployment. It holds one of the ingress's
+    admission slots until ``cancel()`` (every caller cancels in a ``finally``; a second cancel is a
+    no-op), and it resumes a request whose replica dies: the request is sent again, to a live or
+    replacement replica, as the *committed prefix* (the prompt plus every token already streamed to
+    the client) with the tokens still owed, so the client sees no duplicate and no missing token.
+
+    Greedy output is the uninterrupted run's (the continuation of a prefix is the target's argmax
+    wherever it is computed). A sampled request stays a valid sample of the target's distribution:
+    the resumed part draws with seed ``seed + tokens already sent``, so it is not the sample the
+    uninterrupted run would have drawn. The final report covers the whole answer (tokens, text, stop
+    strings); its timings and rounds are the last replica's. Past ``resume_timeout_s`` from the
+    failure without a replica answering, the stream raises :class:`ReplicaLost`."""
+
+    def __init__(self, start, req: GenerateRequest, ids: list[int], tokenizer, release, resume_timeout_s: float):
+        self.start, self.req, self.ids, self.tokenizer = start, req, ids, tokenizer
+        self.release, self.resume_timeout_s = release, resume_timeout_s
+        self.sent: list[int] = []
+        self.resumes = 0
+        self.stream = start(req, ids)
 
     def __aiter__(self):
-        return self.stream.__aiter__()
+        return self._items()
+
+    async def _items(self):
+        lost_at = None
+        while True:
+            prefix = len(self.sent)
+            try:
+                async for item in self.stream:
+                    lost_at = None
+                    if "tokens" in item:
+                        self.sent.extend(item["tokens"])
+                    elif "report" in item and (self.resumes or prefix):
+                        item = {"report": self._merged(item["report"], prefix)}
+                    yield item
+                return
+            except _REPLICA_LOST as err:
+                now = time.monotonic()
+                lost_at = lost_at or now
+                owed = self.req.max_new_tokens - len(self.sent)
+                if owed <= 0 or now - lost_at > self.resume_timeout_s or self.release is None:
+                    raise ReplicaLost("the target replica serving this request failed and none resumed it; "
+                                      "retry the request") from None
+                log.warning("request %s: target replica lost after %d tokens (%s); resuming",
+                            self.req.request_id or "-", len(self.sent), type(err).__name__)
+                self.stream.cancel()
+                await asyncio.sleep(RESUME_BACKOFF_S)
+                self.resumes += 1
+                resumed = self.req.model_copy(update={"max_new_tokens": owed,
+                                                      "seed": (self.req.seed + len(self.sent)) % 2 ** 63})
+                self.stream = self.start(resumed, self.ids + self.sent)
+
+    def _merged(self, report: dict, prefix: int) -> dict:
+        """The last replica's report over the whole answer: the first ``prefix`` tokens came before."""
+        from eyas.runtime import StopStrings
+
+        tokens = self.sent[:prefix] + list(report["token_ids"])
+        return {**report, "token_ids": tokens, "new_tokens": len(tokens),
+                "text": StopStrings(self.tokenizer, self.req.stop).text(tokens), "resumes": self.resumes}
 
     def cancel(self) -> None:
         self.stream.cancel()
         if self.release is not None:
             release, self.release = self.release, None
             release()
+
+
+def _client_error(err: Exception) -> str:
+    """What a client is told of a failure: a lost replica says so; anything else is an internal error."""
+    return str(err) if isinstance(err, ReplicaLost) else INTERNAL_ERROR
+
+
+def _failed(grpc_context, err: Exception, reply):
+    """A request that failed after it started: logged here in full, UNAVAILABLE (a lost replica: retry)
+    or INTERNAL for the client, with no internals in the message."""
+    if isinstance(err, ReplicaLost):
+        log.warning("request failed: %s", err)
+    else:
+        log.error("request failed", exc_info=err)
+    if grpc_context is not None:
+        grpc_context.set_code(grpc.StatusCode.UNAVAILABLE if isinstance(err, ReplicaLost) else grpc.StatusCode.INTERNAL)
+        grpc_context.set_details(_client_error(err))
+    return reply
 
 
 def _invalid(grpc_context, err: Exception, reply):
@@ -193,7 +276,8 @@ def _stats(report: dict) -> pb.GenerateStats:
                             draft_ms=1000 * report["draft_s"], verify_ms=1000 * report["verify_s"],
                             prefill_ms=1000 * report["prefill_s"], drafter_fallback=report["drafter_fallback"],
                             wall_ms=1000 * report["wall_s"], new_tokens=report["new_tokens"],
-                            hop_ms=1000 * report["hop_s"], drafter_reseeds=report["drafter_reseeds"])
+                            hop_ms=1000 * report["hop_s"], drafter_reseeds=report["drafter_reseeds"],
+                            resumes=report.get("resumes", 0))
 
 
 
@@ -242,6 +326,10 @@ class EyasServer:
                 if "invalid" in item:
                     return _invalid(grpc_context, ValueError(item["invalid"]), pb.GenerateResponse())
                 report = item.get("report", report)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a clean status for the client; the log has the rest
+            return _failed(grpc_context, err, pb.GenerateResponse())
         finally:
             stream.cancel()  # a no-op after the last item; stops the request in its replica otherwise
         return pb.GenerateResponse(token_ids=report["token_ids"], text=report["text"],
@@ -281,9 +369,8 @@ class EyasServer:
                     yield pb.GenerateChunk(finish_reason=report["finish_reason"], stats=_stats(report))
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # the request failed after it started: say so in the stream
-            log.exception("GenerateStream failed")
-            yield pb.GenerateChunk(finish_reason=FINISH_ERROR, text=f"{type(err).__name__}: {err}")
+        except Exception as err:  # noqa: BLE001 - the request failed after it started: say so, cleanly
+            yield _failed(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=_client_error(err)))
         finally:
             stream.cancel()  # the client went away (or we are done): stop the request in its replica now
 
@@ -343,6 +430,11 @@ class EyasServer:
                 if "invalid" in item:
                     return JSONResponse({"error": item["invalid"]}, status_code=400)
                 report = item.get("report", report)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            _failed(None, err, None)
+            return JSONResponse({"error": _client_error(err)}, status_code=503 if isinstance(err, ReplicaLost) else 500)
         finally:
             stream.cancel()
         return JSONResponse(report)
@@ -458,12 +550,13 @@ class EyasServer:
         if self.inflight >= self.cfg.max_inflight_requests:
             raise Overloaded(f"overloaded: {self.inflight} requests in flight (max_inflight_requests); retry later")
         self.inflight += 1
+        received = time.time()
         try:
-            stream = self.target.generate.remote(req.model_dump(), ids, time.time())
+            return _Resuming(lambda r, i: self.target.generate.remote(r.model_dump(), i, received), req, ids,
+                             self.tokenizer, self._release, self.cfg.resume_timeout_s)   # it releases once
         except BaseException:
             self.inflight -= 1
             raise
-        return _Admitted(stream, self._release)   # _Admitted calls it once
 
     def _release(self) -> None:
         self.inflight -= 1

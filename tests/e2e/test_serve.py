@@ -528,3 +528,25 @@ def test_an_experiment_replay_cancels_what_is_still_running_when_it_ends(serve_a
     assert late == [rec] and rec.error == LATE_ERROR and rec.finish_reason == "cancelled"
     assert 0 < len(rec.tokens) < 400
     no_leaks(client)
+
+
+def test_a_target_replica_killed_mid_stream_resumes_with_no_token_lost_or_repeated(client, reference, no_leaks):
+    """Last (it kills the only target replica): the ingress sends the request again, as its committed
+    prefix (prompt + tokens already streamed), to the replacement replica; the client's stream goes
+    on with no duplicate and no missing token, greedy output equal to target-only, and the final
+    report counts the whole answer. The error text of the old design (the raw ActorDiedError, with
+    pid and address) never reaches the client."""
+    import ray
+
+    target = next(w for w in client.stats()["workers"] if w["kind"] == "target")
+    actor = ray.get_actor(target["actor_name"], namespace=target["namespace"])
+    stream = client.stream(prompt=PROMPTS[1], method="target", max_new_tokens=N)
+    chunks = [next(stream), next(stream)]
+    ray.kill(actor)  # Serve starts a replacement replica; the ingress resumes the request there
+    chunks += list(stream)
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == reference[PROMPTS[1]]
+    assert chunks[-1].finish_reason in ("length", "stop") and chunks[-1].stats.new_tokens == len(tokens)
+    assert chunks[-1].stats.resumes >= 1   # it did die under the request, and the request resumed
+    assert "".join(c.text for c in chunks).strip()
+    no_leaks(client)
