@@ -54,6 +54,7 @@ from eyas.verification.sampling import SamplingParams
 log = logging.getLogger("eyas.serve")
 CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 STREAM_DONE = object()
+DRAFTER_INFO_WAIT_S = 120.0   # how long a starting target replica keeps asking the drafter for its info
 
 
 class _Locked:
@@ -133,13 +134,28 @@ class EyasTarget:
                           max_expert_bytes=c.max_expert_bytes)
         policy = TreeWorkPolicy(budgets) if c.scheduler == "tree-work" else PromptLengthPolicy(budgets)
         self.loop = RoundLoop(WorkerCalls(self.locked, c.target_timeout_s, local=True), self.drafter,
-                              self._drafter_info(), policy, curve, on_round=self.telemetry.record_round,
+                              {}, policy, curve, on_round=self.telemetry.record_round,
                               on_finish=lambda *_: self.reporter.poke(),
                               experts=ExpertTraffic(**self.worker.engine_for(()).expert_traffic_shape()))
         # named requests in flight here: request id -> (wall time the ingress received it, its cancel)
         self.inflight: dict[str, tuple[float, threading.Event]] = {}
         self.reporter = Reporter(self.app_name, self.replica_id, "target", self._report,
                                  on_cancels=self._cancel_named)
+        if self.drafter is not None:  # a blocking handle call must not run on the replica's event loop
+            threading.Thread(target=self._fetch_drafter_info, name="eyas-drafter-info", daemon=True).start()
+
+    def _fetch_drafter_info(self) -> None:
+        """The drafter's taps, default trees and measured draft cost, asked off the event loop at start-up
+        (until a drafter answers or the first speculative request asks for it itself)."""
+        deadline = time.monotonic() + DRAFTER_INFO_WAIT_S
+        while not self.loop.drafter_info and time.monotonic() < deadline:
+            try:
+                self.loop.set_drafter_info(self.drafter("info"))
+                return
+            except DrafterUnavailable:
+                time.sleep(1.0)
+        if not self.loop.drafter_info:
+            log.warning("no drafter answered within %.0f s: speculative requests ask again", DRAFTER_INFO_WAIT_S)
 
     def _start_curve(self) -> LatencyCurve:
         """The verify latency curve: a sibling's (same target, precision and device kind) when the app's
@@ -218,7 +234,7 @@ class EyasTarget:
             on_tokens(new)
 
         if req.method != "target" and not self.loop.drafter_info and self.drafter is not None:
-            self.loop.drafter_info = self._drafter_info()  # the drafter deployment came up after this replica
+            self.loop.set_drafter_info(self._drafter_info())  # the drafter came up after this replica
         info = self.loop.drafter_info.get(req.method, {})
         tree = tree_for(req, info.get("default_tree", TreeSpec()))
         stops = StopStrings(self.tokenizer, req.stop)

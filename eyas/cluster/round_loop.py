@@ -130,6 +130,7 @@ class RoundLoop:
         # what a round's drafting adds (the propose call, hop included); live rounds refit it
         self.draft_cost = draft_cost if draft_cost is not None else DraftCost.from_points(
             measured_draft_points(drafter_info))
+        self._draft_cost_given = draft_cost is not None or bool(measured_draft_points(drafter_info))
         self.experts = experts if experts is not None else ExpertTraffic()
         self.on_round, self.on_finish = on_round, on_finish
         self.prior = AcceptanceEstimate()
@@ -145,6 +146,17 @@ class RoundLoop:
         self.thread.start()
 
     # --- the client side (any thread) ----------------------------------------------------------
+
+    def set_drafter_info(self, drafter_info: dict) -> None:
+        """The drafter deployment's ``info``, when it arrives after the loop started (a replica asks
+        for it off its event loop). Its start-up draft cost replaces the prior, unless a cost was
+        given or measured already."""
+        with self.lock:
+            self.drafter_info = drafter_info
+            points = measured_draft_points(drafter_info)
+            if points and not self._draft_cost_given:
+                self.draft_cost = DraftCost.from_points(points)
+                self._draft_cost_given = True
     def submit(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, method: str, tree: TreeSpec,
                sampling: SamplingParams, seed: int, on_tokens=None,
                cancel: threading.Event | None = None) -> concurrent.futures.Future:

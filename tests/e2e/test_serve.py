@@ -550,3 +550,11 @@ def test_a_target_replica_killed_mid_stream_resumes_with_no_token_lost_or_repeat
     assert chunks[-1].stats.resumes >= 1   # it did die under the request, and the request resumed
     assert "".join(c.text for c in chunks).strip()
     no_leaks(client)
+    # The replacement asked the drafter for its measured draft cost at start-up, off its event loop
+    # (it used to fail there and start from the prior): seen before any speculative request reached it.
+    dead = target["replica"]
+
+    def measured() -> bool:
+        loops = client.stats()["scheduler"]["loops"]
+        return any(r != dead and loop["draft_cost"]["observations"] > 0 for r, loop in loops.items())
+    assert _wait_for(measured, timeout_s=60), client.stats()["scheduler"]["loops"]
