@@ -54,7 +54,10 @@ from eyas.verification.sampling import SamplingParams
 log = logging.getLogger("eyas.serve")
 CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 STREAM_DONE = object()
-DRAFTER_INFO_WAIT_S = 120.0   # how long a starting target replica keeps asking the drafter for its info
+DRAFTER_INFO_WAIT_S = 120.0
+# a drafter closes the sessions of a target replica missing this long from the registry's live list
+# (which drops a replica 10 s after its last report): a dead target replica never closes them
+ORPHAN_GRACE_S = 15.0   # how long a starting target replica keeps asking the drafter for its info
 
 
 class _Locked:
@@ -140,7 +143,7 @@ class EyasTarget:
         # named requests in flight here: request id -> (wall time the ingress received it, its cancel)
         self.inflight: dict[str, tuple[float, threading.Event]] = {}
         self.reporter = Reporter(self.app_name, self.replica_id, "target", self._report,
-                                 on_cancels=self._cancel_named)
+                                 on_reply=lambda reply: self._cancel_named(reply["cancels"]))
         if self.drafter is not None:  # a blocking handle call must not run on the replica's event loop
             threading.Thread(target=self._fetch_drafter_info, name="eyas-drafter-info", daemon=True).start()
 
@@ -295,7 +298,9 @@ class EyasDrafter:
         self.worker.measure_costs()   # the targets' schedulers start from this replica's measured draft cost
         self.lock = threading.Lock()
         self.recent: dict[str, tuple[float, int]] = {}  # caller (target replica) -> (time, draft rows of its last round)
-        self.reporter = Reporter(app_name(), self.replica_id, "drafter", self._report)
+        self.owners: dict[str, str] = {}          # request id -> the target replica that opened its session
+        self.missing_since: dict[str, float] = {}  # target replica -> when it first fell off the registry's live list
+        self.reporter = Reporter(app_name(), self.replica_id, "drafter", self._report, on_reply=self._reclaim)
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _affinity(self, model_id: str) -> str:
@@ -310,11 +315,38 @@ class EyasDrafter:
 
     def _locked(self, caller: str, method: str, *args):
         with self.lock:
+            if method == "open_session" and self.owners.get(args[0], caller) != caller:
+                # a request resumed on another target replica after its first one died: the old
+                # replica's session of it is stale (it can never be closed by its owner)
+                self.worker.close_session(args[0])
+                self.owners.pop(args[0], None)
             out = getattr(self.worker, method)(*args)
         if method == "propose_batch":
             rows = sum(len(t.tokens) for t in out[0] if not isinstance(t, Refusal))
             self.recent[caller] = (time.monotonic(), rows)
+        elif method == "open_session" and caller:
+            self.owners[args[0]] = caller
+        elif method == "close_session":
+            self.owners.pop(args[0], None)
         return out
+
+    def _reclaim(self, reply: dict) -> None:
+        """The reporter's hook: close the sessions of target replicas that have been missing from the
+        registry's live list (``live_targets``) for ORPHAN_GRACE_S -- a dead replica never closes them.
+        A live replica that was only slow to report finds its session gone and reseeds it."""
+        live, now = set(reply.get("live_targets", ())), time.monotonic()
+        owners = set(self.owners.values())
+        self.missing_since = {o: self.missing_since.get(o, now) for o in owners if o not in live}
+        for owner, since in self.missing_since.items():
+            if now - since < ORPHAN_GRACE_S:
+                continue
+            stranded = [rid for rid, o in list(self.owners.items()) if o == owner]
+            with self.lock:
+                for rid in stranded:
+                    self.worker.close_session(rid)
+                    self.owners.pop(rid, None)
+            log.warning("closed %d draft sessions of target replica %s (gone for %.0f s)", len(stranded), owner,
+                        now - since)
 
     async def info(self) -> dict:
         return await self._call("info")
@@ -336,7 +368,9 @@ class EyasDrafter:
     def _report(self) -> dict:
         with self.lock:
             leak = self.worker.leak_check()
-        return {"worker": dict(leak, live_requests=0, actor_name=_actor_name(), namespace="serve"),
+        stranded = sum(o in self.missing_since for o in list(self.owners.values()))
+        return {"worker": dict(leak, live_requests=0, actor_name=_actor_name(), namespace="serve",
+                               stranded_sessions=stranded),
                 "autoscaling": self.record_autoscaling_stats()}
 
     def __del__(self):

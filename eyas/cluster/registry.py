@@ -75,11 +75,14 @@ class Registry:
         replica starts from it instead of measuring its own (seconds of start-up on a CPU)."""
         return self.curves.get(key)
 
-    def report(self, replica_id: str, kind: str, payload: dict) -> dict[str, float]:
-        """Store a replica's state; reply with the recent named cancels (request id -> issued at)."""
+    def report(self, replica_id: str, kind: str, payload: dict) -> dict:
+        """Store a replica's state; reply with the recent named cancels (``cancels``: request id ->
+        issued at) and the target replicas that reported within ``DEFAULT_MAX_AGE_S``
+        (``live_targets``: a drafter reclaims the sessions of the others)."""
         now = time.time()
         self.reports[replica_id] = (kind, now, payload)
-        return self.cancels.recent(now)
+        live = sorted(r for r, (k, t, _) in self.reports.items() if k == "target" and now - t <= DEFAULT_MAX_AGE_S)
+        return {"cancels": self.cancels.recent(now), "live_targets": live}
 
     def cancel(self, request_id: str) -> None:
         """A named cancel from the ingress (the ``Cancel`` RPC); idempotent."""
@@ -117,12 +120,13 @@ def get_registry(app_name: str):
 
 class Reporter:
     """Posts ``payload()`` for one replica every ``period_s`` seconds, or at once after :meth:`poke`;
-    hands each reply (the recent named cancels) to ``on_cancels`` when given."""
+    hands each reply (``Registry.report``'s: the recent named cancels, the live target replicas) to
+    ``on_reply`` when given."""
 
     def __init__(self, app_name: str, replica_id: str, kind: str, payload: Callable[[], dict],
-                 period_s: float = 0.5, on_cancels: Callable[[dict[str, float]], None] | None = None):
+                 period_s: float = 0.5, on_reply: Callable[[dict], None] | None = None):
         self.app_name, self.replica_id, self.kind, self.payload = app_name, replica_id, kind, payload
-        self.on_cancels = on_cancels
+        self.on_reply = on_reply
         self.period_s = period_s
         self.wake = threading.Event()
         self.stopped = False
@@ -139,8 +143,8 @@ class Reporter:
                 if self.registry is None:
                     self.registry = get_registry(self.app_name)
                 reply = self.registry.report.remote(self.replica_id, self.kind, self.payload())
-                if self.on_cancels is not None:
-                    self.on_cancels(ray.get(reply, timeout=REPLY_TIMEOUT_S))
+                if self.on_reply is not None:
+                    self.on_reply(ray.get(reply, timeout=REPLY_TIMEOUT_S))
             except Exception:  # the registry restarts or the replica is going away: try again next period
                 log.debug("report failed", exc_info=True)
                 self.registry = None

@@ -558,3 +558,33 @@ def test_a_target_replica_killed_mid_stream_resumes_with_no_token_lost_or_repeat
         loops = client.stats()["scheduler"]["loops"]
         return any(r != dead and loop["draft_cost"]["observations"] > 0 for r, loop in loops.items())
     assert _wait_for(measured, timeout_s=60), client.stats()["scheduler"]["loops"]
+
+
+def test_a_killed_target_replicas_draft_sessions_are_reclaimed_and_its_speculative_streams_resume(
+        client, reference, no_leaks):
+    """Last again (a second kill), two EAGLE-3 streams on the replica that dies, both of which resume
+    with the same greedy tokens:
+    - A is named (EyasClient.stream): its resumed attempt opens a draft session under the same id,
+      which replaces the dead replica's stale one;
+    - B is unnamed (each attempt gets a fresh id): the dead replica's session of it, which that
+      replica can never close, is closed by the drafter once the replica has been gone from the
+      registry for ORPHAN_GRACE_S; until then the drafter reports it as stranded (it used to be
+      held for 12+ minutes and reported as no orphan)."""
+    import ray
+
+    assert _wait_for(lambda: any(w["kind"] == "target" and w.get("ok") for w in client.stats()["workers"]))
+    target = next(w for w in client.stats()["workers"] if w["kind"] == "target" and w.get("ok"))
+    actor = ray.get_actor(target["actor_name"], namespace=target["namespace"])
+    named = client.stream(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N)
+    unnamed = client.stub.GenerateStream(pb.GenerateRequest(prompt=PROMPTS[1], method="eagle3", max_new_tokens=N),
+                                         metadata=client.metadata, timeout=300)
+    a, b = [next(named)], [next(unnamed)]
+    ray.kill(actor)
+    assert _wait_for(lambda: any(w.get("stranded_sessions", 0) > 0 for w in client.stats()["workers"]),
+                     timeout_s=30), client.stats()["workers"]
+    a += list(named)
+    b += list(unnamed)
+    assert [t for c in a for t in c.token_ids] == reference[PROMPTS[0]]
+    assert [t for c in b for t in c.token_ids] == reference[PROMPTS[1]]
+    assert a[-1].stats.resumes >= 1 and b[-1].stats.resumes >= 1
+    no_leaks(client, timeout_s=90)
