@@ -28,6 +28,7 @@ Both report their tree work through ``record_autoscaling_stats()`` (see
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -201,8 +202,11 @@ class EyasTarget:
         if named is not None:
             self.inflight[named] = (time.time() if received_at is None else received_at, cancel)
         start = time.time() if received_at is None else received_at
-        future = loop.run_in_executor(None, self._run, req, prompt_ids, cancel, start,
-                                      lambda new: loop.call_soon_threadsafe(queue.put_nowait, list(new)))
+        if req.method != "target" and not self.loop.drafter_info and self.drafter is not None:
+            # the drafter came up after this replica: ask it now, off the event loop
+            self.loop.set_drafter_info(await asyncio.to_thread(self._drafter_info))
+        future = self._submit(req, prompt_ids, cancel, start,
+                              lambda new: loop.call_soon_threadsafe(queue.put_nowait, list(new)))
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, STREAM_DONE))
         try:
             while (new := await queue.get()) is not STREAM_DONE:
@@ -225,32 +229,43 @@ class EyasTarget:
         for rid in cancels_due({rid: received for rid, (received, _) in entries.items()}, cancels):
             entries[rid][1].set()
 
-    def _run(self, req: GenerateRequest, ids: list[int], cancel: threading.Event, start: float, on_tokens) -> dict:
-        """One request on the round loop, from the executor: its report, once finished. The request's
-        count, duration and time to first token (from ``start``, the ingress's receipt) are recorded
-        together, then reported, so a scrape that sees it counted also sees its latencies; a request
-        whose caller went away is counted as well (finish reason ``cancelled``)."""
+    def _submit(self, req: GenerateRequest, ids: list[int], cancel: threading.Event, start: float,
+                on_tokens) -> concurrent.futures.Future:
+        """Hand one request to the round loop; a future of its report. No thread waits for it: the
+        loop's own thread finishes it, so a replica runs up to ``max_batch`` requests at once and every
+        other request waits in the loop's queue, where the scheduler and the autoscaler count it.
+        The request's count, duration and time to first token (from ``start``, the ingress's receipt)
+        are recorded together, then reported, so a scrape that sees it counted also sees its
+        latencies; a request whose caller went away is counted as well (finish reason ``cancelled``)."""
         first_token_at: list[float] = []
 
         def on_new(new) -> None:
             first_token_at[:] = first_token_at or [time.time()]
             on_tokens(new)
 
-        if req.method != "target" and not self.loop.drafter_info and self.drafter is not None:
-            self.loop.set_drafter_info(self._drafter_info())  # the drafter came up after this replica
         info = self.loop.drafter_info.get(req.method, {})
         tree = tree_for(req, info.get("default_tree", TreeSpec()))
         stops = StopStrings(self.tokenizer, req.stop)
-        future = self.loop.submit(req.request_id or uuid.uuid4().hex, ids, req.max_new_tokens, req.method, tree,
-                                  SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p),
-                                  req.seed, _trimmed(req, on_new, stops, set(self.worker.cfg.eos_token_ids)),
-                                  cancel)
-        result = future.result()
-        self.telemetry.record_latency(req.method, time.time() - start,
-                                      first_token_at[0] - start if first_token_at else None)
-        self.telemetry.record_request(req.method, result.finish_reason, result.drafter_fallback)
-        self.reporter.poke()
-        return build_report(req, result, stops.text(result.token_ids), self.cfg.precision, info.get("source"), tree)
+        running = self.loop.submit(req.request_id or uuid.uuid4().hex, ids, req.max_new_tokens, req.method, tree,
+                                   SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p),
+                                   req.seed, _trimmed(req, on_new, stops, set(self.worker.cfg.eos_token_ids)),
+                                   cancel)
+        report: concurrent.futures.Future = concurrent.futures.Future()
+
+        def finished(done: concurrent.futures.Future) -> None:   # on the round loop's thread
+            try:
+                result = done.result()
+                self.telemetry.record_latency(req.method, time.time() - start,
+                                              first_token_at[0] - start if first_token_at else None)
+                self.telemetry.record_request(req.method, result.finish_reason, result.drafter_fallback)
+                self.reporter.poke()
+                report.set_result(build_report(req, result, stops.text(result.token_ids), self.cfg.precision,
+                                               info.get("source"), tree))
+            except BaseException as err:  # noqa: BLE001 - a refusal (ValueError) or a failure, for the caller
+                report.set_exception(err)
+
+        running.add_done_callback(finished)
+        return report
 
     # --- autoscaling and stats -------------------------------------------------------------------
     def record_autoscaling_stats(self) -> dict[str, float]:

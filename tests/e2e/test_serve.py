@@ -1,8 +1,10 @@
 """End to end: a real gRPC client -> Ray Serve's gRPC proxy -> EyasServer -> EyasTarget / EyasDrafter replicas.
 
-Ordered: the last test kills the drafter replica.
+Ordered: the last tests kill the drafter replica, then the target replica (twice).
 """
 from __future__ import annotations
+
+import time
 
 import grpc
 import pytest
@@ -90,12 +92,24 @@ def test_bad_requests_get_invalid_argument_naming_the_field_and_nothing_changes(
     assert client.generate(prompt=PROMPTS[0], max_new_tokens=4)["new_tokens"] == 4  # still serving
 
 
-def test_eight_concurrent_clients_all_get_correct_complete_answers(serve_address, reference, no_leaks):
+def test_twelve_concurrent_clients_all_get_correct_answers_and_run_at_once(serve_address, client, reference,
+                                                                            no_leaks):
+    """12 clients (max_batch 16): every answer is target-only's, and the replica holds them all at
+    once -- no request waits for an executor thread of its own (there were about 6 on 2 cores, and a
+    request waiting for one was invisible to the scheduler and the autoscaler)."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from eyas.cluster.client import EyasClient
 
-    jobs = [(PROMPTS[i % 2], ("eagle3", "target", "eagle1", "eagle3")[i % 4], i % 3 == 0) for i in range(8)]
+    jobs = [(PROMPTS[i % 2], ("eagle3", "target", "eagle1", "eagle3")[i % 4], i % 3 == 0) for i in range(12)]
+    peak, done = [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            loops = client.stats()["scheduler"]["loops"].values()
+            peak[0] = max(peak[0], sum(loop["live"] + loop["pending"] for loop in loops))
+            time.sleep(0.2)
 
     def run(job):
         prompt, method, stream = job
@@ -104,12 +118,16 @@ def test_eight_concurrent_clients_all_get_correct_complete_answers(serve_address
                 return [t for ch in c.stream(prompt=prompt, method=method, max_new_tokens=16) for t in ch.token_ids]
             return c.generate(prompt=prompt, method=method, max_new_tokens=16)["token_ids"]
 
-    with ThreadPoolExecutor(8) as pool:
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with ThreadPoolExecutor(12) as pool:
         answers = list(pool.map(run, jobs))
+    done.set()
+    watcher.join(timeout=30)
     for (prompt, method, stream), tokens in zip(jobs, answers):
         assert tokens == reference[prompt][:16], (prompt, method, stream)
-    with EyasClient(serve_address) as c:
-        no_leaks(c)
+    assert peak[0] >= 10, peak
+    no_leaks(client)
 
 
 def test_the_python_client_validates_before_sending(client):
