@@ -227,6 +227,77 @@ def test_http_bad_requests_get_400_naming_the_field(http_url, client, body, erro
     no_leaks(client)
 
 
+# --- the hostile fuzz: each case is (fields that break exactly one rule, the field that must be named) --
+_BAD_BOTH = [  # expressible over gRPC (proto types) and HTTP (JSON)
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"max_new_tokens": -7}, "max_new_tokens"),
+    ({"max_new_tokens": 9000}, "max_new_tokens"), ({"temperature": -1.0}, "temperature"),
+    ({"temperature": 1e-300}, "temperature"), ({"temperature": 5e-324}, "temperature"),
+    ({"temperature": 1e-45}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": -0.1}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"), ({"method": "medusa"}, "method"),
+    ({"method": "EAGLE3"}, "method"), ({"tree_kind": "bushy"}, "tree_kind"), ({"tree_depth": -1}, "tree_depth"),
+    ({"tree_depth": 33}, "tree_depth"), ({"tree_depth": 10 ** 6}, "tree_depth"), ({"tree_width": 0}, "tree_width"),
+    ({"tree_width": 65}, "tree_width"), ({"tree_budget": -1}, "tree_budget"), ({"tree_budget": 513}, "tree_budget"),
+    ({"prompt": ""}, "prompt"), ({"prompt": "   "}, "prompt"), ({"request_id": "x" * 300}, "request_id"),
+    ({"request_id": "   "}, "request_id"), ({"prompt_ids": [10 ** 8]}, "prompt_ids"),
+    ({"prompt_ids": [-1]}, "prompt_ids"), ({"prompt_ids": [1] * 8200}, "prompt_ids"),
+    ({"prompt_ids": [1, 2], "prompt": "both"}, "prompt_ids"),
+]
+_BAD_HTTP = [  # JSON only: wrong types and numbers past the proto's fields
+    ({"max_new_tokens": True}, "max_new_tokens"), ({"max_new_tokens": "8"}, "max_new_tokens"),
+    ({"max_new_tokens": 1.5}, "max_new_tokens"), ({"max_new_tokens": 3_000_000_000}, "max_new_tokens"),
+    ({"temperature": "hot"}, "temperature"), ({"top_k": 2 ** 31}, "top_k"), ({"seed": 2 ** 64}, "seed"),
+    ({"seed": -2 ** 63 - 1}, "seed"), ({"raw": "yes"}, "raw"), ({"raw": 1}, "raw"), ({"stop": "x"}, "stop"),
+    ({"stop": [1]}, "stop"), ({"colour": "red"}, "colour"), ({"prompt": ["a"]}, "prompt"),
+    ({"prompt_ids": "1,2"}, "prompt_ids"), ({"prompt_ids": [1.5]}, "prompt_ids"), ({"method": None}, "method"),
+]
+_VALID_CONTEXTS = [{"prompt": "Hi", "method": "target"},
+                   {"prompt": "Hi", "temperature": 0.7, "seed": 3, "raw": True, "max_new_tokens": 4},
+                   {"prompt_ids": [1, 2, 3], "tree_kind": "chain", "tree_depth": 2}]
+_BAD_BODIES = [b"", b"{", b"[1, 2]", b'"text"', b"\xff\xfe\x00", b"[" * 100_000, b"{" * 50_000,
+               b'{"prompt": "' + b"a" * (2 * 1024 ** 2) + b'"}']
+
+
+def _contextual(bad: dict, context: dict) -> dict:
+    fields = dict(context)
+    if "prompt_ids" in bad and "prompt" not in bad:
+        fields.pop("prompt", None)
+    if "prompt" in bad and "prompt_ids" not in bad:
+        fields.pop("prompt_ids", None)
+    return {**fields, **bad}
+
+
+def test_hostile_fuzz_gets_clean_errors_naming_the_field_and_changes_nothing(client, http_url, reference, no_leaks):
+    """Over 300 hostile requests, gRPC and HTTP, against the real app: every one is refused at once
+    (INVALID_ARGUMENT / 400, 413 for the oversized body) with one line that starts with the field it
+    breaks, or ``request:`` for a body that is not a JSON object; none hangs (60-s deadline each), none
+    leaks internals; afterwards greedy output is unchanged and no session is left."""
+    import json
+
+    sent = 0
+    for context in _VALID_CONTEXTS:
+        for bad, field in _BAD_BOTH:
+            fields = _contextual(bad, context)
+            for call in (client.stub.Generate, lambda r, **kw: list(client.stub.GenerateStream(r, **kw))):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(pb.GenerateRequest(**fields), metadata=client.metadata, timeout=60)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (fields, err.value)
+                assert err.value.details().startswith(f"{field}: "), (fields, err.value.details())
+                sent += 1
+        for bad, field in _BAD_BOTH + _BAD_HTTP:
+            status, reply = _http(http_url + "/", json.dumps(_contextual(bad, context)).encode())
+            named = reply.get("error", "").split(":")[0].split(".")[0]   # "prompt_ids.0: ..." names prompt_ids
+            assert status == 400 and named == field, (bad, status, reply)
+            assert "\n" not in reply["error"] and "Traceback" not in reply["error"]
+            sent += 1
+    for body in _BAD_BODIES:
+        status, reply = _http(http_url + "/", body)
+        assert status in (400, 413) and reply["error"].startswith("request: "), (body[:20], status, reply)
+        sent += 1
+    assert sent >= 300, sent
+    no_leaks(client)
+    assert client.generate(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N)["token_ids"] == reference[PROMPTS[0]]
+
+
 def test_http_generate_cancel_and_stats(http_url, client, reference, no_leaks):
     """POST / answers greedy exactly as target-only does; POST /cancel takes a name (400 naming
     request_id for a blank one, 200 for an unknown one); GET /stats reports the workers."""
