@@ -83,7 +83,10 @@ class ServeConfig(BaseModel):
     drafter_resources: dict[str, float] = Field(default_factory=dict)
     torch_threads: int = Field(1, ge=1)
     target_timeout_s: float = Field(300.0, gt=0)
-    drafter_timeout_s: float = Field(30.0, gt=0)
+    drafter_timeout_s: float = Field(30.0, gt=0)        # the drafter's info (start-up, probes)
+    # a drafter call inside a round (propose, open, reseed) slower than this makes the rounds plain at
+    # once; a probe brings the drafter back when it answers again (a replaced replica, say)
+    drafter_round_timeout_s: float = Field(2.0, gt=0)
     console_spans: bool = False
     # traces to an OTLP collector (host:port, gRPC), e.g. "127.0.0.1:4317"; needs the
     # opentelemetry-exporter-otlp-proto-grpc package. None = spans stay in memory (`eyas stats`).

@@ -84,13 +84,17 @@ class ServeCalls:
     refusal (``ValueError`` in the drafter) is raised as that ``ValueError``.
     """
 
-    def __init__(self, handle, model_id: str, timeout_s: float):
+    def __init__(self, handle, model_id: str, timeout_s: float, round_timeout_s: float | None = None):
         self.handle = handle.options(multiplexed_model_id=model_id)
         self.timeout_s = timeout_s
+        # the calls a round waits on: short, since a Serve handle with no live replica waits for a
+        # replacement (tens of seconds) and a round must not; the loop goes plain and probes with info
+        self.round_timeout_s = round_timeout_s or timeout_s
 
     def __call__(self, method: str, *args):
+        timeout = self.timeout_s if method == "info" else self.round_timeout_s
         try:
-            return getattr(self.handle, method).remote(*args).result(timeout_s=self.timeout_s)
+            return getattr(self.handle, method).remote(*args).result(timeout_s=timeout)
         except ray.exceptions.RayTaskError as err:
             cause = getattr(err, "cause", None)
             if isinstance(cause, ValueError):
@@ -131,7 +135,8 @@ class EyasTarget:
                                    otlp_endpoint=c.otlp_endpoint)
         self.telemetry.add_kv_source(lambda: {"target": self.locked.leak_check()["kv_bytes_allocated"]})
         self.telemetry.add_queue_source(lambda: self.loop.work()["pending"])
-        self.drafter = None if drafter is None else ServeCalls(drafter, self.replica_id, c.drafter_timeout_s)
+        self.drafter = None if drafter is None else ServeCalls(drafter, self.replica_id, c.drafter_timeout_s,
+                                                                   c.drafter_round_timeout_s)
         self.curve_key = f"{c.target}/{c.precision}/{_device_kind(c.torch_threads)}"
         curve = self._start_curve()
         budgets = Budgets(max_batch=c.max_batch, max_verify_rows=c.max_verify_rows,

@@ -19,8 +19,10 @@ gets its own tree, so that its draws, and so its tokens, are reproducible for a 
 in-process loop's (the target's distribution is matched either way: seed 0x05C).
 
 Failures: a request the target refuses finishes with an error (the others go on). A dead or slow
-drafter makes the round plain for everyone; each request then reseeds its draft session from the
-target's committed state (seed 0x05D), up to ``MAX_RESEEDS`` times, and a request whose reseed fails goes on target-only
+drafter makes the rounds plain for everyone at once, with no further drafter call in the round path
+(``drafter_down``), while a probe thread asks it for its ``info`` every ``DRAFTER_PROBE_S``; once it
+answers (typically a replacement replica), each request reseeds its draft session from the target's
+committed state (seed 0x05D), up to ``MAX_RESEEDS`` times in all, after which it goes on target-only
 (``drafter_fallback``). Greedy tokens never change: the target decides every one.
 """
 from __future__ import annotations
@@ -52,6 +54,7 @@ NEVER_ACCEPTS = AcceptanceEstimate([0.0] * 8)  # target-only requests: no tree e
 # once for a drafter that died, and again whenever the drafter deployment moved it to a replica that
 # does not hold its session (scale-up, scale-down, a replaced replica).
 MAX_RESEEDS = 4
+DRAFTER_PROBE_S = 0.5  # how often a loop whose drafter is down asks whether it answers again
 
 
 class WorkerCalls:
@@ -142,6 +145,9 @@ class RoundLoop:
         self.last_verify_rows = 0   # rows of the last round, all requests together
         self.last_draft_rows = 0    # draft tree nodes of the last round, all requests together
         self.last_expert_bytes = 0  # MoE: expert weights the last round's batched verify read
+        # set while the drafter is unreachable: rounds are plain for everyone (no drafter call can stall
+        # them) and a probe thread asks the drafter for its info until it answers, then clears it
+        self.drafter_down = threading.Event()
         self.thread = threading.Thread(target=self._run, name="eyas-round-loop", daemon=True)
         self.thread.start()
 
@@ -157,6 +163,7 @@ class RoundLoop:
             if points and not self._draft_cost_given:
                 self.draft_cost = DraftCost.from_points(points)
                 self._draft_cost_given = True
+
     def submit(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, method: str, tree: TreeSpec,
                sampling: SamplingParams, seed: int, on_tokens=None,
                cancel: threading.Event | None = None) -> concurrent.futures.Future:
@@ -285,12 +292,16 @@ class RoundLoop:
         if self.drafter is None or live.method not in self.drafter_info:
             live.fallback = True
             return
+        if self.drafter_down.is_set():
+            live.needs_reseed = True   # opened and seeded from the committed state once the drafter answers
+            return
         try:
             self.drafter("open_session", live.request_id, live.method,
                          live.tree.draft_slots(len(live.prompt_ids), live.max_new_tokens))
             live.drafter_open = True
         except DrafterUnavailable:
-            live.fallback = True
+            live.needs_reseed = True
+            self._drafter_lost()
 
     def _round(self) -> None:
         cands = [Candidate(x.request_id, x.arrival, len(x.prompt_ids), len(x.prompt_ids) + len(x.out) - 1,
@@ -395,10 +406,12 @@ class RoundLoop:
         # reseeded (they read the reseed now, drafting nothing if planned plain)
         drafting = [x for x in batch if x.speculative and self.drafter is not None
                     and (shapes[x.request_id].speculates or x.needs_reseed)]
-        if not drafting:
-            return trees
+        if not drafting or self.drafter_down.is_set():
+            return trees   # the drafter is down: plain this round; reseeds wait for the probe
         for live in [x for x in drafting if x.needs_reseed]:  # seed 0x05D: reseed from committed state
             self._reseed(live)
+            if self.drafter_down.is_set():
+                return trees
         drafting = [x for x in drafting if x.drafter_open and not x.fallback]
         if not drafting:
             return trees
@@ -407,9 +420,10 @@ class RoundLoop:
         try:
             out, self._draft_compute_s = self.drafter("propose_batch", items)
         except DrafterUnavailable as err:
-            log.warning("drafter unavailable (%s): this round is plain; reseeding", err)
+            log.warning("drafter unavailable (%s): rounds are plain until it answers again; then reseeding", err)
             for x in drafting:
                 x.needs_reseed, x.drafter_open = True, False
+            self._drafter_lost()
             return trees
         for x, tree in zip(drafting, out):
             if isinstance(tree, Refusal):  # e.g. a restarted drafter lost the session
@@ -436,7 +450,28 @@ class RoundLoop:
             live.unread = [live.seed]
             live.drafter_open, live.needs_reseed = True, False
         except DrafterUnavailable:
-            live.fallback, live.needs_reseed = True, False
+            live.reseeds -= 1   # not the request's fault: it reseeds when the drafter answers again
+            self._drafter_lost()
+
+    def _drafter_lost(self) -> None:
+        """Plain rounds for everyone from now on, and a probe that lifts that once the drafter (a
+        replacement replica, typically) answers; seed 0x05D reseeds then bring each request back."""
+        if self.drafter_down.is_set():
+            return
+        self.drafter_down.set()
+        threading.Thread(target=self._probe_drafter, name="eyas-drafter-probe", daemon=True).start()
+
+    def _probe_drafter(self) -> None:
+        while self.drafter_down.is_set() and not self.stopped:
+            try:
+                self.drafter("info")
+            except DrafterUnavailable:
+                time.sleep(DRAFTER_PROBE_S)
+                continue
+            except Exception:  # noqa: BLE001 - an answer that is a refusal still means it is up
+                pass
+            log.info("the drafter answers again: reseeding the draft sessions")
+            self.drafter_down.clear()
 
     def _emit(self, live: Live, tokens: list[int]) -> None:
         live.out.extend(tokens)

@@ -95,6 +95,57 @@ def test_a_drafter_that_dies_is_reseeded_then_given_up_and_no_token_changes(tiny
     assert not target.sessions and not drafter.session_method
 
 
+class DownDrafter:
+    """A DrafterWorker that goes down at its ``down_at``-th propose (losing every session, as a dead
+    replica does) and answers again after ``probes_down`` of the loop's probes (``info`` calls): a
+    replacement replica coming up. Counts the calls made to it while down."""
+
+    def __init__(self, worker: DrafterWorker, down_at: int, probes_down: int):
+        self.worker, self.down_at, self.probes_down = worker, down_at, probes_down
+        self.proposes, self.down, self.probes, self.calls_while_down = 0, False, 0, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.worker, name)
+
+        def call(*args):
+            if name == "propose_batch":
+                self.proposes += 1
+                if self.proposes == self.down_at:
+                    self.down = True
+                    for rid in list(self.worker.session_method):
+                        self.worker.close_session(rid)
+            if self.down:
+                self.calls_while_down.append(name)
+                if name == "info":
+                    self.probes += 1
+                    self.down = self.probes < self.probes_down
+                raise DrafterUnavailable("drafter: the replica is gone (test)")
+            return attr(*args)
+        return call
+
+
+def test_a_drafter_that_goes_down_makes_rounds_plain_at_once_and_comes_back_by_reseeding(tiny_target, workers,
+                                                                                        monkeypatch):
+    """While the drafter is down the rounds go on target-only with no drafter call in them (the
+    streams do not wait for a replacement); only the loop's probe asks, and once it answers every
+    request still running reseeds and drafts again; no token changes and nobody is given up."""
+    from eyas.cluster import round_loop
+
+    monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
+    target, drafter = workers
+    down = DownDrafter(drafter, down_at=3, probes_down=4)
+    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(down, 30, local=True, drafter=True),
+                     drafter.info(), PromptLengthPolicy(), FLAT.copy())
+    jobs = [(p, "eagle1") for p in prompts(4)]
+    results = run_all(loop, jobs, n=60)
+    assert_target_only_output(tiny_target, jobs, results, 60)
+    assert down.calls_while_down[0] == "propose_batch" and set(down.calls_while_down[1:]) == {"info"}
+    assert down.probes == 4 and sum(r.drafter_reseeds for r in results) >= 1
+    assert not any(r.drafter_fallback for r in results)
+    assert any(x.tree_nodes > 0 for r in results for x in r.rounds[-5:])   # drafting again at the end
+    assert not target.sessions and not drafter.session_method
+
+
 def test_cancel_and_bad_requests_leave_the_others_alone(tiny_target, workers):
     target, drafter = workers
     loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
