@@ -12,10 +12,12 @@ LM-head input (the final normed feature, which also yields the target's soft dis
 from __future__ import annotations
 
 import json
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -128,7 +130,10 @@ class FeatureCache:
         return manifest
 
     # --- reading ------------------------------------------------------------------------------------
-    def samples(self) -> list[FeatureBatch]:
+    def samples(self, stream: bool = False) -> list[FeatureBatch | StoredFeatureBatch]:
+        """Every sample, in order. ``stream``: keep only token ids and masks in memory and read each
+        sample's features from its shard when asked (:class:`StoredFeatureBatch`), so a multi-GB cache
+        trains in a few hundred MB of RAM over many epochs (the OS page cache does the rest)."""
         from safetensors import safe_open
 
         manifest = self.manifest()
@@ -136,12 +141,52 @@ class FeatureCache:
             raise ValueError(f"feature_cache.complete: {self.folder} is incomplete; rerun the extraction to resume")
         out = []
         for shard in sorted(manifest["shards"], key=lambda s: s["file"]):
-            with safe_open(str(self.folder / shard["file"]), "pt") as f:
+            path = self.folder / shard["file"]
+            stored = ShardFeatures(path)
+            with safe_open(str(path), "pt") as f:
                 ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask").bool()
-                lengths, feats = f.get_tensor("lengths").tolist(), f.get_tensor("features")
+                lengths = f.get_tensor("lengths").tolist()
+                feats = None if stream else f.get_tensor("features")
                 sample_ids = json.loads(f.metadata()["sample_ids"])
             start = 0
             for sid, n in zip(sample_ids, lengths):
-                out.append(FeatureBatch(sid, ids[start:start + n], mask[start:start + n], feats[start:start + n]))
+                if stream:
+                    out.append(StoredFeatureBatch(sid, ids[start:start + n], mask[start:start + n], stored, start))
+                else:
+                    out.append(FeatureBatch(sid, ids[start:start + n], mask[start:start + n], feats[start:start + n]))
                 start += n
         return out
+
+
+class ShardFeatures:
+    """The ``features`` tensor of one safetensors shard, memory-mapped on first use (read-only); rows
+    are copied out on request, so the page cache, not the process, holds what was read."""
+
+    def __init__(self, path: Path):
+        self.path, self._rows = path, None
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:  # [stop - start, n_taps * d] float16
+        if self._rows is None:
+            with open(self.path, "rb") as fh:
+                header_len = struct.unpack("<Q", fh.read(8))[0]
+                info = json.loads(fh.read(header_len))["features"]
+            if info["dtype"] != "F16":
+                raise ValueError(f"feature_cache: {self.path} stores features as {info['dtype']}, expected F16")
+            self._rows = np.memmap(self.path, dtype=np.float16, mode="r", shape=tuple(info["shape"]),
+                                   offset=8 + header_len + info["data_offsets"][0])
+        return torch.from_numpy(np.array(self._rows[start:stop]))
+
+
+@dataclass(frozen=True)
+class StoredFeatureBatch:
+    """A :class:`FeatureBatch` whose features stay in its shard until read (``features``)."""
+
+    sample_id: str
+    input_ids: torch.Tensor   # [S] int64
+    loss_mask: torch.Tensor   # [S] bool
+    shard: ShardFeatures
+    start: int                # the sample's first row in the shard's features
+
+    @property
+    def features(self) -> torch.Tensor:  # [S, n_taps * d] float16
+        return self.shard.rows(self.start, self.start + self.input_ids.numel())

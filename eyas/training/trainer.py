@@ -97,7 +97,7 @@ class DrafterTrainer:
     @staticmethod
     def _load(cache: FeatureCache, fingerprint: dict, taps) -> list[FeatureBatch]:
         cache.check(fingerprint, taps)
-        return cache.samples()
+        return cache.samples(stream=True)   # features read from disk per step: a cache of any size fits
 
     def _lr_factor(self, step: int) -> float:
         """Linear warmup, then cosine decay to 10 %."""

@@ -67,3 +67,20 @@ def test_other_data_config_is_refused(tmp_path):
         cache.extract(model, FP, samples(2), training_taps(model), {"split": "other"})
     with pytest.raises(ValueError, match="feature_cache.target_fingerprint.tokenizer_digest"):
         cache.extract(model, {**FP, "tokenizer_digest": "x"}, samples(2), training_taps(model), {"split": "t"})
+
+
+def test_a_streamed_cache_reads_the_same_features_from_disk(tmp_path):
+    """samples(stream=True): ids and masks in memory, each sample's features read from its shard on
+    access -- bit-identical to the in-memory read, across shard boundaries."""
+    from eyas.testing import ours_from_hf, tiny_hf_llama
+    from eyas.training.features import StoredFeatureBatch
+    from tests.training.test_trainer import FINGERPRINT, synthetic_samples
+
+    model = ours_from_hf(tiny_hf_llama(vocab=48, hidden=32, layers=4, seed=11))
+    cache = FeatureCache(tmp_path / "c")
+    cache.extract(model, FINGERPRINT, synthetic_samples(10, 48, 0), training_taps(model), {"split": "x"}, shard_size=4)
+    eager, streamed = cache.samples(), cache.samples(stream=True)
+    assert len(eager) == len(streamed) == 10 and all(isinstance(s, StoredFeatureBatch) for s in streamed)
+    for a, b in zip(eager, streamed):
+        assert a.sample_id == b.sample_id and torch.equal(a.input_ids, b.input_ids)
+        assert torch.equal(a.loss_mask, b.loss_mask) and torch.equal(a.features, b.features)

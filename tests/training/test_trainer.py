@@ -9,7 +9,7 @@ from eyas.target.loader import TargetFingerprint
 from eyas.testing import ours_from_hf, tiny_hf_llama
 from eyas.training.config import TrainConfig
 from eyas.training.data import Sample
-from eyas.training.features import FeatureCache, training_taps
+from eyas.training.features import FeatureBatch, FeatureCache, training_taps
 from eyas.training.trainer import DrafterTrainer
 
 FINGERPRINT = {"config_digest": "cfg-a", "weight_digest": "w-a", "tokenizer_digest": "tok-a"}
@@ -89,7 +89,7 @@ def test_no_supervised_rows_skips_the_step(tiny_setup, tmp_path):
     """With every loss mask off, a step changes nothing (weight decay included)."""
     model, train, heldout = tiny_setup
     trainer = make({"method": "eagle1", "epochs": 1, "weight_decay": 0.1}, tiny_setup, tmp_path)
-    trainer.train_data = [type(fb)(fb.sample_id, fb.input_ids, torch.zeros_like(fb.loss_mask), fb.features)
+    trainer.train_data = [FeatureBatch(fb.sample_id, fb.input_ids, torch.zeros_like(fb.loss_mask), fb.features)
                           for fb in trainer.train_data]
     before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
     assert trainer.train_step() is None
