@@ -55,10 +55,10 @@ from eyas.verification.sampling import SamplingParams
 log = logging.getLogger("eyas.serve")
 CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 STREAM_DONE = object()
-DRAFTER_INFO_WAIT_S = 120.0
+DRAFTER_INFO_WAIT_S = 120.0   # how long a starting target replica keeps asking the drafter for its info
 # a drafter closes the sessions of a target replica missing this long from the registry's live list
 # (which drops a replica 10 s after its last report): a dead target replica never closes them
-ORPHAN_GRACE_S = 15.0   # how long a starting target replica keeps asking the drafter for its info
+ORPHAN_GRACE_S = 15.0
 
 
 class _Locked:
