@@ -50,6 +50,7 @@ from eyas.cluster.registry import HEAD_NODE_RESOURCE, app_name, get_registry
 from eyas.generate import FINISH_ERROR
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
+from eyas.protocol.service import SERVICER_FUNCTION, TIMEOUT_METADATA, decode_message, timeout_from_metadata
 from eyas.protocol.schema import GenerateRequest, parse_cancel, parse_request
 from eyas.target.engine import check_context
 from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, encode_prompt, load_target_config, load_tokenizer
@@ -58,7 +59,8 @@ log = logging.getLogger("eyas.serve")
 RESUME_BACKOFF_S = 0.5   # the wait before a request whose replica died is sent again
 INTERNAL_ERROR = "internal error: the request failed in the server; retry it"   # what a client sees
 
-GRPC_SERVICER_FUNCTIONS = ["eyas.protocol.eyas_pb2_grpc.add_EyasServicer_to_server"]
+# requests reach the ingress as bytes, decoded here so that a corrupt one is INVALID_ARGUMENT naming the field
+GRPC_SERVICER_FUNCTIONS = [SERVICER_FUNCTION]
 
 
 class ServeConfig(BaseModel):
@@ -177,6 +179,11 @@ class ReplicaLost(Exception):
     what the client sees: no pid, address or traceback."""
 
 
+class DeadlinePassed(Exception):
+    """The request's ``eyas-timeout-ms`` passed before it finished; it was cancelled in its replica.
+    Its message is what the client sees."""
+
+
 # Errors of a dead or unreachable replica, on which a request resumes on another one.
 _REPLICA_LOST = (RayActorError, ActorUnavailableError)
 
@@ -195,9 +202,12 @@ class _Resuming:
     strings); its timings and rounds are the last replica's. Past ``resume_timeout_s`` from the
     failure without a replica answering, the stream raises :class:`ReplicaLost`."""
 
-    def __init__(self, start, req: GenerateRequest, ids: list[int], tokenizer, release, resume_timeout_s: float):
+    def __init__(self, start, req: GenerateRequest, ids: list[int], tokenizer, release, resume_timeout_s: float,
+                 deadline: float | None = None):
+        """``deadline``: a ``time.monotonic()`` instant past which the stream raises :class:`DeadlinePassed`
+        (its caller's ``finally`` then cancels the request in its replica)."""
         self.start, self.req, self.ids, self.tokenizer = start, req, ids, tokenizer
-        self.release, self.resume_timeout_s = release, resume_timeout_s
+        self.release, self.resume_timeout_s, self.deadline = release, resume_timeout_s, deadline
         self.sent: list[int] = []
         self.resumes = 0
         self.stream = start(req, ids)
@@ -210,7 +220,7 @@ class _Resuming:
         while True:
             prefix = len(self.sent)
             try:
-                async for item in self.stream:
+                async for item in self._within_deadline(self.stream):
                     lost_at = None
                     if "tokens" in item:
                         self.sent.extend(item["tokens"])
@@ -234,6 +244,26 @@ class _Resuming:
                                                       "seed": (self.req.seed + len(self.sent)) % 2 ** 63})
                 self.stream = self.start(resumed, self.ids + self.sent)
 
+    async def _within_deadline(self, stream):
+        """``stream``'s items, each awaited no longer than the time left before the deadline."""
+        if self.deadline is None:
+            async for item in stream:
+                yield item
+            return
+        items = stream.__aiter__()
+        while True:
+            left = self.deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                item = await asyncio.wait_for(items.__anext__(), left)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise DeadlinePassed(f"deadline: {TIMEOUT_METADATA} passed after {len(self.sent)} tokens; "
+                                     "the request was stopped") from None
+            yield item
+
     def _merged(self, report: dict, prefix: int) -> dict:
         """The last replica's report over the whole answer: the first ``prefix`` tokens came before."""
         from eyas.runtime import StopStrings
@@ -251,20 +281,29 @@ class _Resuming:
 
 def _client_error(err: Exception) -> str:
     """What a client is told of a failure: a lost replica says so; anything else is an internal error."""
-    return str(err) if isinstance(err, ReplicaLost) else INTERNAL_ERROR
+    return str(err) if isinstance(err, (ReplicaLost, DeadlinePassed)) else INTERNAL_ERROR
 
 
 def _failed(grpc_context, err: Exception, reply):
     """A request that failed after it started: logged here in full, UNAVAILABLE (a lost replica: retry)
     or INTERNAL for the client, with no internals in the message."""
-    if isinstance(err, ReplicaLost):
+    if isinstance(err, (ReplicaLost, DeadlinePassed)):
         log.warning("request failed: %s", err)
     else:
         log.error("request failed", exc_info=err)
     if grpc_context is not None:
-        grpc_context.set_code(grpc.StatusCode.UNAVAILABLE if isinstance(err, ReplicaLost) else grpc.StatusCode.INTERNAL)
+        code = {ReplicaLost: grpc.StatusCode.UNAVAILABLE, DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED}
+        grpc_context.set_code(code.get(type(err), grpc.StatusCode.INTERNAL))
         grpc_context.set_details(_client_error(err))
     return reply
+
+
+def _deadline(grpc_context) -> float | None:
+    """The ``time.monotonic()`` instant of the call's ``eyas-timeout-ms`` (None: no deadline)."""
+    if grpc_context is None:
+        return None
+    timeout_s = timeout_from_metadata(grpc_context.invocation_metadata())
+    return None if timeout_s is None else time.monotonic() + timeout_s
 
 
 def _invalid(grpc_context, err: Exception, reply):
@@ -312,16 +351,17 @@ class EyasServer:
         return True
 
     # --- the Eyas service --------------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+    async def Generate(self, request: bytes | pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         if not self._authorized(grpc_context):
             return _unauthenticated(grpc_context, pb.GenerateResponse())
         try:
-            req, ids = self._validate(request)
+            req, ids = self._validate(decode_message(pb.GenerateRequest, request))
+            deadline = _deadline(grpc_context)
         except ValueError as err:
             return _invalid(grpc_context, err, pb.GenerateResponse())
         report = None
         try:
-            stream = self._start(req, ids)
+            stream = self._start(req, ids, deadline)
         except Overloaded as err:
             return _overloaded(grpc_context, err, pb.GenerateResponse())
         try:
@@ -339,12 +379,13 @@ class EyasServer:
                                    finish_reason=report["finish_reason"], stats=_stats(report),
                                    report_json=json.dumps(report))
 
-    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
+    async def GenerateStream(self, request: bytes | pb.GenerateRequest, grpc_context=None):
         if not self._authorized(grpc_context):
             yield _unauthenticated(grpc_context, pb.GenerateChunk(finish_reason=FINISH_ERROR, text="unauthenticated"))
             return
         try:
-            req, ids = self._validate(request)
+            req, ids = self._validate(decode_message(pb.GenerateRequest, request))
+            deadline = _deadline(grpc_context)
         except ValueError as err:
             # Serve's proxy applies the context's status only along with a message, so one error chunk goes too
             yield _invalid(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
@@ -352,7 +393,7 @@ class EyasServer:
         sent: list[int] = []
         text = ""
         try:
-            stream = self._start(req, ids)
+            stream = self._start(req, ids, deadline)
         except Overloaded as err:
             yield _overloaded(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
             return
@@ -377,16 +418,20 @@ class EyasServer:
         finally:
             stream.cancel()  # the client went away (or we are done): stop the request in its replica now
 
-    async def Stats(self, request: pb.StatsRequest, grpc_context=None) -> pb.StatsResponse:
+    async def Stats(self, request: bytes | pb.StatsRequest, grpc_context=None) -> pb.StatsResponse:
         if not self._authorized(grpc_context):
             return _unauthenticated(grpc_context, pb.StatsResponse())
+        try:
+            decode_message(pb.StatsRequest, request)
+        except ValueError as err:
+            return _invalid(grpc_context, err, pb.StatsResponse())
         return pb.StatsResponse(json=json.dumps(await self.stats(), default=str))
 
-    async def Cancel(self, request: pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
+    async def Cancel(self, request: bytes | pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
         if not self._authorized(grpc_context):
             return _unauthenticated(grpc_context, pb.CancelResponse())
         try:
-            await self.cancel(wire.cancel_request_from_proto(request).request_id)
+            await self.cancel(wire.cancel_request_from_proto(decode_message(pb.CancelRequest, request)).request_id)
         except ValueError as err:
             return _invalid(grpc_context, err, pb.CancelResponse())
         return pb.CancelResponse()
@@ -546,7 +591,7 @@ class EyasServer:
             stream.cancel()
 
     # --- internals -----------------------------------------------------------------------------------
-    def _start(self, req: GenerateRequest, ids: list[int]):
+    def _start(self, req: GenerateRequest, ids: list[int], deadline: float | None = None):
         """The request's stream of items from one target replica. The caller cancels it in a ``finally``
         of its own coroutine, so that a client that goes away stops the request at once (a ``finally`` in
         an inner async generator would run only when that generator is garbage-collected)."""
@@ -556,7 +601,7 @@ class EyasServer:
         received = time.time()
         try:
             return _Resuming(lambda r, i: self.target.generate.remote(r.model_dump(), i, received), req, ids,
-                             self.tokenizer, self._release, self.cfg.resume_timeout_s)   # it releases once
+                             self.tokenizer, self._release, self.cfg.resume_timeout_s, deadline)   # it releases once
         except BaseException:
             self.inflight -= 1
             raise

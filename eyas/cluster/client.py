@@ -27,6 +27,7 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import eyas_pb2_grpc
 from eyas.protocol import wire
 from eyas.protocol.schema import parse_request
+from eyas.protocol.service import TIMEOUT_METADATA
 
 log = logging.getLogger("eyas.client")
 APPLICATION_METADATA = "application"  # Serve's gRPC proxy routes by this key when it hosts several apps
@@ -73,7 +74,7 @@ class EyasClient:
         that stopping early can cancel it by name as well as by closing the call."""
         if not fields.get("request_id"):
             fields["request_id"] = uuid.uuid4().hex
-        call = self.stub.GenerateStream(self.request(**fields), timeout=self.timeout_s, metadata=self.metadata)
+        call = self.stub.GenerateStream(self.request(**fields), timeout=self.timeout_s, metadata=self._timed())
         ended = False
         try:
             for chunk in call:
@@ -112,9 +113,14 @@ class EyasClient:
 
     def _call(self, method, request):
         try:
-            return method(request, timeout=self.timeout_s, metadata=self.metadata)
+            return method(request, timeout=self.timeout_s, metadata=self._timed())
         except grpc.RpcError as err:
             raise self._mapped(err) from None
+
+    def _timed(self) -> tuple:
+        """The metadata with the call's time budget, so that the server stops at the deadline as well
+        (Serve's proxy does not pass a gRPC deadline on)."""
+        return self.metadata + ((TIMEOUT_METADATA, str(max(1, int(1000 * self.timeout_s)))),)
 
     @staticmethod
     def _mapped(err: grpc.RpcError) -> Exception:

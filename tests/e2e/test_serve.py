@@ -178,6 +178,35 @@ def test_cancel_stops_a_named_request_whose_stream_stays_open(client, no_leaks):
     no_leaks(client)
 
 
+def test_a_passed_deadline_stops_the_request_in_its_replica(client, no_leaks):
+    """``eyas-timeout-ms`` metadata (Serve's proxy does not pass the gRPC deadline on): a 400-token
+    answer with 1.5 s to live ends with DEADLINE_EXCEEDED naming the deadline, unary and streaming,
+    and the request stops in its replica (no live request, no session left, a "cancelled" finish); a
+    budget that is not a whole number of milliseconds is INVALID_ARGUMENT naming the key."""
+    import time
+
+    from eyas.protocol.service import TIMEOUT_METADATA
+
+    request = client.request(prompt=COUNT_300["prompt"], method="eagle3", max_new_tokens=400)
+    budget = client.metadata + ((TIMEOUT_METADATA, "1500"),)
+    for call in (client.stub.Generate, lambda r, **kw: list(client.stub.GenerateStream(r, **kw))):
+        before = _cancelled_count(client)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, metadata=budget, timeout=120)   # the call's own deadline is far away
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        assert err.value.details().startswith("deadline: "), err.value.details()
+        assert time.monotonic() - started < 30   # the 400 tokens alone take longer here
+        assert _wait_for(lambda: _live_requests(client) == 0, 30)
+        assert _wait_for(lambda: _cancelled_count(client) == before + 1, 30)
+        no_leaks(client)
+    for bad in ("soon", "0", "-5", "1.5", str(10 ** 12)):
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.Generate(request, metadata=client.metadata + ((TIMEOUT_METADATA, bad),), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(f"{TIMEOUT_METADATA}: "), err.value.details()
+
+
 def test_a_bad_cancel_gets_invalid_argument_naming_request_id(client):
     for bad in ("", "  ", "r" * 257):
         with pytest.raises(grpc.RpcError) as err:
@@ -257,6 +286,36 @@ _BAD_BODIES = [b"", b"{", b"[1, 2]", b'"text"', b"\xff\xfe\x00", b"[" * 100_000,
                b'{"prompt": "' + b"a" * (2 * 1024 ** 2) + b'"}']
 
 
+def _corrupt_messages() -> list[tuple[bytes, str]]:
+    """(bytes that are not a valid message, the field the refusal must name)."""
+    good = pb.GenerateRequest(prompt="Hi there", max_new_tokens=4, request_id="fuzz-corrupt").SerializeToString()
+    bad_utf8_prompt = pb.GenerateRequest(prompt="Hi", max_new_tokens=4).SerializeToString().replace(b"Hi", b"\xff\xfe")
+    bad_utf8_id = pb.GenerateRequest(prompt="Hi", request_id="ab").SerializeToString().replace(b"ab", b"\xc3\x28")
+    return [(bad_utf8_prompt, "prompt"), (bad_utf8_id, "request_id"), (good[:-3], "request"), (b"\x0a\xff", "request"),
+            (b"\xff" * 12, "request"), (bytes([0x0A, 0x80, 0x80, 0x80, 0x80, 0x10]), "request")]
+
+
+def _send_corrupt_protobuf(client) -> int:
+    """Raw bytes to each Eyas method through Serve's proxy: INVALID_ARGUMENT naming the field, at once."""
+    sent = 0
+    for method, streaming in (("Generate", False), ("GenerateStream", True), ("Cancel", False), ("Stats", False)):
+        path = f"/eyas.v1.Eyas/{method}"
+        make = client.channel.unary_stream if streaming else client.channel.unary_unary
+        call = make(path, request_serializer=None, response_deserializer=None)
+        cases = {"Cancel": [(pb.CancelRequest(request_id="ab").SerializeToString().replace(b"ab", b"\xff\xff"),
+                             "request_id"), (b"\x0a\x05ab", "request")],
+                 "Stats": [(b"\x0a\x05ab", "request"), (b"\xff" * 12, "request")]}.get(method) or _corrupt_messages()
+        for data, field in cases:
+            with pytest.raises(grpc.RpcError) as err:
+                reply = call(data, metadata=client.metadata, timeout=60)
+                if streaming:
+                    list(reply)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, data[:12], err.value)
+            assert err.value.details().startswith(f"{field}: "), (method, data[:12], err.value.details())
+            sent += 1
+    return sent
+
+
 def _contextual(bad: dict, context: dict) -> dict:
     fields = dict(context)
     if "prompt_ids" in bad and "prompt" not in bad:
@@ -293,6 +352,7 @@ def test_hostile_fuzz_gets_clean_errors_naming_the_field_and_changes_nothing(cli
         status, reply = _http(http_url + "/", body)
         assert status in (400, 413) and reply["error"].startswith("request: "), (body[:20], status, reply)
         sent += 1
+    sent += _send_corrupt_protobuf(client)
     assert sent >= 300, sent
     no_leaks(client)
     assert client.generate(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N)["token_ids"] == reference[PROMPTS[0]]
