@@ -144,6 +144,7 @@ class RoundLoop:
         self.rounds = 0
         self.last_verify_rows = 0   # rows of the last round, all requests together
         self.last_draft_rows = 0    # draft tree nodes of the last round, all requests together
+        self.last_batch = 0         # requests the last round verified (at most max_batch; the rest of live waited)
         self.last_expert_bytes = 0  # MoE: expert weights the last round's batched verify read
         # set while the drafter is unreachable: rounds are plain for everyone (no drafter call can stall
         # them) and a probe thread asks the drafter for its info until it answers, then clears it
@@ -197,6 +198,8 @@ class RoundLoop:
         draft_rows:          the last round's draft tree nodes, all requests together;
         expert_bytes:        MoE targets: expert weights the last round's verify read (0 when dense);
         live / pending:      requests in rounds / waiting for admission.
+        batch:               requests the last round took (at most ``max_batch``; the other live ones
+                             waited that round, their rows counted in ``pending_verify_rows``).
         """
         with self.lock:
             waiting = sum(len(x.prompt_ids) + x.max_new_tokens for x in self.pending)
@@ -208,7 +211,8 @@ class RoundLoop:
             last_rows = x.rounds[-1].tree_nodes + 1 if x.rounds else 1
             rows += max(x.max_new_tokens - len(x.out), 0) / max(per_round, 1.0) * last_rows
         return {"pending_verify_rows": float(rows + waiting), "draft_rows": float(self.last_draft_rows if live else 0),
-                "expert_bytes": float(self.last_expert_bytes if live else 0), "live": len(live), "pending": pending}
+                "expert_bytes": float(self.last_expert_bytes if live else 0), "live": len(live), "pending": pending,
+                "batch": self.last_batch if live else 0}
 
     # --- the loop (its own thread) ----------------------------------------------------------------
     def _run(self) -> None:
@@ -306,7 +310,7 @@ class RoundLoop:
     def _round(self) -> None:
         cands = [Candidate(x.request_id, x.arrival, len(x.prompt_ids), len(x.prompt_ids) + len(x.out) - 1,
                            x.acceptance if x.speculative else NEVER_ACCEPTS,
-                           Seed.total_rows(x.unread) if x.speculative else 0)
+                           Seed.total_rows(x.unread) if x.speculative else 0, speculative=x.speculative)
                  for x in self.live.values()]
         backlog = {c.request_id: c.draft_backlog for c in cands}
         plan = self.policy.plan(cands, self.curve, self.draft_cost, self.experts)              # plan
@@ -338,6 +342,7 @@ class RoundLoop:
         t4 = time.perf_counter()
         rows = sum(f.num_rows for rid, f in flats.items())
         self.last_verify_rows, self.last_draft_rows = rows, rows - len(flats)
+        self.last_batch = len(batch)
         verify_ms = 1000 * (t3 - t2)
         self.curve.observe(rows, verify_ms)
         self.last_expert_bytes = max((d.batch_expert_bytes for _, d in to_publish), default=0)

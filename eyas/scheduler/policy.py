@@ -82,6 +82,7 @@ class Candidate:
     committed_len: int
     acceptance: AcceptanceEstimate
     draft_backlog: int = 0   # context rows the drafter must read before this request can draft (unread seeds)
+    speculative: bool = True  # False: a target-only request, which never drafts (one verify row a round)
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,8 @@ class PromptLengthPolicy:
 
     def plan(self, waiting: list[Candidate], curve: LatencyCurve, draft: DraftCost | None = None,
              experts: ExpertTraffic = NO_EXPERTS) -> Plan:
-        """The fixed tree for every member; MoE expert bytes are predicted and reported, not budgeted."""
+        """The fixed tree for every speculative member (a target-only one runs plainly, one row); MoE
+        expert bytes are predicted and reported, not budgeted."""
         if not waiting:
             return Plan({}, (), 0.0, 0.0)
         b = self.budgets
@@ -222,22 +224,26 @@ class PromptLengthPolicy:
         by_len = sorted(waiting, key=lambda c: (abs(c.prompt_len - oldest.prompt_len), c.arrival))
         batch, rows, kv = [], 0, 0
         for c in by_len:
-            w = _work(c, self.shape, b)
+            w = _work(c, self._shape(c), b)
             if len(batch) == b.max_batch or rows + w.verify_rows > b.max_verify_rows or kv + w.kv_bytes > b.max_kv_bytes:
                 continue
             batch.append(c)
             rows, kv = rows + w.verify_rows, kv + w.kv_bytes
         if not batch:  # the fixed tree does not fit: the oldest request alone, plainly
-            batch, shape = [oldest], PLAIN
+            shapes = {oldest.request_id: PLAIN}
+            batch = [oldest]
         else:
-            shape = self.shape
-        work = tuple(_work(c, shape, b, experts) for c in batch)
-        expected = sum(1.0 + c.acceptance.expected(shape.depth_cap) for c in batch)
+            shapes = {c.request_id: self._shape(c) for c in batch}
+        work = tuple(_work(c, shapes[c.request_id], b, experts) for c in batch)
+        expected = sum(1.0 + c.acceptance.expected(shapes[c.request_id].depth_cap) for c in batch)
+        drafting = [c for c in batch if shapes[c.request_id].speculates]
         ms = curve.predict(sum(w.verify_rows for w in work)) + (
-            draft.predict(shape.depth_cap, sum(shape.drafter_rows(c.draft_backlog) for c in batch))
-            if draft is not None and shape.speculates else 0.0)
-        return Plan({c.request_id: shape for c in batch}, work, ms, expected,
-                    experts.predict(sum(w.verify_rows for w in work)))
+            draft.predict(self.shape.depth_cap, sum(self.shape.drafter_rows(c.draft_backlog) for c in drafting))
+            if draft is not None and drafting else 0.0)
+        return Plan(shapes, work, ms, expected, experts.predict(sum(w.verify_rows for w in work)))
+
+    def _shape(self, c: Candidate) -> TreeShape:
+        return self.shape if c.speculative else PLAIN
 
 
 POLICIES = {"tree-work": TreeWorkPolicy, "prompt-length": PromptLengthPolicy}

@@ -191,7 +191,7 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
     loop = RoundLoop(WorkerCalls(target, 30, local=True), None, {}, TreeWorkPolicy(Budgets()), FLAT.copy())
     try:
         assert loop.work() == {"pending_verify_rows": 0.0, "draft_rows": 0.0, "expert_bytes": 0.0, "live": 0,
-                               "pending": 0}
+                               "pending": 0, "batch": 0}
 
         def live(rid, prompt, max_new):
             return Live(rid, prompt, max_new, "eagle1", TreeSpec(), SamplingParams(), 0, None,

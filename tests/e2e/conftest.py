@@ -22,8 +22,12 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 # a killed replica, reseeds) run in every request. The tree-work policy may rightly stop drafting once
 # it has measured that drafting does not pay on this CPU; it is covered in-process
 # (tests/cluster/test_round_loop.py) and served in tests/e2e/test_autoscale.py.
+# The ingress admits at most E2E_MAX_INFLIGHT requests (the target replica runs max_batch 16 of them at
+# once and queues the rest); past it a request is refused as overloaded.
+E2E_MAX_INFLIGHT = 24
 E2E_CONFIG = {"methods": ["eagle3", "eagle1"], "target_replicas": 1, "drafter_replicas": 1,
-              "drafter_timeout_s": 120, "torch_threads": 1, "scheduler": "prompt-length"}
+              "drafter_timeout_s": 120, "torch_threads": 1, "scheduler": "prompt-length",
+              "max_batch": 16, "max_inflight_requests": E2E_MAX_INFLIGHT}
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from eyas.cluster.client import ServerRejected
+from tests.e2e.conftest import E2E_MAX_INFLIGHT
 from eyas.protocol import eyas_pb2 as pb
 
 PROMPTS = ("Name three planets of the solar system.", "Write a haiku about autumn.")
@@ -92,41 +93,60 @@ def test_bad_requests_get_invalid_argument_naming_the_field_and_nothing_changes(
     assert client.generate(prompt=PROMPTS[0], max_new_tokens=4)["new_tokens"] == 4  # still serving
 
 
-def test_twelve_concurrent_clients_all_get_correct_answers_and_run_at_once(serve_address, client, reference,
-                                                                            no_leaks):
-    """12 clients (max_batch 16): every answer is target-only's, and the replica holds them all at
-    once -- no request waits for an executor thread of its own (there were about 6 on 2 cores, and a
-    request waiting for one was invisible to the scheduler and the autoscaler)."""
+def test_32_clients_against_max_batch_16_run_16_at_once_queue_the_rest_and_refuse_past_the_bound(
+        serve_address, client, reference, no_leaks):
+    """32 clients at once against one target replica (max_batch 16) behind an ingress bound of
+    ``max_inflight_requests`` 24: the replica's rounds take exactly 16 at once (never more) while
+    it holds more, the rest waiting where the scheduler and autoscaler count them (``live`` beyond
+    the round's ``batch``, ``pending``), every admitted answer is target-only's, and each request past
+    the bound is refused at once with RESOURCE_EXHAUSTED "overloaded" -- nobody waits without end.
+    (Before the round loop took requests without a thread each, about 5 ran at once on 2 cores.)"""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from eyas.cluster.client import EyasClient
 
-    jobs = [(PROMPTS[i % 2], ("eagle3", "target", "eagle1", "eagle3")[i % 4], i % 3 == 0) for i in range(12)]
-    peak, done = [0], threading.Event()
+    clients = 32
+    # mostly target-only (one verify row each), so that the round's rows (max_verify_rows 128) never
+    # bind before max_batch does; the 4 EAGLE-3 requests keep a speculative tree in the batch
+    jobs = [(PROMPTS[i % 2], "eagle3" if i % 8 == 0 else "target", i % 3 == 0) for i in range(clients)]
+    peak, done, barrier = {"batch": 0, "held": 0}, threading.Event(), threading.Barrier(clients)
 
     def watch():
         while not done.is_set():
-            loops = client.stats()["scheduler"]["loops"].values()
-            peak[0] = max(peak[0], sum(loop["live"] + loop["pending"] for loop in loops))
-            time.sleep(0.2)
+            for loop in client.stats()["scheduler"]["loops"].values():
+                peak["batch"] = max(peak["batch"], loop["batch"])
+                peak["held"] = max(peak["held"], loop["live"] + loop["pending"])
+            time.sleep(0.1)
 
     def run(job):
         prompt, method, stream = job
         with EyasClient(serve_address, timeout_s=600) as c:
-            if stream:
-                return [t for ch in c.stream(prompt=prompt, method=method, max_new_tokens=16) for t in ch.token_ids]
-            return c.generate(prompt=prompt, method=method, max_new_tokens=16)["token_ids"]
+            barrier.wait(timeout=60)
+            started = time.monotonic()
+            try:
+                if stream:
+                    return [t for ch in c.stream(prompt=prompt, method=method, max_new_tokens=16) for t in ch.token_ids]
+                return c.generate(prompt=prompt, method=method, max_new_tokens=16)["token_ids"]
+            except ServerRejected as err:
+                return err, time.monotonic() - started
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    with ThreadPoolExecutor(12) as pool:
+    with ThreadPoolExecutor(clients) as pool:
         answers = list(pool.map(run, jobs))
     done.set()
     watcher.join(timeout=30)
+    refused = [a for a in answers if isinstance(a, tuple)]
     for (prompt, method, stream), tokens in zip(jobs, answers):
-        assert tokens == reference[prompt][:16], (prompt, method, stream)
-    assert peak[0] >= 10, peak
+        if not isinstance(tokens, tuple):
+            assert tokens == reference[prompt][:16], (prompt, method, stream)
+    for err, waited_s in refused:
+        assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and str(err).startswith("overloaded: "), err
+        assert waited_s < 10, waited_s   # at once, not after a wait
+    assert 1 <= len(refused) <= clients - E2E_MAX_INFLIGHT, len(refused)
+    assert peak["batch"] == 16, peak         # max_batch, reached and never passed
+    assert peak["held"] > 16, peak           # the rest waited where the scheduler and autoscaler count them
     no_leaks(client)
 
 

@@ -122,6 +122,18 @@ def test_the_prompt_length_baseline_batches_similar_prompts_with_one_fixed_tree(
     assert all(s == TreeShape(4, 5, 16) for s in plan.shapes.values())  # fixed, even on a steep curve
 
 
+def test_the_prompt_length_baseline_counts_a_target_only_request_as_one_row():
+    """Worked example: max_verify_rows 40, the fixed tree 17 rows: 2 speculative requests (34 rows)
+    fit with 6 target-only ones (1 row each, 40 in all), and max_batch 8 is reached. Counting the
+    tree for the target-only ones too would have stopped the batch at 2."""
+    spec = [cand(f"s{i}", i) for i in range(3)]
+    plain = [Candidate(f"t{i}", 10 + i, 10, 10, AcceptanceEstimate(), speculative=False) for i in range(8)]
+    plan = PromptLengthPolicy(Budgets(max_batch=8, max_verify_rows=40)).plan(spec + plain, FLAT)
+    assert len(plan.shapes) == 8 and plan.verify_rows == 40
+    assert {rid for rid, s in plan.shapes.items() if s == TreeShape(4, 5, 16)} == {"s0", "s1"}
+    assert sum(s == PLAIN for s in plan.shapes.values()) == 6
+
+
 def test_draft_cost_fits_base_and_per_depth():
     """Worked example: rounds at depth 2 costing 30 ms and at depth 4 costing 50 ms fit base 10 ms and
     10 ms per depth, so depth 5 is predicted at 60 ms; a round where nobody drafts costs 0. With one
