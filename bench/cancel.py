@@ -112,7 +112,7 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from eyas.cluster.client import EyasClient
+    from eyas.serve.client import EyasClient
 
     print("starting a local Ray and the Eyas application ...", flush=True)
     address, stop = start_local({"methods": ["eagle3"], "scheduler": "prompt-length", "torch_threads": 1})

@@ -41,7 +41,7 @@ def _median_ms(values) -> float:
 def drive(target, drafter_calls, info, ids, tree, requests: int, max_new_tokens: int, label: str, bar) -> dict:
     """Run ``requests`` greedy requests through one RoundLoop; per-round medians of the later ones
     (the first warms up the path)."""
-    from eyas.cluster.round_loop import RoundLoop, WorkerCalls
+    from eyas.serve.round_loop import RoundLoop, WorkerCalls
     from eyas.scheduler.latency import LatencyCurve
     from eyas.scheduler.policy import Budgets, PromptLengthPolicy
     from eyas.verification.sampling import SamplingParams
@@ -80,8 +80,8 @@ def main(argv=None) -> int:
 
     from eyas.actors.drafter_worker import DrafterWorker
     from eyas.actors.target_worker import TargetWorker
-    from eyas.cluster.deployments import _Locked
-    from eyas.cluster.round_loop import WorkerCalls
+    from eyas.serve.deployments import _Locked
+    from eyas.serve.round_loop import WorkerCalls
     from eyas.drafting.engine import TreeSpec
     from eyas.target.loader import encode_prompt, load_tokenizer
 
@@ -97,8 +97,8 @@ def main(argv=None) -> int:
     import ray.cloudpickle as cloudpickle
     from ray import serve
 
-    from eyas.cluster.deployments import EyasDrafter, ServeCalls
-    from eyas.cluster.experiment import free_port
+    from eyas.serve.deployments import EyasDrafter, ServeCalls
+    from eyas.experiments.experiment import free_port
 
     rows = {}
     with tqdm(total=2 * args.requests + args.calls, desc="hop", unit="call") as bar:

@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import load_prompts  # noqa: E402
 
 from eyas.actors.drafter_worker import DrafterWorker  # noqa: E402
-from eyas.cluster.round_loop import RoundLoop, WorkerCalls  # noqa: E402
+from eyas.serve.round_loop import RoundLoop, WorkerCalls  # noqa: E402
 from eyas.drafting.engine import TreeSpec  # noqa: E402
 from eyas.verification.sampling import SamplingParams  # noqa: E402
-from eyas.cluster.sim import percentile  # noqa: E402
+from eyas.experiments.sim import percentile  # noqa: E402
 from eyas.runtime import Eyas, set_threads  # noqa: E402
 from eyas.target.loader import PRECISIONS  # noqa: E402
 from eyas.scheduler.latency import DraftCost, LatencyCurve  # noqa: E402

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import load_prompts  # noqa: E402
-from eyas.cluster.sim import percentile  # noqa: E402
+from eyas.experiments.sim import percentile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("target", "eagle3")
@@ -53,7 +53,7 @@ MODEL = "smollm2-135m"
 
 
 def one_request(address: str, prompt: str, method: str, max_new_tokens: int) -> dict:
-    from eyas.cluster.client import EyasClient
+    from eyas.serve.client import EyasClient
 
     with EyasClient(address, timeout_s=1800) as client:
         t0 = time.perf_counter()
@@ -134,7 +134,7 @@ def start_local(config: dict) -> tuple[str, callable]:
     import ray
     from ray import serve
 
-    from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from eyas.serve.app import GRPC_SERVICER_FUNCTIONS, build_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

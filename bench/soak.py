@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import load_prompts  # noqa: E402
 from serve_load import start_local  # noqa: E402
 
-from eyas.cluster.sim import percentile  # noqa: E402
+from eyas.experiments.sim import percentile  # noqa: E402
 
 
 def reference_answers(prompts: list[str], max_new_tokens: int, precision: str) -> dict[str, list[int]]:
@@ -71,7 +71,7 @@ class Tally:
 
 def client_loop(address: str, index: int, prompts: list[str], methods: list[str], reference: dict, n: int,
                 deadline: float, tally: Tally) -> None:
-    from eyas.cluster.client import EyasClient
+    from eyas.serve.client import EyasClient
 
     k = index
     with EyasClient(address, timeout_s=600) as client:
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                     break
             print(tally.line(time.monotonic() - start), flush=True)
         elapsed = time.monotonic() - start
-        from eyas.cluster.client import EyasClient
+        from eyas.serve.client import EyasClient
 
         with EyasClient(address, timeout_s=60) as client:
             t_idle = time.monotonic()

@@ -81,7 +81,7 @@ def cmd_generate(args) -> int:
 
 
 def _generate_remote(args, req) -> int:
-    from eyas.cluster.client import EyasClient
+    from eyas.serve.client import EyasClient
 
     if req.drafter is not None:
         raise ValueError("drafter: --drafter is a server-side choice (ray_configs/serve.yaml), not a request field")
@@ -172,8 +172,8 @@ def cmd_serve(args) -> int:
     import time
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local: `serve status/deploy` need no token
-    from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app, parse_config
-    from eyas.cluster.experiment import load_serve_file
+    from eyas.serve.app import GRPC_SERVICER_FUNCTIONS, build_app, parse_config
+    from eyas.experiments.experiment import load_serve_file
 
     # A file without an `eyas` application is an error, not a silent fall-back to the defaults.
     app_args, file_endpoints = load_serve_file(args.config) if args.config else ({}, {})
@@ -216,7 +216,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from eyas.cluster.client import EyasClient
+    from eyas.serve.client import EyasClient
 
     with EyasClient(args.server, api_key=_client_key()) as client:
         print(json.dumps(client.stats(), indent=1))
@@ -224,7 +224,7 @@ def cmd_stats(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from eyas.cluster.client import EyasClient
+    from eyas.serve.client import EyasClient
 
     with EyasClient(args.server, api_key=_client_key()) as client:
         client.cancel(args.request_id)
@@ -233,8 +233,8 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_experiment(args) -> int:
-    from eyas.cluster.experiment import run_autoscale
-    from eyas.cluster.workload import load_workload
+    from eyas.experiments.experiment import run_autoscale
+    from eyas.experiments.workload import load_workload
 
     workload = load_workload(args.workload)
     out = args.out or f"bench/results/autoscale-{workload.name}"

@@ -20,12 +20,36 @@ import torch
 
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.protocol.messages import AcceptDecision
-from eyas.protocol.tree import DraftTree
+from eyas.protocol.tree import DraftTree, FlatTree
 from eyas.target.engine import TargetEngine, Verified
 from eyas.verification.accept import greedy_accept, stochastic_accept
 from eyas.verification.sampling import SamplingParams, sample, target_probs
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
+
+
+class DrafterUnavailable(RuntimeError):
+    """The drafter died, timed out or lost the session; the decode loop reseeds or goes target-only."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundRecord:
+    """One finished round, for observers (``eyas.serve.telemetry``): what was sent and decided, and
+    when each step ran (``time.time_ns`` at the round's start plus perf-counter offsets in seconds)."""
+
+    request_id: str
+    round: int
+    flat: FlatTree | None          # the verified rows (None: target-only, one root row)
+    decision: AcceptDecision
+    start_ns: int
+    draft_s: float                 # the propose call
+    pack_s: float                  # flattening + encoding the tree
+    verify_s: float                # the Verify call, pack excluded (the forward and the decision inside)
+    accept_s: float                # the target's decision, inside verify_s
+    publish_s: float               # the Publish call
+    fallback: bool                 # the drafter was given up before this round
+    expert_bytes: int = 0          # MoE target: expert weights this request's own verify rows routed to
+    batch_expert_bytes: int = 0    # MoE target: the union over the whole batched verify (seed 0x09A)
 
 
 @dataclass(frozen=True)

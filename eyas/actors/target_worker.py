@@ -1,7 +1,7 @@
 """``TargetWorker``: the owner of one target's device state, speaking the ``Verifier`` messages.
 
 It is a plain class. Each ``EyasTarget`` Serve replica owns one (the ``TargetWorker`` of DESIGN.md;
-eyas/cluster/deployments.py), ``eyas.cluster.verifier_server`` serves it over plain gRPC, and the tests call it
+eyas/serve/deployments.py), ``eyas.remote.verifier_server`` serves it over plain gRPC, and the tests call it
 directly. Each method takes and returns the protobuf messages of ``eyas.proto``, so the same
 messages travel inside Ray and across clusters (DESIGN.md, "The wire contract").
 

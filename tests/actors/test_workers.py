@@ -12,10 +12,9 @@ import torch
 
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import TargetWorker
-from eyas.cluster.verifier_client import (DrafterUnavailable, LocalTransport, RemoteVerifier,
-                                          generate_remote)
 from eyas.drafting.engine import DrafterEngine, TreeSpec
-from eyas.generate import generate
+from eyas.generate import DrafterUnavailable, generate
+from eyas.remote.verifier_client import LocalTransport, RemoteVerifier, generate_remote
 from eyas.protocol import eyas_pb2 as pb
 from eyas.target.engine import TargetEngine
 from eyas.testing import tiny_eagle1_engine

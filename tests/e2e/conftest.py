@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from eyas.cluster.experiment import free_port
+from eyas.experiments.experiment import free_port
 
 # Serve's proxy must answer its readiness check within 5 s by default; on a loaded 2-core machine (a
 # training job beside the tests) it may not, and Serve then kills and restarts it forever. Ray's own
@@ -21,7 +21,7 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 # The fixed-tree scheduler drafts every round, so the drafter's paths (proposals over a Serve handle,
 # a killed replica, reseeds) run in every request. The tree-work policy may rightly stop drafting once
 # it has measured that drafting does not pay on this CPU; it is covered in-process
-# (tests/cluster/test_round_loop.py) and served in tests/e2e/test_autoscale.py.
+# (tests/serve/test_round_loop.py) and served in tests/e2e/test_autoscale.py.
 # The ingress admits at most E2E_MAX_INFLIGHT requests (the target replica runs max_batch 16 of them at
 # once and queues the rest); past it a request is refused as overloaded.
 E2E_MAX_INFLIGHT = 24
@@ -37,7 +37,7 @@ def serve_ports():
     import ray
     from ray import serve
 
-    from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from eyas.serve.app import GRPC_SERVICER_FUNCTIONS, build_app
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=160 * 1024 ** 2, log_to_driver=False,
              namespace="eyas-e2e")
@@ -62,7 +62,7 @@ def http_url(serve_ports):
 
 @pytest.fixture()
 def client(serve_address):
-    from eyas.cluster.client import EyasClient
+    from eyas.serve.client import EyasClient
 
     with EyasClient(serve_address, timeout_s=300) as c:
         yield c

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from eyas.cluster.client import ServerRejected
+from eyas.serve.client import ServerRejected
 from tests.e2e.conftest import E2E_MAX_INFLIGHT
 from eyas.protocol import eyas_pb2 as pb
 
@@ -104,7 +104,7 @@ def test_32_clients_against_max_batch_16_run_16_at_once_queue_the_rest_and_refus
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from eyas.cluster.client import EyasClient
+    from eyas.serve.client import EyasClient
 
     clients = 32
     # mostly target-only (one verify row each), so that the round's rows (max_verify_rows 128) never
@@ -581,8 +581,8 @@ def test_an_api_key_guards_http_and_grpc_and_a_full_server_says_overloaded(serve
     import openai
     from ray import serve
 
-    from eyas.cluster.app import build_app
-    from eyas.cluster.client import EyasClient
+    from eyas.serve.app import build_app
+    from eyas.serve.client import EyasClient
 
     key = "e2e-secret-key"
     keyed = {"methods": [], "drafter_replicas": 0, "target_replicas": 1, "torch_threads": 1, "api_key": key,
@@ -706,8 +706,8 @@ def test_an_experiment_replay_cancels_what_is_still_running_when_it_ends(serve_a
     import time
     from pathlib import Path
 
-    from eyas.cluster.experiment import LATE_ERROR, Replay
-    from eyas.cluster.workload import Arrival, load_workload
+    from eyas.experiments.experiment import LATE_ERROR, Replay
+    from eyas.experiments.workload import Arrival, load_workload
 
     workload = load_workload(Path(__file__).parent / "workloads" / "tiny_burst.yaml")
     replay = Replay(serve_address, workload, [Arrival(0.0, "long", "Count from 1 to 300, one number per line, "

@@ -42,7 +42,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from eyas.cluster import sim
+from eyas.experiments import sim
 
 #: seconds after the burst start over which :func:`summary` takes the burst p99 latency
 BURST_WINDOW_S = 60.0
@@ -285,7 +285,7 @@ class Sample:
     ``t``: seconds since the workload started. ``request_rate``: arrivals per second over the last
     sample interval. ``in_flight``: requests sent and not yet finished. ``completed``: requests
     finished so far (cumulative). ``pending_verify_rows`` / ``draft_rows`` / ``kv_bytes_used``: the
-    autoscaling signals summed over replicas (see :mod:`eyas.cluster.autoscale`). ``replicas``:
+    autoscaling signals summed over replicas (see :mod:`eyas.autoscale.policy`). ``replicas``:
     deployment name -> running replicas. ``nodes``: node type -> alive nodes. ``p50_latency_s`` /
     ``p99_latency_s``: end-to-end latency percentiles over the requests that finished in a trailing
     window (None when none did). ``tokens_per_s``: output tokens of the requests that finished in

@@ -7,7 +7,7 @@ One run:
    joins a running cluster (``--address``);
 2. deploys the app of ray_configs/autoscale.yaml (target and drafter deployments, each with its own
    tree-work autoscaling policy);
-3. replays the workload's arrivals (:func:`eyas.cluster.workload.arrivals`) as streaming gRPC clients,
+3. replays the workload's arrivals (:func:`eyas.experiments.workload.arrivals`) as streaming gRPC clients,
    and checks every answer against in-process greedy target-only decoding of the same prompt
    (speculation must not change a token);
 4. samples every ``sample_interval_s``: request rate, requests in flight, the tree work the replicas
@@ -40,9 +40,9 @@ from pathlib import Path
 
 import yaml
 
-from eyas.cluster import sim
-from eyas.cluster.autoscale import ReplicaMetrics, ScalingState, TargetScalingConfig, decide_target_replicas
-from eyas.cluster.workload import (BURST_START, Arrival, Sample, Timeline, Workload, arrivals, percentile, phase_spans,
+from eyas.experiments import sim
+from eyas.autoscale.policy import ReplicaMetrics, ScalingState, TargetScalingConfig, decide_target_replicas
+from eyas.experiments.workload import (BURST_START, Arrival, Sample, Timeline, Workload, arrivals, percentile, phase_spans,
                                    plot_timeline, summary)
 
 log = logging.getLogger("eyas.experiment")
@@ -229,7 +229,7 @@ class Replay:
             self.futures.append(self.pool.submit(self._one, rec))
 
     def _client(self):
-        from eyas.cluster.client import EyasClient
+        from eyas.serve.client import EyasClient
 
         if getattr(self.local, "client", None) is None:
             self.local.client = EyasClient(self.address, timeout_s=600)
@@ -288,7 +288,7 @@ class Replay:
 
 
 def sample_now(replay: Replay, stats: dict, replicas: dict[str, int], nodes: dict[str, int]) -> Sample:
-    """One timeline sample from the replay's logs and the cluster's state (see eyas.cluster.workload.Sample)."""
+    """One timeline sample from the replay's logs and the cluster's state (see eyas.experiments.workload.Sample)."""
     t = replay.now()
     window = min(RATE_WINDOW_S, max(t, 1e-9))
     arrived = sum(1 for r in replay.logs if t - window < r.arrival.t <= t)
@@ -476,7 +476,7 @@ def load_serve_file(path: str | Path, app: str = "eyas") -> tuple[dict, dict]:
     ValueError naming the file and the field: unreadable YAML, a document that is not a mapping,
     ``applications`` not a list, no application named ``app``, ``args`` not a mapping, an options
     section not a mapping, a port not an integer in [1, 65535]. (The args themselves are checked by
-    ``eyas.cluster.app.parse_config``.)"""
+    ``eyas.serve.config.parse_config``.)"""
     doc = _read_serve_doc(path)
     return _serve_app_args(doc, path, app), _serve_endpoints(doc, path)
 
@@ -516,7 +516,7 @@ def run_autoscale(workload: Workload, out_dir: str | Path, *, serve_config: str 
     """Run the experiment; returns the summary (also in ``out_dir/timeline.json``)."""
     from tqdm import tqdm
 
-    from eyas.cluster.app import parse_config
+    from eyas.serve.config import parse_config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -589,8 +589,8 @@ def _run(workload, schedule, address, args, node_types, references, timeline, ou
     import ray
     from ray import serve
 
-    from eyas.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
-    from eyas.cluster.client import EyasClient
+    from eyas.serve.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from eyas.serve.client import EyasClient
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address=address, namespace="eyas-experiment", log_to_driver=False)

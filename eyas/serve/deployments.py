@@ -22,8 +22,8 @@
     new replica. Greedy tokens never change: the target decides each one.
 
 Both report their tree work through ``record_autoscaling_stats()`` (see
-:mod:`eyas.cluster.serve_policy` for the policies that read it), and post their state to the app's
-:class:`~eyas.cluster.registry.Registry` for ``Stats``.
+:mod:`eyas.autoscale.serve_policy` for the policies that read it), and post their state to the app's
+:class:`~eyas.serve.registry.Registry` for ``Stats``.
 """
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ from ray import serve
 
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import Refusal, TargetWorker
-from eyas.cluster.registry import Reporter, app_name, cancels_due, get_registry
-from eyas.cluster.round_loop import RoundLoop, WorkerCalls
-from eyas.cluster.telemetry import Telemetry
-from eyas.cluster.verifier_client import DrafterUnavailable
+from eyas.serve.registry import Reporter, app_name, cancels_due, get_registry
+from eyas.serve.round_loop import RoundLoop, WorkerCalls
+from eyas.serve.telemetry import Telemetry
+from eyas.generate import DrafterUnavailable
 from eyas.drafting.engine import TreeSpec
 from eyas.protocol.schema import GenerateRequest
 from eyas.runtime import StopStrings, build_report, tree_for
@@ -122,7 +122,7 @@ def _actor_name() -> str | None:
                   graceful_shutdown_timeout_s=600, graceful_shutdown_wait_loop_s=1, health_check_period_s=10)
 class EyasTarget:
     def __init__(self, config: dict, drafter=None):
-        from eyas.cluster.app import parse_config
+        from eyas.serve.config import parse_config
 
         self.cfg = c = parse_config(config)
         self.app_name = app_name()
@@ -274,7 +274,7 @@ class EyasTarget:
 
     # --- autoscaling and stats -------------------------------------------------------------------
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Tree work for :class:`~eyas.cluster.serve_policy.TargetTreeWorkPolicy` (window-averaged by Serve)."""
+        """Tree work for :class:`~eyas.autoscale.serve_policy.TargetTreeWorkPolicy` (window-averaged by Serve)."""
         return self._autoscaling(self.loop.work(), self.locked.leak_check())
 
     def _autoscaling(self, work: dict, leak: dict) -> dict[str, float]:
@@ -309,7 +309,7 @@ class EyasTarget:
                   graceful_shutdown_timeout_s=30, health_check_period_s=10)
 class EyasDrafter:
     def __init__(self, config: dict):
-        from eyas.cluster.app import parse_config
+        from eyas.serve.config import parse_config
 
         self.cfg = c = parse_config(config)
         self.replica_id = _replica_id()

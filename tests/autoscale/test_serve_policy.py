@@ -1,4 +1,4 @@
-"""Ray Serve adapters for the Eyas autoscaling policies (eyas.cluster.serve_policy).
+"""Ray Serve adapters for the Eyas autoscaling policies (eyas.autoscale.serve_policy).
 
 Every test drives a policy with real ``ray.serve.config.AutoscalingContext`` objects built by hand
 (plain strings as replica ids), the way Serve's controller calls it on each tick: no Ray cluster.
@@ -22,9 +22,9 @@ from ray.serve._private.constants import (
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingPolicy
 
-from eyas.cluster import serve_policy
-from eyas.cluster.autoscale import ReplicaMetrics, ScalingState, TargetScalingConfig
-from eyas.cluster.serve_policy import (
+from eyas.autoscale import serve_policy
+from eyas.autoscale.policy import ReplicaMetrics, ScalingState, TargetScalingConfig
+from eyas.autoscale.serve_policy import (
     STATE_KEY,
     DrafterTreeWorkPolicy,
     TargetTreeWorkPolicy,
@@ -33,7 +33,7 @@ from eyas.cluster.serve_policy import (
     state_to_dict,
 )
 
-TARGET_PATH = "eyas.cluster.serve_policy:TargetTreeWorkPolicy"
+TARGET_PATH = "eyas.autoscale.serve_policy:TargetTreeWorkPolicy"
 # the policy_kwargs of the module docstring's example: 64 rows a replica, 2 s up, 10 s down, 1..4
 KWARGS = dict(target_verify_rows_per_replica=64, upscale_delay_s=2, downscale_delay_s=10,
               min_replicas=1, max_replicas=4)
@@ -202,7 +202,7 @@ def test_negative_and_non_finite_values_read_as_zero_and_warn_once(caplog):
     Three ticks of the same bad reports log one warning (per metric name, per policy instance)."""
     bad = {"pending_verify_rows": {"r0": -5.0, "r1": float("nan"), "r2": float("inf"), "r3": 64.0}}
     policy = TargetTreeWorkPolicy(**INSTANT)
-    with caplog.at_level(logging.WARNING, logger="eyas.cluster.serve_policy"):
+    with caplog.at_level(logging.WARNING, logger="eyas.autoscale.serve_policy"):
         for t in (100.0, 101.0, 102.0):
             n, state = policy(make_ctx(4, bad, now=t))
             assert state[STATE_KEY]["needs"] == {"verify_rows": 1.0}
@@ -366,7 +366,7 @@ def test_malformed_stored_state_starts_afresh(stored, caplog):
     of crashing Serve's controller."""
     with pytest.raises(ValueError, match=re.escape(f"policy_state[{STATE_KEY!r}]")):
         state_from_dict(stored, current_replicas=2)
-    with caplog.at_level(logging.WARNING, logger="eyas.cluster.serve_policy"):
+    with caplog.at_level(logging.WARNING, logger="eyas.autoscale.serve_policy"):
         n, state = TargetTreeWorkPolicy(**KWARGS)(make_ctx(2, spread(2, pending_verify_rows=100),
                                                            policy_state={STATE_KEY: stored}))
     assert n == 2 and state[STATE_KEY]["below_since"] is None

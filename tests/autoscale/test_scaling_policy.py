@@ -1,4 +1,4 @@
-"""Autoscaling policies (eyas.cluster.autoscale): pure functions of (metrics, state, config, now)."""
+"""Autoscaling policies (eyas.autoscale.policy): pure functions of (metrics, state, config, now)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from eyas.cluster.autoscale import (
+from eyas.autoscale.policy import (
     DrafterScalingConfig,
     ReplicaMetrics,
     ScalingState,
@@ -330,7 +330,7 @@ def test_policies_are_pure():
 
 
 def test_module_does_not_import_ray():
-    code = "import sys, eyas.cluster.autoscale; print('ray' in sys.modules)"
+    code = "import sys, eyas.autoscale.policy; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

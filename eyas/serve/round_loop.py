@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from eyas.actors.target_worker import Refusal
-from eyas.cluster.verifier_client import DrafterUnavailable, RoundRecord
+from eyas.generate import DrafterUnavailable, RoundRecord
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, GenerationResult, RoundStats, finish_tokens
 from eyas.protocol import eyas_pb2 as pb
@@ -368,9 +368,11 @@ class RoundLoop:
             live.rounds.append(RoundStats(decision.accept_length, decision.num_new_tokens, nodes, t1 - t0, t3 - t1,
                                           hop_s=hop_s))
             if self.on_round is not None:
-                self.on_round(RoundRecord(live.request_id, d.round, flat if nodes else None, decision, start_ns,
-                                          t1 - t0, t2 - t1, t3 - t2, accept_s, t4 - t3, live.fallback,
-                                          d.expert_bytes, d.batch_expert_bytes))
+                self.on_round(RoundRecord(request_id=live.request_id, round=d.round, flat=flat if nodes else None,
+                                          decision=decision, start_ns=start_ns, draft_s=t1 - t0, pack_s=t2 - t1,
+                                          verify_s=t3 - t2, accept_s=accept_s, publish_s=t4 - t3,
+                                          fallback=live.fallback, expert_bytes=d.expert_bytes,
+                                          batch_expert_bytes=d.batch_expert_bytes))
             self._emit(live, list(ack.output_tokens))
 
     # --- helpers ------------------------------------------------------------------------------------

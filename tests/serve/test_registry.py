@@ -1,7 +1,7 @@
 """The registry's named-cancel book and the rule that decides which in-flight requests a cancel stops."""
 from __future__ import annotations
 
-from eyas.cluster.registry import CancelBook, cancels_due
+from eyas.serve.registry import CancelBook, cancels_due
 
 
 def test_cancel_book_hands_out_each_cancel_for_its_ttl_then_forgets_it():

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError
 
-from eyas.cluster import app
+from eyas.serve import app
 from eyas.protocol.schema import parse_request
 from eyas.target.loader import load_tokenizer
 

@@ -4,9 +4,9 @@
         EyasTarget replica (TargetWorker + RoundLoop) --one call per round--> EyasDrafter replica
 
 ``EyasServer`` validates and tokenizes a request and streams it through one ``EyasTarget`` replica,
-which runs it to the end in its batched round loop (eyas/cluster/deployments.py says who owns
+which runs it to the end in its batched round loop (eyas/serve/deployments.py says who owns
 what). Target and drafter replicas scale independently, each with its own ``autoscaling_config``
-and tree-work policy (eyas/cluster/serve_policy.py), or at fixed counts.
+and tree-work policy (eyas/autoscale/serve_policy.py), or at fixed counts.
 
 RPCs (eyas.proto, service ``Eyas``): ``Generate``, ``GenerateStream`` (one chunk per round, the
 last with finish reason and stats), ``Stats`` (every replica's telemetry, tree work, latency curve
@@ -14,7 +14,7 @@ and leak invariant, merged from the app's registry), ``Cancel`` (stop a named re
 gets ``INVALID_ARGUMENT`` naming the field; nothing is opened for it.
 
 HTTP, on the same ingress: the OpenAI API (``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``; ``eyas/cluster/openai_api.py``), ``GET /metrics`` (Prometheus text of every target
+``/v1/models``; ``eyas/serve/openai_api.py``), ``GET /metrics`` (Prometheus text of every target
 replica), and Eyas's own JSON routes (``POST /``, ``POST /cancel``, ``GET /stats``). An optional API
 key guards every route and RPC; at most ``max_inflight_requests`` requests run at once (then 503 /
 ``RESOURCE_EXHAUSTED``).
@@ -37,23 +37,21 @@ import json
 import logging
 import time
 import uuid
-from typing import Literal
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.config import AutoscalingConfig
 
-from eyas.cluster import openai_api as oai
-from eyas.cluster.registry import HEAD_NODE_RESOURCE, app_name, get_registry
 from eyas.generate import FINISH_ERROR
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
-from eyas.protocol.service import SERVICER_FUNCTION, TIMEOUT_METADATA, decode_message, timeout_from_metadata
 from eyas.protocol.schema import GenerateRequest, parse_cancel, parse_request
+from eyas.protocol.service import SERVICER_FUNCTION, TIMEOUT_METADATA, decode_message, timeout_from_metadata
+from eyas.serve import openai_api as oai
+from eyas.serve.config import ServeConfig, parse_config  # noqa: F401 - parse_config: the app's config API
+from eyas.serve.registry import HEAD_NODE_RESOURCE, app_name, get_registry
 from eyas.target.engine import check_context
-from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, encode_prompt, load_target_config, load_tokenizer
+from eyas.target.loader import encode_prompt, load_target_config, load_tokenizer
 
 log = logging.getLogger("eyas.serve")
 RESUME_BACKOFF_S = 0.5   # the wait before a request whose replica died is sent again
@@ -61,99 +59,6 @@ INTERNAL_ERROR = "internal error: the request failed in the server; retry it"   
 
 # requests reach the ingress as bytes, decoded here so that a corrupt one is INVALID_ARGUMENT naming the field
 GRPC_SERVICER_FUNCTIONS = [SERVICER_FUNCTION]
-
-
-class ServeConfig(BaseModel):
-    """The application's arguments (``args:`` in ray_configs/serve.yaml)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    target: str = DEFAULT_TARGET
-    precision: Literal[PRECISIONS] = "fp32"
-    methods: list[Literal["eagle1", "hass", "eagle3"]] = Field(default_factory=lambda: ["eagle3", "eagle1"])
-    drafters: dict[str, str] = Field(default_factory=dict)  # method -> drafter folder (default: shipped)
-    # replica counts: fixed, unless the kind's autoscaling config is given (then it rules)
-    target_replicas: int = Field(1, ge=1)
-    drafter_replicas: int = Field(1, ge=0)    # 0 = no drafter deployment: target-only serving
-    target_autoscaling: dict | None = None    # a Ray Serve autoscaling_config (see eyas.cluster.serve_policy)
-    drafter_autoscaling: dict | None = None
-    target_num_cpus: float = Field(1.0, ge=0)
-    target_num_gpus: float = Field(0.0, ge=0)
-    target_resources: dict[str, float] = Field(default_factory=dict)   # custom resources, e.g. {target_host: 1}
-    drafter_num_cpus: float = Field(1.0, ge=0)
-    drafter_num_gpus: float = Field(0.0, ge=0)
-    drafter_resources: dict[str, float] = Field(default_factory=dict)
-    torch_threads: int = Field(1, ge=1)
-    target_timeout_s: float = Field(300.0, gt=0)
-    drafter_timeout_s: float = Field(30.0, gt=0)        # the drafter's info (start-up, probes)
-    # a drafter call inside a round (propose, open, reseed) slower than this makes the rounds plain at
-    # once; a probe brings the drafter back when it answers again (a replaced replica, say)
-    drafter_round_timeout_s: float = Field(2.0, gt=0)
-    console_spans: bool = False
-    # traces to an OTLP collector (host:port, gRPC), e.g. "127.0.0.1:4317"; needs the
-    # opentelemetry-exporter-otlp-proto-grpc package. None = spans stay in memory (`eyas stats`).
-    otlp_endpoint: str | None = None
-    # "tree-work": a replica's live requests advance in batched rounds with per-request trees from the
-    # latency curve; "prompt-length": batched rounds of similar prompt lengths, one fixed tree (the baseline)
-    scheduler: Literal["tree-work", "prompt-length"] = "tree-work"
-    max_batch: int = Field(16, ge=1)          # requests per batched round
-    max_verify_rows: int = Field(256, ge=1)   # verify rows per batched round (all requests together)
-    # MoE targets: expert weights one batched verify may read (the union its rows route to; seed 0x09A);
-    # None = no cap. Ignored for a dense target.
-    max_expert_bytes: int | None = Field(None, ge=1)
-    curve_repeats: int = Field(3, ge=1)       # timings per row count when the latency curve is measured
-    kv_capacity_bytes: int = Field(2 * 1024 ** 3, gt=0)  # a target replica's KV budget (the autoscaler's KV signal)
-    # clients must send `Authorization: Bearer <key>` (HTTP) or that metadata (gRPC); None = open.
-    # `eyas serve --api-key` or EYAS_API_KEY set it too. Never logged.
-    api_key: str | None = Field(None, min_length=1, repr=False)
-    # a request whose target replica dies resumes on another for this long before the client gets an error
-    resume_timeout_s: float = Field(60.0, ge=0)
-    served_model_name: str | None = None      # the OpenAI API's model id (default: the target's name)
-    max_body_bytes: int = Field(1024 ** 2, ge=1024)   # HTTP bodies larger than this are refused (413)
-    # requests one ingress runs at once (streaming or not, every API); past it a request is refused as
-    # overloaded at once (HTTP 503, gRPC RESOURCE_EXHAUSTED) instead of waiting without end
-    max_inflight_requests: int = Field(256, ge=1)
-
-    @field_validator("target_autoscaling", "drafter_autoscaling")
-    @classmethod
-    def _autoscaling(cls, v: dict | None) -> dict | None:
-        if v is not None:
-            try:
-                AutoscalingConfig(**v)
-            except ValidationError as err:
-                first = err.errors()[0]
-                raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
-        return v
-
-    @field_validator("otlp_endpoint")
-    @classmethod
-    def _otlp(cls, v: str | None) -> str | None:
-        import importlib.util
-
-        if v is None:
-            return v
-        try:
-            found = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            raise ValueError("needs the opentelemetry-exporter-otlp-proto-grpc package (pip install it)")
-        return v
-
-    def warnings(self) -> list[str]:
-        """What this config asks for that Eyas does not do: a GPU reservation (replicas compute on the CPU)."""
-        return [f"{kind}_num_gpus: {gpus:g} reserves GPUs that each {kind} replica does not use: Eyas computes on "
-                f"the CPU (GPU execution: not yet, see the README)"
-                for kind, gpus in (("target", self.target_num_gpus), ("drafter", self.drafter_num_gpus)) if gpus > 0]
-
-
-def parse_config(config: dict | None) -> ServeConfig:
-    try:
-        return ServeConfig.model_validate(config or {})
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise ValueError(f"config.{'.'.join(str(p) for p in first['loc'])}: "
-                         f"{first['msg'].removeprefix('Value error, ')}") from None
 
 
 def _unauthenticated(grpc_context, reply):
@@ -487,7 +392,7 @@ class EyasServer:
             stream.cancel()
         return JSONResponse(report)
 
-    # --- the OpenAI API (eyas/cluster/openai_api.py) -----------------------------------------------------
+    # --- the OpenAI API (eyas/serve/openai_api.py) -----------------------------------------------------
     async def _body(self, http_request) -> object:
         """The request's JSON body: bounded in size, and in nesting (a parser's recursion error is a 400)."""
         raw = await http_request.body()
@@ -632,7 +537,7 @@ class EyasServer:
 
     async def prometheus(self) -> str:
         """Every live target replica's metrics in Prometheus's text format, labelled by ``replica``."""
-        from eyas.cluster.telemetry import merge_prometheus
+        from eyas.serve.telemetry import merge_prometheus
 
         reports = await get_registry(self.app_name).snapshot.remote()
         return merge_prometheus({r["replica"]: r["prometheus"] for r in reports if r.get("prometheus")})
@@ -693,8 +598,8 @@ def _deployment_options(cfg: ServeConfig, kind: str) -> dict:
 
 
 def build_app(args: dict | None = None):
-    """The application builder ``serve run``/``serve deploy`` call (``import_path: eyas.cluster.app:build_app``)."""
-    from eyas.cluster.deployments import EyasDrafter, EyasTarget
+    """The application builder ``serve run``/``serve deploy`` call (``import_path: eyas.serve.app:build_app``)."""
+    from eyas.serve.deployments import EyasDrafter, EyasTarget
 
     config = parse_config(args)  # fail here, naming the field, before any replica starts
     for warning in config.warnings():

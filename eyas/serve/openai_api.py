@@ -1,6 +1,6 @@
 """The OpenAI-compatible front door of the Serve app: requests in, Eyas requests out, and back.
 
-Pure translation, no Ray: :class:`EyasServer` (``eyas/cluster/app.py``) routes ``/v1/*`` here, runs
+Pure translation, no Ray: :class:`EyasServer` (``eyas/serve/app.py``) routes ``/v1/*`` here, runs
 the request like any other and hands the report back to be shaped as OpenAI's API shapes it.
 
 Terms:

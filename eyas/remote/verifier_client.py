@@ -24,13 +24,14 @@ from typing import Callable, Protocol
 import grpc
 
 from eyas.drafting.engine import TreeSpec
-from eyas.generate import FINISH_CANCELLED, FINISH_STOP, GenerationResult, RoundStats, finish_tokens
+from eyas.generate import (FINISH_CANCELLED, FINISH_STOP, DrafterUnavailable, GenerationResult, RoundRecord, RoundStats,
+                           finish_tokens)
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import eyas_pb2_grpc
 from eyas.protocol import wire
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
-from eyas.cluster.verifier_server import GRPC_OPTIONS
+from eyas.remote.verifier_server import GRPC_OPTIONS
 from eyas.verification.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,6 @@ class RemoteRejected(ValueError):
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
         self.code = code
-
-
-class DrafterUnavailable(RuntimeError):
-    """The drafter died, timed out or lost the session; the decode loop reseeds or goes target-only."""
 
 
 class Transport(Protocol):
@@ -230,26 +227,6 @@ class RemoteVerifier:
         return self._rpc("CloseSession", pb.CloseSessionRequest(request_id=request_id)).closed
 
 
-@dataclass(frozen=True)
-class RoundRecord:
-    """One finished round, for observers (``eyas.cluster.telemetry``): what was sent and decided, and
-    when each step ran (``time.time_ns`` at the round's start plus perf-counter offsets in seconds)."""
-
-    request_id: str
-    round: int
-    flat: FlatTree | None          # the verified rows (None: target-only, one root row)
-    decision: AcceptDecision
-    start_ns: int
-    draft_s: float                 # the propose call
-    pack_s: float                  # flattening + encoding the tree
-    verify_s: float                # the Verify call, pack excluded (the forward and the decision inside)
-    accept_s: float                # the target's decision, inside verify_s
-    publish_s: float               # the Publish call
-    fallback: bool                 # the drafter was given up before this round
-    expert_bytes: int = 0          # MoE target: expert weights this request's own verify rows routed to
-    batch_expert_bytes: int = 0    # MoE target: the union over the whole batched verify (seed 0x09A)
-
-
 def _propose(drafter, request_id: str, seed: Seed, tree: TreeSpec) -> tuple[DraftTree, float]:
     """-> (tree, the drafter's own compute seconds, when it reports them)."""
     out = drafter.propose(request_id, seed, tree)
@@ -319,9 +296,10 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
             stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
             d = verdict.decision
             if on_round is not None:
-                on_round(RoundRecord(request_id, verdict.round, verdict.flat if draft.num_nodes else None, d, start_ns,
-                                     t1 - t0, verdict.pack_s, t2 - t1 - verdict.pack_s, verdict.accept_s, t3 - t2,
-                                     fallback))
+                on_round(RoundRecord(request_id=request_id, round=verdict.round,
+                                     flat=verdict.flat if draft.num_nodes else None, decision=d, start_ns=start_ns,
+                                     draft_s=t1 - t0, pack_s=verdict.pack_s, verify_s=t2 - t1 - verdict.pack_s,
+                                     accept_s=verdict.accept_s, publish_s=t3 - t2, fallback=fallback))
             hop_s = (t3 - t0) - draft_compute_s - verdict.compute_s - verifier.sessions[request_id].publish_compute_s
             rounds.append(RoundStats(d.accept_length, d.num_new_tokens, draft.num_nodes, t1 - t0, t2 - t1,
                                      hop_s=max(hop_s, 0.0) if draft_compute_s or verdict.compute_s else 0.0))

@@ -25,7 +25,7 @@ rows
 utilisation
     Busy time (a round in progress) over serving time (ready and not yet stopped), per replica.
 
-Routing and scaling mirror the EyasTarget deployment (eyas/cluster/deployments.py): a request is routed on arrival to
+Routing and scaling mirror the EyasTarget deployment (eyas/serve/deployments.py): a request is routed on arrival to
 the ready, non-draining replica with the fewest requests (queued + running; ties to the one that has
 served fewest, then the oldest) and stays there, so a replica that starts later takes only new
 arrivals. With no ready replica the request waits in a pool queue that the next ready replica takes
@@ -34,7 +34,7 @@ draining replicas and then launches new ones, which serve after ``startup_delay_
 cancels starting replicas, then drains the newest serving ones. A draining replica takes no new
 request, finishes every request already routed to it, then stops: no request is ever dropped.
 
-Worked example (see ``tests/cluster/test_sim.py``): 3 requests at t=0, one replica, ``max_batch=2``,
+Worked example (see ``tests/experiments/test_sim.py``): 3 requests at t=0, one replica, ``max_batch=2``,
 2 rounds each, 100 ms rounds -> requests 0 and 1 run rounds [0, 0.1] and [0.1, 0.2] and finish at
 0.2 s; request 2 waits for a free slot and runs [0.2, 0.3], [0.3, 0.4]: TTFT 0.3 s, latency 0.4 s.
 

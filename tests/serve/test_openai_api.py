@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eyas.cluster import openai_api as oai
+from eyas.serve import openai_api as oai
 from eyas.target.loader import encode_prompt, load_tokenizer
 
 MODEL = "smollm2-135m"

@@ -8,8 +8,8 @@ import torch
 
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import TargetWorker
-from eyas.cluster.round_loop import RoundLoop, WorkerCalls
-from eyas.cluster.verifier_client import DrafterUnavailable
+from eyas.serve.round_loop import RoundLoop, WorkerCalls
+from eyas.generate import DrafterUnavailable
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import generate
 from eyas.scheduler.latency import DraftCost, LatencyCurve
@@ -129,7 +129,7 @@ def test_a_drafter_that_goes_down_makes_rounds_plain_at_once_and_comes_back_by_r
     """While the drafter is down the rounds go on target-only with no drafter call in them (the
     streams do not wait for a replacement); only the loop's probe asks, and once it answers every
     request still running reseeds and drafts again; no token changes and nobody is given up."""
-    from eyas.cluster import round_loop
+    from eyas.serve import round_loop
 
     monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
     target, drafter = workers
@@ -183,7 +183,7 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
     import concurrent.futures
     import time
 
-    from eyas.cluster.round_loop import Live
+    from eyas.serve.round_loop import Live
     from eyas.generate import RoundStats
     from eyas.scheduler.policy import AcceptanceEstimate
 
@@ -292,7 +292,7 @@ def test_an_moe_target_reports_expert_bytes_per_request_and_per_round_and_the_bu
 def test_stats_merge_every_replicas_report():
     """Stats = the registry's reports merged: workers with their kind, telemetry points concatenated and
     tagged with their replica, drafter KV as the draft side of eyas.kv_bytes, replica counts by kind."""
-    from eyas.cluster.app import merge_reports
+    from eyas.serve.app import merge_reports
 
     point = {"attributes": {"finish_reason": "length"}, "value": 2}
     target = {"replica": "t1", "kind": "target", "worker": {"live_sessions": 0, "ok": True},

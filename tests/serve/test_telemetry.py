@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from eyas.cluster.telemetry import Telemetry, acceptance_by, confidence_bucket
-from eyas.cluster.verifier_client import RoundRecord
+from eyas.serve.telemetry import Telemetry, acceptance_by, confidence_bucket
+from eyas.generate import RoundRecord
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import PARENT_IS_SEED, DraftTree, flatten_tree
 
@@ -17,7 +17,7 @@ def one_round() -> RoundRecord:
     flat = flatten_tree(tree, 5, 100)
     assert flat.tokens.tolist() == [5, 10, 11, 20]
     decision = AcceptDecision(torch.tensor([0, 1]), torch.tensor([10]), 42)
-    return RoundRecord("r1", 3, flat, decision, start_ns=1_000_000_000, draft_s=.010, pack_s=.001, verify_s=.030,
+    return RoundRecord(request_id="r1", round=3, flat=flat, decision=decision, start_ns=1_000_000_000, draft_s=.010, pack_s=.001, verify_s=.030,
                        accept_s=.002, publish_s=.003, fallback=False)
 
 
@@ -85,7 +85,7 @@ def test_prometheus_text_has_vllms_spec_decode_counters_and_latencies():
 
 
 def test_merged_replicas_keep_every_sample_with_its_replica():
-    from eyas.cluster.telemetry import merge_prometheus
+    from eyas.serve.telemetry import merge_prometheus
 
     a, b = Telemetry(), Telemetry()
     a.record_round(one_round())

@@ -1,4 +1,4 @@
-"""Autoscaling-experiment building blocks (eyas.cluster.workload): workloads, arrivals, timelines."""
+"""Autoscaling-experiment building blocks (eyas.experiments.workload): workloads, arrivals, timelines."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.cluster.workload import (
+from eyas.experiments.workload import (
     Arrival,
     Phase,
     Sample,

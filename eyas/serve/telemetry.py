@@ -7,7 +7,7 @@ endpoint can be added with ``otlp_endpoint`` when ``opentelemetry-exporter-otlp`
 
 Spans, one tree per round: ``eyas.round`` with children ``draft``, ``pack``, ``verify``, ``accept``
 (inside verify: the target's decision) and ``publish``, built from the loop's
-:class:`~eyas.cluster.verifier_client.RoundRecord` after the round (so the loop imports no OTel).
+:class:`~eyas.generate.RoundRecord` after the round (so the loop imports no OTel).
 
 Metrics (instrument names):
 
@@ -46,7 +46,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter,
                                             SpanExportResult)
 
-from eyas.cluster.verifier_client import RoundRecord
+from eyas.generate import RoundRecord
 
 # seconds: rounds on a CPU take tens to hundreds of ms, requests up to minutes
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

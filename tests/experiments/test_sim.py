@@ -1,4 +1,4 @@
-"""The capacity-planning simulator (eyas.cluster.sim): queueing theory, hand-computed rounds,
+"""The capacity-planning simulator (eyas.experiments.sim): queueing theory, hand-computed rounds,
 batching, autoscaling with drains, and speed.
 
 Units: times in seconds unless a name says ``_ms``; lengths in tokens; rates per second.
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from eyas.cluster.sim import (Arrivals, Autoscaling, ClusterModel, Curve, ReplicaModel, ScalingState, Workload,
+from eyas.experiments.sim import (Arrivals, Autoscaling, ClusterModel, Curve, ReplicaModel, ScalingState, Workload,
                               percentile, simulate)
 
 MS = 1e-3  # seconds per millisecond
@@ -293,7 +293,7 @@ def test_thousands_of_replicas_rebuild_the_routing_table_once_per_control_tick(m
     Worked example: ticks at 1..12 s; 5,000 replicas launched at 1 s are ready at 4 s (3 s start-up);
     the tick at 6 s stops the 4,999 idle newest ones at once; 12 s of ticks = 12 rebuilds at most.
     """
-    from eyas.cluster import sim
+    from eyas.experiments import sim
 
     rebuilds = []
     real = sim._Sim.set_active
@@ -316,7 +316,7 @@ def test_replicas_on_a_shared_host_slow_each_other_down():
     Replica 0 starts its round first (1 busy: 100 ms, done at 0.1 s); replica 1 starts while 2 are busy:
     2 x 100 ms, done at 0.2 s. With hardware of their own both finish at 0.1 s.
     """
-    from eyas.cluster.sim import Arrivals, ClusterModel, Curve, ReplicaModel, Workload, simulate
+    from eyas.experiments.sim import Arrivals, ClusterModel, Curve, ReplicaModel, Workload, simulate
 
     work = Workload(Arrivals.explicit([0.0, 0.0]), output_len=1, prompt_len=1)
     own = simulate(work, ReplicaModel(Curve.from_points({1: 100.0})), ClusterModel(replicas=2))

@@ -15,8 +15,8 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.codec import encode_tensor
 from eyas.protocol.tree import PARENT_IS_SEED, ROW_IS_ROOT as ROOT, DraftTree, flatten_tree
-from eyas.cluster.verifier_client import RemoteRejected, RemoteVerifier, generate_remote
-from eyas.cluster.verifier_server import serve_verifier
+from eyas.remote.verifier_client import RemoteRejected, RemoteVerifier, generate_remote
+from eyas.remote.verifier_server import serve_verifier
 from eyas.target.engine import TargetEngine
 from eyas.target.model import eagle1_feature_address
 from eyas.verification.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""Ray Serve custom autoscaling policies that run the pure Eyas policies of :mod:`eyas.cluster.autoscale`.
+"""Ray Serve custom autoscaling policies that run the pure Eyas policies of :mod:`eyas.autoscale.policy`.
 
 Ray Serve (2.60) accepts a custom policy in a deployment's ``autoscaling_config``. When
 ``policy_function`` names a class, Serve's controller instantiates it once with ``**policy_kwargs``
@@ -7,10 +7,10 @@ and calls ``instance(ctx)`` on every autoscaling tick, with ``ctx`` a
 and Serve hands ``policy_state`` back as ``ctx.policy_state`` on the next tick. The two classes here
 do exactly that:
 
-* :class:`TargetTreeWorkPolicy` runs :func:`~eyas.cluster.autoscale.decide_target_replicas`
-  (``policy_kwargs`` are the fields of :class:`~eyas.cluster.autoscale.TargetScalingConfig`);
-* :class:`DrafterTreeWorkPolicy` runs :func:`~eyas.cluster.autoscale.decide_drafter_replicas`
-  (``policy_kwargs`` are the fields of :class:`~eyas.cluster.autoscale.DrafterScalingConfig`).
+* :class:`TargetTreeWorkPolicy` runs :func:`~eyas.autoscale.policy.decide_target_replicas`
+  (``policy_kwargs`` are the fields of :class:`~eyas.autoscale.policy.TargetScalingConfig`);
+* :class:`DrafterTreeWorkPolicy` runs :func:`~eyas.autoscale.policy.decide_drafter_replicas`
+  (``policy_kwargs`` are the fields of :class:`~eyas.autoscale.policy.DrafterScalingConfig`).
 
 Who reports what
 ----------------
@@ -58,10 +58,10 @@ Example (a target deployment in a Serve config file)::
       downscale_delay_s: 0
       look_back_period_s: 5
       policy:
-        policy_function: eyas.cluster.serve_policy:TargetTreeWorkPolicy
+        policy_function: eyas.autoscale.serve_policy:TargetTreeWorkPolicy
         policy_kwargs: {target_verify_rows_per_replica: 64, upscale_delay_s: 2, downscale_delay_s: 10, min_replicas: 1, max_replicas: 4}
 
-A drafter deployment is the same with ``eyas.cluster.serve_policy:DrafterTreeWorkPolicy`` and,
+A drafter deployment is the same with ``eyas.autoscale.serve_policy:DrafterTreeWorkPolicy`` and,
 e.g., ``policy_kwargs: {target_draft_rows_per_replica: 512}``. A drafter deployment allowed down to
 0 replicas is brought back by Serve's own cold start (a request to it while it has none), which
 bypasses the custom policy.
@@ -102,7 +102,7 @@ from typing import Any, ClassVar
 
 from pydantic import ValidationError
 
-from eyas.cluster.autoscale import (
+from eyas.autoscale.policy import (
     DrafterScalingConfig,
     ReplicaMetrics,
     ScalingState,
@@ -274,7 +274,7 @@ class _TreeWorkPolicy:
 class TargetTreeWorkPolicy(_TreeWorkPolicy):
     """Serve policy for target replicas: verify rows, KV pressure and (optionally) expert bytes.
 
-    ``policy_kwargs`` are :class:`~eyas.cluster.autoscale.TargetScalingConfig` fields; a bad one
+    ``policy_kwargs`` are :class:`~eyas.autoscale.policy.TargetScalingConfig` fields; a bad one
     raises ValueError naming it (``policy_kwargs.target_verify_rows_per_replica: ...``).
 
     Example (``target_verify_rows_per_replica=64``, ``upscale_delay_s=0``, ``max_replicas=4``): two
@@ -291,7 +291,7 @@ class DrafterTreeWorkPolicy(_TreeWorkPolicy):
     """Serve policy for drafter replicas: ``draft_rows`` only (verify rows, KV and expert bytes are
     ignored, even when a replica reports them).
 
-    ``policy_kwargs`` are :class:`~eyas.cluster.autoscale.DrafterScalingConfig` fields.
+    ``policy_kwargs`` are :class:`~eyas.autoscale.policy.DrafterScalingConfig` fields.
 
     Example (``target_draft_rows_per_replica=100``, ``downscale_delay_s=0``, band 0.1): 3 replicas
     reporting 150 draft rows in all want ``ceil(1.5 / 0.9) = 2`` replicas, so the tick returns 2.

@@ -1,0 +1,104 @@
+"""The serving application's configuration (``args:`` in ray_configs/serve.yaml): a pydantic model,
+read by the ingress (``eyas.serve.app``) and by each deployment (``eyas.serve.deployments``);
+errors name the field (``config.<field>: ...``)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from ray.serve.config import AutoscalingConfig
+
+from eyas.target.loader import DEFAULT_TARGET, PRECISIONS
+
+
+class ServeConfig(BaseModel):
+    """The application's arguments (``args:`` in ray_configs/serve.yaml)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = DEFAULT_TARGET
+    precision: Literal[PRECISIONS] = "fp32"
+    methods: list[Literal["eagle1", "hass", "eagle3"]] = Field(default_factory=lambda: ["eagle3", "eagle1"])
+    drafters: dict[str, str] = Field(default_factory=dict)  # method -> drafter folder (default: shipped)
+    # replica counts: fixed, unless the kind's autoscaling config is given (then it rules)
+    target_replicas: int = Field(1, ge=1)
+    drafter_replicas: int = Field(1, ge=0)    # 0 = no drafter deployment: target-only serving
+    target_autoscaling: dict | None = None    # a Ray Serve autoscaling_config (see eyas.autoscale.serve_policy)
+    drafter_autoscaling: dict | None = None
+    target_num_cpus: float = Field(1.0, ge=0)
+    target_num_gpus: float = Field(0.0, ge=0)
+    target_resources: dict[str, float] = Field(default_factory=dict)   # custom resources, e.g. {target_host: 1}
+    drafter_num_cpus: float = Field(1.0, ge=0)
+    drafter_num_gpus: float = Field(0.0, ge=0)
+    drafter_resources: dict[str, float] = Field(default_factory=dict)
+    torch_threads: int = Field(1, ge=1)
+    target_timeout_s: float = Field(300.0, gt=0)
+    drafter_timeout_s: float = Field(30.0, gt=0)        # the drafter's info (start-up, probes)
+    # a drafter call inside a round (propose, open, reseed) slower than this makes the rounds plain at
+    # once; a probe brings the drafter back when it answers again (a replaced replica, say)
+    drafter_round_timeout_s: float = Field(2.0, gt=0)
+    console_spans: bool = False
+    # traces to an OTLP collector (host:port, gRPC), e.g. "127.0.0.1:4317"; needs the
+    # opentelemetry-exporter-otlp-proto-grpc package. None = spans stay in memory (`eyas stats`).
+    otlp_endpoint: str | None = None
+    # "tree-work": a replica's live requests advance in batched rounds with per-request trees from the
+    # latency curve; "prompt-length": batched rounds of similar prompt lengths, one fixed tree (the baseline)
+    scheduler: Literal["tree-work", "prompt-length"] = "tree-work"
+    max_batch: int = Field(16, ge=1)          # requests per batched round
+    max_verify_rows: int = Field(256, ge=1)   # verify rows per batched round (all requests together)
+    # MoE targets: expert weights one batched verify may read (the union its rows route to; seed 0x09A);
+    # None = no cap. Ignored for a dense target.
+    max_expert_bytes: int | None = Field(None, ge=1)
+    curve_repeats: int = Field(3, ge=1)       # timings per row count when the latency curve is measured
+    kv_capacity_bytes: int = Field(2 * 1024 ** 3, gt=0)  # a target replica's KV budget (the autoscaler's KV signal)
+    # clients must send `Authorization: Bearer <key>` (HTTP) or that metadata (gRPC); None = open.
+    # `eyas serve --api-key` or EYAS_API_KEY set it too. Never logged.
+    api_key: str | None = Field(None, min_length=1, repr=False)
+    # a request whose target replica dies resumes on another for this long before the client gets an error
+    resume_timeout_s: float = Field(60.0, ge=0)
+    served_model_name: str | None = None      # the OpenAI API's model id (default: the target's name)
+    max_body_bytes: int = Field(1024 ** 2, ge=1024)   # HTTP bodies larger than this are refused (413)
+    # requests one ingress runs at once (streaming or not, every API); past it a request is refused as
+    # overloaded at once (HTTP 503, gRPC RESOURCE_EXHAUSTED) instead of waiting without end
+    max_inflight_requests: int = Field(256, ge=1)
+
+    @field_validator("target_autoscaling", "drafter_autoscaling")
+    @classmethod
+    def _autoscaling(cls, v: dict | None) -> dict | None:
+        if v is not None:
+            try:
+                AutoscalingConfig(**v)
+            except ValidationError as err:
+                first = err.errors()[0]
+                raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+        return v
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp(cls, v: str | None) -> str | None:
+        import importlib.util
+
+        if v is None:
+            return v
+        try:
+            found = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ValueError("needs the opentelemetry-exporter-otlp-proto-grpc package (pip install it)")
+        return v
+
+    def warnings(self) -> list[str]:
+        """What this config asks for that Eyas does not do: a GPU reservation (replicas compute on the CPU)."""
+        return [f"{kind}_num_gpus: {gpus:g} reserves GPUs that each {kind} replica does not use: Eyas computes on "
+                f"the CPU (GPU execution: not yet, see the README)"
+                for kind, gpus in (("target", self.target_num_gpus), ("drafter", self.drafter_num_gpus)) if gpus > 0]
+
+
+def parse_config(config: dict | None) -> ServeConfig:
+    try:
+        return ServeConfig.model_validate(config or {})
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ValueError(f"config.{'.'.join(str(p) for p in first['loc'])}: "
+                         f"{first['msg'].removeprefix('Value error, ')}") from None
