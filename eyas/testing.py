@@ -132,6 +132,58 @@ def tiny_hf_qwen2_moe(vocab: int = 64, hidden: int = 32, layers: int = 3, heads:
     return _spread(model, init_std, normal_names=("experts", "gate"), bias_std=2 * init_std)
 
 
+def tiny_hf_llama_scaled(rope: dict, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4,
+                         kv_heads: int = 2, seed: int = 0, init_std: float = 0.2, max_positions: int = 256):
+    """A random-weight HF LlamaForCausalLM with a scaled RoPE: ``rope`` is its ``rope_parameters``
+    without ``rope_theta`` (for example Llama-3.1's ``{"rope_type": "llama3", "factor": 8.0, ...}``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=init_std,
+                      rope_parameters={**rope, "rope_theta": 10000.0},
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return _spread(LlamaForCausalLM(cfg).eval(), init_std)
+
+
+def tiny_hf_qwen3(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                  head_dim: int = 16, seed: int = 0, init_std: float = 0.2, tie: bool = False):
+    """A random-weight HF Qwen3ForCausalLM (dense): per-head q/k RMSNorms, and ``head_dim`` set apart
+    from hidden / heads (16 here against 32 / 4 = 8)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                      initializer_range=init_std, use_sliding_window=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return _spread(Qwen3ForCausalLM(cfg).eval(), init_std)
+
+
+def tiny_hf_qwen3_moe(vocab: int = 64, hidden: int = 32, layers: int = 3, heads: int = 4, kv_heads: int = 2,
+                      head_dim: int = 16, experts: int = 8, top_k: int = 2, seed: int = 0, init_std: float = 0.2,
+                      norm_topk_prob: bool = True, mlp_only_layers: tuple[int, ...] = (1,),
+                      decoder_sparse_step: int = 1):
+    """A random-weight HF Qwen3MoeForCausalLM (the Qwen3-MoE kind: per-head q/k norms, no q/k/v
+    biases, routed experts of width ``hidden // 2`` with no shared expert, dense MLPs of width
+    ``2 * hidden`` in ``mlp_only_layers`` and in layers off ``decoder_sparse_step``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=256,
+                         num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
+                         mlp_only_layers=list(mlp_only_layers), decoder_sparse_step=decoder_sparse_step,
+                         rms_norm_eps=1e-5, initializer_range=init_std, tie_word_embeddings=False,
+                         use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return _spread(Qwen3MoeForCausalLM(cfg).eval(), init_std, normal_names=("experts", "gate"))
+
+
 def tiny_eagle1_engine(target, layout: str = "eyas-v1"):
     """An untrained EAGLE-1 DrafterEngine over ``target`` (``init_drafter``'s fixed seed), with its taps.
 

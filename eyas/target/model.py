@@ -51,33 +51,37 @@ class TargetConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE shared expert (a gated dense MLP in every MoE layer); 0 = none
     dense_layers: tuple[int, ...] = ()  # in an MoE config, layers with a dense MLP of intermediate_size (Qwen2-MoE)
     sliding_window: int | None = None   # attention window of the checkpoint (Mistral, Mixtral, Qwen2); None = full
+    # a scaled RoPE (Llama-3.x "llama3", "linear", "dynamic", "yarn"): its parameters as sorted
+    # (key, value) pairs, rope_type included, rope_theta not; () = plain RoPE
+    rope_scaling: tuple[tuple[str, object], ...] = ()
+    qk_norm_per_head: bool = False      # the q/k RMSNorms act on each head's head_dim (Qwen3), not all heads (OLMoE)
 
     @classmethod
     def from_hf(cls, hf_config) -> "TargetConfig":
-        """Read a transformers config (or a dict of one) of a supported kind: Llama, Mistral, Qwen2 (dense),
-        Mixtral, OLMoE, Qwen2-MoE."""
+        """Read a transformers config (or a dict of one) of a supported kind: Llama (Llama-3.x rope
+        scaling included), Mistral, Qwen2 and Qwen3 (dense), Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE."""
         cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2", "mixtral", "olmoe", "qwen2_moe"):
+        if model_type not in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
             raise ValueError(f"config.model_type: {model_type!r} is not a Llama-family decoder" + (
-                " (MoE: the Mixtral, OLMoE and Qwen2-MoE kinds only yet)" if "moe" in model_type else ""))
+                " (MoE: the Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE kinds only yet)" if "moe" in model_type else ""))
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"config.hidden_act: {act!r} is not supported (the SwiGLU MLP uses silu)")
         experts = {"mixtral": cfg.get("num_local_experts", 0),
                    "olmoe": cfg.get("num_experts") or cfg.get("num_local_experts", 0),
-                   "qwen2_moe": cfg.get("num_experts", 0)}.get(model_type, 0)
+                   "qwen2_moe": cfg.get("num_experts") or cfg.get("num_local_experts", 0),
+                   "qwen3_moe": cfg.get("num_experts") or cfg.get("num_local_experts", 0)}.get(model_type, 0)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"config.rope_parameters.rope_type: {rope_type!r} is not supported yet")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_scaling = _rope_scaling(rope)
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise ValueError("config.attention_bias/mlp_bias: biased projections are not supported yet")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        qwen_moe = model_type == "qwen2_moe" and bool(experts)
+        qwen_moe = model_type in ("qwen2_moe", "qwen3_moe") and bool(experts)
+        qwen3 = model_type in ("qwen3", "qwen3_moe")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -94,15 +98,19 @@ class TargetConfig:
             num_experts=int(experts),
             experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if experts else 0,
             norm_topk_prob={"olmoe": bool(cfg.get("norm_topk_prob", True)),
-                            "qwen2_moe": bool(cfg.get("norm_topk_prob", False))}.get(model_type, True),
-            qk_norm=model_type == "olmoe",
+                            "qwen2_moe": bool(cfg.get("norm_topk_prob", False)),
+                            "qwen3_moe": bool(cfg.get("norm_topk_prob", False))}.get(model_type, True),
+            qk_norm=model_type == "olmoe" or qwen3,
+            qk_norm_per_head=qwen3,
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
             # Qwen2's attention always has q/k/v biases; Qwen2-MoE's config has a switch (default on)
             qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
             moe_intermediate_size=int(cfg["moe_intermediate_size"]) if qwen_moe else None,
-            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if qwen_moe else 0,
+            shared_expert_intermediate_size=(int(cfg.get("shared_expert_intermediate_size") or 0)
+                                             if qwen_moe and model_type == "qwen2_moe" else 0),
             dense_layers=_qwen2_moe_dense_layers(cfg) if qwen_moe else (),
             sliding_window=_sliding_window(cfg, model_type),
+            rope_scaling=rope_scaling,
         )
 
     def digest(self) -> str:
@@ -116,7 +124,7 @@ class TargetConfig:
         for name, default in (("norm_topk_prob", True), ("qk_norm", False), ("clip_qkv", None),  # pre-OLMoE
                               ("qkv_bias", False), ("moe_intermediate_size", None),              # pre-Qwen2
                               ("shared_expert_intermediate_size", 0), ("dense_layers", ()),
-                              ("sliding_window", None)):
+                              ("sliding_window", None), ("rope_scaling", ()), ("qk_norm_per_head", False)):
             if fields[name] == default:
                 fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
@@ -129,9 +137,20 @@ class TargetConfig:
         ``i - j < sliding_window``; over a context of at most ``sliding_window`` tokens every such pair
         holds, so the two forwards are the same computation. Capping the context there keeps every
         output exact instead of silently diverging past the window (a windowed KV cache: not yet)."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        limit = self.max_position_embeddings
+        if self.sliding_window is not None:
+            limit = min(limit, self.sliding_window)
+        scaling = dict(self.rope_scaling)
+        if scaling.get("rope_type") == "dynamic":
+            # dynamic NTK rescales RoPE by each forward's longest position once it passes the original
+            # context, so a tree verify and a one-row decode would rotate the same token differently;
+            # inside the original context it is plain RoPE (HF's too), so the context stops there
+            limit = min(limit, int(scaling.get("original_max_position_embeddings") or self.max_position_embeddings))
+        return limit
+
+    @property
+    def rope_type(self) -> str:
+        return str(dict(self.rope_scaling).get("rope_type", "default"))
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -156,9 +175,9 @@ def _sliding_window(cfg: dict, model_type: str) -> int | None:
     under ``use_sliding_window`` (some of their layers, by ``max_window_layers``; capping the context
     at the window is exact for all of them alike). transformers 5 also lists ``layer_types``; a list
     without ``"sliding_attention"`` means no window."""
-    if model_type not in ("mistral", "mixtral", "qwen2", "qwen2_moe"):
+    if model_type not in ("mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
         return None
-    if model_type.startswith("qwen2") and not cfg.get("use_sliding_window"):
+    if model_type.startswith("qwen") and not cfg.get("use_sliding_window"):
         return None
     layer_types = cfg.get("layer_types")
     if layer_types is not None and "sliding_attention" not in layer_types:
@@ -217,16 +236,55 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class RotaryTable(nn.Module):
-    """cos/sin tables indexed by explicit position ids (HF's non-interleaved rotate-half layout)."""
+SCALED_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int):
+
+def _rope_scaling(rope: dict) -> tuple[tuple[str, object], ...]:
+    """A config's RoPE parameters as ``TargetConfig.rope_scaling`` (() for plain RoPE)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("default", None):
+        return ()
+    if rope_type not in SCALED_ROPE_TYPES:
+        raise ValueError(f"config.rope_parameters.rope_type: {rope_type!r} is not supported yet "
+                         f"(supported: default, {', '.join(SCALED_ROPE_TYPES)})")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("config.rope_parameters.partial_rotary_factor: a partial rotary is not supported yet")
+    params = {k: v for k, v in rope.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    params["rope_type"] = rope_type
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
+
+
+def rope_frequencies(head_dim: int, theta: float, max_positions: int,
+                     scaling: tuple[tuple[str, object], ...] = ()) -> tuple[torch.Tensor, float]:
+    """-> (inv_freq [head_dim / 2], attention scaling of cos/sin). A scaled RoPE's frequencies come
+    from transformers' own ``ROPE_INIT_FUNCTIONS`` (the reference they must equal), fed a config
+    holding just the fields those functions read."""
+    if not scaling:
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {k: list(v) if isinstance(v, tuple) else v for k, v in scaling}
+    cfg = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
+                      max_position_embeddings=max_positions, rope_parameters={**params, "rope_theta": theta})
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg, torch.device("cpu"))
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryTable(nn.Module):
+    """cos/sin tables indexed by explicit position ids (HF's non-interleaved rotate-half layout).
+
+    ``scaling``: a scaled RoPE's parameters (``TargetConfig.rope_scaling``); its frequencies and the
+    attention scaling folded into cos/sin are transformers' (``rope_frequencies``)."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int,
+                 scaling: tuple[tuple[str, object], ...] = ()):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq, attention_scaling = rope_frequencies(head_dim, theta, max_positions, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T]
         if int(positions.max()) >= self.cos.shape[0]:
@@ -312,15 +370,19 @@ class GrowingKV:
 
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool = False, eps: float = 1e-6,
-                 clip_qkv: float | None = None, qkv_bias: bool = False, d_in: int | None = None):
+                 clip_qkv: float | None = None, qkv_bias: bool = False, d_in: int | None = None,
+                 qk_norm_per_head: bool = False):
         """``d_in``: the width the q/k/v projections read, when it is not ``d`` (the EAGLE-3 draft
-        layer reads ``[embedding; state]``, 2d wide, and writes d)."""
+        layer reads ``[embedding; state]``, 2d wide, and writes d). ``qk_norm``: RMSNorms on q and k
+        before RoPE, over all heads at once (OLMoE) or, with ``qk_norm_per_head``, over each head's
+        ``head_dim`` (Qwen3)."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.wqkv = nn.Linear(d_in or d, (heads + 2 * kv_heads) * head_dim, bias=qkv_bias)  # q, k, v rows fused
         self.wo = nn.Linear(heads * head_dim, d, bias=False)
-        self.q_norm = RMSNorm(heads * head_dim, eps) if qk_norm else None     # OLMoE: over all heads at once
-        self.k_norm = RMSNorm(kv_heads * head_dim, eps) if qk_norm else None
+        self.qk_norm_per_head = qk_norm_per_head
+        self.q_norm = RMSNorm(head_dim if qk_norm_per_head else heads * head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim if qk_norm_per_head else kv_heads * head_dim, eps) if qk_norm else None
         self.clip_qkv = clip_qkv
         self.row_stable = False   # int8: attend row by row over each row's visible keys (see _attend)
 
@@ -353,10 +415,14 @@ class Attention(nn.Module):
         return out
 
     def project(self, x):
-        """q [.., H*hd], k [.., H_kv*hd], v [.., H_kv*hd] of x [.., d] (with OLMoE's q/k norms and clipping)."""
+        """q [.., H*hd], k [.., H_kv*hd], v [.., H_kv*hd] of x [.., d] (with OLMoE's or Qwen3's q/k norms
+        and OLMoE's clipping)."""
         hd = self.head_dim
         q, k, v = self.wqkv(x).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_per_head:   # [.., H, hd] normed per head
+            q = self.q_norm(q.unflatten(-1, (self.heads, hd))).flatten(-2)
+            k = self.k_norm(k.unflatten(-1, (self.kv_heads, hd))).flatten(-2)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
@@ -489,11 +555,13 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float,
                  num_experts: int = 0, top_k: int = 0, norm_topk_prob: bool = True, qk_norm: bool = False,
-                 clip_qkv: float | None = None, qkv_bias: bool = False, shared_ffn: int = 0):
+                 clip_qkv: float | None = None, qkv_bias: bool = False, shared_ffn: int = 0,
+                 qk_norm_per_head: bool = False):
         """``ffn``: the dense MLP's width, or each routed expert's when ``num_experts`` > 0."""
         super().__init__()
         self.attn_norm = RMSNorm(d, eps)
-        self.attn = Attention(d, heads, kv_heads, head_dim, qk_norm, eps, clip_qkv, qkv_bias)
+        self.attn = Attention(d, heads, kv_heads, head_dim, qk_norm, eps, clip_qkv, qkv_bias,
+                              qk_norm_per_head=qk_norm_per_head)
         self.mlp_norm = RMSNorm(d, eps)
         self.mlp = MoE(d, ffn, num_experts, top_k, norm_topk_prob, shared_ffn) if num_experts else MLP(d, ffn)
 
@@ -525,14 +593,14 @@ class TargetModel(nn.Module):
                          cfg.expert_intermediate_size if cfg.is_moe_layer(i) else cfg.intermediate_size,
                          cfg.rms_norm_eps, cfg.num_experts if cfg.is_moe_layer(i) else 0, cfg.experts_per_token,
                          cfg.norm_topk_prob, cfg.qk_norm, cfg.clip_qkv, cfg.qkv_bias,
-                         cfg.shared_expert_intermediate_size)
+                         cfg.shared_expert_intermediate_size, qk_norm_per_head=cfg.qk_norm_per_head)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
         self.requires_grad_(False)
 
     def allocate_cache(self, batch: int, max_slots: int) -> KVCache:

@@ -10,7 +10,8 @@ from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.experts import expert_bytes, expert_union
 from eyas.target.model import MoE, TargetConfig
-from eyas.testing import branch_tokens, ours_from_hf, tiny_hf_mixtral, tiny_hf_olmoe, tiny_hf_qwen2_moe
+from eyas.testing import (branch_tokens, ours_from_hf, tiny_hf_mixtral, tiny_hf_olmoe, tiny_hf_qwen2_moe,
+                          tiny_hf_qwen3_moe)
 
 MOE_KINDS = {
     "mixtral": tiny_hf_mixtral,
@@ -21,6 +22,8 @@ MOE_KINDS = {
     # decoder_sparse_step 2 over 4 layers: dense, sparse, dense, sparse; top-k weights renormalised
     "qwen2_moe-step": lambda: tiny_hf_qwen2_moe(layers=4, mlp_only_layers=(), decoder_sparse_step=2,
                                                 norm_topk_prob=True, seed=1),
+    # per-head q/k norms, no shared expert; layers sparse, dense (mlp_only_layers), sparse
+    "qwen3_moe": tiny_hf_qwen3_moe,
 }
 
 
@@ -92,7 +95,7 @@ def test_a_dense_config_keeps_its_fingerprint_digest(tiny_target):
     legacy = {k: v for k, v in asdict(tiny_target.cfg).items()   # the fields before MoE, OLMoE and Qwen2 support
               if k not in ("num_experts", "experts_per_token", "norm_topk_prob", "qk_norm", "clip_qkv", "qkv_bias",
                            "moe_intermediate_size", "shared_expert_intermediate_size", "dense_layers",
-                           "sliding_window")}
+                           "sliding_window", "rope_scaling", "qk_norm_per_head")}
     assert tiny_target.cfg.digest() == hashlib.sha256(json.dumps(legacy, sort_keys=True).encode()).hexdigest()
 
 
@@ -129,10 +132,10 @@ def test_a_qwen2_moe_config_reads_its_own_knobs():
 
 def test_an_olmoe_config_reads_its_own_knobs():
     """OLMoE: q/k norms on, top-k weights not renormalised, experts from ``num_experts``; an MoE kind not
-    supported yet (Qwen3-MoE) is refused naming the field and the kinds that are."""
+    supported yet (DeepSeek-V3) is refused naming the field and the kinds that are."""
     hf = tiny_hf_olmoe(clip_qkv=2.0)
     cfg = TargetConfig.from_hf(hf.config)
     assert (cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob, cfg.qk_norm, cfg.clip_qkv) == (8, 2, False, True, 2.0)
     assert cfg.digest() != TargetConfig.from_hf({**hf.config.to_dict(), "clip_qkv": None}).digest()
-    with pytest.raises(ValueError, match="^config.model_type: 'qwen3_moe'.*Qwen2-MoE"):
-        TargetConfig.from_hf({**hf.config.to_dict(), "model_type": "qwen3_moe"})
+    with pytest.raises(ValueError, match="^config.model_type: 'deepseek_v3_moe'.*Qwen3-MoE"):
+        TargetConfig.from_hf({**hf.config.to_dict(), "model_type": "deepseek_v3_moe"})
