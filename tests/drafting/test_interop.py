@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,33 +266,59 @@ def test_import_refuses_a_bad_tensor_and_an_unsupported_option(target, tmp_path,
                                                                                                     "fc.bias"]
 
 
-def test_cli_export_names_why_a_shipped_eyas_v1_drafter_cannot_go(tmp_path, capsys):
+def test_cli_export_names_why_an_eyas_v1_drafter_cannot_go(target, tmp_path, capsys):
     """``eyas export`` exits 2 with one line naming the field; nothing is written."""
-    from pathlib import Path
-
     from eyas.cli import main
 
-    shipped = Path(__file__).resolve().parents[2] / "drafters" / "smollm2-135m-eagle3"
-    assert main(["export", "--drafter", str(shipped), "--format", "sglang", "--out", str(tmp_path / "x")]) == 2
+    model_ours, _ = target
+    v1 = saved(random_drafter(model_ours, "eagle3", layout=EYAS_V1), model_ours, tmp_path / "v1")
+    assert main(["export", "--drafter", str(v1), "--format", "sglang", "--out", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.startswith("error: drafter_config.layout: eyas-v1")
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.real_model
-@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
-def test_the_shipped_reference_drafter_exports_and_comes_back_bit_exact(tmp_path, fmt):
-    """drafters/smollm2-135m-eagle3-reference (trained in the reference layout) goes out in both
-    EAGLE-3 formats and, imported against the real target, comes back tensor for tensor."""
-    from pathlib import Path
+SHIPPED = Path(__file__).resolve().parents[2] / "drafters"
+# every shipped drafter and each format that holds its method: EAGLE-3 goes to vLLM speculators and
+# SGLang (SpecForge), EAGLE-1 and HASS to SafeAILab's EAGLE (which SGLang also serves)
+SHIPPED_EXPORTS = [("smollm2-135m-eagle3", "sglang"), ("smollm2-135m-eagle3", "speculators"),
+                   ("smollm2-135m-eagle1", "eagle"), ("smollm2-135m-hass", "eagle")]
 
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name,fmt", SHIPPED_EXPORTS)
+def test_every_shipped_drafter_exports_and_comes_back_bit_exact(tmp_path, name, fmt):
+    """Each shipped drafter (all in the reference layout) goes out through ``eyas export`` in each
+    format of its method and, imported against the real target with ``eyas import``, comes back
+    tensor for tensor with the same taps."""
     from safetensors.torch import load_file
 
-    from eyas.target.loader import load_target_head
+    from eyas.cli import main
+    from eyas.drafting.manifest import read_manifest
 
-    shipped = Path(__file__).resolve().parents[2] / "drafters" / "smollm2-135m-eagle3-reference"
-    head = load_target_head()
-    out = export_drafter(shipped, fmt, tmp_path / fmt)
-    back = import_drafter(out, head.cfg, head.fingerprint.to_dict(), tmp_path / "back")
-    original, returned = load_file(str(shipped / "model.safetensors")), load_file(str(back.folder / "model.safetensors"))
+    shipped = SHIPPED / name
+    assert read_manifest(shipped).drafter_config["layout"] == "reference"
+    assert main(["export", "--drafter", str(shipped), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
+    assert main(["import", "--from", str(tmp_path / fmt), "--format", fmt, "--out", str(tmp_path / "back")]) == 0
+    original, returned = load_file(str(shipped / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
     assert set(original) == set(returned) and all(torch.equal(original[k], returned[k]) for k in original)
-    assert back.taps == ((2, False), (15, False), (27, False))
+
+
+@pytest.mark.real_model
+def test_the_default_eagle3_drafter_through_sglang_and_back_drafts_token_for_token_and_tau_for_tau(
+        tmp_path, real_eyas):
+    """The done-when of interop: the shipped EAGLE-3 drafter exported to the SGLang format and
+    imported back proposes the same trees, so the answers, every round's accepted length and tau
+    are the original's (greedy, so the answers are also target-only's)."""
+    from eyas.cli import main
+    from eyas.protocol.schema import parse_request
+
+    assert main(["export", "--drafter", str(SHIPPED / "smollm2-135m-eagle3"), "--format", "sglang",
+                 "--out", str(tmp_path / "sgl")]) == 0
+    assert main(["import", "--from", str(tmp_path / "sgl"), "--out", str(tmp_path / "back")]) == 0
+    for prompt in ("Name three planets of the solar system.", "Write a haiku about autumn."):
+        fields = dict(prompt=prompt, method="eagle3", max_new_tokens=32)
+        original = real_eyas.generate(parse_request(**fields))[1]
+        returned = real_eyas.generate(parse_request(**fields, drafter=str(tmp_path / "back")))[1]
+        assert returned["token_ids"] == original["token_ids"]
+        assert [r["accept_length"] for r in returned["rounds"]] == [r["accept_length"] for r in original["rounds"]]
+        assert returned["accept_length_mean"] == original["accept_length_mean"]
