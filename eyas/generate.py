@@ -21,9 +21,9 @@ import torch
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import DraftTree, FlatTree
-from eyas.target.engine import TargetEngine, Verified
-from eyas.verification.accept import greedy_accept, stochastic_accept
-from eyas.verification.sampling import SamplingParams, sample, target_probs
+from eyas.target.engine import TargetEngine
+from eyas.verification.accept import decide
+from eyas.verification.sampling import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 
@@ -93,22 +93,6 @@ class GenerationResult:
     @property
     def hop_s(self) -> float:
         return sum(r.hop_s for r in self.rounds)
-
-
-def decide(v: Verified, prompt_ids: list[int], sampling: SamplingParams,
-           generator: torch.Generator) -> AcceptDecision:
-    """The accept step: a pure function of the verified rows (seed 0x05C)."""
-    if v.flat is None:  # prefill: every prompt row is accepted, the frontier comes from the last
-        rows = torch.arange(len(prompt_ids), dtype=torch.int64)
-        accepted = torch.tensor(prompt_ids[1:], dtype=torch.int64)
-        if sampling.greedy:
-            frontier = int(v.logits[-1].argmax())
-        else:
-            frontier = int(sample(target_probs(v.logits[-1:], sampling)[0], generator))
-        return AcceptDecision(rows, accepted, frontier)
-    if sampling.greedy:
-        return greedy_accept(v.flat, v.logits)
-    return stochastic_accept(v.flat, target_probs(v.logits, sampling), generator)
 
 
 def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int,

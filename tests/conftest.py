@@ -12,7 +12,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", message=".*quantiz.*")
 
 
-from eyas.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import ours_from_hf, tiny_hf_llama
 
 
 @pytest.fixture(scope="session")

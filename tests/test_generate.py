@@ -13,7 +13,7 @@ from eyas.protocol.tree import DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.model import (eagle1_feature_address, eagle3_feature_address, quantize_fp16_weights,
                                quantize_int8)
-from eyas.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import ours_from_hf, tiny_hf_llama
 from eyas.verification.accept import stochastic_accept
 from eyas.verification.sampling import SamplingParams, sample, target_probs
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.generate import decide
+from eyas.verification.accept import decide
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import AcceptDecision

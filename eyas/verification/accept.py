@@ -26,8 +26,14 @@ import math
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from eyas.protocol.messages import ROOT_ROW, AcceptDecision
 from eyas.protocol.tree import RETRIEVE_PAD, FlatTree
+from eyas.verification.sampling import SamplingParams, sample, target_probs
+
+if TYPE_CHECKING:   # the type only: verification imports nothing of the target
+    from eyas.target.engine import Verified
 
 def _check_target(flat: FlatTree, target: torch.Tensor, name: str) -> None:
     if not isinstance(target, torch.Tensor) or target.ndim != 2:
@@ -178,3 +184,21 @@ def _accept_child(
         if uniforms[child] < m / tail:
             return child
     return None
+
+
+def decide(v: Verified, prompt_ids: list[int], sampling: SamplingParams,
+           generator: torch.Generator) -> AcceptDecision:
+    """The accept step: a pure function of the verified rows (seed 0x05C). A prefill accepts every
+    prompt row and draws the frontier from the last row; a verify accepts greedily or by the
+    stochastic rule below."""
+    if v.flat is None:  # prefill: every prompt row is accepted, the frontier comes from the last
+        rows = torch.arange(len(prompt_ids), dtype=torch.int64)
+        accepted = torch.tensor(prompt_ids[1:], dtype=torch.int64)
+        if sampling.greedy:
+            frontier = int(v.logits[-1].argmax())
+        else:
+            frontier = int(sample(target_probs(v.logits[-1:], sampling)[0], generator))
+        return AcceptDecision(rows, accepted, frontier)
+    if sampling.greedy:
+        return greedy_accept(v.flat, v.logits)
+    return stochastic_accept(v.flat, target_probs(v.logits, sampling), generator)

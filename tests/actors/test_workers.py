@@ -17,7 +17,7 @@ from eyas.generate import DrafterUnavailable, generate
 from eyas.remote.verifier_client import LocalTransport, RemoteVerifier, generate_remote
 from eyas.protocol import eyas_pb2 as pb
 from eyas.target.engine import TargetEngine
-from eyas.testing import tiny_eagle1_engine
+from tests.testing import tiny_eagle1_engine
 
 PROMPT = [7, 7, 7, 7, 7, 9, 30, 11]
 TREE = TreeSpec(expand_width=2, max_depth=3, verify_budget=6)

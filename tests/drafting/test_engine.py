@@ -129,7 +129,7 @@ def test_measure_cost_times_each_depth_and_leaves_no_session():
     plus one for ``batch`` requests at the deepest; rows count per request its 2 seed rows and its
     tree's bound on provisional rows (width 2, depth 4 -> 2 + 2 x 3 = 8 per request). No wall-clock
     bound is asserted. The measuring sessions are closed: no draft KV stays allocated."""
-    from eyas.testing import ours_from_hf, tiny_eagle1_engine, tiny_hf_llama
+    from tests.testing import ours_from_hf, tiny_eagle1_engine, tiny_hf_llama
 
     model = ours_from_hf(tiny_hf_llama())
     engine = tiny_eagle1_engine(model)

@@ -20,7 +20,7 @@ from eyas.drafting.manifest import load_drafter, manifest_for, save_drafter
 from eyas.drafting.model import EYAS_V1, DrafterConfig, drafter_feature_address
 from eyas.target.loader import TargetFingerprint
 from eyas.target.model import GrowingKV
-from eyas.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import ours_from_hf, tiny_hf_llama
 
 FP = TargetFingerprint("cfg", "weights", "tok")
 VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB, T = 96, 32, 8, 40, 7

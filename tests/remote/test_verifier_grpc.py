@@ -20,7 +20,7 @@ from eyas.remote.verifier_server import serve_verifier
 from eyas.target.engine import TargetEngine
 from eyas.target.model import eagle1_feature_address
 from eyas.verification.sampling import SamplingParams
-from eyas.testing import tiny_eagle1_engine
+from tests.testing import tiny_eagle1_engine
 
 PROMPTS = ([1, 2, 3], [7, 7, 7, 7, 7, 9, 30, 11])
 TREE = TreeSpec(expand_width=2, max_depth=3, verify_budget=6)  # 7 verify rows a round

@@ -15,7 +15,7 @@ from eyas.generate import generate
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
 from eyas.target.engine import TargetEngine
-from eyas.testing import EveryThirdRoundPolicy, tiny_eagle1_engine
+from tests.testing import EveryThirdRoundPolicy, tiny_eagle1_engine
 from eyas.verification.sampling import SamplingParams
 
 FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 256: 200.0})
@@ -260,7 +260,7 @@ def test_an_moe_target_reports_expert_bytes_per_request_and_per_round_and_the_bu
     request's own rows and of the whole batched verify; the loop's expert model learns from each round.
     With a budget of one row's experts every round verifies one request alone. Output stays exact."""
     from eyas.scheduler.cost import ExpertTraffic
-    from eyas.testing import ours_from_hf, tiny_hf_mixtral
+    from tests.testing import ours_from_hf, tiny_hf_mixtral
 
     moe = ours_from_hf(tiny_hf_mixtral(experts=16, top_k=2, seed=5))
     target = TargetWorker(moe)

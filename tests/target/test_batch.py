@@ -6,7 +6,7 @@ import torch
 
 from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.target.engine import TargetEngine
-from eyas.testing import branch_tokens
+from tests.testing import branch_tokens
 from eyas.target.model import eagle1_feature_address
 from eyas.verification.accept import greedy_accept
 

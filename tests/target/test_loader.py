@@ -24,7 +24,7 @@ def test_a_bad_precision_or_device_is_refused_before_loading(tmp_path, precision
 def _tiny_checkpoint(folder, tie: bool):
     """A tiny random Llama saved as an HF folder (safetensors), with the real tokenizer beside it."""
     from eyas.target.loader import load_tokenizer
-    from eyas.testing import tiny_hf_llama
+    from tests.testing import tiny_hf_llama
 
     tiny_hf_llama(tie=tie, seed=3).save_pretrained(folder)
     load_tokenizer().save_pretrained(folder)

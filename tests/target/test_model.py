@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.testing import ours_from_hf, tiny_hf_llama, tiny_hf_mistral, tiny_hf_qwen2
+from tests.testing import ours_from_hf, tiny_hf_llama, tiny_hf_mistral, tiny_hf_qwen2
 from eyas.target.model import (FeatureTap, TargetConfig, TargetModel, eagle1_feature_address, eagle3_feature_address,
                                head_rows, quantize_fp16_weights, quantize_int8)
 

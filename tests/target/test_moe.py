@@ -10,7 +10,7 @@ from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.experts import expert_bytes, expert_union
 from eyas.target.model import MoE, TargetConfig
-from eyas.testing import (branch_tokens, ours_from_hf, tiny_hf_mixtral, tiny_hf_olmoe, tiny_hf_qwen2_moe,
+from tests.testing import (branch_tokens, ours_from_hf, tiny_hf_mixtral, tiny_hf_olmoe, tiny_hf_qwen2_moe,
                           tiny_hf_qwen3_moe)
 
 MOE_KINDS = {

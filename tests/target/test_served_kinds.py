@@ -13,7 +13,7 @@ from eyas.drafting.model import DrafterConfig, init_drafter
 from eyas.generate import generate
 from eyas.target.engine import TargetEngine
 from eyas.target.model import TargetConfig, eagle1_feature_address, eagle3_feature_address
-from eyas.testing import ours_from_hf, tiny_hf_llama_scaled, tiny_hf_qwen3, tiny_hf_qwen3_moe
+from tests.testing import ours_from_hf, tiny_hf_llama_scaled, tiny_hf_qwen3, tiny_hf_qwen3_moe
 
 TOL = 1e-4
 SCALED = {  # rope_parameters (rope_theta aside) as the checkpoints write them

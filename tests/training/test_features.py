@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import ours_from_hf, tiny_hf_llama
 from eyas.training.data import Sample
 from eyas.training.features import FeatureCache, training_taps
 
@@ -72,7 +72,7 @@ def test_other_data_config_is_refused(tmp_path):
 def test_a_streamed_cache_reads_the_same_features_from_disk(tmp_path):
     """samples(stream=True): ids and masks in memory, each sample's features read from its shard on
     access -- bit-identical to the in-memory read, across shard boundaries."""
-    from eyas.testing import ours_from_hf, tiny_hf_llama
+    from tests.testing import ours_from_hf, tiny_hf_llama
     from eyas.training.features import StoredFeatureBatch
     from tests.training.test_trainer import FINGERPRINT, synthetic_samples
 

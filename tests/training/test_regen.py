@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from eyas.testing import tiny_hf_llama
+from tests.testing import tiny_hf_llama
 from eyas.training.regen import first_turn_prompts, read_regenerated, regenerate_batched, regenerate_in_chunks
 
 

@@ -6,7 +6,7 @@ import torch
 
 from eyas.drafting.manifest import load_drafter
 from eyas.target.loader import TargetFingerprint
-from eyas.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import ours_from_hf, tiny_hf_llama
 from eyas.training.config import TrainConfig
 from eyas.training.data import Sample
 from eyas.training.features import FeatureBatch, FeatureCache, training_taps
