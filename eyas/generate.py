@@ -52,7 +52,7 @@ class RoundRecord:
     batch_expert_bytes: int = 0    # MoE target: the union over the whole batched verify (seed 0x09A)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoundStats:
     accept_length: int   # candidate tokens accepted (the frontier excluded)
     new_tokens: int      # tokens this round emitted: accepted candidates + the new frontier
@@ -62,7 +62,7 @@ class RoundStats:
     hop_s: float = 0.0   # remote loops: round wall time outside the workers' own compute
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerationResult:
     token_ids: list[int]         # generated ids only (a stop token included, if one was emitted)
     finish_reason: str           # "stop" | "length" | "cancelled"
@@ -131,7 +131,8 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
                 drafter.publish(request_id)
             out.extend(ack.output_tokens)
             stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
-            rounds.append(RoundStats(decision.accept_length, decision.num_new_tokens, draft.num_nodes, t1 - t0, t2 - t1))
+            rounds.append(RoundStats(accept_length=decision.accept_length, new_tokens=decision.num_new_tokens,
+                                     tree_nodes=draft.num_nodes, draft_s=t1 - t0, verify_s=t2 - t1))
         wall_s = time.perf_counter() - t_start
     finally:
         target.close_session(request_id)
@@ -140,7 +141,8 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
     token_ids, finish = finish_tokens(out, max_new_tokens, stop_ids)
     if stopped and len(out) <= max_new_tokens:
         finish = FINISH_STOP
-    return GenerationResult(token_ids, finish, prefill_s, wall_s, tuple(rounds))
+    return GenerationResult(token_ids=token_ids, finish_reason=finish, prefill_s=prefill_s, wall_s=wall_s,
+                            rounds=tuple(rounds))
 
 
 def finish_tokens(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> tuple[list[int], str]:

@@ -301,8 +301,8 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
                                      draft_s=t1 - t0, pack_s=verdict.pack_s, verify_s=t2 - t1 - verdict.pack_s,
                                      accept_s=verdict.accept_s, publish_s=t3 - t2, fallback=fallback))
             hop_s = (t3 - t0) - draft_compute_s - verdict.compute_s - verifier.sessions[request_id].publish_compute_s
-            rounds.append(RoundStats(d.accept_length, d.num_new_tokens, draft.num_nodes, t1 - t0, t2 - t1,
-                                     hop_s=max(hop_s, 0.0) if draft_compute_s or verdict.compute_s else 0.0))
+            rounds.append(RoundStats(accept_length=d.accept_length, new_tokens=d.num_new_tokens,
+                                     tree_nodes=draft.num_nodes, draft_s=t1 - t0, verify_s=t2 - t1, hop_s=max(hop_s, 0.0) if draft_compute_s or verdict.compute_s else 0.0))
         wall_s = time.perf_counter() - t_start
     finally:
         verifier.close_session(request_id)
@@ -316,7 +316,8 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
         finish = FINISH_CANCELLED
     elif stopped and len(out) <= max_new_tokens:
         finish = FINISH_STOP
-    return GenerationResult(token_ids, finish, prefill_s, wall_s, tuple(rounds), drafter_fallback=fallback,
+    return GenerationResult(token_ids=token_ids, finish_reason=finish, prefill_s=prefill_s, wall_s=wall_s,
+                            rounds=tuple(rounds), drafter_fallback=fallback,
                             drafter_reseeds=reseeds)
 
 

@@ -365,8 +365,8 @@ class RoundLoop:
                 live.acceptance.observe(decision.accept_length, shapes[live.request_id].depth_cap)
                 self.prior.observe(decision.accept_length, shapes[live.request_id].depth_cap, weight=PRIOR_EMA)
             # each request in the batch waited for the whole round: it is charged the full times
-            live.rounds.append(RoundStats(decision.accept_length, decision.num_new_tokens, nodes, t1 - t0, t3 - t1,
-                                          hop_s=hop_s))
+            live.rounds.append(RoundStats(accept_length=decision.accept_length, new_tokens=decision.num_new_tokens,
+                                          tree_nodes=nodes, draft_s=t1 - t0, verify_s=t3 - t1, hop_s=hop_s))
             if self.on_round is not None:
                 self.on_round(RoundRecord(request_id=live.request_id, round=d.round, flat=flat if nodes else None,
                                           decision=decision, start_ns=start_ns, draft_s=t1 - t0, pack_s=t2 - t1,
@@ -509,7 +509,8 @@ class RoundLoop:
         elif live.stopped and len(live.out) <= live.max_new_tokens:
             finish = FINISH_STOP
         wall = time.perf_counter() - live.arrival
-        result = GenerationResult(tokens, finish, live.prefill_s, wall, tuple(live.rounds),
+        result = GenerationResult(token_ids=tokens, finish_reason=finish, prefill_s=live.prefill_s, wall_s=wall,
+                                  rounds=tuple(live.rounds),
                                   drafter_fallback=live.fallback, drafter_reseeds=live.reseeds)
         if self.on_finish is not None:
             self.on_finish(live.request_id, result)

@@ -199,7 +199,7 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
 
         running = live("a", [1, 2, 3], 16)
         running.out = [5, 6, 7, 8]
-        running.rounds = [RoundStats(1, 2, 2, 0.0, 0.0), RoundStats(1, 2, 2, 0.0, 0.0)]
+        running.rounds = [RoundStats(accept_length=1, new_tokens=2, tree_nodes=2, draft_s=0.0, verify_s=0.0)] * 2
         with loop.lock:  # hold the loop: this test places the requests itself
             loop.live["a"] = running
             queued = live("b", [1, 2, 3, 4, 5], 8)
