@@ -122,17 +122,34 @@ def conversations(split: str = "train", limit: int | None = None, min_turns: int
             return
 
 
-def render(tokenizer, sample_id: str, messages: list[dict], max_len: int) -> Sample | None:
-    """Chat-template the conversation; supervise the assistant content and its end-of-turn token."""
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The chat-templated text of ``messages`` and the character spans of its assistant turns.
+
+    Template-agnostic: assistant turn i spans from the end of the rendering of ``messages[:i]``
+    with the generation prompt (the assistant header) to the end of the rendering of
+    ``messages[:i + 1]``, trailing whitespace excluded -- its content and its end-of-turn token
+    (``<|im_end|>`` in ChatML, ``<|eot_id|>`` in Llama-3's template). It needs only that the
+    template renders a conversation's prefixes as prefixes of its text, which is checked."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False))
+        turn = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False).rstrip()
+        if not text.startswith(turn) or start > len(turn):
+            raise ValueError("chat_template: it does not render a conversation's prefixes as prefixes of "
+                             "its text, so the assistant turns cannot be located")
+        spans.append((start, len(turn)))
+    return text, spans
+
+
+def render(tokenizer, sample_id: str, messages: list[dict], max_len: int) -> Sample | None:
+    """Chat-template the conversation with the tokenizer's own template; supervise the assistant
+    content and its end-of-turn token (:func:`assistant_spans`)."""
+    text, spans = assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=False)
     ids, offsets = enc["input_ids"][:max_len], enc["offset_mapping"][:max_len]
-    spans = []
-    header = "<|im_start|>assistant\n"
-    for m in re.finditer(re.escape(header), text):
-        start = m.end()
-        end = text.find("<|im_end|>", start)
-        spans.append((start, len(text) if end < 0 else end + len("<|im_end|>")))
     mask = [any(a <= s < b for a, b in spans) for s, _ in offsets]
     if len(ids) < 8 or not any(mask):
         return None
