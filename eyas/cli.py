@@ -29,6 +29,8 @@ import warnings
 def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="the user message (wrapped in the chat template unless --raw)")
     p.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
+    p.add_argument("--messages", help='a conversation instead of --prompt: a JSON list of {"role", "content"} '
+                                      "turns (system, user, assistant; the last the user's), or @FILE holding one")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--method", default="eagle3", help="target | eagle1 | hass | eagle3 (default eagle3)")
     p.add_argument("--drafter", help="a drafter checkpoint folder (default: the one shipped for the method)")
@@ -57,7 +59,17 @@ def _request(args, method: str | None = None):
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
             raise ValueError("prompt_ids: must be comma-separated integers") from None
-    return parse_request(prompt=args.prompt, prompt_ids=ids, raw=args.raw, method=method or args.method,
+    messages = None
+    if getattr(args, "messages", None):
+        import json
+        from pathlib import Path
+
+        raw = Path(args.messages[1:]).read_text() if args.messages.startswith("@") else args.messages
+        try:
+            messages = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"messages: not valid JSON ({err.msg})") from None
+    return parse_request(prompt=args.prompt, prompt_ids=ids, messages=messages, raw=args.raw, method=method or args.method,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          top_k=args.top_k, seed=args.seed, drafter=args.drafter, tree_kind=args.tree_kind,
                          tree_depth=args.tree_depth, tree_width=args.tree_width, tree_budget=args.tree_budget,

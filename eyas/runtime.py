@@ -20,7 +20,8 @@ from eyas.drafting.model import DrafterConfig, drafter_feature_address, init_dra
 from eyas.generate import GenerationResult, generate
 from eyas.protocol.schema import GenerateRequest
 from eyas.target.engine import TargetEngine
-from eyas.target.loader import DEFAULT_TARGET, LoadedTarget, TargetFingerprint, encode_prompt, load_target
+from eyas.target.loader import (DEFAULT_TARGET, LoadedTarget, TargetFingerprint, encode_prompt, load_target,
+                               request_prompt_ids)
 from eyas.target.model import FeatureTap, TargetConfig, quantize_fp16_weights
 from eyas.verification.sampling import SamplingParams
 
@@ -115,12 +116,7 @@ class Eyas:
 
     # --- generate ---------------------------------------------------------------------------------
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
-        if req.prompt_ids is not None:
-            bad = [t for t in req.prompt_ids if t >= self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"prompt_ids: {bad[:5]} lie outside the vocabulary [0, {self.cfg.vocab_size})")
-            return list(req.prompt_ids)
-        return self.encode(req.prompt, req.raw)
+        return request_prompt_ids(self.tokenizer, req, self.cfg.vocab_size)[0]
 
     def tree_for(self, req: GenerateRequest, handle: DrafterHandle | None) -> TreeSpec:
         return tree_for(req, handle.default_tree if handle else TreeSpec())

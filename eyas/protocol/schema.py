@@ -44,6 +44,18 @@ def _request_id(v: str | None, required: bool) -> str | None:
     return v
 
 
+MAX_MESSAGES = 1024   # turns in one request's conversation
+
+
+class ChatTurn(BaseModel):
+    """One turn of a request's conversation (``GenerateRequest.messages``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
 class GenerateRequest(BaseModel):
     """A client's request. Types are strict (``"max_new_tokens": true`` or ``"raw": "yes"`` are
     refused, not coerced; an int is accepted where a float is asked); every bound is checked here,
@@ -53,6 +65,8 @@ class GenerateRequest(BaseModel):
 
     prompt: str | None = None
     prompt_ids: list[int] | None = None
+    # a conversation instead of prompt / prompt_ids, templated by the target tokenizer's chat template
+    messages: list[ChatTurn] | None = None
     raw: bool = False                      # False: wrap the prompt in the chat template
     method: str = "eagle3"
     max_new_tokens: int = 128
@@ -130,6 +144,20 @@ class GenerateRequest(BaseModel):
 
     @model_validator(mode="after")
     def _prompt(self):
+        if self.messages is not None:
+            if self.prompt is not None or self.prompt_ids is not None:
+                raise ValueError("messages: give one of prompt, prompt_ids and messages")
+            if not 1 <= len(self.messages) <= MAX_MESSAGES:
+                raise ValueError(f"messages: must hold 1 to {MAX_MESSAGES} turns, got {len(self.messages)}")
+            if self.raw:
+                raise ValueError("raw: a message list is always templated; send prompt with raw instead")
+            if self.messages[-1].role != "user":
+                raise ValueError(f"messages.{len(self.messages) - 1}.role: the last turn must be the user's, "
+                                 f"got {self.messages[-1].role!r}")
+            for i, turn in enumerate(self.messages):
+                if turn.role == "user" and not turn.content.strip():
+                    raise ValueError(f"messages.{i}.content: a user turn must not be blank")
+            return self
         if self.prompt_ids is not None:
             if self.prompt is not None:
                 raise ValueError("prompt_ids: give prompt or prompt_ids, not both")

@@ -328,6 +328,8 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
     fields = {name: getattr(msg, name) for name in _OPTIONAL_REQUEST_FIELDS if msg.HasField(name)}
     if msg.prompt_ids:
         fields["prompt_ids"] = list(msg.prompt_ids)
+    if msg.messages:
+        fields["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages]
     with _inbound():
         return parse_request(raw=msg.raw, stop=list(msg.stop), **fields)
 
@@ -348,4 +350,6 @@ def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
     if req.drafter is not None:
         raise WireError("drafter: a drafter folder is not carried over the wire")
     fields = {name: getattr(req, name) for name in _OPTIONAL_REQUEST_FIELDS if getattr(req, name) is not None}
-    return pb.GenerateRequest(raw=req.raw, stop=list(req.stop), prompt_ids=list(req.prompt_ids or ()), **fields)
+    messages = [pb.ChatMessage(role=m.role, content=m.content) for m in req.messages or ()]
+    return pb.GenerateRequest(raw=req.raw, stop=list(req.stop), prompt_ids=list(req.prompt_ids or ()),
+                              messages=messages, **fields)

@@ -51,7 +51,7 @@ from eyas.serve import openai_api as oai
 from eyas.serve.config import ServeConfig, parse_config  # noqa: F401 - parse_config: the app's config API
 from eyas.serve.registry import HEAD_NODE_RESOURCE, app_name, get_registry
 from eyas.target.engine import check_context
-from eyas.target.loader import encode_prompt, load_target_config, load_tokenizer
+from eyas.target.loader import load_target_config, load_tokenizer, request_prompt_ids
 
 log = logging.getLogger("eyas.serve")
 RESUME_BACKOFF_S = 0.5   # the wait before a request whose replica died is sent again
@@ -518,16 +518,8 @@ class EyasServer:
         req = wire.generate_request_from_proto(request)
         if req.method != "target" and req.method not in self.cfg.methods:
             raise ValueError(f"method: this deployment serves {['target', *self.cfg.methods]}, not {req.method!r}")
-        if req.prompt_ids is not None:
-            vocab = len(self.tokenizer)
-            bad = [t for t in req.prompt_ids if t >= vocab]
-            if bad:
-                raise ValueError(f"prompt_ids: {bad[:5]} lie outside the vocabulary [0, {vocab})")
-            ids = list(req.prompt_ids)
-        else:
-            ids = encode_prompt(self.tokenizer, req.prompt, req.raw)
-        check_context(len(ids), req.max_new_tokens, self.max_context,
-                      "prompt_ids" if req.prompt_ids is not None else "prompt")
+        ids, field = request_prompt_ids(self.tokenizer, req, len(self.tokenizer))
+        check_context(len(ids), req.max_new_tokens, self.max_context, field)
         return req, ids
 
     async def cancel(self, request_id: str) -> None:

@@ -227,6 +227,28 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     return list(tokenizer(prompt, add_special_tokens=raw)["input_ids"])
 
 
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation (``[{"role", "content"}, ...]``) through the tokenizer's own chat
+    template, with the generation prompt added."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: the target's tokenizer has no chat template; send prompt with raw")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def request_prompt_ids(tokenizer, req, vocab_size: int) -> tuple[list[int], str]:
+    """(the token ids a validated ``GenerateRequest`` asks to continue, the field they came from):
+    its ``prompt_ids`` (checked against the vocabulary), its ``messages`` or its ``prompt``."""
+    if req.prompt_ids is not None:
+        bad = [t for t in req.prompt_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
+        return list(req.prompt_ids), "prompt_ids"
+    if req.messages is not None:
+        return encode_messages(tokenizer, [m.model_dump() for m in req.messages]), "messages"
+    return encode_prompt(tokenizer, req.prompt, req.raw), "prompt"
+
+
 def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp32",
                 device: str = "cpu") -> LoadedTarget:
     """Load the target as served.

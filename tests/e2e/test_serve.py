@@ -38,6 +38,29 @@ def test_greedy_over_grpc_is_token_identical_to_target_only_for_every_method(cli
     no_leaks(client)
 
 
+def test_a_message_list_over_grpc_and_http_answers_as_in_process(client, http_url, real_eyas, no_leaks):
+    """A conversation (system, user, assistant, user) instead of a prompt: templated by the target
+    tokenizer's own chat template at the ingress; greedy EAGLE-3 over gRPC and over POST / equals the
+    in-process target-only answer; a conversation ending on the assistant's turn is refused naming it."""
+    import json
+
+    from eyas.protocol.schema import parse_request
+
+    turns = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a planet."},
+             {"role": "assistant", "content": "Mars."}, {"role": "user", "content": "Another one?"}]
+    here = real_eyas.generate(parse_request(messages=turns, method="target", max_new_tokens=16))[1]["token_ids"]
+    assert client.generate(messages=turns, method="eagle3", max_new_tokens=16)["token_ids"] == here
+    status, report = _http(http_url + "/", json.dumps({"messages": turns, "method": "eagle3",
+                                                        "max_new_tokens": 16}).encode())
+    assert status == 200 and report["token_ids"] == here
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.Generate(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="Hi"),
+                                                          pb.ChatMessage(role="assistant", content="Hello")]),
+                             metadata=client.metadata, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("messages.1.role: ")
+    no_leaks(client)
+
+
 def test_sampling_over_grpc_matches_in_process_for_the_same_seed(client, real_eyas):
     from eyas.protocol.schema import parse_request
 

@@ -37,3 +37,44 @@ def test_the_bounds_themselves_pass_and_fit_the_wire():
                         tree_budget=MAX_TREE_BUDGET)
     assert wire.generate_request_from_proto(wire.generate_request_to_proto(req)) == req
     assert parse_request(prompt="hi", temperature=1).temperature == 1.0   # an int is a float
+
+
+CONVERSATION = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a planet."}]
+
+
+def test_a_message_list_is_a_request_and_crosses_the_wire():
+    req = parse_request(messages=CONVERSATION, max_new_tokens=4)
+    assert [m.role for m in req.messages] == ["system", "user", "assistant", "user"]
+    assert wire.generate_request_from_proto(wire.generate_request_to_proto(req)) == req
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"messages": CONVERSATION, "prompt": "hi"}, "messages"),
+    ({"messages": CONVERSATION, "prompt_ids": [1]}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": CONVERSATION[:3]}, "messages.2.role"),                 # the last turn is the assistant's
+    ({"messages": [{"role": "user", "content": "  "}]}, "messages.0.content"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
+    ({"messages": [{"role": "user", "content": "x"}], "raw": True}, "raw"),
+    ({"messages": "hi"}, "messages"),
+])
+def test_a_bad_message_list_is_refused_naming_the_field(fields, field):
+    with pytest.raises(ValueError, match=rf"^{field.replace('.', '[.]')}: "):
+        parse_request(**fields)
+
+
+def test_messages_are_templated_by_the_tokenizers_own_chat_template():
+    """One user turn gives what ``prompt`` gives; a system turn changes the ids (SmolLM2's template
+    otherwise inserts its default system prompt)."""
+    from eyas.target.loader import load_tokenizer, request_prompt_ids
+
+    tok = load_tokenizer()
+    by_prompt, _ = request_prompt_ids(tok, parse_request(prompt="Name a planet."), len(tok))
+    by_turn, field = request_prompt_ids(tok, parse_request(messages=[CONVERSATION[-1]]), len(tok))
+    assert by_turn == by_prompt and field == "messages"
+    ids, _ = request_prompt_ids(tok, parse_request(messages=CONVERSATION), len(tok))
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system\nAnswer briefly.<|im_end|>") and text.endswith("<|im_start|>assistant\n")
