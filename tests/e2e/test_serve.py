@@ -590,7 +590,8 @@ def test_openai_a_closed_stream_cancels_its_request(http_url, client, no_leaks):
         model=MODEL, messages=[{"role": "user", "content": COUNT_300["prompt"]}], max_tokens=400, temperature=0,
         stream=True, extra_body={"method": "eagle3"})
     got = [c for _, c in zip(range(3), stream)]
-    assert got and _live_requests(client) == 1
+    # the replica reports its live requests every half second or so: wait for the report, not the first chunks
+    assert got and _wait_for(lambda: _live_requests(client) == 1, timeout_s=30)
     stream.close()
     no_leaks(client)
     assert _wait_for(lambda: _cancelled_count(client) == before + 1, timeout_s=30)
