@@ -40,8 +40,8 @@ from pathlib import Path
 
 import yaml
 
-from eyas.experiments import sim
 from eyas.autoscale.policy import ReplicaMetrics, ScalingState, TargetScalingConfig, decide_target_replicas
+from eyas.experiments import sim
 from eyas.experiments.workload import (BURST_START, Arrival, Sample, Timeline, Workload, arrivals, percentile, phase_spans,
                                    plot_timeline, summary)
 

@@ -185,13 +185,15 @@ class _Resuming:
 
 
 def _client_error(err: Exception) -> str:
-    """What a client is told of a failure: a lost replica says so; anything else is an internal error."""
+    """What a client is told of a failure: a lost replica or a passed deadline says so; anything else
+    is an internal error."""
     return str(err) if isinstance(err, (ReplicaLost, DeadlinePassed)) else INTERNAL_ERROR
 
 
 def _failed(grpc_context, err: Exception, reply):
-    """A request that failed after it started: logged here in full, UNAVAILABLE (a lost replica: retry)
-    or INTERNAL for the client, with no internals in the message."""
+    """A request that failed after it started: logged here in full, UNAVAILABLE (a lost replica: retry),
+    DEADLINE_EXCEEDED (its ``eyas-timeout-ms`` passed) or INTERNAL for the client, with no internals in
+    the message."""
     if isinstance(err, (ReplicaLost, DeadlinePassed)):
         log.warning("request failed: %s", err)
     else:

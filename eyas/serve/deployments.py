@@ -39,16 +39,16 @@ from ray import serve
 
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import Refusal, TargetWorker
-from eyas.serve.registry import Reporter, app_name, cancels_due, get_registry
-from eyas.serve.round_loop import RoundLoop, WorkerCalls
-from eyas.serve.telemetry import Telemetry
-from eyas.generate import DrafterUnavailable
 from eyas.drafting.engine import TreeSpec
+from eyas.generate import DrafterUnavailable
 from eyas.protocol.schema import GenerateRequest
 from eyas.runtime import StopStrings, build_report, tree_for
 from eyas.scheduler.cost import ExpertTraffic
 from eyas.scheduler.latency import LatencyCurve
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
+from eyas.serve.registry import Reporter, app_name, cancels_due, get_registry
+from eyas.serve.round_loop import RoundLoop, WorkerCalls
+from eyas.serve.telemetry import Telemetry
 from eyas.target.loader import load_tokenizer
 from eyas.verification.sampling import SamplingParams
 

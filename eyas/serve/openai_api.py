@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eyas.generate import FINISH_LENGTH
 from eyas.protocol.schema import GenerateRequest, parse_request
-from eyas.target.loader import encode_prompt
+from eyas.target.loader import encode_messages, encode_prompt
 
 CHAT, COMPLETION = "chat.completion", "text_completion"
 # Eyas's own request fields that an OpenAI body may carry as extras
@@ -211,8 +211,7 @@ def render_messages(tokenizer, messages: list[Message]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError("messages: the target's tokenizer has no chat template; use /v1/completions",
                           param="messages")
-    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return encode_messages(tokenizer, turns)
 
 
 # --- responses -----------------------------------------------------------------------------------------

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from eyas.actors.target_worker import Refusal
-from eyas.generate import DrafterUnavailable, RoundRecord
 from eyas.drafting.engine import TreeSpec
-from eyas.generate import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, GenerationResult, RoundStats, finish_tokens
+from eyas.generate import (FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, DrafterUnavailable, GenerationResult,
+                           RoundRecord, RoundStats, finish_tokens)
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import Seed

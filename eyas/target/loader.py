@@ -218,18 +218,18 @@ def load_tokenizer(source: str | os.PathLike = DEFAULT_TARGET):
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
-    """Token ids of a user message, wrapped in the chat template unless ``raw``."""
+    """Token ids of a user message, wrapped in the chat template unless ``raw`` (or the tokenizer has none)."""
     if not prompt or not prompt.strip():
         raise ValueError("prompt: must be a non-empty string")
     if not raw and getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                               add_generation_prompt=True, tokenize=False)
+        return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer(prompt, add_special_tokens=raw)["input_ids"])
 
 
 def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a conversation (``[{"role", "content"}, ...]``) through the tokenizer's own chat
-    template, with the generation prompt added."""
+    template, with the generation prompt added. The one templating path: prompts, ``messages`` and
+    the OpenAI chat route all come here."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: the target's tokenizer has no chat template; send prompt with raw")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
