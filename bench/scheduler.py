@@ -20,6 +20,13 @@ The latency curve (verify ms against total rows) is measured at start-up on this
 from live rounds; it is printed and plotted. So is the draft cost (ms of one drafting call per deepest
 depth and draft row, ``DrafterEngine.measure_cost``), which the tree-work policy starts from.
 
+Every round is ONE target forward that carries the prompts' next prefill chunks (at most
+--max-prefill-rows rows, all requests together) beside the decode and verify rows. Also measured in
+the same run: the forward-bound rate at 16 rows (one request's 16-row verify, and 16 requests' 1-row
+decodes in one batched forward), against which target-only at C=16 is reported; and the long-prompt
+case (a short request sent beside a --long-prompt-token prompt: its rounds and seconds to its first
+token, chunked and with the prompt prefilled whole).
+
 Reported per (policy, concurrency): throughput (tokens/s), goodput (tokens/s of requests that met
 the latency target: mean time per output token <= --slo-ms-per-token, time to first token
 excluded), p50/p99 per-token latency, rounds, mean batch, mean verify rows, and the ratio of goodput
@@ -45,6 +52,8 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import load_prompts  # noqa: E402
 
@@ -53,8 +62,10 @@ from eyas.serve.round_loop import RoundLoop, WorkerCalls  # noqa: E402
 from eyas.drafting.engine import TreeSpec  # noqa: E402
 from eyas.verification.sampling import SamplingParams  # noqa: E402
 from eyas.experiments.sim import percentile  # noqa: E402
+from eyas.generate import generate  # noqa: E402
 from eyas.runtime import Eyas, set_threads  # noqa: E402
 from eyas.target.loader import PRECISIONS  # noqa: E402
+from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK  # noqa: E402
 from eyas.scheduler.latency import DraftCost, LatencyCurve  # noqa: E402
 from eyas.actors.target_worker import TargetWorker  # noqa: E402
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy  # noqa: E402
@@ -86,8 +97,92 @@ def measure(worker: TargetWorker, taps) -> LatencyCurve:
                                                            taps=taps))
 
 
+def forward_bound(worker: TargetWorker, taps, batch: int = 16, prefix: int = 128, repeats: int = 5) -> dict:
+    """The forward-bound rates of a ``batch``-row round, measured here: the median ms of (a) one
+    request's ``batch``-row verify (the latency curve's point) and (b) ``batch`` requests' 1-row
+    decodes in one batched forward (each over its own ``prefix``-token context: what a target-only
+    round at concurrency ``batch`` computes), and the tokens/s each would give."""
+    from eyas.protocol.messages import AcceptDecision
+    from eyas.protocol.tree import DraftTree
+
+    engine = worker.engine_for(tuple(taps))
+    rids = [f"__bound_{i}__" for i in range(batch)]
+    try:
+        for i, rid in enumerate(rids):
+            ids = [(7 * j + 11 * i + 3) % worker.vocab_size for j in range(prefix)]
+            engine.open_session(rid, ids, 8, 1)
+            v = engine.prefill(rid)
+            engine.publish(rid, v.round, AcceptDecision(torch.arange(prefix), torch.tensor(ids[1:]), 1))
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            engine.verify_batch([(rid, DraftTree.empty()) for rid in rids])
+            times.append(1000 * (time.perf_counter() - t0))
+            for rid in rids:
+                engine.sessions[rid].pending = None   # measured only: nothing is published
+    finally:
+        for rid in rids:
+            engine.close_session(rid)
+    batch_ms = statistics.median(times[1:])
+    one_ms = worker.measure_latency((batch,), repeats=repeats, prefix=prefix, taps=taps)[batch]
+    return {"batch": batch, "prefix": prefix, "one_request_rows_ms": one_ms, "batched_requests_ms": batch_ms,
+            "one_request_rows_tok_s": 1000 * batch / one_ms, "batched_requests_tok_s": 1000 * batch / batch_ms}
+
+
+class _CountingCalls:
+    """Target calls that count the round calls and run ``hook(call number)`` before each."""
+
+    def __init__(self, calls: WorkerCalls, hook):
+        self.calls, self.hook, self.rounds = calls, hook, 0
+
+    def __call__(self, method: str, *args):
+        if method == "round_batch":
+            self.rounds += 1
+            self.hook(self.rounds)
+        return self.calls(method, *args)
+
+
+def long_prompt_case(eyas: Eyas, target: WorkerCalls, long_tokens: int, chunk: int | None, max_new_tokens: int) -> dict:
+    """A short request sent beside a ``long_tokens``-token prompt (it arrives during the long one's
+    second round): how many of its own rounds, and how long, until its first token; with chunked
+    prefill (``chunk`` prompt rows a round) or with each prompt prefilled whole (``chunk`` None)."""
+    text = " ".join(load_prompts(None, 80))
+    long_ids = (eyas.encode(text) * (1 + long_tokens // 1000))[:long_tokens]
+    short_ids = eyas.encode(REPETITIVE[1])
+    seen: dict[str, tuple[float, int]] = {}
+    state: dict = {}
+
+    def first(rid):
+        def on_tokens(tokens):
+            if tokens and rid not in seen:
+                seen[rid] = (time.perf_counter(), counting.rounds)
+            return False
+        return on_tokens
+
+    def arrive(call):
+        if call == 2 and "short" not in state:
+            state["short"] = (time.perf_counter(), call, loop.submit(
+                "short", short_ids, max_new_tokens, "target", TreeSpec(), SamplingParams(), 0, first("short")))
+
+    counting = _CountingCalls(target, arrive)
+    loop = RoundLoop(counting, None, {}, TreeWorkPolicy(Budgets(), speculate=False), LatencyCurve.from_points({1: 1.0}),
+                     max_prefill_rows=chunk)
+    try:
+        t0 = time.perf_counter()
+        long_out = loop.submit("long", long_ids, max_new_tokens, "target", TreeSpec(), SamplingParams(), 0,
+                               first("long")).result(timeout=1200)
+        sent, call, fut = state["short"]
+        short_out = fut.result(timeout=1200)
+    finally:
+        loop.close()
+    return {"long_tokens": len(long_ids), "max_prefill_rows": chunk,
+            "short_first_token_rounds": seen["short"][1] - call + 1, "short_ttft_s": seen["short"][0] - sent,
+            "long_ttft_s": seen["long"][0] - t0, "long_tokens_out": len(long_out.token_ids),
+            "short_tokens_out": short_out.token_ids}
+
+
 def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], max_new_tokens: int, curve,
-               workers: tuple, bar, draft_points: list) -> dict:
+               workers: tuple, bar, draft_points: list, max_prefill_rows: int | None = DEFAULT_PREFILL_CHUNK) -> dict:
     """One (policy, concurrency) level through the serving loop (``RoundLoop``) over in-process workers."""
     target, drafter, info = workers
     budgets = Budgets(max_batch=max(concurrency, 1), max_verify_rows=256)
@@ -106,7 +201,8 @@ def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], ma
 
     loop = RoundLoop(target, drafter if speculative else None, info if speculative else {}, pol, curve,
                      on_round=on_round, on_finish=lambda rid, _: finished_at.setdefault(rid, time.perf_counter()),
-                     draft_cost=DraftCost.from_points(draft_points) if policy == "tree-work" else DraftCost())
+                     draft_cost=DraftCost.from_points(draft_points) if policy == "tree-work" else DraftCost(),
+                     max_prefill_rows=max_prefill_rows)
     queue = [(f"{policy}-{concurrency}-{i}", eyas.encode(p)) for i, p in enumerate(prompts)]
     futures: dict[concurrent.futures.Future, str] = {}
     results = {}
@@ -184,6 +280,10 @@ def main(argv=None) -> int:
                     help="a subset to run (target-only always runs: it is the baseline)")
     ap.add_argument("--precision", default="fp32", choices=PRECISIONS)
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--max-prefill-rows", type=int, default=DEFAULT_PREFILL_CHUNK,
+                    help="prompt rows a round prefills, all requests together (chunked prefill)")
+    ap.add_argument("--long-prompt", type=int, default=2000,
+                    help="the long-prompt case: a short request beside a prompt this long (0: skip)")
     ap.add_argument("--json", default=str(RESULTS / "scheduler.json"))
     args = ap.parse_args(argv)
     from tqdm import tqdm
@@ -196,6 +296,10 @@ def main(argv=None) -> int:
     print("measuring the verify latency curve ...", flush=True)
     curve = measure(target_worker, handle.taps)
     print("curve (rows: ms): " + ", ".join(f"{r}: {m:.0f}" for r, m in zip(curve.rows, curve.ms)), flush=True)
+    bound = forward_bound(target_worker, ())
+    print(f"forward bound at 16 rows: one request's 16-row verify {bound['one_request_rows_ms']:.1f} ms "
+          f"({bound['one_request_rows_tok_s']:.0f} tok/s); 16 requests' 1-row decodes in one forward "
+          f"{bound['batched_requests_ms']:.1f} ms ({bound['batched_requests_tok_s']:.0f} tok/s)", flush=True)
     start_curve = curve.to_dict()
     print("measuring the draft cost ...", flush=True)
     draft_points = handle.engine.measure_cost(handle.default_tree, depths=(1, 2, 3, 4, 5), batch=8)
@@ -216,7 +320,7 @@ def main(argv=None) -> int:
             order = policies[i % len(policies):] + policies[:i % len(policies)]
             for p in order:
                 rows.append(run_policy(eyas, p, c, prompts, args.max_new_tokens, curve.copy(), workers, bar,
-                                       draft_points))
+                                       draft_points, args.max_prefill_rows))
     rows.sort(key=lambda r: (r["concurrency"], POLICIES.index(r["policy"])))
     low = min(c for c, _ in levels)
     slo = args.slo_ms_per_token or 8 * next(r for r in rows if r["concurrency"] == low
@@ -248,12 +352,34 @@ def main(argv=None) -> int:
               f"{ratio(r['goodput_vs_prompt_length'])} {r['per_token_p50_ms']:>9.0f} {r['per_token_p99_ms']:>9.0f} "
               f"{r['mean_batch']:>6.1f} {r['mean_verify_rows']:>6.1f} {r['speculative_rounds']:>7} "
               f"{r['identical_to_target_only']:>2}/{r['requests']}")
+    print(f"\nforward-bound rate at 16 rows: {bound['one_request_rows_tok_s']:.0f} tok/s (one request's 16-row "
+          f"verify), {bound['batched_requests_tok_s']:.0f} tok/s (16 requests in one forward)")
+    for r in rows:
+        if r["policy"] == "target-only" and r["concurrency"] == 16:
+            r["vs_forward_bound"] = {"one_request_rows": r["throughput"] / bound["one_request_rows_tok_s"],
+                                     "batched_requests": r["throughput"] / bound["batched_requests_tok_s"]}
+            print(f"target-only at C=16: {r['throughput']:.1f} tok/s = {r['vs_forward_bound']['one_request_rows']:.2f}x "
+                  f"and {r['vs_forward_bound']['batched_requests']:.2f}x of them")
+    long_cases = []
+    if args.long_prompt:
+        print(f"\nlong-prompt case: a short request beside a {args.long_prompt}-token prompt", flush=True)
+        for chunk in (args.max_prefill_rows, None):
+            case = long_prompt_case(eyas, workers[0], args.long_prompt, chunk, args.max_new_tokens)
+            base = generate(eyas.target_engine(()), eyas.encode(REPETITIVE[1]), max_new_tokens=args.max_new_tokens)
+            case["short_identical_to_target_only"] = case.pop("short_tokens_out") == base.token_ids
+            long_cases.append(case)
+            print(f"  max_prefill_rows {str(chunk):>5}: the short request's first token after "
+                  f"{case['short_first_token_rounds']} of its rounds, {case['short_ttft_s']:.2f} s "
+                  f"(the long prompt's first token at {case['long_ttft_s']:.1f} s); identical to target-only: "
+                  f"{case['short_identical_to_target_only']}", flush=True)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     for r in rows:
         r.pop("outputs")
     out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "precision": args.precision,
                                "slo_ms_per_token": slo, "max_new_tokens": args.max_new_tokens,
+                               "max_prefill_rows": args.max_prefill_rows, "forward_bound": bound,
+                               "long_prompt": long_cases,
                                "curve_at_start": start_curve, "draft_points_at_start": draft_points, "rows": rows},
                               indent=1))
     plot(rows, curve.to_dict(), out.with_suffix(".png"))

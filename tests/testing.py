@@ -218,7 +218,7 @@ class EveryThirdRoundPolicy:
     def __init__(self):
         self.rounds = 0
 
-    def plan(self, waiting, curve, draft=None, experts=None):
+    def plan(self, waiting, curve, draft=None, experts=None, prefill_rows=0):
         from eyas.scheduler.cost import PLAIN, TreeShape
         from eyas.scheduler.policy import Plan
 

@@ -34,7 +34,7 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import FlatTree
-from eyas.target.engine import TargetEngine
+from eyas.target.engine import PrefillProgress, TargetEngine
 from eyas.target.model import FeatureTap, TargetModel
 from eyas.verification.sampling import SamplingParams
 
@@ -175,57 +175,87 @@ class TargetWorker:
 
     # --- batched rounds (the scheduler: many requests, one forward) ------------------------------
     def verify_batch(self, requests: list[pb.FlatTree]) -> list[pb.AcceptDecision | Refusal]:
-        """Verify and decide several requests' rounds in one forward per feature address.
+        """Verify and decide several requests' rounds in one forward per feature address
+        (:meth:`round_batch` without prefills)."""
+        return self.round_batch([], requests)[1]
+
+    def prefill_batch(self, requests: list[pb.PrefillRequest], max_prefill_rows: int | None = None
+                      ) -> list[pb.AcceptDecision | PrefillProgress | Refusal]:
+        """Prefill and decide several newly opened requests (:meth:`round_batch` without verifies)."""
+        return self.round_batch(requests, [], max_prefill_rows)[0]
+
+    def round_batch(self, prefills: list[pb.PrefillRequest], verifies: list[pb.FlatTree],
+                    max_prefill_rows: int | None = None
+                    ) -> tuple[list[pb.AcceptDecision | PrefillProgress | Refusal], list[pb.AcceptDecision | Refusal]]:
+        """One round's target work in ONE forward per feature address (``TargetEngine.step``): the
+        next prompt chunk of each of ``prefills`` (at most ``max_prefill_rows`` prompt rows in all,
+        shortest remaining prompt first; None: no bound) and the verify of each of ``verifies``,
+        each then decided under its session's sampling.
 
         Each message is validated on its own; a refused one gets a :class:`Refusal` in its place and
-        touches nothing, and the others are verified as if alone."""
+        touches nothing, and the others are computed as if alone. A retried prefill gets its earlier
+        decision again; a prompt with rows still to go gets a ``PrefillProgress``."""
         t0 = time.perf_counter()
-        out: list[pb.AcceptDecision | Refusal | None] = [None] * len(requests)
-        groups: dict[int, list[tuple[int, WorkerSession, object]]] = {}
-        for i, request in enumerate(requests):
-            try:
-                s = self._session(request.request_id)
-                if s.pending is not None:
-                    raise ValueError(f"round: {s.pending.round} of {request.request_id!r} is not yet published")
-                flat = self._inbound_flat(s, request)
-                groups.setdefault(id(s.engine), []).append((i, s, wire.draft_tree_from_flat(flat)))
-            except (ValueError, SessionNotFound) as err:
-                out[i] = Refusal.of(err)
-        for members in groups.values():
-            engine = members[0][1].engine
-            verified = engine.verify_batch([(requests[i].request_id, tree) for i, _, tree in members])
-            for (i, s, _), v in zip(members, verified):
-                out[i] = Refusal.of(v) if isinstance(v, ValueError) else self._decided(requests[i].request_id, s, v, t0)
-        return out
-
-    def prefill_batch(self, requests: list[pb.PrefillRequest]) -> list[pb.AcceptDecision | Refusal]:
-        """Prefill and decide several newly opened requests in one forward per feature address.
-
-        A retried prefill gets its earlier decision again; a refused request (unknown session, one
-        already past its prefill) gets a :class:`Refusal` and touches nothing; the others are
-        prefilled as if alone."""
-        t0 = time.perf_counter()
-        out: list[pb.AcceptDecision | Refusal | None] = [None] * len(requests)
-        groups: dict[int, list[tuple[int, WorkerSession]]] = {}
+        pre_out: list = [None] * len(prefills)
+        ver_out: list = [None] * len(verifies)
+        groups: dict[int, tuple[TargetEngine, list, list]] = {}  # engine -> (prefill members, verify members)
         seen: set[str] = set()
-        for i, request in enumerate(requests):
+        for i, request in enumerate(prefills):
             try:
                 if request.request_id in seen:
                     raise ValueError(f"request_id: {request.request_id!r} appears twice in one batch")
                 seen.add(request.request_id)
                 s = self._session(request.request_id)
                 if s.pending is not None and s.pending.flat is None:
-                    out[i] = s.pending.reply  # a retried prefill: the same decision
+                    pre_out[i] = s.pending.reply  # a retried prefill: the same decision
                     continue
-                groups.setdefault(id(s.engine), []).append((i, s))
+                groups.setdefault(id(s.engine), (s.engine, [], []))[1].append((i, s))
             except (ValueError, SessionNotFound) as err:
-                out[i] = Refusal.of(err)
-        for members in groups.values():
-            engine = members[0][1].engine
-            verified = engine.prefill_batch([requests[i].request_id for i, _ in members])
-            for (i, s), v in zip(members, verified):
-                out[i] = Refusal.of(v) if isinstance(v, ValueError) else self._decided(requests[i].request_id, s, v, t0)
-        return out
+                pre_out[i] = Refusal.of(err)
+        for i, request in enumerate(verifies):
+            try:
+                if request.request_id in seen:
+                    raise ValueError(f"request_id: {request.request_id!r} appears twice in one batch")
+                seen.add(request.request_id)
+                s = self._session(request.request_id)
+                if s.pending is not None:
+                    raise ValueError(f"round: {s.pending.round} of {request.request_id!r} is not yet published")
+                flat = self._inbound_flat(s, request)
+                groups.setdefault(id(s.engine), (s.engine, [], []))[2].append((i, s, wire.draft_tree_from_flat(flat)))
+            except (ValueError, SessionNotFound) as err:
+                ver_out[i] = Refusal.of(err)
+        share = self._prefill_shares(prefills, groups, max_prefill_rows)
+        for key, (engine, pre, ver) in groups.items():
+            pre_done, ver_done = engine.step([prefills[i].request_id for i, _ in pre],
+                                             [(verifies[i].request_id, tree) for i, _, tree in ver], share[key])
+            for (i, s), v in zip(pre, pre_done):
+                pre_out[i] = (Refusal.of(v) if isinstance(v, ValueError) else v if isinstance(v, PrefillProgress)
+                              else self._decided(prefills[i].request_id, s, v, t0))
+            for (i, s, _), v in zip(ver, ver_done):
+                ver_out[i] = Refusal.of(v) if isinstance(v, ValueError) else self._decided(verifies[i].request_id, s, v, t0)
+        return pre_out, ver_out
+
+    @staticmethod
+    def _prefill_shares(prefills: list[pb.PrefillRequest], groups: dict, max_prefill_rows: int | None
+                        ) -> dict[int, int | None]:
+        """The round's prefill rows, shortest remaining prompt first across every engine (so a short
+        prompt is not stuck behind a long one of another feature address): sorts each engine's
+        prefill members into that order and returns each engine's share of the rows (None: no bound).
+        Each engine's own shortest-first fill of its share then gives every prompt its rows."""
+        def left(member) -> int:
+            t = member[1].engine.sessions[prefills[member[0]].request_id]
+            return t.prompt_len - t.prefilled
+
+        for _, pre, _ in groups.values():
+            pre.sort(key=left)
+        if max_prefill_rows is None:
+            return {key: None for key in groups}
+        share, budget = dict.fromkeys(groups, 0), max_prefill_rows
+        for key, member in sorted(((k, m) for k, (_, pre, _) in groups.items() for m in pre),
+                                  key=lambda km: left(km[1])):
+            rows = min(left(member), budget)
+            share[key], budget = share[key] + rows, budget - rows
+        return share
 
     def publish_batch(self, requests: list[pb.PublishRequest]) -> list[pb.PublishAck | Refusal]:
         """Each request's own publish transaction; one refusal never touches another's state."""
@@ -278,7 +308,7 @@ class TargetWorker:
         """KV slots allocated == the sum over live sessions; no engine session without a worker one."""
         engine_ids = {rid for e in self.engines.values() for rid in e.sessions}
         allocated = sum(e.kv_slots_allocated() for e in self.engines.values())
-        expected = sum(s.engine.sessions[rid].cache.max_slots for rid, s in self.sessions.items()
+        expected = sum(s.engine.sessions[rid].max_slots for rid, s in self.sessions.items()
                        if rid in s.engine.sessions)
         return {"worker": self.name, "live_sessions": len(self.sessions), "kv_slots_allocated": allocated,
                 "kv_slots_live": expected, "kv_bytes_allocated": sum(e.kv_bytes_allocated() for e in self.engines.values()),

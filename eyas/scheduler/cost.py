@@ -58,25 +58,7 @@ class TreeShape:
 
 
 PLAIN = TreeShape(0, 0, 0)
-MAX_PREFILL_ROWS = 4096  # prompt rows one batched prefill forward may pack (activations grow with them)
-
-
-def prefill_chunks(prompt_lens: list[int], max_rows: int = MAX_PREFILL_ROWS) -> list[list[int]]:
-    """Arrivals grouped, in order, into batched prefills of at most ``max_rows`` prompt rows each (a
-    longer prompt goes alone). Worked example: lengths [3000, 900, 300, 5000, 10] with 4096 rows ->
-    [[0, 1], [2], [3], [4]] (3000 + 900 fit; + 300 would not)."""
-    if max_rows < 1:
-        raise ValueError(f"max_rows: {max_rows} < 1")
-    chunks: list[list[int]] = []
-    rows = 0
-    for i, n in enumerate(prompt_lens):
-        if chunks and rows + n <= max_rows:
-            chunks[-1].append(i)
-            rows += n
-        else:
-            chunks.append([i])
-            rows = n
-    return chunks
+DEFAULT_PREFILL_CHUNK = 256  # prompt rows one serving round may prefill, all requests together (measured: docs/benchmarks.md)
 
 
 @dataclass(frozen=True)

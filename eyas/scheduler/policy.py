@@ -137,10 +137,12 @@ class TreeWorkPolicy:
         self.speculate = speculate
 
     def plan(self, waiting: list[Candidate], curve: LatencyCurve, draft: DraftCost | None = None,
-             experts: ExpertTraffic = NO_EXPERTS) -> Plan:
+             experts: ExpertTraffic = NO_EXPERTS, prefill_rows: int = 0) -> Plan:
         """The batch and its trees. ``draft`` is what drafting adds to a round (None: free);
         ``experts`` predicts an MoE target's expert bytes, held to ``budgets.max_expert_bytes``
-        (the oldest request is always admitted: one row must be able to run)."""
+        (the oldest request is always admitted: one row must be able to run). ``prefill_rows``:
+        prompt rows the same forward carries (chunked prefill); they cost latency like verify rows,
+        so a round that prefills makes every tree's rows dearer, but they take no verify budget."""
         b = self.budgets
         batch: list[Candidate] = []
         rows = kv = 0
@@ -168,7 +170,8 @@ class TreeWorkPolicy:
         total_tokens = sum(tok[c.request_id][0] for c in batch)
         depth = 0                                       # the deepest tree in the batch (0: nobody drafts)
         drows = 0                                       # draft rows of the batch's trees, all together
-        best_j = total_tokens / (curve.predict(rows) + draft_ms(depth, drows))
+        latency = lambda verify_rows: curve.predict(verify_rows + prefill_rows)  # noqa: E731
+        best_j = total_tokens / (latency(rows) + draft_ms(depth, drows))
         while self.speculate:
             # a move raises one request's tree, or every request to one shape at once (the round's
             # drafting cost is paid once, so one request alone may not pay for it where all do);
@@ -191,7 +194,7 @@ class TreeWorkPolicy:
                 if rows + d_rows > b.max_verify_rows or kv + d_kv > b.max_kv_bytes \
                         or not _experts_fit(experts, rows + d_rows, b):
                     continue
-                j = (total_tokens + d_tok) / (curve.predict(rows + d_rows) + draft_ms(new_depth, drows + d_drows))
+                j = (total_tokens + d_tok) / (latency(rows + d_rows) + draft_ms(new_depth, drows + d_drows))
                 if j > best_j * (1 + MIN_GAIN) and (best is None or j > best[0]):
                     best = (j, up, d_tok, d_rows, d_kv, new_depth, d_drows)
             if best is None:
@@ -201,7 +204,7 @@ class TreeWorkPolicy:
             rows, kv, total_tokens, drows = rows + d_rows, kv + d_kv, total_tokens + d_tok, drows + d_drows
         shapes = {c.request_id: self.shapes[level[c.request_id]] for c in batch}
         work = tuple(_work(c, shapes[c.request_id], b, experts) for c in batch)
-        return Plan(shapes, work, curve.predict(rows) + draft_ms(depth, drows), total_tokens, experts.predict(rows))
+        return Plan(shapes, work, latency(rows) + draft_ms(depth, drows), total_tokens, experts.predict(rows))
 
 
 class PromptLengthPolicy:
@@ -214,9 +217,10 @@ class PromptLengthPolicy:
         self.shape = shape
 
     def plan(self, waiting: list[Candidate], curve: LatencyCurve, draft: DraftCost | None = None,
-             experts: ExpertTraffic = NO_EXPERTS) -> Plan:
+             experts: ExpertTraffic = NO_EXPERTS, prefill_rows: int = 0) -> Plan:
         """The fixed tree for every speculative member (a target-only one runs plainly, one row); MoE
-        expert bytes are predicted and reported, not budgeted."""
+        expert bytes are predicted and reported, not budgeted; ``prefill_rows`` add to the predicted
+        latency only."""
         if not waiting:
             return Plan({}, (), 0.0, 0.0)
         b = self.budgets
@@ -237,7 +241,7 @@ class PromptLengthPolicy:
         work = tuple(_work(c, shapes[c.request_id], b, experts) for c in batch)
         expected = sum(1.0 + c.acceptance.expected(shapes[c.request_id].depth_cap) for c in batch)
         drafting = [c for c in batch if shapes[c.request_id].speculates]
-        ms = curve.predict(sum(w.verify_rows for w in work)) + (
+        ms = curve.predict(sum(w.verify_rows for w in work) + prefill_rows) + (
             draft.predict(self.shape.depth_cap, sum(self.shape.drafter_rows(c.draft_backlog) for c in drafting))
             if draft is not None and drafting else 0.0)
         return Plan(shapes, work, ms, expected, experts.predict(sum(w.verify_rows for w in work)))

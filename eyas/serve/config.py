@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ray.serve.config import AutoscalingConfig
 
+from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK
 from eyas.target.loader import DEFAULT_TARGET, PRECISIONS
 
 
@@ -46,6 +47,9 @@ class ServeConfig(BaseModel):
     scheduler: Literal["tree-work", "prompt-length"] = "tree-work"
     max_batch: int = Field(16, ge=1)          # requests per batched round
     max_verify_rows: int = Field(256, ge=1)   # verify rows per batched round (all requests together)
+    # prompt rows one round prefills, all requests together (chunked prefill): a long prompt takes
+    # several rounds while the others keep decoding in the same forwards
+    max_prefill_rows: int = Field(DEFAULT_PREFILL_CHUNK, ge=1)
     # MoE targets: expert weights one batched verify may read (the union its rows route to; seed 0x09A);
     # None = no cap. Ignored for a dense target.
     max_expert_bytes: int | None = Field(None, ge=1)

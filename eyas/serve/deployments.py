@@ -145,7 +145,8 @@ class EyasTarget:
         self.loop = RoundLoop(WorkerCalls(self.locked, c.target_timeout_s, local=True), self.drafter,
                               {}, policy, curve, on_round=self.telemetry.record_round,
                               on_finish=lambda *_: self.reporter.poke(),
-                              experts=ExpertTraffic(**self.worker.engine_for(()).expert_traffic_shape()))
+                              experts=ExpertTraffic(**self.worker.engine_for(()).expert_traffic_shape()),
+                              max_prefill_rows=c.max_prefill_rows)
         # named requests in flight here: request id -> (wall time the ingress received it, its cancel)
         self.inflight: dict[str, tuple[float, threading.Event]] = {}
         self.reporter = Reporter(self.app_name, self.replica_id, "target", self._report,

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from eyas.actors.target_worker import Refusal
+from eyas.target.engine import PrefillProgress
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import (FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, DrafterUnavailable, GenerationResult,
                            RoundRecord, RoundStats, finish_tokens)
@@ -42,7 +43,7 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import Seed
 from eyas.protocol.tree import DraftTree, flatten_tree
-from eyas.scheduler.cost import PLAIN, ExpertTraffic, TreeShape, prefill_chunks
+from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK, PLAIN, ExpertTraffic, TreeShape
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
 from eyas.verification.sampling import SamplingParams
@@ -103,6 +104,7 @@ class Live:
     out: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
     prefill_s: float = 0.0
+    prompt_done: int = 0              # prompt rows prefilled so far (chunked prefill; all of them once seeded)
     stopped: bool = False
     eos: tuple[int, ...] = ()
 
@@ -123,11 +125,17 @@ class RoundLoop:
     def __init__(self, target: WorkerCalls, drafter: WorkerCalls | None, drafter_info: dict, policy,
                  curve: LatencyCurve, on_round: Callable[[RoundRecord], None] | None = None,
                  on_finish: Callable[[str, GenerationResult], None] | None = None,
-                 draft_cost: DraftCost | None = None, experts: ExpertTraffic | None = None):
+                 draft_cost: DraftCost | None = None, experts: ExpertTraffic | None = None,
+                 max_prefill_rows: int | None = DEFAULT_PREFILL_CHUNK):
         """``draft_cost``: the scheduler's starting cost of drafting; by default the drafter's start-up
         measurement from ``drafter_info`` (its costliest method's), else the optimistic prior.
         ``experts``: an MoE target's expert traffic model (``TargetEngine.expert_traffic_shape``), which
-        live verifies calibrate; None for a dense target."""
+        live verifies calibrate; None for a dense target. ``max_prefill_rows``: prompt rows one round
+        may prefill, all requests together (chunked prefill: a long prompt takes several rounds
+        while the others keep decoding; None: a whole prompt in one round)."""
+        if max_prefill_rows is not None and max_prefill_rows < 1:
+            raise ValueError(f"max_prefill_rows: must be >= 1, got {max_prefill_rows}")
+        self.max_prefill_rows = max_prefill_rows
         self.target, self.drafter, self.drafter_info = target, drafter, drafter_info
         self.policy, self.curve = policy, curve
         # what a round's drafting adds (the propose call, hop included); live rounds refit it
@@ -145,6 +153,7 @@ class RoundLoop:
         self.last_verify_rows = 0   # rows of the last round, all requests together
         self.last_draft_rows = 0    # draft tree nodes of the last round, all requests together
         self.last_batch = 0         # requests the last round verified (at most max_batch; the rest of live waited)
+        self.last_prefill_rows = 0  # prompt rows the last round prefilled
         self.last_expert_bytes = 0  # MoE: expert weights the last round's batched verify read
         # set while the drafter is unreachable: rounds are plain for everyone (no drafter call can stall
         # them) and a probe thread asks the drafter for its info until it answers, then clears it
@@ -210,6 +219,7 @@ class RoundLoop:
             per_round = len(x.out) / len(x.rounds) if x.rounds else 1.0
             last_rows = x.rounds[-1].tree_nodes + 1 if x.rounds else 1
             rows += max(x.max_new_tokens - len(x.out), 0) / max(per_round, 1.0) * last_rows
+            rows += len(x.prompt_ids) - x.prompt_done if x.seed is None else 0  # prompt rows still to prefill
         return {"pending_verify_rows": float(rows + waiting), "draft_rows": float(self.last_draft_rows if live else 0),
                 "expert_bytes": float(self.last_expert_bytes if live else 0), "live": len(live), "pending": pending,
                 "batch": self.last_batch if live else 0}
@@ -244,35 +254,12 @@ class RoundLoop:
                         self._finish(live, FINISH_ERROR, err)
 
     def _admit(self, admitted: list[Live]) -> None:
-        """Open the arrivals' target sessions, prefill them in batched forwards (ONE for up to
-        ``MAX_PREFILL_ROWS`` prompt rows), publish each prefill (its own transaction), then open their
-        draft sessions. A request refused at any step fails alone."""
-        t0 = time.perf_counter()
-        opened = [live for live in admitted if self._open(live)]
-        for live in opened:
-            self.live[live.request_id] = live
-        for chunk in prefill_chunks([len(x.prompt_ids) for x in opened]):
-            self._prefill([opened[i] for i in chunk], t0)
-
-    def _prefill(self, opened: list[Live], t0: float) -> None:
-        decisions = self.target("prefill_batch", [pb.PrefillRequest(request_id=x.request_id) for x in opened])
-        prefilled = []
-        for live, d in zip(opened, decisions):
-            if isinstance(d, Refusal):
-                self._finish(live, FINISH_ERROR, ValueError(d.message))
-            else:
-                prefilled.append((live, d))
-        acks = self.target("publish_batch", [pb.PublishRequest(request_id=live.request_id, round=d.round)
-                                             for live, d in prefilled]) if prefilled else []
-        for (live, _), ack in zip(prefilled, acks):
-            if isinstance(ack, Refusal):
-                self._finish(live, FINISH_ERROR, ValueError(ack.message))
-                continue
-            live.seed = wire.seed_from_proto(ack.seed)
-            live.unread = [live.seed]
-            live.prefill_s = time.perf_counter() - t0
-            self._open_draft(live)
-            self._emit(live, list(ack.output_tokens))
+        """Open the arrivals' target sessions; their prompts are prefilled by the rounds that follow,
+        in chunks, in the same forward as everyone else's decoding (:meth:`_round`). A request
+        refused here fails alone."""
+        for live in admitted:
+            if self._open(live):
+                self.live[live.request_id] = live
 
     def _open(self, live: Live) -> bool:
         """The request's target session; a refusal (naming the field) fails its future."""
@@ -308,21 +295,31 @@ class RoundLoop:
             self._drafter_lost()
 
     def _round(self) -> None:
+        """One round: plan, propose, then ONE target call (``round_batch``) that runs the prompts'
+        next prefill chunks (at most ``max_prefill_rows`` rows, shortest prompt first) and the
+        planned verifies in one forward, then ONE publish call for every decided request."""
+        prefilling = [x for x in self.live.values() if x.seed is None]
+        decoding = [x for x in self.live.values() if x.seed is not None]
+        prefill_rows = sum(len(x.prompt_ids) - x.prompt_done for x in prefilling)
+        if self.max_prefill_rows is not None:
+            prefill_rows = min(prefill_rows, self.max_prefill_rows)
         cands = [Candidate(x.request_id, x.arrival, len(x.prompt_ids), len(x.prompt_ids) + len(x.out) - 1,
                            x.acceptance if x.speculative else NEVER_ACCEPTS,
                            Seed.total_rows(x.unread) if x.speculative else 0, speculative=x.speculative)
-                 for x in self.live.values()]
+                 for x in decoding]
         backlog = {c.request_id: c.draft_backlog for c in cands}
-        plan = self.policy.plan(cands, self.curve, self.draft_cost, self.experts)              # plan
-        shapes = {rid: self._fit(self.live[rid], shape) for rid, shape in plan.shapes.items()}
+        plan = self.policy.plan(cands, self.curve, self.draft_cost, self.experts, prefill_rows=prefill_rows) \
+            if cands else None                                                                  # plan
+        shapes = {rid: self._fit(self.live[rid], shape) for rid, shape in plan.shapes.items()} if plan else {}
         batch = [self.live[rid] for rid in shapes]
         start_ns, t0 = time.time_ns(), time.perf_counter()
         self._draft_compute_s = 0.0
-        trees = self._propose(batch, shapes)                                                    # propose
+        trees = self._propose(batch, shapes) if batch else {}                                   # propose
         t1 = time.perf_counter()
         drafted = [rid for rid, t in trees.items() if t.num_nodes]
-        self.draft_cost.observe(max((shapes[rid].depth_cap for rid in drafted), default=0), 1000 * (t1 - t0),
-                                sum(shapes[rid].drafter_rows(backlog[rid]) for rid in drafted))
+        if batch:
+            self.draft_cost.observe(max((shapes[rid].depth_cap for rid in drafted), default=0), 1000 * (t1 - t0),
+                                    sum(shapes[rid].drafter_rows(backlog[rid]) for rid in drafted))
         msgs, flats = [], {}
         for live in batch:
             s = self._target_view(live)
@@ -331,23 +328,31 @@ class RoundLoop:
             msgs.append(wire.flat_tree_to_proto(flat, request_id=live.request_id, round=s[2],
                                                 base_position=s[1]))
         t2 = time.perf_counter()
-        decisions = self.target("verify_batch", msgs)                                           # verify + accept
+        prefill_replies, decisions = self.target(
+            "round_batch", [pb.PrefillRequest(request_id=x.request_id) for x in prefilling], msgs,
+            self.max_prefill_rows)                                                              # verify + accept
         t3 = time.perf_counter()
+        prompts_done, ran_prefill_rows = self._prefill_progress(prefilling, prefill_replies)
         to_publish = [(live, d) for live, d in zip(batch, decisions) if not isinstance(d, Refusal)]
         for live, d in zip(batch, decisions):
             if isinstance(d, Refusal):
                 self._finish(live, FINISH_ERROR, ValueError(d.message))
+        publishes = [(live, d) for live, d in prompts_done] + to_publish
         acks = self.target("publish_batch", [pb.PublishRequest(request_id=live.request_id, round=d.round)
-                                             for live, d in to_publish]) if to_publish else []  # publish
+                                             for live, d in publishes]) if publishes else []    # publish
         t4 = time.perf_counter()
+        self._prefilled(prompts_done, acks[:len(prompts_done)])
+        acks = acks[len(prompts_done):]
         rows = sum(f.num_rows for rid, f in flats.items())
         self.last_verify_rows, self.last_draft_rows = rows, rows - len(flats)
+        self.last_prefill_rows = ran_prefill_rows
         self.last_batch = len(batch)
-        verify_ms = 1000 * (t3 - t2)
-        self.curve.observe(rows, verify_ms)
+        self.curve.observe(rows + ran_prefill_rows, 1000 * (t3 - t2))
+        if not batch:  # a round that only prefilled
+            return
+        self.rounds += 1  # rounds that decoded
         self.last_expert_bytes = max((d.batch_expert_bytes for _, d in to_publish), default=0)
-        self.experts.observe(rows, self.last_expert_bytes)
-        self.rounds += 1
+        self.experts.observe(rows + ran_prefill_rows, self.last_expert_bytes)
         accept_s = max((d.accept_ms for _, d in to_publish), default=0.0) / 1000
         # the Ray hop cost: the round's wall time outside the workers' own compute (calls, encoding, queues)
         compute_s = (self._draft_compute_s + max((d.compute_ms for _, d in to_publish), default=0.0) / 1000
@@ -373,6 +378,36 @@ class RoundLoop:
                                           verify_s=t3 - t2, accept_s=accept_s, publish_s=t4 - t3,
                                           fallback=live.fallback, expert_bytes=d.expert_bytes,
                                           batch_expert_bytes=d.batch_expert_bytes))
+            self._emit(live, list(ack.output_tokens))
+
+    def _prefill_progress(self, prefilling: list[Live], replies: list
+                          ) -> tuple[list[tuple[Live, pb.AcceptDecision]], int]:
+        """Each prefilling request's reply: a refusal fails it; a ``PrefillProgress`` moves its
+        prefilled count on; a decision (its last chunk ran) is returned, to be published as round 0.
+        -> (the finished prompts with their decisions, the prompt rows this round ran)."""
+        before = sum(x.prompt_done for x in prefilling)
+        done = []
+        for live, reply in zip(prefilling, replies):
+            if isinstance(reply, Refusal):
+                self._finish(live, FINISH_ERROR, ValueError(reply.message))
+            elif isinstance(reply, PrefillProgress):
+                live.prompt_done = reply.prefilled
+            else:
+                live.prompt_done = len(live.prompt_ids)
+                done.append((live, reply))
+        return done, sum(x.prompt_done for x in prefilling) - before
+
+    def _prefilled(self, done: list[tuple[Live, pb.AcceptDecision]], acks: list) -> None:
+        """Publish's answer for each prompt that finished prefilling: its first token goes out, and its
+        draft session opens (it drafts from the next round)."""
+        for (live, _), ack in zip(done, acks):
+            if isinstance(ack, Refusal):
+                self._finish(live, FINISH_ERROR, ValueError(ack.message))
+                continue
+            live.seed = wire.seed_from_proto(ack.seed)
+            live.unread = [live.seed]
+            live.prefill_s = time.perf_counter() - live.arrival
+            self._open_draft(live)
             self._emit(live, list(ack.output_tokens))
 
     # --- helpers ------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ import torch
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.target.experts import expert_bytes, expert_union
-from eyas.target.model import FeatureTap, KVCache, MoE, Segment, TargetModel
+from eyas.target.batch_kv import BatchKV, BatchRows, RowGroup
+from eyas.target.model import FeatureTap, MoE, TargetModel
 
 PREFILL_ROUND = 0  # the round number of the prompt's prefill; speculation rounds count from 1
 
@@ -52,12 +53,24 @@ class Verified:
     features: torch.Tensor     # [R, F]
 
 
+@dataclass(frozen=True)
+class PrefillProgress:
+    """A prompt still being prefilled (chunked prefill): ``prefilled`` of its ``prompt_len`` rows
+    have provisional K/V; the rest come in later rounds, and the prefill's :class:`Verified` comes
+    with the chunk that finishes it."""
+
+    request_id: str
+    prefilled: int
+    prompt_len: int
+
+
 @dataclass
 class TargetSession:
     """Mutable per-request target state. Only :class:`TargetEngine` touches it."""
 
     request_id: str
-    cache: KVCache
+    kv_row: int                    # this request's row of the engine's BatchKV
+    max_slots: int                 # its slot budget: prompt + max_new_tokens + the tree's rows + 1
     prompt_len: int
     committed_len: int = 0         # slots [0, committed_len) hold committed K/V
     round: int = PREFILL_ROUND     # the round of the last published (or pending) verify
@@ -67,14 +80,23 @@ class TargetSession:
     last_seed: Seed | None = None
     tokens: list[int] = field(default_factory=list)  # committed tokens (prompt + accepted)
     features: list[torch.Tensor] = field(default_factory=list)  # per publish [A, F]: committed rows' features
+    prefilled: int = 0             # prompt rows with provisional K/V so far (chunked prefill)
+    prefill_features: list[torch.Tensor] = field(default_factory=list)  # per chunk [T, F]
 
 
 class TargetEngine:
+    """Owner of the target's weights and of every live request's K/V, in ONE padded store
+    (:class:`~eyas.target.batch_kv.BatchKV`): a round's prefill chunks, decode rows and tree rows
+    all run as one forward with one attention call per layer (:meth:`step`)."""
+
     def __init__(self, model: TargetModel, taps: tuple[FeatureTap, ...]):
         self.model = model
         self.cfg = model.cfg
         self.taps = taps
         self.sessions: dict[str, TargetSession] = {}
+        w = model.embed.weight
+        self.kv = BatchKV(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, w.dtype, w.device)
+        self._row_owner: list[str] = []  # request id of each KV row [0, live)
         self.last_expert_union: tuple[tuple[int, ...], ...] = ()  # MoE: experts the last verify touched, per layer
         self.last_expert_bytes: int = 0
         self.last_request_expert_bytes: dict[str, int] = {}  # MoE: each request's own rows' union, last verify
@@ -106,18 +128,37 @@ class TargetEngine:
             raise ValueError(f"tree_budget: prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + the "
                              f"tree's {max_tree_rows} rows exceed the context ({self.cfg.max_context}{window}); "
                              "ask for a smaller tree or fewer tokens")
-        self.sessions[request_id] = TargetSession(request_id, self.model.allocate_cache(1, slots), len(prompt_ids),
+        self.kv.reserve(len(self._row_owner) + 1, slots)
+        self.sessions[request_id] = TargetSession(request_id, len(self._row_owner), slots, len(prompt_ids),
                                                   tokens=list(prompt_ids))
+        self._row_owner.append(request_id)
 
     def close_session(self, request_id: str) -> None:
-        self.sessions.pop(request_id, None)
+        """Forget a request; the last KV row moves into its place, so live rows stay ``[0, live)``."""
+        s = self.sessions.pop(request_id, None)
+        if s is None:
+            return
+        last = self._row_owner.pop()
+        if last != request_id:
+            moved = self.sessions[last]
+            self.kv.move(moved.kv_row, s.kv_row, moved.max_slots)
+            moved.kv_row = s.kv_row
+            self._row_owner[s.kv_row] = last
+        if not self._row_owner:
+            self.kv.release()
 
     def kv_slots_allocated(self) -> int:
-        """KV slots held by live sessions (the leak invariant: 0 once every session is closed)."""
-        return sum(s.cache.max_slots for s in self.sessions.values())
+        """KV slots reserved by live sessions (the leak invariant: 0 once every session is closed)."""
+        return sum(s.max_slots for s in self.sessions.values())
 
     def kv_bytes_allocated(self) -> int:
-        return sum(s.cache.max_slots * s.cache.bytes_per_slot for s in self.sessions.values())
+        """Bytes the padded store holds (rows x the longest budget; 0 once every session is closed)."""
+        return self.kv.nbytes
+
+    def committed_kv(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's committed keys and values, views of its KV row ([L, H_kv, committed_len, hd] each)."""
+        s = self._session(request_id)
+        return self.kv.k[:, s.kv_row, :, :s.committed_len], self.kv.v[:, s.kv_row, :, :s.committed_len]
 
     def committed_seed(self, request_id: str) -> Seed:
         """A reseed for a drafter that lost its state: every committed row's verified feature from
@@ -134,57 +175,108 @@ class TargetEngine:
         return self.sessions[request_id]
 
     # --- forward passes ------------------------------------------------------------------------
-    @torch.inference_mode()
     def prefill(self, request_id: str) -> Verified:
-        s = self._session(request_id)
-        if s.committed_len or s.pending is not None:
-            raise ValueError(f"request_id: {request_id!r} is already prefilled")
-        n = s.prompt_len
-        tokens = torch.tensor([s.tokens], dtype=torch.int64)
-        mask = torch.ones(n, n, dtype=torch.bool).tril_().unsqueeze(0)
-        out = self.model(tokens, torch.arange(n).unsqueeze(0), s.cache, 0, mask, self.taps, logits_rows="last")
-        s.pending = Verified(request_id, PREFILL_ROUND, None, out.logits[0], out.features[0])
-        return s.pending
+        """The whole prompt in one forward (no chunking)."""
+        (out,), _ = self.step([request_id], [])
+        if isinstance(out, ValueError):
+            raise out
+        return out
+
+    def prefill_batch(self, request_ids: list[str], max_prefill_rows: int | None = None
+                      ) -> list[Verified | PrefillProgress | ValueError]:
+        """Prefill several requests' prompts in one forward, at most ``max_prefill_rows`` prompt rows
+        in all (None: no bound); see :meth:`step`."""
+        return self.step(request_ids, [], max_prefill_rows)[0]
+
+    def verify(self, request_id: str, tree: DraftTree) -> Verified:
+        """Run the frontier token plus ``tree`` as one forward over provisional slots (seed 0x05C)."""
+        _, (out,) = self.step([], [(request_id, tree)])
+        if isinstance(out, ValueError):
+            raise out
+        return out
+
+    def verify_batch(self, items: list[tuple[str, DraftTree]]) -> list[Verified | ValueError]:
+        """Verify several requests' trees in one forward; see :meth:`step`."""
+        return self.step([], items)[1]
 
     @torch.inference_mode()
-    def prefill_batch(self, request_ids: list[str]) -> list[Verified | ValueError]:
-        """Prefill several requests' prompts in ONE forward (packed: each its own KV cache and causal
-        mask; the LM head runs on each prompt's last row only). A request that cannot be prefilled
-        (unknown, already prefilled) gets its ``ValueError`` in its place and is left out."""
-        if len(set(request_ids)) != len(request_ids):
+    def step(self, prefills: list[str], verifies: list[tuple[str, DraftTree]], max_prefill_rows: int | None = None
+             ) -> tuple[list[Verified | PrefillProgress | ValueError], list[Verified | ValueError]]:
+        """ONE forward for a round: the next chunk of each prompt in ``prefills`` (in order, at most
+        ``max_prefill_rows`` prompt rows in all, None: no bound) and the frontier token plus tree of
+        each of ``verifies`` (seed 0x05C), with one attention call per layer over the K/V store.
+
+        A request that cannot take part (unknown, already prefilled, a bad tree, twice in the round)
+        gets its ``ValueError`` in its place and is left out; every other is computed as if alone.
+        A prompt whose last chunk ran gets its :class:`Verified` (publish it as round 0); one with
+        rows still to go gets a :class:`PrefillProgress`."""
+        named = list(prefills) + [rid for rid, _ in verifies]
+        if len(set(named)) != len(named):
             raise ValueError("request_id: a request appears twice in one batch")
-        prepared: list[TargetSession | ValueError] = []
-        for request_id in request_ids:
+        if max_prefill_rows is not None and max_prefill_rows < 0:
+            raise ValueError(f"max_prefill_rows: must be >= 0, got {max_prefill_rows}")
+        budget = max_prefill_rows
+        groups, logit_rows, jobs, lo = [], [], [], 0  # jobs: (kind, session, payload, (lo, hi))
+        pre_out: list = [None] * len(prefills)
+        ver_out: list = [None] * len(verifies)
+        for i, request_id in enumerate(prefills):
             try:
                 s = self._session(request_id)
                 if s.committed_len or s.pending is not None:
                     raise ValueError(f"request_id: {request_id!r} is already prefilled")
-                prepared.append(s)
             except ValueError as err:
-                prepared.append(err)
-        ok = [s for s in prepared if not isinstance(s, ValueError)]
-        segments = [Segment(torch.tensor(s.tokens, dtype=torch.int64), torch.arange(s.prompt_len), s.cache, 0,
-                            torch.ones(s.prompt_len, s.prompt_len, dtype=torch.bool).tril_()) for s in ok]
-        outs = iter(self.model.forward_packed(segments, self.taps, logits_rows="last") if ok else [])
-        results: list[Verified | ValueError] = []
-        for s in prepared:
-            if isinstance(s, ValueError):
-                results.append(s)
+                pre_out[i] = err
                 continue
-            out = next(outs)
-            s.pending = Verified(s.request_id, PREFILL_ROUND, None, out.logits[0], out.features[0])
-            results.append(s.pending)
-        return results
-
-    @torch.inference_mode()
-    def verify(self, request_id: str, tree: DraftTree) -> Verified:
-        """Run the frontier token plus ``tree`` as one forward over provisional slots (seed 0x05C)."""
-        s, flat, mask = self._prepare_verify(request_id, tree)
-        out = self.model(flat.tokens.unsqueeze(0), flat.positions.unsqueeze(0), s.cache, s.committed_len,
-                         None if mask is None else mask.unsqueeze(0), self.taps, logits_rows="all")
-        s.pending = Verified(request_id, s.round + 1, flat, out.logits[0], out.features[0])
-        self._account_experts([(request_id, flat.num_rows)])
-        return s.pending
+            c0 = s.prefilled
+            c1 = s.prompt_len if budget is None else min(s.prompt_len, c0 + budget)
+            if c1 == c0:  # no prefill rows left this round
+                pre_out[i] = PrefillProgress(request_id, c0, s.prompt_len)
+                continue
+            if budget is not None:
+                budget -= c1 - c0
+            t = c1 - c0
+            mask = torch.ones(t, c1, dtype=torch.bool).tril_(c0)
+            groups.append(RowGroup(s.kv_row, torch.tensor(s.tokens[c0:c1], dtype=torch.int64), torch.arange(c0, c1),
+                                   c0, mask if t > 1 or c0 else None))
+            if c1 == s.prompt_len:
+                logit_rows.append(lo + t - 1)
+            jobs.append(("prefill", i, s, (c0, c1), (lo, lo + t)))
+            lo += t
+        for i, (request_id, tree) in enumerate(verifies):
+            try:
+                s, flat, mask = self._prepare_verify(request_id, tree)
+            except ValueError as err:
+                ver_out[i] = err
+                continue
+            groups.append(RowGroup(s.kv_row, flat.tokens, flat.positions, s.committed_len, mask))
+            logit_rows.extend(range(lo, lo + flat.num_rows))
+            jobs.append(("verify", i, s, flat, (lo, lo + flat.num_rows)))
+            lo += flat.num_rows
+        if not groups:
+            return pre_out, ver_out
+        plan = BatchRows.build(groups, self.kv.device)
+        rows = "all" if len(logit_rows) == plan.num_rows else torch.tensor(logit_rows, dtype=torch.int64)
+        out = self.model.forward_batch(self.kv, plan, self.taps, rows)
+        logits, features = out.logits[0], out.features[0]   # [n_logit_rows, V], [N, F]
+        at = {r: j for j, r in enumerate(logit_rows)}       # packed row -> its logits row
+        if any(kind == "verify" for kind, *_ in jobs):
+            self._account_experts([(s.request_id, b - a) for _, _, s, _, (a, b) in jobs])
+        for kind, i, s, payload, (a, b) in jobs:
+            if kind == "prefill":
+                c0, c1 = payload
+                s.prefill_features.append(features[a:b])
+                s.prefilled = c1
+                if c1 < s.prompt_len:
+                    pre_out[i] = PrefillProgress(s.request_id, c1, s.prompt_len)
+                    continue
+                s.pending = Verified(s.request_id, PREFILL_ROUND, None, logits[at[b - 1]][None],
+                                     torch.cat(s.prefill_features))
+                s.prefill_features = []
+                pre_out[i] = s.pending
+            else:
+                s.pending = Verified(s.request_id, s.round + 1, payload, logits[at[a]:at[a] + b - a], features[a:b])
+                ver_out[i] = s.pending
+        return pre_out, ver_out
 
     def _account_experts(self, members: list[tuple[str, int]]) -> None:
         """Record the union of experts the forward's rows routed to, and its weight bytes, for the
@@ -201,39 +293,6 @@ class TargetEngine:
                 lo += rows
             self.last_request_expert_bytes = per_request
 
-    @torch.inference_mode()
-    def verify_batch(self, items: list[tuple[str, DraftTree]]) -> list[Verified | ValueError]:
-        """Verify several requests' trees in ONE forward (a ragged batch: each request keeps its own
-        KV cache, positions and tree mask; no row sees another request's keys).
-
-        A request whose tree fails validation gets its ``ValueError`` in its place of the result and
-        is left out of the forward; every other request is verified as if alone.
-        """
-        if len({rid for rid, _ in items}) != len(items):
-            raise ValueError("request_id: a request appears twice in one batch")
-        prepared: list[tuple[TargetSession, FlatTree, torch.Tensor | None] | ValueError] = []
-        for request_id, tree in items:
-            try:
-                prepared.append(self._prepare_verify(request_id, tree))
-            except ValueError as err:
-                prepared.append(err)
-        ok = [p for p in prepared if not isinstance(p, ValueError)]
-        outs = iter(self.model.forward_packed(
-            [Segment(flat.tokens, flat.positions, s.cache, s.committed_len, mask) for s, flat, mask in ok],
-            self.taps) if ok else [])
-        if ok:
-            self._account_experts([(s.request_id, flat.num_rows) for s, flat, _ in ok])
-        results: list[Verified | ValueError] = []
-        for p in prepared:
-            if isinstance(p, ValueError):
-                results.append(p)
-                continue
-            s, flat, _ = p
-            out = next(outs)
-            s.pending = Verified(s.request_id, s.round + 1, flat, out.logits[0], out.features[0])
-            results.append(s.pending)
-        return results
-
     def _prepare_verify(self, request_id: str, tree: DraftTree) -> tuple[TargetSession, FlatTree, torch.Tensor | None]:
         """Every check of a verify, before any forward: -> (session, flat rows, mask [R, n+R] or None)."""
         s = self._session(request_id)
@@ -244,9 +303,9 @@ class TargetEngine:
         n = s.committed_len
         flat = flatten_tree(tree, s.frontier_token, n)
         rows = flat.num_rows
-        if n + rows > s.cache.max_slots:
+        if n + rows > s.max_slots:
             raise ValueError(f"rows: {rows} tree rows exceed the session's KV budget "
-                             f"({s.cache.max_slots - n} slots left)")
+                             f"({s.max_slots - n} slots left)")
         mask = torch.cat([torch.ones(rows, n, dtype=torch.bool), flat.tree_mask], dim=1) if rows > 1 else None
         return s, flat, mask
 
@@ -287,7 +346,7 @@ class TargetEngine:
         ack = PublishAck(request_id, round, n + a, emitted)
         # -- writes: K/V first (into slots >= n only), then the bookkeeping, committed_len last --
         if v.flat is not None:
-            s.cache.gather_commit(n + rows, n)  # provisional slot n + r -> committed slot n + i
+            self.kv.commit(s.kv_row, n + rows, n)  # provisional slot n + r -> committed slot n + i
         s.tokens = committed_tokens
         s.features.append(seed.features)
         s.frontier_token = decision.frontier_token

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import hashlib
-import dataclasses
 from dataclasses import dataclass, asdict
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from eyas.target.batch_kv import BatchKV, BatchRows
 
 
 @dataclass(frozen=True)
@@ -464,6 +465,62 @@ class Attention(nn.Module):
         out = torch.cat(outs, dim=2)  # [1, H, T, hd]
         return self.wo(out.transpose(1, 2).reshape(1, T, self.heads * hd))
 
+    def forward_batch(self, x, cos, sin, kv: "BatchKV", plan: "BatchRows", layer: int):
+        """Packed rows of every request in the round, x [1, N, d], over the engine's one K/V store.
+
+        The projections run once over all N rows; the new K/V are written at each row's (KV row,
+        slot); attention is ONE call over KV rows ``[0, plan.num_kv_rows)`` with the padded query
+        grid and the plan's mask (``eyas.target.batch_kv``), so no row sees another request's keys.
+        With ``row_stable`` (int8) every non-prefill row attends alone, as in :meth:`_attend`."""
+        _, N, _ = x.shape
+        hd, H = self.head_dim, self.heads
+        q, k, v = self.project(x)
+        q = apply_rotary(q.view(1, N, H, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)                  # [N, H, hd]
+        k = apply_rotary(k.view(1, N, self.kv_heads, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)      # [N, H_kv, hd]
+        if plan.alone is not None:  # one request: contiguous slots, the very call of a one-request forward
+            b, start, mask = plan.alone
+            keys, values = kv.write_span(layer, b, start, k.transpose(0, 1)[None], v.view(N, self.kv_heads, hd)
+                                         .transpose(0, 1)[None])                       # [1, H_kv, start+N, hd]
+            out = self._attend(q.transpose(0, 1)[None], keys, values, mask, start)       # [1, H, N, hd]
+            return self.wo(out.transpose(1, 2).reshape(1, N, H * hd))
+        kv.write(layer, plan.kv_rows, plan.slots, k, v.view(N, self.kv_heads, hd))
+        keys, values = kv.view(layer, plan.num_kv_rows, plan.key_len)  # [B, H_kv, S, hd] views
+        if self.row_stable:
+            return self.wo(self._attend_rows_alone(q, keys, values, plan)[None])
+        B, W, Hkv = plan.num_kv_rows, plan.width, self.kv_heads
+        G = H // Hkv                                       # query heads per KV head (GQA)
+        grid = q.new_zeros(B * W, H, hd)
+        grid[plan.grid_index] = q
+        # grouped by KV head, rows (g, w): [B, H_kv, G*W, hd]; no K/V is expanded or copied
+        qg = grid.view(B, W, Hkv, G, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * W, hd)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * hd ** -0.5                 # [B, H_kv, G*W, S]
+        scores = scores.masked_fill_(plan.grouped_mask(G), float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)                        # [B, H_kv, G*W, hd]
+        out = out.view(B, Hkv, G, W, hd).permute(0, 3, 1, 2, 4).reshape(B * W, H * hd)[plan.grid_index]
+        return self.wo(out[None])                                                        # [1, N, d]
+
+    def _attend_rows_alone(self, q, keys, values, plan: "BatchRows"):
+        """int8's row-stable attention over the store (see :meth:`_attend`): a prefill group (slot 0
+        first) attends fused over its own keys; every other row alone over the keys its mask shows."""
+        gqa = self.heads != self.kv_heads
+        out = torch.empty(q.shape[0], self.heads * self.head_dim, dtype=q.dtype, device=q.device)
+        for lo, hi in plan.bounds:
+            b, s0 = int(plan.kv_rows[lo]), int(plan.slots[lo])
+            rows = plan.mask[b, 0, :hi - lo]                                                # [T, S]
+            if s0 == 0 and hi - lo > 1:  # a prompt's first chunk: fused, the same call in every mode
+                n = hi - lo
+                o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1)[None], keys[b:b + 1, :, :n],
+                                                   values[b:b + 1, :, :n], attn_mask=rows[None, None, :, :n],
+                                                   enable_gqa=gqa)                         # [1, H, T, hd]
+                out[lo:hi] = o[0].transpose(0, 1).reshape(n, -1)
+                continue
+            for t in range(hi - lo):
+                idx = rows[t].nonzero().squeeze(1)
+                o = F.scaled_dot_product_attention(q[lo + t][None, :, None], keys[b:b + 1, :, idx],
+                                                   values[b:b + 1, :, idx], enable_gqa=gqa)  # [1, H, 1, hd]
+                out[lo + t] = o.reshape(-1)
+        return out
+
 
 def head_rows(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``head(x)`` for x [..., d]; a plain bias-free nn.Linear over several rows outside autograd runs as
@@ -486,14 +543,15 @@ def head_rows(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Segment:
-    """One request's rows inside a packed forward (``TargetModel.forward_packed``)."""
+    """One request's rows inside a packed forward over per-request caches (the drafter's
+    ``forward_packed``; the target batches over one store instead, ``forward_batch``)."""
 
     tokens: torch.Tensor          # [T_i] int64
     positions: torch.Tensor       # [T_i] int64
     cache: "KVCache"              # this request's own cache
     start: int                    # slot of its first row (its committed length)
     mask: torch.Tensor | None     # [T_i, start + T_i] bool, or None for one row that sees everything
-    rows: tuple[int, int] = (0, 0)  # [lo, hi) of its rows in the packed batch (set by forward_packed)
+    rows: tuple[int, int] = (0, 0)  # [lo, hi) of its rows in the packed batch (set by the packing forward)
 
 
 class MLP(nn.Module):
@@ -569,8 +627,8 @@ class DecoderLayer(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, start, mask)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward_segments(self, x, cos, sin, segments, layer):
-        x = x + self.attn.forward_segments(self.attn_norm(x), cos, sin, segments, layer)
+    def forward_batch(self, x, cos, sin, kv, plan, layer):
+        x = x + self.attn.forward_batch(self.attn_norm(x), cos, sin, kv, plan, layer)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -629,35 +687,17 @@ class TargetModel(nn.Module):
         return self._run(self.embed(tokens), taps, logits_rows,
                          lambda i, layer, x: layer(x, cos, sin, cache, i, start, mask))
 
-    def forward_packed(self, segments: list[Segment], taps: tuple[FeatureTap, ...],
-                       logits_rows: str = "all") -> list[ForwardOut]:
-        """Several requests' rows in one forward (each with its own KV cache and mask); one
-        :class:`ForwardOut` per segment, with logits of every row (``"all"``: verifies) or of each
-        segment's last row only (``"last"``: batched prefills, whose other rows need no LM head)."""
-        assert segments, "segments: at least one"
-        if logits_rows not in ("all", "last"):
-            raise ValueError(f"logits_rows: {logits_rows!r} is not all/last")
-        placed, lo = [], 0
-        for seg in segments:
-            t = seg.tokens.shape[0]
-            assert seg.tokens.ndim == 1 and seg.tokens.dtype == torch.int64 and seg.positions.shape == seg.tokens.shape
-            if seg.mask is None and t > 1:
-                raise ValueError("mask: required when a segment feeds more than one row")
-            if seg.mask is not None:
-                assert seg.mask.shape == (t, seg.start + t) and seg.mask.dtype == torch.bool, "mask: [T_i, start+T_i]"
-            if seg.start + t > seg.cache.max_slots:
-                raise ValueError(f"rows: {seg.start + t} slots exceed a segment's KV cache ({seg.cache.max_slots})")
-            placed.append(dataclasses.replace(seg, rows=(lo, lo + t)))
-            lo += t
-        tokens = torch.cat([s.tokens for s in placed])[None]       # [1, T]
-        cos, sin = self.rope(torch.cat([s.positions for s in placed])[None])
-        rows = "all" if logits_rows == "all" else torch.tensor([b - 1 for _, b in (s.rows for s in placed)])
-        out = self._run(self.embed(tokens), taps, rows,
-                        lambda i, layer, x: layer.forward_segments(x, cos, sin, placed, i))
-        if logits_rows == "last":  # out.logits: [1, n_segments, V], one last row per segment
-            return [ForwardOut(out.logits[:, i:i + 1], out.features[:, s.rows[0]:s.rows[1]])
-                    for i, s in enumerate(placed)]
-        return [ForwardOut(out.logits[:, a:b], out.features[:, a:b]) for a, b in (s.rows for s in placed)]
+    def forward_batch(self, kv: "BatchKV", plan: "BatchRows", taps: tuple[FeatureTap, ...],
+                      logits_rows: "str | torch.Tensor" = "all") -> ForwardOut:
+        """Every request's rows of one round in one forward over the engine's K/V store: one
+        attention call per layer (``eyas.target.batch_kv``). -> logits [1, N or n, V] and features
+        [1, N, F] in packed order; ``logits_rows``: "all", "none", or packed-row indices [n]."""
+        if plan.key_len > kv.slot_capacity or plan.num_kv_rows > kv.row_capacity:
+            raise ValueError(f"rows: the plan reaches past the K/V store ({plan.num_kv_rows} rows x "
+                             f"{plan.key_len} slots; {kv.row_capacity} x {kv.slot_capacity} allocated)")
+        cos, sin = self.rope(plan.positions[None])
+        return self._run(self.embed(plan.tokens[None]), taps, logits_rows,
+                         lambda i, layer, x: layer.forward_batch(x, cos, sin, kv, plan, i))
 
     def expert_routing(self) -> list[torch.Tensor]:
         """Per MoE layer, the experts each row of the last forward routed to ([N, k] each; [] if dense)."""
@@ -674,7 +714,7 @@ class TargetModel(nn.Module):
         features = torch.cat([self.norm(tapped[t.layers_applied]) if t.normed and t.layers_applied != len(self.layers)
                               else (final if t.normed else tapped[t.layers_applied]) for t in taps], dim=-1) \
             if taps else final[..., :0]
-        if isinstance(logits_rows, torch.Tensor):  # [n] row indices (forward_packed: each segment's last)
+        if isinstance(logits_rows, torch.Tensor):  # [n] packed-row indices (forward_batch)
             logits = head_rows(self.lm_head, final[:, logits_rows]).float()
         elif logits_rows == "all":
             logits = head_rows(self.lm_head, final).float()

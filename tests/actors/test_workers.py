@@ -149,19 +149,20 @@ def test_a_publish_that_fails_half_way_changes_nothing_and_can_be_retried(tiny_t
     failed = 0
     while len(out) < 20:
         verdict = verifier.verify("atomic", drafter_engine.propose("atomic", seed, TREE))
-        t = worker.sessions["atomic"].engine.sessions["atomic"]
+        engine = worker.sessions["atomic"].engine
+        t = engine.sessions["atomic"]
         if verdict.decision.accept_length and not failed:
-            before = (t.cache.k[..., :t.committed_len, :].clone(), t.committed_len, list(t.tokens), t.round,
+            before = (engine.committed_kv("atomic")[0].clone(), t.committed_len, list(t.tokens), t.round,
                       len(t.features), t.frontier_token)
 
             def broken(*_a, **_k):
                 raise RuntimeError("device error during the KV gather")
 
-            monkeypatch.setattr(t.cache, "gather_commit", broken)
+            monkeypatch.setattr(engine.kv, "commit", broken)
             with pytest.raises(RuntimeError):
                 verifier.publish("atomic", verdict.round)
             monkeypatch.undo()
-            after = (t.cache.k[..., :t.committed_len, :], t.committed_len, list(t.tokens), t.round,
+            after = (engine.committed_kv("atomic")[0], t.committed_len, list(t.tokens), t.round,
                      len(t.features), t.frontier_token)
             assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
             failed += 1

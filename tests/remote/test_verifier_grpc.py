@@ -79,7 +79,7 @@ def committed_state(server, request_id: str) -> dict:
     """Everything a bad message must leave alone: the whole KV cache and the session's bookkeeping."""
     s = server.servicer.worker.sessions[request_id]
     t = s.engine.sessions[request_id]
-    return dict(k=t.cache.k.clone(), v=t.cache.v.clone(), committed_len=t.committed_len, tokens=list(t.tokens),
+    return dict(k=s.engine.kv.k[:, t.kv_row].clone(), v=s.engine.kv.v[:, t.kv_row].clone(), committed_len=t.committed_len, tokens=list(t.tokens),
                 frontier=t.frontier_token, round=t.round, pending=t.pending, last_ack=t.last_ack,
                 server_pending=s.pending, server_published=s.published)
 

@@ -56,15 +56,3 @@ def test_bad_expert_counts_are_refused_naming_the_field():
         ExpertTraffic(moe_layers=1, num_experts=-1)
     with pytest.raises(ValueError, match="^experts.experts_per_token: 4 > num_experts 2"):
         ExpertTraffic(moe_layers=1, num_experts=2, experts_per_token=4, bytes_per_expert=1)
-
-
-def test_prefill_chunks_pack_arrivals_in_order_within_the_row_budget():
-    """Lengths [3000, 900, 300, 5000, 10] at 4096 rows -> [[0, 1], [2], [3], [4]]: 3000 + 900 fit, 300
-    more would not; the 5000-row prompt goes alone; the last 10 cannot join it."""
-    from eyas.scheduler.cost import prefill_chunks
-
-    assert prefill_chunks([3000, 900, 300, 5000, 10]) == [[0, 1], [2], [3], [4]]
-    assert prefill_chunks([5, 6, 7]) == [[0, 1, 2]] and prefill_chunks([]) == []
-    assert prefill_chunks([5, 6, 7], max_rows=11) == [[0, 1], [2]]
-    with pytest.raises(ValueError, match="^max_rows: "):
-        prefill_chunks([1], max_rows=0)

@@ -198,16 +198,19 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
                         concurrent.futures.Future(), threading.Event(), time.perf_counter(), AcceptanceEstimate())
 
         running = live("a", [1, 2, 3], 16)
-        running.out = [5, 6, 7, 8]
+        running.out, running.prompt_done, running.seed = [5, 6, 7, 8], 3, object()
+        halfway = live("h", list(range(1, 11)), 8)   # a prompt 4 of 10 rows into its chunked prefill
+        halfway.prompt_done = 4
         running.rounds = [RoundStats(accept_length=1, new_tokens=2, tree_nodes=2, draft_s=0.0, verify_s=0.0)] * 2
         with loop.lock:  # hold the loop: this test places the requests itself
-            loop.live["a"] = running
+            loop.live["a"], loop.live["h"] = running, halfway
             queued = live("b", [1, 2, 3, 4, 5], 8)
             loop.pending.append(queued)
             work = loop.work()
             loop.live.clear()
             loop.pending.clear()
-        assert work["pending_verify_rows"] == 18 + 13 and work["live"] == 1 and work["pending"] == 1
+        # 18 rows for a (6 rounds x 3 rows); 6 prompt rows + 8 plain rows for h; 5 + 8 for the queued b
+        assert work["pending_verify_rows"] == 18 + 14 + 13 and work["live"] == 2 and work["pending"] == 1
         loop.submit("c", [1, 2, 3], 6, "target", TreeSpec(), SamplingParams(), 0).result(timeout=60)
         assert loop.work()["pending_verify_rows"] == 0.0  # finished requests leave no work behind
     finally:
@@ -215,20 +218,37 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
 
 
 class CountingTarget:
-    """A TargetWorker that records the size of every prefill_batch call (and refuses single prefills)."""
+    """A TargetWorker that records, for every round call that prefills, how many prompts it carries
+    and how many prompt rows each took (and refuses single prefills)."""
 
     def __init__(self, worker: TargetWorker):
-        self.worker, self.prefill_batches = worker, []
+        self.worker, self.prefill_batches, self.prefill_rows = worker, [], []
 
     def __getattr__(self, name):
         return getattr(self.worker, name)
 
     def prefill(self, request):
-        raise AssertionError("the loop prefills in batches")
+        raise AssertionError("the loop prefills in its rounds")
 
-    def prefill_batch(self, requests):
-        self.prefill_batches.append(len(requests))
-        return self.worker.prefill_batch(requests)
+    def prefill_batch(self, requests, max_prefill_rows=None):
+        raise AssertionError("the loop prefills in its rounds")
+
+    def round_batch(self, prefills, verifies, max_prefill_rows=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        if getattr(self, "during_call", None):
+            self.during_call(self.calls)
+        if prefills:
+            self.prefill_batches.append(len(prefills))
+            before = {r.request_id: self._prefilled(r.request_id) for r in prefills}
+        out = self.worker.round_batch(prefills, verifies, max_prefill_rows)
+        if prefills:
+            self.prefill_rows.append({rid: self._prefilled(rid) - n for rid, n in before.items()})
+        return out
+
+    def _prefilled(self, request_id):
+        s = self.worker.sessions.get(request_id)
+        t = s.engine.sessions.get(request_id) if s is not None else None
+        return t.prefilled if t is not None else 0
 
 
 def test_arrivals_between_rounds_are_prefilled_together_in_one_forward(tiny_target, workers):
@@ -376,3 +396,41 @@ def test_a_steep_latency_curve_turns_speculation_off_in_the_loop(tiny_target, wo
     assert_target_only_output(tiny_target, jobs, results, 10)
     assert counting.calls == 0 and rows and all(flat is None for flat in rows)
     assert not target.sessions and not drafter.session_method
+
+
+def test_a_short_request_beside_a_long_prompt_gets_its_first_token_within_three_of_its_rounds(tiny_target, workers):
+    """Chunked prefill: a 200-token prompt prefills 16 rows a round; a short request that arrives
+    during its second round is prefilled beside it (shortest prompt first) and has its first token
+    within 3 rounds of arriving, long before the long prompt's; every output is target-only's."""
+    target, drafter = workers
+    counting = CountingTarget(target)
+    loop = RoundLoop(WorkerCalls(counting, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
+                     drafter.info(), TreeWorkPolicy(Budgets()), FLAT.copy(), max_prefill_rows=16)
+    long, short = [(5 * i + 3) % 60 + 1 for i in range(200)], [3, 1, 4, 1, 5]
+    first_token_call, submitted = {}, {}
+
+    def first_token(rid):
+        def seen(tokens):
+            first_token_call.setdefault(rid, counting.calls)
+            return False
+        return seen
+
+    def arrive_in_round_two(call):
+        if call == 2 and "short" not in submitted:
+            submitted["short"] = (call, loop.submit("short", short, 8, "target", TreeSpec(), SamplingParams(), 0,
+                                                    on_tokens=first_token("short")))
+
+    counting.during_call = arrive_in_round_two
+    try:
+        f_long = loop.submit("long", long, 8, "eagle1", TreeSpec(), SamplingParams(), 0, on_tokens=first_token("long"))
+        r_long = f_long.result(timeout=120)
+        arrived, f_short = submitted["short"]
+        r_short = f_short.result(timeout=120)
+    finally:
+        loop.close()
+    assert first_token_call["long"] == -(-200 // 16)       # the long prompt took 13 prefill rounds
+    assert first_token_call["short"] - arrived + 1 <= 3     # the short one: its first token within 3 rounds
+    assert first_token_call["short"] < first_token_call["long"]
+    assert all(max(rows.values(), default=0) <= 16 and sum(rows.values()) <= 16 for rows in counting.prefill_rows)
+    assert_target_only_output(tiny_target, [(long, "eagle1"), (short, "target")], [r_long, r_short], 8)
+    assert target.leak_check()["ok"] and not target.sessions

@@ -59,8 +59,10 @@ def test_batch_equals_single_in_logits_acceptance_and_committed_kv(tiny_target):
         ta, tb = alone.sessions[rid], batched.sessions[rid]
         n = ta.committed_len
         assert n == tb.committed_len and ta.tokens == tb.tokens
-        torch.testing.assert_close(tb.cache.k[..., :n, :], ta.cache.k[..., :n, :], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(tb.cache.v[..., :n, :], ta.cache.v[..., :n, :], rtol=1e-4, atol=1e-5)
+        (kb, vb), (ka, va) = batched.committed_kv(rid), alone.committed_kv(rid)
+        assert kb.shape[2] == n
+        torch.testing.assert_close(kb, ka, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(vb, va, rtol=1e-4, atol=1e-5)
 
 
 def test_each_requests_tree_rows_equal_its_own_per_branch_causal_forward(tiny_target, tiny_pair):
@@ -117,8 +119,8 @@ def test_batched_prefill_equals_each_prompt_prefilled_alone(tiny_target, tiny_pa
         for e, v in ((alone, s), (batched, b)):
             e.publish(rid, v.round, AcceptDecision(rows, torch.tensor(prompt[1:]), frontier))
         n = len(prompt)
-        torch.testing.assert_close(batched.sessions[rid].cache.k[..., :n, :], alone.sessions[rid].cache.k[..., :n, :],
-                                   rtol=1e-5, atol=1e-5)
+        assert batched.committed_kv(rid)[0].shape[2] == n
+        torch.testing.assert_close(batched.committed_kv(rid)[0], alone.committed_kv(rid)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_batched_prefill_refuses_a_bad_member_and_prefills_the_others(tiny_target):
@@ -132,3 +134,68 @@ def test_a_batched_prefill_refuses_a_bad_member_and_prefills_the_others(tiny_tar
     assert res[0].round == e.sessions["a"].pending.round and e.sessions["a"].pending is res[0]
     with pytest.raises(ValueError, match="^request_id: "):
         e.prefill_batch(["a", "a"])
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7])
+def test_a_prompt_prefilled_in_chunks_equals_it_prefilled_whole_while_others_verify(tiny_target, tiny_pair, chunk):
+    """Chunked prefill: a 30-token prompt prefilled ``chunk`` rows a round, in the same forwards as
+    two other requests' verifies, ends with the logits, features and committed KV of a whole-prompt
+    prefill (and HF's causal forward); until its last chunk it gets PrefillProgress, nothing is
+    committed and it cannot verify; the other requests' rounds equal their rounds alone."""
+    from eyas.protocol.messages import AcceptDecision
+    from eyas.target.engine import PrefillProgress
+
+    hf, _ = tiny_pair
+    taps = eagle1_feature_address(tiny_target.cfg)
+    long = [(5 * i + 3) % 60 + 1 for i in range(30)]
+    whole, chunked = TargetEngine(tiny_target, taps), started(tiny_target, {"a": 2, "c": 1})
+    alone = started(tiny_target, {"a": 2, "c": 1})
+    whole.open_session("long", long, 8, 8)
+    chunked.open_session("long", long, 8, 8)
+    reference = whole.prefill("long")
+    steps = 0
+    while True:
+        pre, ver = chunked.step(["long"], [("a", TREES["a"]), ("c", TREES["c"])], max_prefill_rows=chunk)
+        for rid, v in zip(("a", "c"), ver):
+            mine = alone.verify(rid, TREES[rid])
+            torch.testing.assert_close(v.logits, mine.logits, rtol=1e-4, atol=1e-4)
+            for e, x in ((chunked, v), (alone, mine)):
+                e.publish(rid, x.round, greedy_accept(x.flat, x.logits))
+        steps += 1
+        if not isinstance(pre[0], PrefillProgress):
+            break
+        assert pre[0].prefilled == min(steps * chunk, 30) and chunked.sessions["long"].committed_len == 0
+        with pytest.raises(ValueError, match="^request_id: 'long' has no frontier token"):
+            chunked.verify("long", DraftTree.empty())
+    assert steps == -(-30 // chunk)
+    v = pre[0]
+    torch.testing.assert_close(v.logits, reference.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v.features, reference.features, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(v.logits[0], hf(torch.tensor([long])).logits[0, -1], rtol=1e-4, atol=1e-4)
+    frontier = int(reference.logits[-1].argmax())
+    for e, x in ((whole, reference), (chunked, v)):
+        e.publish("long", x.round, AcceptDecision(torch.arange(30), torch.tensor(long[1:]), frontier))
+    torch.testing.assert_close(chunked.committed_kv("long")[0], whole.committed_kv("long")[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked.committed_kv("long")[1], whole.committed_kv("long")[1], rtol=1e-5, atol=1e-5)
+
+
+def test_closing_a_request_moves_the_last_kv_row_into_its_place_and_the_store_is_freed_when_empty(tiny_target):
+    """The store keeps live requests in rows [0, live): closing one moves the last row (values and
+    all) into the hole; the moved request's committed KV and next verify are unchanged."""
+    e = started(tiny_target, {"a": 2, "b": 0, "c": 1})
+    rows = {rid: e.sessions[rid].kv_row for rid in PROMPTS}
+    assert sorted(rows.values()) == [0, 1, 2]
+    last = max(rows, key=rows.get)
+    first = min(rows, key=rows.get)
+    kv_before = [t.clone() for t in e.committed_kv(last)]
+    before = e.verify(last, TREES[last])
+    e.sessions[last].pending = None
+    e.close_session(first)
+    assert e.sessions[last].kv_row == rows[first]
+    assert all(torch.equal(a, b) for a, b in zip(kv_before, e.committed_kv(last)))
+    torch.testing.assert_close(e.verify(last, TREES[last]).logits, before.logits, rtol=1e-5, atol=1e-5)
+    assert e.kv_bytes_allocated() > 0
+    for rid in list(e.sessions):
+        e.close_session(rid)
+    assert e.kv_bytes_allocated() == 0 and e.kv_slots_allocated() == 0

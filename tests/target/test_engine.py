@@ -28,8 +28,8 @@ def prefilled(model, rid="r"):
 
 def snapshot(eng, rid="r"):
     s = eng.sessions[rid]
-    n = s.committed_len
-    return (n, list(s.tokens), s.frontier_token, s.cache.k[:, :, :, :n].clone(), s.cache.v[:, :, :, :n].clone())
+    k, v = eng.committed_kv(rid)
+    return (s.committed_len, list(s.tokens), s.frontier_token, k.clone(), v.clone())
 
 
 def same(a, b):
@@ -55,12 +55,13 @@ def test_publication_fixture_rows_0_and_2(tiny_target):
     s = eng.sessions["r"]
     n, root = s.committed_len, s.frontier_token
     v = eng.verify("r", tree([20, 21], [PARENT_IS_SEED, PARENT_IS_SEED], [1, 1]))
-    prov_k = s.cache.k[:, :, :, n:n + 3].clone()
+    row_k = eng.kv.k[:, s.kv_row]                  # [L, H_kv, slots, hd]: this request's KV row
+    prov_k = row_k[:, :, n:n + 3].clone()
     features = v.features.clone()
     decision = AcceptDecision(torch.tensor([0, 2]), torch.tensor([21]), frontier_token=7)
     seed, ack = eng.publish("r", v.round, decision)
-    assert torch.equal(s.cache.k[:, :, :, n], prov_k[:, :, :, 0])
-    assert torch.equal(s.cache.k[:, :, :, n + 1], prov_k[:, :, :, 2])
+    assert torch.equal(row_k[:, :, n], prov_k[:, :, 0])
+    assert torch.equal(row_k[:, :, n + 1], prov_k[:, :, 2])
     assert torch.equal(seed.features, features[[0, 2]])
     assert ack.output_tokens == (21, 7) and s.committed_len == n + 2 and s.frontier_token == 7
     assert s.tokens[-2:] == [root, 21]               # the frontier 7 is emitted, not committed
