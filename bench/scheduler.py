@@ -23,7 +23,8 @@ depth and draft row, ``DrafterEngine.measure_cost``), which the tree-work policy
 Every round is ONE target forward that carries the prompts' next prefill chunks (at most
 --max-prefill-rows rows, all requests together) beside the decode and verify rows. Also measured in
 the same run: the forward-bound rate at 16 rows (one request's 16-row verify, and 16 requests' 1-row
-decodes in one batched forward), against which target-only at C=16 is reported; and the long-prompt
+decodes in one batched forward), against which target-only at C=16 is reported (its rate over the
+rounds that prefilled nothing: tokens / those rounds' wall time); and the long-prompt
 case (a short request sent beside a --long-prompt-token prompt: its rounds and seconds to its first
 token, chunked and with the prompt prefilled whole).
 
@@ -57,6 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import load_prompts  # noqa: E402
 
+from eyas import compute  # noqa: E402
 from eyas.actors.drafter_worker import DrafterWorker  # noqa: E402
 from eyas.serve.round_loop import RoundLoop, WorkerCalls  # noqa: E402
 from eyas.drafting.engine import TreeSpec  # noqa: E402
@@ -143,8 +145,8 @@ class _CountingCalls:
 
 
 def long_prompt_case(eyas: Eyas, target: WorkerCalls, long_tokens: int, chunk: int | None, max_new_tokens: int) -> dict:
-    """A short request sent beside a ``long_tokens``-token prompt (it arrives during the long one's
-    second round): how many of its own rounds, and how long, until its first token; with chunked
+    """A short request sent beside a ``long_tokens``-token prompt (it arrives while the long one's
+    first round runs): how many of its own rounds, and how long, until its first token; with chunked
     prefill (``chunk`` prompt rows a round) or with each prompt prefilled whole (``chunk`` None)."""
     text = " ".join(load_prompts(None, 80))
     long_ids = (eyas.encode(text) * (1 + long_tokens // 1000))[:long_tokens]
@@ -160,7 +162,7 @@ def long_prompt_case(eyas: Eyas, target: WorkerCalls, long_tokens: int, chunk: i
         return on_tokens
 
     def arrive(call):
-        if call == 2 and "short" not in state:
+        if call == 1 and "short" not in state:
             state["short"] = (time.perf_counter(), call, loop.submit(
                 "short", short_ids, max_new_tokens, "target", TreeSpec(), SamplingParams(), 0, first("short")))
 
@@ -196,8 +198,15 @@ def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], ma
     first: dict[str, float] = {}
     finished_at: dict[str, float] = {}
 
+    decode_rounds: dict[int, list] = {}     # rounds that prefilled nothing: start -> [wall s, tokens, requests]
+
     def on_round(rec) -> None:
         rounds.setdefault(rec.start_ns, []).append(rec.flat.num_rows if rec.flat is not None else 1)
+        if not loop.last_prefill_rows:
+            wall = rec.draft_s + rec.pack_s + rec.verify_s + rec.publish_s
+            r = decode_rounds.setdefault(rec.start_ns, [wall, 0, 0])
+            r[1] += rec.decision.num_new_tokens
+            r[2] += 1
 
     loop = RoundLoop(target, drafter if speculative else None, info if speculative else {}, pol, curve,
                      on_round=on_round, on_finish=lambda rid, _: finished_at.setdefault(rid, time.perf_counter()),
@@ -234,7 +243,10 @@ def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], ma
     per_tok = [1000 * (finished_at[rid] - first[rid]) / max(len(r.token_ids) - 1, 1) for rid, r in results.items()]
     tokens = sum(len(r.token_ids) for r in results.values())
     batches = list(rounds.values())
-    return {"policy": policy, "concurrency": concurrency, "requests": len(results), "wall_s": wall, "tokens": tokens,
+    decode_s = sum(w for w, _, _ in decode_rounds.values())
+    return {"policy": policy, "decode_rounds": len(decode_rounds),
+            "decode_tok_s": sum(t for _, t, _ in decode_rounds.values()) / decode_s if decode_s else 0.0,
+            "decode_mean_batch": statistics.fmean(n for _, _, n in decode_rounds.values()) if decode_rounds else 0.0, "concurrency": concurrency, "requests": len(results), "wall_s": wall, "tokens": tokens,
             "throughput": tokens / wall, "per_token_ms": per_tok,
             "lengths": [len(r.token_ids) for r in results.values()],
             "per_token_p50_ms": percentile(per_tok, 50), "per_token_p99_ms": percentile(per_tok, 99),
@@ -290,19 +302,22 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
     set_threads(args.threads)
-    eyas = Eyas(precision=args.precision)
-    handle = eyas.drafter("eagle3")
+    # every load, measurement and round runs on the process's one compute thread (eyas.compute)
+    eyas = compute.run(Eyas, precision=args.precision)
+    handle = compute.run(eyas.drafter, "eagle3")
     target_worker = TargetWorker(eyas.model)
     print("measuring the verify latency curve ...", flush=True)
-    curve = measure(target_worker, handle.taps)
+    curve = compute.run(measure, target_worker, handle.taps)
     print("curve (rows: ms): " + ", ".join(f"{r}: {m:.0f}" for r, m in zip(curve.rows, curve.ms)), flush=True)
-    bound = forward_bound(target_worker, ())
-    print(f"forward bound at 16 rows: one request's 16-row verify {bound['one_request_rows_ms']:.1f} ms "
+    # the forward bound over contexts as long as the workload's: its mean prompt plus half an answer
+    context = int(statistics.fmean(len(eyas.encode(p)) for p in workload(32, args.limit))) + args.max_new_tokens // 2
+    bound = compute.run(forward_bound, target_worker, (), prefix=context)
+    print(f"forward bound at 16 rows, {context}-token contexts: one request's 16-row verify {bound['one_request_rows_ms']:.1f} ms "
           f"({bound['one_request_rows_tok_s']:.0f} tok/s); 16 requests' 1-row decodes in one forward "
           f"{bound['batched_requests_ms']:.1f} ms ({bound['batched_requests_tok_s']:.0f} tok/s)", flush=True)
     start_curve = curve.to_dict()
     print("measuring the draft cost ...", flush=True)
-    draft_points = handle.engine.measure_cost(handle.default_tree, depths=(1, 2, 3, 4, 5), batch=8)
+    draft_points = compute.run(handle.engine.measure_cost, handle.default_tree, depths=(1, 2, 3, 4, 5), batch=8)
     start_draft = DraftCost.from_points(draft_points)
     print("draft cost (depth, draft rows: ms): " + ", ".join(f"({d}, {r}): {m:.0f}" for d, r, m in draft_points)
           + f"; fit {start_draft.to_dict()}", flush=True)
@@ -356,16 +371,19 @@ def main(argv=None) -> int:
           f"verify), {bound['batched_requests_tok_s']:.0f} tok/s (16 requests in one forward)")
     for r in rows:
         if r["policy"] == "target-only" and r["concurrency"] == 16:
-            r["vs_forward_bound"] = {"one_request_rows": r["throughput"] / bound["one_request_rows_tok_s"],
-                                     "batched_requests": r["throughput"] / bound["batched_requests_tok_s"]}
-            print(f"target-only at C=16: {r['throughput']:.1f} tok/s = {r['vs_forward_bound']['one_request_rows']:.2f}x "
-                  f"and {r['vs_forward_bound']['batched_requests']:.2f}x of them")
+            r["vs_forward_bound"] = {"one_request_rows": r["decode_tok_s"] / bound["one_request_rows_tok_s"],
+                                     "batched_requests": r["decode_tok_s"] / bound["batched_requests_tok_s"]}
+            print(f"target-only at C=16, rounds that prefilled nothing ({r['decode_rounds']}, mean batch "
+                  f"{r['decode_mean_batch']:.1f}): {r['decode_tok_s']:.1f} tok/s = "
+                  f"{r['vs_forward_bound']['one_request_rows']:.2f}x and {r['vs_forward_bound']['batched_requests']:.2f}x "
+                  f"of them (all rounds, prefills included: {r['throughput']:.1f} tok/s)")
     long_cases = []
     if args.long_prompt:
         print(f"\nlong-prompt case: a short request beside a {args.long_prompt}-token prompt", flush=True)
         for chunk in (args.max_prefill_rows, None):
             case = long_prompt_case(eyas, workers[0], args.long_prompt, chunk, args.max_new_tokens)
-            base = generate(eyas.target_engine(()), eyas.encode(REPETITIVE[1]), max_new_tokens=args.max_new_tokens)
+            base = compute.run(generate, eyas.target_engine(()), eyas.encode(REPETITIVE[1]),
+                               max_new_tokens=args.max_new_tokens)
             case["short_identical_to_target_only"] = case.pop("short_tokens_out") == base.token_ids
             long_cases.append(case)
             print(f"  max_prefill_rows {str(chunk):>5}: the short request's first token after "

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eyas import compute
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.manifest import load_drafter
 from eyas.drafting.model import DrafterConfig, drafter_feature_address, init_drafter
@@ -79,8 +80,10 @@ def smaller_tree(tree: TreeSpec, cap: TreeSpec) -> TreeSpec:
 
 
 def set_threads(threads: int | None = None) -> None:
+    """Torch's CPU threads, on this thread and on the process's compute thread (``eyas.compute``)."""
     n = threads or int(os.environ.get("EYAS_THREADS", "0")) or os.cpu_count() or 1
     torch.set_num_threads(n)
+    compute.run(torch.set_num_threads, n)
 
 
 class Eyas:

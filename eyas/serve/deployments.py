@@ -37,6 +37,7 @@ import uuid
 import ray
 from ray import serve
 
+from eyas import compute
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import Refusal, TargetWorker
 from eyas.drafting.engine import TreeSpec
@@ -70,9 +71,12 @@ class _Locked:
     def __getattr__(self, name):
         method = getattr(self._worker, name)
 
-        def call(*args):
+        def locked(*args):
             with self._lock:
                 return method(*args)
+
+        def call(*args):  # on the process's compute thread (eyas.compute), where the lock is taken
+            return compute.run(locked, *args)
 
         return call
 
@@ -128,7 +132,7 @@ class EyasTarget:
         self.app_name = app_name()
         self.replica_id = _replica_id()
         self.worker_lock = threading.Lock()
-        self.worker = TargetWorker.load(c.target, c.precision, c.torch_threads)
+        self.worker = compute.run(TargetWorker.load, c.target, c.precision, c.torch_threads)
         self.locked = _Locked(self.worker, self.worker_lock)
         self.tokenizer = load_tokenizer(c.target)
         self.telemetry = Telemetry(f"eyas-target-{self.replica_id}", console=c.console_spans,
@@ -314,9 +318,9 @@ class EyasDrafter:
 
         self.cfg = c = parse_config(config)
         self.replica_id = _replica_id()
-        self.worker = DrafterWorker.load(c.target, tuple(c.methods), dict(c.drafters) or None, c.torch_threads,
-                                         c.precision)
-        self.worker.measure_costs()   # the targets' schedulers start from this replica's measured draft cost
+        self.worker = compute.run(DrafterWorker.load, c.target, tuple(c.methods), dict(c.drafters) or None,
+                                  c.torch_threads, c.precision)
+        compute.run(self.worker.measure_costs)   # the targets' schedulers start from this replica's measured draft cost
         self.lock = threading.Lock()
         self.recent: dict[str, tuple[float, int]] = {}  # caller (target replica) -> (time, draft rows of its last round)
         self.owners: dict[str, str] = {}          # request id -> the target replica that opened its session
@@ -341,7 +345,7 @@ class EyasDrafter:
                 # replica's session of it is stale (it can never be closed by its owner)
                 self.worker.close_session(args[0])
                 self.owners.pop(args[0], None)
-            out = getattr(self.worker, method)(*args)
+            out = compute.run(getattr(self.worker, method), *args)
         if method == "propose_batch":
             rows = sum(len(t.tokens) for t in out[0] if not isinstance(t, Refusal))
             self.recent[caller] = (time.monotonic(), rows)

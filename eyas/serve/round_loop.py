@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from eyas import compute
 from eyas.actors.target_worker import Refusal
 from eyas.target.engine import PrefillProgress
 from eyas.drafting.engine import TreeSpec
@@ -59,14 +60,15 @@ DRAFTER_PROBE_S = 0.5  # how often a loop whose drafter is down asks whether it 
 
 
 class WorkerCalls:
-    """Method calls on a worker: a Ray actor handle (``ray.get`` with a timeout) or a local object."""
+    """Method calls on a worker: a Ray actor handle (``ray.get`` with a timeout) or a local object,
+    whose methods run on the process's compute thread (``eyas.compute``)."""
 
     def __init__(self, worker, timeout_s: float, local: bool = False, drafter: bool = False):
         self.worker, self.timeout_s, self.local, self.drafter = worker, timeout_s, local, drafter
 
     def __call__(self, method: str, *args):
-        if self.local:
-            return getattr(self.worker, method)(*args)
+        if self.local:  # on the process's compute thread (eyas.compute): one OpenMP team per process
+            return compute.run(getattr(self.worker, method), *args)
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 

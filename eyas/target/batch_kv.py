@@ -6,11 +6,13 @@ Terms (seed 0x05C, 0x05D):
   chunks) until the publish transaction gathers the accepted ones onto the committed prefix.
 - *packed row*: one token of the forward (a prefill row, a decode row or a tree row). Every
   projection and MLP runs once over the N packed rows of all requests together.
-- *padded query*: attention runs as ONE call per layer over the KV rows ``[0, kv_rows)``: each
-  request's packed rows are placed at ``[kv_row, 0:T_i]`` of a ``[kv_rows, width]`` query grid,
-  and a boolean mask ``[kv_rows, 1, width, key_len]`` expresses each row's causal prefix, tree
-  ancestry and padding. Grid cells that carry no packed row see slot 0 only (so no softmax row is
-  empty) and are discarded.
+- *padded query grid*: the decode and tree rows of every request attend in ONE call per layer
+  over the KV rows ``[0, kv_rows)``: each request's packed rows are placed at ``[kv_row, 0:T_i]``
+  of a ``[kv_rows, width]`` query grid, and a boolean mask ``[kv_rows, 1, width, key_len]``
+  expresses each row's causal prefix, tree ancestry and padding. Grid cells that carry no packed
+  row see slot 0 only (so no softmax row is empty) and are discarded. A prefill chunk wider than
+  ``GRID_WIDTH`` rows attends in a call of its own (padding every request to a chunk's width
+  would multiply the attention's work by the batch size), as does the only request of a forward.
 
 The store is padded, not paged: a request's keys are a view of its row, so the attention call
 reads K/V in place with no gather (a paged store gathers its blocks per layer, which on a CPU
@@ -26,6 +28,7 @@ import torch
 
 SLOT_GRANULE = 128  # the store's slot capacity grows in multiples of this (fewer reallocations)
 MIN_ROWS = 4        # the smallest row capacity allocated
+GRID_WIDTH = 64     # a request feeding more rows than this (a prefill chunk) attends in its own call
 
 
 class BatchKV:
@@ -127,25 +130,17 @@ class RowGroup:
 
 
 @dataclass(frozen=True)
-class BatchRows:
-    """The plan of one batched forward, built once and shared by every layer."""
+class Grid:
+    """The padded query grid of a batched attention call: the packed rows ``rows`` of the requests
+    in it, each request's rows at cells ``[kv_row, 0:T]`` of ``[num_kv_rows, width]``."""
 
-    tokens: torch.Tensor        # [N] int64, the packed rows of every group in order
-    positions: torch.Tensor     # [N] int64
-    kv_rows: torch.Tensor       # [N] int64, each packed row's KV row
-    slots: torch.Tensor         # [N] int64, each packed row's slot
-    grid_index: torch.Tensor    # [N] int64, each packed row's cell in the [num_kv_rows * width] query grid
+    rows: torch.Tensor          # [M] int64, the packed rows in the grid
+    cells: torch.Tensor         # [M] int64, each one's cell in the [num_kv_rows * width] grid
     num_kv_rows: int            # the attention call's batch: KV rows [0, num_kv_rows)
-    width: int                  # the query grid's row count per KV row (the largest group)
+    width: int                  # the grid's query rows per KV row (its widest request)
     key_len: int                # slots [0, key_len) are read
-    mask: torch.Tensor | None   # [num_kv_rows, 1, width, key_len] bool (alone: its own [1, T, start+T] or None)
-    bounds: tuple[tuple[int, int], ...]  # each group's [lo, hi) among the packed rows
-    alone: tuple[int, int, torch.Tensor | None] | None  # one group: (KV row, start, its mask [1, T, start+T])
+    mask: torch.Tensor          # [num_kv_rows, 1, width, key_len] bool: True = may attend
     _blocked: dict = field(default_factory=dict, compare=False, repr=False)  # grouped_mask's per-size cache
-
-    @property
-    def num_rows(self) -> int:
-        return self.tokens.shape[0]
 
     def grouped_mask(self, group: int) -> torch.Tensor:
         """Where a query may NOT look, for queries grouped by KV head as rows (g, w):
@@ -157,43 +152,90 @@ class BatchRows:
             self._blocked[group] = cached
         return cached
 
+
+@dataclass(frozen=True)
+class Wide:
+    """A request whose rows attend in their own call: a prefill chunk wider than ``GRID_WIDTH``, or
+    the only request of the forward. Rows ``[lo, hi)`` of the packed batch, slots ``[start,
+    start + hi - lo)`` of KV row ``kv_row``."""
+
+    kv_row: int
+    start: int
+    lo: int
+    hi: int
+    mask: torch.Tensor | None   # [1, T, start + T] bool, or None for one row that sees every slot
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """The plan of one batched forward, built once and shared by every layer.
+
+    The requests' decode and tree rows attend in ONE call, over a padded grid; a request wider than
+    ``GRID_WIDTH`` rows (a prefill chunk) attends in its own call, since padding every request to
+    a chunk's width would multiply the attention's work by the batch size."""
+
+    tokens: torch.Tensor        # [N] int64, the packed rows of every group in order
+    positions: torch.Tensor     # [N] int64
+    kv_rows: torch.Tensor       # [N] int64, each packed row's KV row
+    slots: torch.Tensor         # [N] int64, each packed row's slot
+    grid: Grid | None
+    wide: tuple[Wide, ...]
+    bounds: tuple[tuple[int, int], ...]  # each group's [lo, hi) among the packed rows
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_kv_rows(self) -> int:
+        return max([self.grid.num_kv_rows if self.grid else 0] + [w.kv_row + 1 for w in self.wide])
+
+    @property
+    def key_len(self) -> int:
+        return max([self.grid.key_len if self.grid else 0] + [w.start + w.hi - w.lo for w in self.wide])
+
     @classmethod
     def build(cls, groups: list[RowGroup], device: str | torch.device = "cpu") -> "BatchRows":
         assert groups, "groups: at least one"
-        if len(groups) == 1:  # one request: no grid, no padding (the attention call of a lone forward)
-            g = groups[0]
+        kv_rows_seen = [g.kv_row for g in groups]
+        assert len(set(kv_rows_seen)) == len(kv_rows_seen), "groups: a KV row appears twice"
+        kv_rows, slots, bounds, lo = [], [], [], 0
+        gridded, wide = [], []
+        for g in groups:
             t = g.tokens.shape[0]
+            assert g.tokens.ndim == 1 and g.tokens.dtype == torch.int64 and g.positions.shape == g.tokens.shape
             if g.mask is None and t != 1:
                 raise ValueError("mask: required when a request feeds more than one row")
             if g.mask is not None:
                 assert g.mask.shape == (t, g.start + t) and g.mask.dtype == torch.bool, "mask: [T, start+T] bool"
-            mask = None if g.mask is None else g.mask[None].to(device)
-            return cls(g.tokens.to(device), g.positions.to(device), torch.full((t,), g.kv_row, device=device),
-                       torch.arange(g.start, g.start + t, device=device), torch.arange(t, device=device),
-                       g.kv_row + 1, t, g.start + t, mask, ((0, t),), (g.kv_row, g.start, mask))
-        kv_rows_seen = [g.kv_row for g in groups]
-        assert len(set(kv_rows_seen)) == len(kv_rows_seen), "groups: a KV row appears twice"
-        width = max(g.tokens.shape[0] for g in groups)
-        num_kv_rows = max(kv_rows_seen) + 1
-        key_len = max(g.start + g.tokens.shape[0] for g in groups)
-        mask = torch.zeros(num_kv_rows, width, key_len, dtype=torch.bool, device=device)
-        mask[:, :, 0] = True  # padding cells see slot 0 only; their output is discarded
-        kv_rows, slots, grid, bounds, lo = [], [], [], [], 0
-        for g in groups:
-            t = g.tokens.shape[0]
-            assert g.tokens.ndim == 1 and g.tokens.dtype == torch.int64 and g.positions.shape == g.tokens.shape
-            if g.mask is None:
-                if t != 1:
-                    raise ValueError("mask: required when a request feeds more than one row")
-                mask[g.kv_row, 0, :g.start + 1] = True
-            else:
-                assert g.mask.shape == (t, g.start + t) and g.mask.dtype == torch.bool, "mask: [T, start+T] bool"
-                mask[g.kv_row, :t, :g.start + t] = g.mask
             kv_rows.append(torch.full((t,), g.kv_row, dtype=torch.int64))
             slots.append(torch.arange(g.start, g.start + t))
-            grid.append(g.kv_row * width + torch.arange(t))
             bounds.append((lo, lo + t))
+            if len(groups) == 1 or t > GRID_WIDTH:
+                wide.append(Wide(g.kv_row, g.start, lo, lo + t, None if g.mask is None else g.mask[None].to(device)))
+            else:
+                gridded.append((g, lo))
             lo += t
         cat = lambda xs: torch.cat(xs).to(device)  # noqa: E731
+        grid = cls._grid(gridded, device) if gridded else None
         return cls(cat([g.tokens for g in groups]), cat([g.positions for g in groups]), cat(kv_rows), cat(slots),
-                   cat(grid), num_kv_rows, width, key_len, mask.unsqueeze(1), tuple(bounds), None)
+                   grid, tuple(wide), tuple(bounds))
+
+    @staticmethod
+    def _grid(gridded: list[tuple[RowGroup, int]], device) -> Grid:
+        width = max(g.tokens.shape[0] for g, _ in gridded)
+        num_kv_rows = max(g.kv_row for g, _ in gridded) + 1
+        key_len = max(g.start + g.tokens.shape[0] for g, _ in gridded)
+        mask = torch.zeros(num_kv_rows, width, key_len, dtype=torch.bool)
+        mask[:, :, 0] = True  # padding cells see slot 0 only; their output is discarded
+        rows, cells = [], []
+        for g, lo in gridded:
+            t = g.tokens.shape[0]
+            if g.mask is None:
+                mask[g.kv_row, 0, :g.start + 1] = True
+            else:
+                mask[g.kv_row, :t, :g.start + t] = g.mask
+            rows.append(torch.arange(lo, lo + t))
+            cells.append(g.kv_row * width + torch.arange(t))
+        return Grid(torch.cat(rows).to(device), torch.cat(cells).to(device), num_kv_rows, width, key_len,
+                    mask.unsqueeze(1).to(device))

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eyas.target.batch_kv import BatchKV, BatchRows
+from eyas.target.batch_kv import BatchKV, BatchRows, Grid
 
 
 @dataclass(frozen=True)
@@ -469,56 +469,59 @@ class Attention(nn.Module):
         """Packed rows of every request in the round, x [1, N, d], over the engine's one K/V store.
 
         The projections run once over all N rows; the new K/V are written at each row's (KV row,
-        slot); attention is ONE call over KV rows ``[0, plan.num_kv_rows)`` with the padded query
-        grid and the plan's mask (``eyas.target.batch_kv``), so no row sees another request's keys.
-        With ``row_stable`` (int8) every non-prefill row attends alone, as in :meth:`_attend`."""
+        slot); the decode and tree rows attend in ONE call over the store's rows, through the plan's
+        padded query grid and mask, and each wide group (a prefill chunk, or the forward's only
+        request) in a call of its own (``eyas.target.batch_kv``). No row sees another request's keys."""
         _, N, _ = x.shape
-        hd, H = self.head_dim, self.heads
+        hd, H, Hkv = self.head_dim, self.heads, self.kv_heads
         q, k, v = self.project(x)
-        q = apply_rotary(q.view(1, N, H, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)                  # [N, H, hd]
-        k = apply_rotary(k.view(1, N, self.kv_heads, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)      # [N, H_kv, hd]
-        if plan.alone is not None:  # one request: contiguous slots, the very call of a one-request forward
-            b, start, mask = plan.alone
-            keys, values = kv.write_span(layer, b, start, k.transpose(0, 1)[None], v.view(N, self.kv_heads, hd)
-                                         .transpose(0, 1)[None])                       # [1, H_kv, start+N, hd]
-            out = self._attend(q.transpose(0, 1)[None], keys, values, mask, start)       # [1, H, N, hd]
-            return self.wo(out.transpose(1, 2).reshape(1, N, H * hd))
-        kv.write(layer, plan.kv_rows, plan.slots, k, v.view(N, self.kv_heads, hd))
-        keys, values = kv.view(layer, plan.num_kv_rows, plan.key_len)  # [B, H_kv, S, hd] views
-        if self.row_stable:
-            return self.wo(self._attend_rows_alone(q, keys, values, plan)[None])
-        B, W, Hkv = plan.num_kv_rows, plan.width, self.kv_heads
-        G = H // Hkv                                       # query heads per KV head (GQA)
-        grid = q.new_zeros(B * W, H, hd)
-        grid[plan.grid_index] = q
-        # grouped by KV head, rows (g, w): [B, H_kv, G*W, hd]; no K/V is expanded or copied
-        qg = grid.view(B, W, Hkv, G, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * W, hd)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * hd ** -0.5                 # [B, H_kv, G*W, S]
-        scores = scores.masked_fill_(plan.grouped_mask(G), float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), values)                        # [B, H_kv, G*W, hd]
-        out = out.view(B, Hkv, G, W, hd).permute(0, 3, 1, 2, 4).reshape(B * W, H * hd)[plan.grid_index]
-        return self.wo(out[None])                                                        # [1, N, d]
+        q = apply_rotary(q.view(1, N, H, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)             # [N, H, hd]
+        k = apply_rotary(k.view(1, N, Hkv, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)           # [N, H_kv, hd]
+        v = v.view(N, Hkv, hd)
+        out = q.new_empty(N, H * hd)
+        for w in plan.wide:  # contiguous slots: its keys are a view of its own KV row
+            keys, values = kv.write_span(layer, w.kv_row, w.start, k[w.lo:w.hi].transpose(0, 1)[None],
+                                         v[w.lo:w.hi].transpose(0, 1)[None])           # [1, H_kv, start+T, hd]
+            o = self._attend(q[w.lo:w.hi].transpose(0, 1)[None], keys, values, w.mask, w.start)  # [1, H, T, hd]
+            out[w.lo:w.hi] = o[0].transpose(0, 1).reshape(w.hi - w.lo, H * hd)
+        if plan.grid is not None:
+            g = plan.grid
+            kv.write(layer, plan.kv_rows[g.rows], plan.slots[g.rows], k[g.rows], v[g.rows])
+            keys, values = kv.view(layer, g.num_kv_rows, g.key_len)  # [B, H_kv, S, hd] views, read in place
+            out[g.rows] = (self._attend_rows_alone(q[g.rows], keys, values, g) if self.row_stable
+                           else self._attend_grid(q[g.rows], keys, values, g))
+        return self.wo(out[None])                                                         # [1, N, d]
 
-    def _attend_rows_alone(self, q, keys, values, plan: "BatchRows"):
-        """int8's row-stable attention over the store (see :meth:`_attend`): a prefill group (slot 0
-        first) attends fused over its own keys; every other row alone over the keys its mask shows."""
+    def _attend_grid(self, q, keys, values, g: "Grid"):
+        """q [M, H, hd] of the grid's rows over keys/values [B, H_kv, S, hd] -> [M, H*hd]: one call.
+        One query row per request (plain decoding) runs as two batched matmuls grouped by KV head
+        (no K/V expanded or copied; on a CPU faster than the fused kernel at one row); more run
+        through the fused kernel with the grid's mask."""
+        B, W, H, Hkv, hd = g.num_kv_rows, g.width, self.heads, self.kv_heads, self.head_dim
+        grid = q.new_zeros(B * W, H, hd)
+        grid[g.cells] = q
+        if W == 1:
+            G = H // Hkv
+            qg = grid.view(B, Hkv, G, hd)                                                 # [B, H_kv, G, hd]
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * hd ** -0.5             # [B, H_kv, G, S]
+            scores = scores.masked_fill_(g.grouped_mask(G), float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1), values)                    # [B, H_kv, G, hd]
+            return out.reshape(B, H * hd)[g.cells]
+        out = F.scaled_dot_product_attention(grid.view(B, W, H, hd).transpose(1, 2), keys, values,
+                                             attn_mask=g.mask, enable_gqa=H != Hkv)       # [B, H, W, hd]
+        return out.transpose(1, 2).reshape(B * W, H * hd)[g.cells]
+
+    def _attend_rows_alone(self, q, keys, values, g: "Grid"):
+        """int8's row-stable attention (see :meth:`_attend`) for the grid's rows: each row alone,
+        over only the keys its mask shows, in slot order. q [M, H, hd] -> [M, H*hd]."""
         gqa = self.heads != self.kv_heads
-        out = torch.empty(q.shape[0], self.heads * self.head_dim, dtype=q.dtype, device=q.device)
-        for lo, hi in plan.bounds:
-            b, s0 = int(plan.kv_rows[lo]), int(plan.slots[lo])
-            rows = plan.mask[b, 0, :hi - lo]                                                # [T, S]
-            if s0 == 0 and hi - lo > 1:  # a prompt's first chunk: fused, the same call in every mode
-                n = hi - lo
-                o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1)[None], keys[b:b + 1, :, :n],
-                                                   values[b:b + 1, :, :n], attn_mask=rows[None, None, :, :n],
-                                                   enable_gqa=gqa)                         # [1, H, T, hd]
-                out[lo:hi] = o[0].transpose(0, 1).reshape(n, -1)
-                continue
-            for t in range(hi - lo):
-                idx = rows[t].nonzero().squeeze(1)
-                o = F.scaled_dot_product_attention(q[lo + t][None, :, None], keys[b:b + 1, :, idx],
-                                                   values[b:b + 1, :, idx], enable_gqa=gqa)  # [1, H, 1, hd]
-                out[lo + t] = o.reshape(-1)
+        out = q.new_empty(q.shape[0], self.heads * self.head_dim)
+        for m, cell in enumerate(g.cells.tolist()):
+            b, t = divmod(cell, g.width)
+            idx = g.mask[b, 0, t].nonzero().squeeze(1)
+            o = F.scaled_dot_product_attention(q[m][None, :, None], keys[b:b + 1, :, idx], values[b:b + 1, :, idx],
+                                               enable_gqa=gqa)                           # [1, H, 1, hd]
+            out[m] = o.reshape(-1)
         return out
 
 

@@ -81,6 +81,40 @@ def test_stream_chunks_add_up_to_the_unary_answer(client):
     assert chunks[-1].stats.tau >= 1.0 and chunks[-1].stats.rounds >= 1
 
 
+def test_a_short_request_beside_a_2000_token_prompt_gets_its_first_token_while_that_prompt_prefills(
+        client, real_eyas, reference, no_leaks):
+    """Chunked prefill through the real app: a 2,000-token prompt (its answer one token) prefills
+    256 rows a round; a short streaming request sent once it is running gets its first token while
+    that prompt is still prefilling, not after it. Both answers equal target-only's in-process."""
+    import threading
+
+    text = " ".join(f"{i}. {PROMPTS[i % 2]}" for i in range(400))
+    long_ids = real_eyas.tokenizer(text)["input_ids"][:2000]
+    assert len(long_ids) == 2000
+    done: dict = {}
+
+    def run_long():
+        done["report"] = client.generate(prompt_ids=long_ids, method="target", max_new_tokens=1)
+        done["at"] = time.monotonic()
+
+    worker = threading.Thread(target=run_long)
+    worker.start()
+    assert _wait_for(lambda: _live_requests(client) == 1, 60)
+    first_at = None
+    tokens = []
+    for chunk in client.stream(prompt=PROMPTS[0], method="target", max_new_tokens=N):
+        first_at = first_at or time.monotonic()
+        tokens.extend(chunk.token_ids)
+    worker.join(timeout=300)
+    assert "at" in done and first_at < done["at"], "the short request waited for the whole prefill"
+    assert tokens == reference[PROMPTS[0]]
+    from eyas.protocol.schema import parse_request
+
+    alone = real_eyas.generate(parse_request(prompt_ids=long_ids, method="target", max_new_tokens=1))[1]
+    assert done["report"]["token_ids"] == alone["token_ids"]
+    no_leaks(client)
+
+
 def test_stop_strings_end_the_answer(client):
     full = client.generate(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N)
     stop = full["text"].split()[2]
