@@ -260,6 +260,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype at precision fp32 (target and drafters)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: EYAS_THREADS or all cores)")
     p.add_argument("--json", help="write every number to this .json file")
     p.add_argument("--plot", help="the plot's .png (default: next to --json, else bench/out/acceptance.png)")
@@ -280,7 +282,7 @@ def main(argv=None) -> int:
                                         ("tree_budget", args.tree_budget)) if v is not None}
 
     print(f"loading the target ({args.precision}) and the drafters ...", file=sys.stderr, flush=True)
-    eyas = Eyas(precision=args.precision)
+    eyas = Eyas(precision=args.precision, dtype=args.dtype)
     prompt_ids = [eyas.encode(p) for p in prompts]
     eos_ids = set(eyas.cfg.eos_token_ids) | {eyas.tokenizer.eos_token_id}
     with warnings.catch_warnings():
@@ -314,7 +316,7 @@ def main(argv=None) -> int:
     print_markdown(methods, summary)
 
     config = {"prompts": args.prompts or "mt-bench first turns", "num_prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "precision": args.precision, "greedy": True,
+              "max_new_tokens": args.max_new_tokens, "precision": args.precision, "dtype": args.dtype, "greedy": True,
               "threads": torch.get_num_threads(), "tree_overrides": tree_overrides or None,
               "warmup_new_tokens": WARMUP_NEW_TOKENS, "torch": torch.__version__,
               "python": platform.python_version(), "machine": platform.machine(),

@@ -47,12 +47,14 @@ class DrafterHandle:
 
 
 def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: TargetFingerprint,
-                 embed: nn.Embedding, lm_head: nn.Module, precision: str) -> DrafterHandle:
+                 embed: nn.Embedding, lm_head: nn.Module, precision: str,
+                 dtype: torch.dtype = torch.float32) -> DrafterHandle:
     """The drafter of ``method`` for the target with ``cfg``/``fingerprint``: the checkpoint at
     ``path`` (default: the shipped one; refused if trained for another target), or a random one with
     a warning when none is shipped. ``embed``/``lm_head`` are the target's own (not owned here); at
     ``fp16w`` the drafter's linears hold fp16 weights too and the default tree is at most
-    :data:`FP16W_DEFAULT_TREE`."""
+    :data:`FP16W_DEFAULT_TREE`. ``dtype``: the target's compute dtype, which the drafter takes too
+    (it reads the target's features); the int8 draft head is a float32-only CPU path."""
     folder = Path(path) if path else REPO_DRAFTERS / DEFAULT_DRAFTER_DIRS[method]
     if path or (folder / "manifest.json").exists():
         drafter, manifest = load_drafter(folder, fingerprint)
@@ -69,7 +71,9 @@ def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: 
     if precision == "fp16w":
         quantize_fp16_weights(drafter)  # drafting precision moves acceptance only, never the output
         default_tree = smaller_tree(default_tree, FP16W_DEFAULT_TREE)
-    return DrafterHandle(DrafterEngine(drafter, embed, lm_head, int8_head=True, taps=taps), taps, source, default_tree)
+    drafter = drafter.to(dtype)
+    return DrafterHandle(DrafterEngine(drafter, embed, lm_head, int8_head=dtype == torch.float32, taps=taps), taps,
+                         source, default_tree)
 
 
 def smaller_tree(tree: TreeSpec, cap: TreeSpec) -> TreeSpec:
@@ -87,8 +91,10 @@ def set_threads(threads: int | None = None) -> None:
 
 
 class Eyas:
-    def __init__(self, target: str = DEFAULT_TARGET, precision: str = "fp32", loaded: LoadedTarget | None = None):
-        self.loaded = loaded or load_target(target, precision)
+    def __init__(self, target: str = DEFAULT_TARGET, precision: str = "fp32", loaded: LoadedTarget | None = None,
+                 dtype: str = "float32"):
+        """``dtype``: the compute dtype at precision fp32 (float32, bfloat16, float16)."""
+        self.loaded = loaded or load_target(target, precision, dtype=dtype)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.cfg = self.model.cfg
@@ -113,7 +119,7 @@ class Eyas:
         if key in self._drafters:
             return self._drafters[key]
         handle = make_drafter(method, path, self.cfg, self.loaded.fingerprint, self.model.embed,
-                              self.model.lm_head, self.loaded.precision)
+                              self.model.lm_head, self.loaded.precision, self.model.embed.weight.dtype)
         self._drafters[key] = handle
         return handle
 

@@ -114,6 +114,22 @@ def test_a_gpu_reservation_is_warned_about_since_replicas_compute_on_the_cpu(tmp
     assert not ray.is_initialized()
 
 
+def test_a_half_precision_dtype_is_a_config_field_and_refused_beside_fp16w_naming_it(tmp_path, capsys):
+    """`dtype` in the serve config and `--dtype` on generate: bfloat16 at precision fp32 is accepted;
+    beside fp16w (which computes in float32) both refuse it, naming the field, before any model loads."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("applications: [{name: eyas, args: {dtype: bfloat16}}]\n")
+    assert main(["serve", "--check-config", "--config", str(cfg)]) == 0
+    assert json.loads(capsys.readouterr().out)["args"]["dtype"] == "bfloat16"
+    cfg.write_text("applications: [{name: eyas, args: {dtype: bfloat16, precision: fp16w}}]\n")
+    assert main(["serve", "--check-config", "--config", str(cfg)]) == 2
+    assert "config.dtype: bfloat16 needs precision fp32" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--dtype", "bfloat16", "--precision", "fp16w"]) == 2
+    assert capsys.readouterr().err.startswith("error: dtype: bfloat16 needs precision fp32")
+    assert main(["generate", "--prompt", "hi", "--dtype", "bf16"]) == 2
+    assert capsys.readouterr().err.startswith("error: dtype: 'bf16' is not one of")
+
+
 @pytest.mark.real_model
 def test_generate_json_and_out_of_vocabulary_ids(capsys, real_eyas):
     assert main(["generate", "--prompt", "Say hi.", "--method", "target", "--max-new-tokens", "4", "--json"]) == 0

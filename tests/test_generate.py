@@ -116,6 +116,64 @@ def test_greedy_identity_fp16w_served_precision(method):
             assert generate(target, prompt, max_new_tokens=30, drafter=drafter, tree=tree).token_ids == base.token_ids
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+def test_greedy_identity_at_a_half_precision_compute_dtype(method, dtype):
+    """bf16 / fp16 compute (weights, activations, K/V; the drafter in the same dtype): speculative
+    greedy output equals target-only at that dtype, alone and in a batched round loop, and every
+    tensor the engines hold after the rounds is in that dtype (logits float32)."""
+    from eyas.actors.drafter_worker import DrafterWorker
+    from eyas.actors.target_worker import TargetWorker
+    from eyas.scheduler.latency import LatencyCurve
+    from eyas.scheduler.policy import Budgets, PromptLengthPolicy
+    from eyas.serve.round_loop import RoundLoop, WorkerCalls
+
+    model = ours_from_hf(tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=3)).to(dtype)
+    target, drafter = engines(model, method)
+    drafter = DrafterEngine(drafter.drafter.to(dtype), model.embed, model.lm_head, taps=target.taps)
+    prompts = ([3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7, 7, 9, 30, 11], [2, 4, 8, 16, 32, 1])
+    bases = [generate(TargetEngine(model, ()), p, max_new_tokens=24).token_ids for p in prompts]
+    for prompt, base in zip(prompts, bases):
+        for tree in TREES:
+            assert generate(target, prompt, max_new_tokens=24, drafter=drafter, tree=tree).token_ids == base
+    assert target.kv.k.dtype == dtype or target.kv.row_capacity == 0
+    worker = TargetWorker(model)
+    loop = RoundLoop(WorkerCalls(worker, 30, local=True),
+                     WorkerCalls(DrafterWorker({method: drafter}, model.cfg.vocab_size), 30, local=True, drafter=True),
+                     DrafterWorker({method: drafter}, model.cfg.vocab_size).info(),
+                     PromptLengthPolicy(Budgets()), LatencyCurve.from_points({1: 1.0, 64: 2.0}))
+    seen = {}
+    original = worker.round_batch
+
+    def spy(*args):
+        out = original(*args)
+        for engine in worker.engines.values():
+            if engine.kv.row_capacity:
+                seen["kv"] = (engine.kv.k.dtype, engine.kv.v.dtype)
+            for s in engine.sessions.values():
+                seen.setdefault("features", set()).update(f.dtype for f in s.features)
+        return out
+
+    worker.round_batch = spy
+    try:
+        futures = [loop.submit(f"r{i}", p, 24, method, TreeSpec(), SamplingParams(), 0) for i, p in enumerate(prompts)]
+        served = [f.result(timeout=120).token_ids for f in futures]
+    finally:
+        loop.close()
+    assert served == bases
+    assert seen["kv"] == (dtype, dtype) and seen["features"] == {dtype}
+
+
+def test_a_half_precision_dtype_beside_an_fbgemm_precision_is_refused_naming_dtype():
+    from eyas.target.loader import check_dtype, load_target
+
+    assert check_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match="^dtype: bfloat16 needs precision fp32"):
+        check_dtype("bfloat16", "fp16w")
+    with pytest.raises(ValueError, match="^dtype: 'bf16' is not one of"):
+        load_target(dtype="bf16")
+
+
 # ---------------------------------------------------------------------------------------------
 # stochastic exactness: the joint law of the first two sampled tokens
 # ---------------------------------------------------------------------------------------------

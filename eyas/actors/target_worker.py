@@ -101,13 +101,16 @@ class TargetWorker:
         self.sessions: dict[str, WorkerSession] = {}
 
     @classmethod
-    def load(cls, target: str, precision: str = "fp32", threads: int | None = None) -> TargetWorker:
-        """Load ``target`` (see ``eyas.target.loader.load_target``); ``threads``: torch CPU threads."""
+    def load(cls, target: str, precision: str = "fp32", threads: int | None = None,
+             dtype: str = "float32") -> TargetWorker:
+        """Load ``target`` (see ``eyas.target.loader.load_target``); ``threads``: torch CPU threads;
+        ``dtype``: the compute dtype at precision fp32."""
         from eyas.target.loader import load_target
 
         if threads:
             torch.set_num_threads(threads)
-        return cls(load_target(target, precision).model, name=f"{target}/{precision}")
+        suffix = "" if dtype == "float32" else f"/{dtype}"
+        return cls(load_target(target, precision, dtype=dtype).model, name=f"{target}/{precision}{suffix}")
 
     def engine_for(self, taps: tuple[FeatureTap, ...]) -> TargetEngine:
         for tap in taps:

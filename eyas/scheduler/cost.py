@@ -58,7 +58,7 @@ class TreeShape:
 
 
 PLAIN = TreeShape(0, 0, 0)
-DEFAULT_PREFILL_CHUNK = 256  # prompt rows one serving round may prefill, all requests together (measured: docs/benchmarks.md)
+DEFAULT_PREFILL_CHUNK = 128  # prompt rows one serving round may prefill, all requests together (measured: docs/benchmarks.md)
 
 
 @dataclass(frozen=True)

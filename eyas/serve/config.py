@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from ray.serve.config import AutoscalingConfig
 
 from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK
-from eyas.target.loader import DEFAULT_TARGET, PRECISIONS
+from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, check_dtype
 
 
 class ServeConfig(BaseModel):
@@ -19,6 +19,9 @@ class ServeConfig(BaseModel):
 
     target: str = DEFAULT_TARGET
     precision: Literal[PRECISIONS] = "fp32"
+    # the target's compute dtype at precision fp32; greedy speculative output is exact at float32 and
+    # can differ from target-only at bfloat16 / float16 on a real model (docs/architecture.md)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     methods: list[Literal["eagle1", "hass", "eagle3"]] = Field(default_factory=lambda: ["eagle3", "eagle1"])
     drafters: dict[str, str] = Field(default_factory=dict)  # method -> drafter folder (default: shipped)
     # replica counts: fixed, unless the kind's autoscaling config is given (then it rules)
@@ -92,6 +95,11 @@ class ServeConfig(BaseModel):
             raise ValueError("needs the opentelemetry-exporter-otlp-proto-grpc package (pip install it)")
         return v
 
+    @model_validator(mode="after")
+    def _dtype_needs_fp32(self) -> "ServeConfig":
+        check_dtype(self.dtype, self.precision)
+        return self
+
     def warnings(self) -> list[str]:
         """What this config asks for that Eyas does not do: a GPU reservation (replicas compute on the CPU)."""
         return [f"{kind}_num_gpus: {gpus:g} reserves GPUs that each {kind} replica does not use: Eyas computes on "
@@ -104,5 +112,6 @@ def parse_config(config: dict | None) -> ServeConfig:
         return ServeConfig.model_validate(config or {})
     except ValidationError as err:
         first = err.errors()[0]
-        raise ValueError(f"config.{'.'.join(str(p) for p in first['loc'])}: "
-                         f"{first['msg'].removeprefix('Value error, ')}") from None
+        where = ".".join(str(p) for p in first["loc"])   # empty for a check across fields, whose message names it
+        message = first["msg"].removeprefix("Value error, ")
+        raise ValueError(f"config.{where}: {message}" if where else f"config.{message}") from None

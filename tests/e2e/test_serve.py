@@ -84,7 +84,7 @@ def test_stream_chunks_add_up_to_the_unary_answer(client):
 def test_a_short_request_beside_a_2000_token_prompt_gets_its_first_token_while_that_prompt_prefills(
         client, real_eyas, reference, no_leaks):
     """Chunked prefill through the real app: a 2,000-token prompt (its answer one token) prefills
-    256 rows a round; a short streaming request sent once it is running gets its first token while
+    128 rows a round (the default); a short streaming request sent once it is running gets its first token while
     that prompt is still prefilling, not after it. Both answers equal target-only's in-process."""
     import threading
 
