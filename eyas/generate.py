@@ -26,6 +26,11 @@ from eyas.verification.accept import decide
 from eyas.verification.sampling import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
+# The one reseed rule of every decode loop: a request reseeds its draft session from the target's
+# committed state (seed 0x05D) at most this many times before it goes on target-only: once for a
+# drafter that died, and again whenever a drafter deployment moved it to a replica that does not
+# hold its session (scale-up, scale-down, a replaced replica).
+MAX_DRAFTER_RESEEDS = 4
 
 
 class DrafterUnavailable(RuntimeError):
@@ -119,7 +124,7 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
         stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
         prefill_s = time.perf_counter() - t_start
         rounds: list[RoundStats] = []
-        while len(out) < max_new_tokens and not stopped and not any(t in stop_ids for t in ack.output_tokens):
+        while not is_finished(out, max_new_tokens, stop_ids, ack.output_tokens, stopped):
             t0 = time.perf_counter()
             draft = drafter.propose(request_id, seed_state, tree) if drafter else DraftTree.empty()   # propose
             t1 = time.perf_counter()
@@ -138,11 +143,32 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
         target.close_session(request_id)
         if drafter is not None:
             drafter.close_session(request_id)
-    token_ids, finish = finish_tokens(out, max_new_tokens, stop_ids)
-    if stopped and len(out) <= max_new_tokens:
-        finish = FINISH_STOP
-    return GenerationResult(token_ids=token_ids, finish_reason=finish, prefill_s=prefill_s, wall_s=wall_s,
+    token_ids, reason = finish(out, max_new_tokens, stop_ids, stopped=stopped)
+    return GenerationResult(token_ids=token_ids, finish_reason=reason, prefill_s=prefill_s, wall_s=wall_s,
                             rounds=tuple(rounds))
+
+
+def may_reseed(reseeds: int) -> bool:
+    """The reseed rule: whether a request that has reseeded ``reseeds`` times may reseed again."""
+    return reseeds < MAX_DRAFTER_RESEEDS
+
+
+def is_finished(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], emitted, stopped: bool) -> bool:
+    """The one finish rule of every decode loop, after a publish that ``emitted`` these tokens: the
+    answer is done at ``max_new_tokens``, at a stop token, or when the caller stopped it."""
+    return stopped or len(out) >= max_new_tokens or any(t in stop_ids for t in emitted)
+
+
+def finish(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], *, stopped: bool = False,
+           cancelled: bool = False) -> tuple[list[int], str]:
+    """The answer and its finish reason: cut by :func:`finish_tokens`, then "cancelled" for a
+    cancelled request, or "stop" for one the caller stopped (a stop string) within its length."""
+    tokens, reason = finish_tokens(out, max_new_tokens, stop_ids)
+    if cancelled:
+        return tokens, FINISH_CANCELLED
+    if stopped and len(out) <= max_new_tokens:
+        return tokens, FINISH_STOP
+    return tokens, reason
 
 
 def finish_tokens(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> tuple[list[int], str]:

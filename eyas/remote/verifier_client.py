@@ -24,8 +24,8 @@ from typing import Callable, Protocol
 import grpc
 
 from eyas.drafting.engine import TreeSpec
-from eyas.generate import (FINISH_CANCELLED, FINISH_STOP, DrafterUnavailable, GenerationResult, RoundRecord, RoundStats,
-                           finish_tokens)
+from eyas.generate import (DrafterUnavailable, GenerationResult, RoundRecord, RoundStats, finish, is_finished,
+                           may_reseed)
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import eyas_pb2_grpc
 from eyas.protocol import wire
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S: float = 60.0
 REJECTED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
 NOT_PUBLISHED = -1  # RemoteSession.round before round 0 (the prefill) is published
-MAX_DRAFTER_RESEEDS = 1  # reseed attempts per request before it falls back to target-only
 
 
 class RemoteRejected(ValueError):
@@ -272,7 +271,7 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
         stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
         prefill_s = time.perf_counter() - t_start
         rounds: list[RoundStats] = []
-        while len(out) < max_new_tokens and not stopped and not any(t in stop_ids for t in ack.output_tokens):
+        while not is_finished(out, max_new_tokens, stop_ids, ack.output_tokens, stopped):
             if cancel is not None and cancel.is_set():
                 cancelled = True
                 break
@@ -311,12 +310,8 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
                 drafter.close_session(request_id)
             except DrafterUnavailable:
                 pass
-    token_ids, finish = finish_tokens(out, max_new_tokens, stop_ids)
-    if cancelled:
-        finish = FINISH_CANCELLED
-    elif stopped and len(out) <= max_new_tokens:
-        finish = FINISH_STOP
-    return GenerationResult(token_ids=token_ids, finish_reason=finish, prefill_s=prefill_s, wall_s=wall_s,
+    token_ids, reason = finish(out, max_new_tokens, stop_ids, stopped=stopped, cancelled=cancelled)
+    return GenerationResult(token_ids=token_ids, finish_reason=reason, prefill_s=prefill_s, wall_s=wall_s,
                             rounds=tuple(rounds), drafter_fallback=fallback,
                             drafter_reseeds=reseeds)
 
@@ -326,7 +321,7 @@ def _recover_drafter(drafter, verifier: RemoteVerifier, request_id: str, slots: 
     """Reseed ``drafter`` from the target's committed state (seed 0x05D), or give it up.
 
     -> (drafter or None, the seed to propose from, reseeds so far, fell back)."""
-    if reseeds >= MAX_DRAFTER_RESEEDS:
+    if not may_reseed(reseeds):
         log.warning("request %s: drafter failed again (%s); target-only from here", request_id, err)
         return None, None, reseeds, True
     log.warning("request %s: drafter failed (%s); reseeding from the committed state", request_id, err)

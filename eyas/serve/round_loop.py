@@ -22,7 +22,8 @@ Failures: a request the target refuses finishes with an error (the others go on)
 drafter makes the rounds plain for everyone at once, with no further drafter call in the round path
 (``drafter_down``), while a probe thread asks it for its ``info`` every ``DRAFTER_PROBE_S``; once it
 answers (typically a replacement replica), each request reseeds its draft session from the target's
-committed state (seed 0x05D), up to ``MAX_RESEEDS`` times in all, after which it goes on target-only
+committed state (seed 0x05D), up to ``MAX_DRAFTER_RESEEDS`` times in all (``eyas.generate.may_reseed``,
+the rule of every decode loop), after which it goes on target-only
 (``drafter_fallback``). Greedy tokens never change: the target decides every one.
 """
 from __future__ import annotations
@@ -38,8 +39,8 @@ from eyas import compute
 from eyas.actors.target_worker import Refusal
 from eyas.target.engine import PrefillProgress
 from eyas.drafting.engine import TreeSpec
-from eyas.generate import (FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, DrafterUnavailable, GenerationResult,
-                           RoundRecord, RoundStats, finish_tokens)
+from eyas.generate import (FINISH_CANCELLED, FINISH_ERROR, DrafterUnavailable, GenerationResult, RoundRecord,
+                           RoundStats, finish, is_finished, may_reseed)
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import Seed
@@ -52,10 +53,6 @@ from eyas.verification.sampling import SamplingParams
 log = logging.getLogger("eyas.round_loop")
 CONSUME_SEED_ONLY = TreeSpec(kind="chain", max_depth=0)  # plain decoding: the drafter appends context rows only
 NEVER_ACCEPTS = AcceptanceEstimate([0.0] * 8)  # target-only requests: no tree ever pays
-# A request reseeds its draft session (seed 0x05D) at most this many times before it goes target-only:
-# once for a drafter that died, and again whenever the drafter deployment moved it to a replica that
-# does not hold its session (scale-up, scale-down, a replaced replica).
-MAX_RESEEDS = 4
 DRAFTER_PROBE_S = 0.5  # how often a loop whose drafter is down asks whether it answers again
 
 
@@ -477,7 +474,7 @@ class RoundLoop:
         return trees
 
     def _reseed(self, live: Live) -> None:
-        if live.reseeds >= MAX_RESEEDS:
+        if not may_reseed(live.reseeds):
             live.fallback, live.needs_reseed = True, False
             return
         live.reseeds += 1
@@ -521,7 +518,7 @@ class RoundLoop:
         live.out.extend(tokens)
         if live.on_tokens is not None and live.on_tokens(tokens):
             live.stopped = True
-        if live.stopped or len(live.out) >= live.max_new_tokens or any(t in live.eos for t in tokens):
+        if is_finished(live.out, live.max_new_tokens, live.eos, tokens, live.stopped):
             self._finish(live, None)
 
     def _finish(self, live: Live, reason: str | None, err: Exception | None = None) -> None:
@@ -540,13 +537,9 @@ class RoundLoop:
         if err is not None and reason == FINISH_ERROR and not live.out:
             live.future.set_exception(_as_value_error(err))
             return
-        tokens, finish = finish_tokens(live.out, live.max_new_tokens, live.eos)
-        if reason is not None:
-            finish = reason
-        elif live.stopped and len(live.out) <= live.max_new_tokens:
-            finish = FINISH_STOP
+        tokens, finished_as = finish(live.out, live.max_new_tokens, live.eos, stopped=live.stopped)
         wall = time.perf_counter() - live.arrival
-        result = GenerationResult(token_ids=tokens, finish_reason=finish, prefill_s=live.prefill_s, wall_s=wall,
+        result = GenerationResult(token_ids=tokens, finish_reason=reason or finished_as, prefill_s=live.prefill_s, wall_s=wall,
                                   rounds=tuple(live.rounds),
                                   drafter_fallback=live.fallback, drafter_reseeds=live.reseeds)
         if self.on_finish is not None:

@@ -75,7 +75,11 @@ def test_a_drafter_that_dies_mid_request_is_reseeded_and_the_output_is_unchanged
 
 
 def test_a_drafter_that_stays_down_falls_back_to_target_only_with_the_same_tokens(tiny_target, worker, drafter_engine):
-    for flaky in (Flaky(drafter_engine, fail_at={2, 3, 4, 5}), Flaky(drafter_engine, always=True)):
+    from eyas.generate import MAX_DRAFTER_RESEEDS
+
+    # one failure more than the reseeds allowed, in a row (each reseed's next propose fails again)
+    in_a_row = set(range(2, 2 + MAX_DRAFTER_RESEEDS + 1))
+    for flaky in (Flaky(drafter_engine, fail_at=in_a_row), Flaky(drafter_engine, always=True)):
         out = generate_remote(RemoteVerifier(LocalTransport(worker)), PROMPT, max_new_tokens=30, drafter=flaky,
                               tree=TREE, request_id="fallback")
         assert out.token_ids == baseline(tiny_target)
