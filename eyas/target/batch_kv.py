@@ -181,6 +181,7 @@ class BatchRows:
     grid: Grid | None
     wide: tuple[Wide, ...]
     bounds: tuple[tuple[int, int], ...]  # each group's [lo, hi) among the packed rows
+    max_position: int                    # the largest position id (read on the host, before the move)
 
     @property
     def num_rows(self) -> int:
@@ -218,8 +219,9 @@ class BatchRows:
             lo += t
         cat = lambda xs: torch.cat(xs).to(device)  # noqa: E731
         grid = cls._grid(gridded, device) if gridded else None
-        return cls(cat([g.tokens for g in groups]), cat([g.positions for g in groups]), cat(kv_rows), cat(slots),
-                   grid, tuple(wide), tuple(bounds))
+        positions = torch.cat([g.positions for g in groups])
+        return cls(cat([g.tokens for g in groups]), positions.to(device), cat(kv_rows), cat(slots),
+                   grid, tuple(wide), tuple(bounds), int(positions.max()))
 
     @staticmethod
     def _grid(gridded: list[tuple[RowGroup, int]], device) -> Grid:

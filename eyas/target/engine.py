@@ -323,7 +323,8 @@ class TargetEngine:
             expected = s.pending.round if s.pending is not None else s.round + 1
             raise ValueError(f"round: {round} is stale or from the future (expected {expected})")
         v = s.pending
-        rows = decision.accepted_rows  # [A] flat rows, from the verification's retrieve map
+        rows = decision.accepted_rows.cpu()  # [A] flat rows, from the verification's retrieve map (host side)
+        on_device = rows.to(self.kv.device)  # the same, to index the features and K/V on the engine's device
         if v.flat is None:  # prefill: every prompt row is accepted
             if rows.tolist() != list(range(s.prompt_len)):
                 raise ValueError("accepted_rows: a prefill accepts exactly the prompt rows")
@@ -333,7 +334,7 @@ class TargetEngine:
                 raise ValueError(f"accepted_rows: {rows.tolist()} reach past the {v.flat.num_rows} verified rows")
             if not torch.equal(v.flat.tokens[rows[1:]], decision.accepted_tokens):
                 raise ValueError("accepted_tokens: do not match the verified rows they name")
-            features = v.features.index_select(0, rows)  # [A, F]
+            features = v.features.index_select(0, on_device)  # [A, F]
         if not 0 <= decision.frontier_token < self.cfg.vocab_size:
             raise ValueError(f"frontier_token: {decision.frontier_token} lies outside the vocabulary")
         n, a = s.committed_len, rows.numel()
@@ -346,7 +347,7 @@ class TargetEngine:
         ack = PublishAck(request_id, round, n + a, emitted)
         # -- writes: K/V first (into slots >= n only), then the bookkeeping, committed_len last --
         if v.flat is not None:
-            self.kv.commit(s.kv_row, n + rows, n)  # provisional slot n + r -> committed slot n + i
+            self.kv.commit(s.kv_row, n + on_device, n)  # provisional slot n + r -> committed slot n + i
         s.tokens = committed_tokens
         s.features.append(seed.features)
         s.frontier_token = decision.frontier_token

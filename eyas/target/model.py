@@ -287,9 +287,13 @@ class RotaryTable(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T]
-        if int(positions.max()) >= self.cos.shape[0]:
-            raise ValueError(f"positions: {int(positions.max())} exceeds the rotary table ({self.cos.shape[0]})")
+    def forward(self, positions: torch.Tensor, max_position: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T]
+        """cos/sin of ``positions``; ``max_position``: their largest, when the caller knows it on the
+        host (no device read)."""
+        top = int(positions.max()) if max_position is None else max_position
+        if top >= self.cos.shape[0]:
+            raise ValueError(f"positions: {top} exceeds the rotary table ({self.cos.shape[0]})")
         return self.cos[positions], self.sin[positions]  # [B, T, hd] each
 
 
@@ -698,7 +702,9 @@ class TargetModel(nn.Module):
         if plan.key_len > kv.slot_capacity or plan.num_kv_rows > kv.row_capacity:
             raise ValueError(f"rows: the plan reaches past the K/V store ({plan.num_kv_rows} rows x "
                              f"{plan.key_len} slots; {kv.row_capacity} x {kv.slot_capacity} allocated)")
-        cos, sin = self.rope(plan.positions[None])
+        cos, sin = self.rope(plan.positions[None], plan.max_position)
+        if isinstance(logits_rows, torch.Tensor):
+            logits_rows = logits_rows.to(plan.tokens.device)
         return self._run(self.embed(plan.tokens[None]), taps, logits_rows,
                          lambda i, layer, x: layer.forward_batch(x, cos, sin, kv, plan, i))
 
