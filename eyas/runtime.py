@@ -54,7 +54,8 @@ def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: 
     a warning when none is shipped. ``embed``/``lm_head`` are the target's own (not owned here); at
     ``fp16w`` the drafter's linears hold fp16 weights too and the default tree is at most
     :data:`FP16W_DEFAULT_TREE`. ``dtype``: the target's compute dtype, which the drafter takes too
-    (it reads the target's features); the int8 draft head is a float32-only CPU path."""
+    (it reads the target's features), on the target's device; the int8 draft head is a float32-only
+    CPU path."""
     folder = Path(path) if path else REPO_DRAFTERS / DEFAULT_DRAFTER_DIRS[method]
     if path or (folder / "manifest.json").exists():
         drafter, manifest = load_drafter(folder, fingerprint)
@@ -71,8 +72,9 @@ def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: 
     if precision == "fp16w":
         quantize_fp16_weights(drafter)  # drafting precision moves acceptance only, never the output
         default_tree = smaller_tree(default_tree, FP16W_DEFAULT_TREE)
-    drafter = drafter.to(dtype)
-    return DrafterHandle(DrafterEngine(drafter, embed, lm_head, int8_head=dtype == torch.float32, taps=taps), taps,
+    drafter = drafter.to(device=embed.weight.device, dtype=dtype)
+    int8_head = dtype == torch.float32 and embed.weight.device.type == "cpu"   # fbgemm: a CPU-only path
+    return DrafterHandle(DrafterEngine(drafter, embed, lm_head, int8_head=int8_head, taps=taps), taps,
                          source, default_tree)
 
 
