@@ -46,6 +46,7 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", help="served precision of the target: fp32 | fp16w (fp16 weights, fp32 compute) | int8")
     p.add_argument("--dtype", default="float32",
                    help="compute dtype at precision fp32: float32 | bfloat16 | float16 (the drafter follows)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (precision fp32; not yet run on a GPU)")
     p.add_argument("--target", default="smollm2-135m", help="smollm2-135m, a .gguf file, or an HF checkpoint dir")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
     p.add_argument("--request-id",
@@ -83,11 +84,12 @@ def cmd_generate(args) -> int:
     if args.server:
         return _generate_remote(args, req)
     from eyas.runtime import Eyas, set_threads
-    from eyas.target.loader import check_dtype
+    from eyas.target.loader import check_device, check_dtype
 
     check_dtype(args.dtype, args.precision)  # before the (slow) model load
+    check_device(args.device, args.precision)
     set_threads(args.threads)
-    eyas = Eyas(args.target, args.precision, dtype=args.dtype)
+    eyas = Eyas(args.target, args.precision, dtype=args.dtype, device=args.device)
     _, report = eyas.generate(req)
     if args.json:
         print(json.dumps(report))

@@ -94,9 +94,10 @@ def set_threads(threads: int | None = None) -> None:
 
 class Eyas:
     def __init__(self, target: str = DEFAULT_TARGET, precision: str = "fp32", loaded: LoadedTarget | None = None,
-                 dtype: str = "float32"):
-        """``dtype``: the compute dtype at precision fp32 (float32, bfloat16, float16)."""
-        self.loaded = loaded or load_target(target, precision, dtype=dtype)
+                 dtype: str = "float32", device: str = "cpu"):
+        """``dtype``: the compute dtype at precision fp32 (float32, bfloat16, float16); ``device``:
+        where the target and its drafters compute (cpu, cuda, cuda:N; not yet run on a GPU)."""
+        self.loaded = loaded or load_target(target, precision, device=device, dtype=dtype)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.cfg = self.model.cfg

@@ -130,6 +130,20 @@ def test_a_half_precision_dtype_is_a_config_field_and_refused_beside_fp16w_namin
     assert capsys.readouterr().err.startswith("error: dtype: 'bf16' is not one of")
 
 
+def test_a_device_is_checked_before_the_model_loads_naming_the_field(capsys):
+    """`--device`: one that does not parse, one this machine lacks, and a GPU beside fp16w are each
+    refused at once, naming the field."""
+    import torch
+
+    assert main(["generate", "--prompt", "hi", "--device", "tpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: device: 'tpu' is not")
+    if not torch.cuda.is_available():
+        assert main(["generate", "--prompt", "hi", "--device", "cuda:3"]) == 2
+        assert capsys.readouterr().err.startswith("error: device: cuda:3 is not available on this machine")
+    assert main(["generate", "--prompt", "hi", "--device", "meta", "--precision", "fp16w"]) == 2
+    assert capsys.readouterr().err.startswith("error: precision: fp16w (fbgemm kernels) runs on the CPU only")
+
+
 @pytest.mark.real_model
 def test_generate_json_and_out_of_vocabulary_ids(capsys, real_eyas):
     assert main(["generate", "--prompt", "Say hi.", "--method", "target", "--max-new-tokens", "4", "--json"]) == 0

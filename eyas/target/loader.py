@@ -27,6 +27,23 @@ PRECISIONS = ("fp32", "fp16w", "int8")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_device(device: str, precision: str = "fp32") -> torch.device:
+    """The torch device of ``device`` ("cpu", "cuda", "cuda:N"); refused, naming the field, when it
+    does not parse, is not on this machine, or sits beside an fbgemm precision (CPU kernels)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device: {device!r} is not a device (cpu, cuda, cuda:N)") from err
+    if dev.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"device: {device!r} is not one of cpu, cuda, cuda:N")
+    if dev.type != "cpu" and precision != "fp32":
+        raise ValueError(f"precision: {precision} (fbgemm kernels) runs on the CPU only, not {device!r}")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device: {device} is not available on this machine "
+                         f"({torch.cuda.device_count()} CUDA devices)")
+    return dev
+
+
 def check_dtype(dtype: str, precision: str = "fp32") -> torch.dtype:
     """The torch dtype of ``dtype``; refused, naming the field, when unknown or beside an fbgemm
     precision (fp16w and int8 compute in float32)."""
@@ -271,12 +288,13 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     (fbgemm dynamic int8 weights; CPU only).
     dtype: the compute dtype at precision fp32: ``"float32"``, ``"bfloat16"`` or ``"float16"``
     (weights, activations and K/V; RMSNorm statistics and logits stay float32).
+    device: ``"cpu"`` (default), ``"cuda"`` or ``"cuda:N"`` (precision fp32 only): the target's
+    engine computes there; not yet run on a GPU.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: {precision!r} is not one of {PRECISIONS}")
     torch_dtype = check_dtype(dtype, precision)
-    if precision != "fp32" and device != "cpu":
-        raise ValueError(f"precision: {precision} (fbgemm kernels) runs on the CPU only, not {device!r}")
+    device = check_device(str(device), precision)
     folder = checkpoint_folder(source)
     cfg_dict = json.loads((folder / "config.json").read_text())
     cfg = TargetConfig.from_hf(cfg_dict)
