@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 
 def tiny_hf_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -225,3 +227,19 @@ class EveryThirdRoundPolicy:
         self.rounds += 1
         shape = TreeShape(2, 3, 6) if self.rounds % 3 == 0 else PLAIN
         return Plan({c.request_id: shape for c in waiting}, (), 1.0, 1.0)
+
+
+class NoDeviceMix(TorchFunctionMode):
+    """Raise on any torch op whose tensor operands (of one dim or more) span more than one device."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0}
+        if len(devices) > 1:
+            raise AssertionError(f"{getattr(func, '__name__', func)}: operands on {sorted(devices)}")
+        self.ops += 1
+        return func(*args, **kwargs)

@@ -104,6 +104,7 @@ class DrafterEngine:
             copy.weight = nn.Parameter(lm_head.weight.detach().clone(), requires_grad=False)
             self.lm_head = quantize_dynamic(nn.Sequential(copy), {nn.Linear}, dtype=torch.qint8)[0]
         self.taps = tuple(taps)
+        self.device = embed.weight.device   # where every draft tensor lives (the target's device)
         self.sessions: dict[str, DraftSession] = {}
 
     def kv_slots_allocated(self) -> int:
@@ -139,7 +140,8 @@ class DrafterEngine:
         pass and one LM-head call (each request keeps its own draft KV and masks)."""
         if len({rid for rid, _, _ in items}) != len(items):
             raise ValueError("request_id: a request appears twice in one drafting batch")
-        growths = [_Growth(self._session(rid), seed, tree) for rid, seed, tree in items]  # checks first
+        # checks first; a seed decoded from the wire (on the CPU) moves to the drafter's device here
+        growths = [_Growth(self._session(rid), seed.to(self.device), tree, self.device) for rid, seed, tree in items]
         # 1. context rows from verified target features (seed 0x05A/0x05D) ----------------------
         hidden = self.drafter.forward_packed([g.context_rows(self.drafter, self.embed) for g in growths])
         for g, h in zip(growths, hidden):
@@ -221,12 +223,12 @@ class _Growth:
     rows plus its tree ancestors. Its output proposes its children.
     """
 
-    def __init__(self, s: DraftSession, seed: Seed, tree: TreeSpec):
+    def __init__(self, s: DraftSession, seed: Seed, tree: TreeSpec, device: torch.device):
         if s.provisional_len:
             raise ValueError(f"request_id: {s.request_id!r} has an unpublished draft round")
         if seed.start_position != s.committed_len:
             raise ValueError(f"seed.start_position: {seed.start_position} != draft context length {s.committed_len}")
-        self.s, self.seed, self.builder = s, seed, tree.builder()
+        self.s, self.seed, self.builder, self.device = s, seed, tree.builder(), device
         self.parent_hidden: torch.Tensor | None = None  # [P, d] rows whose children come next; None = done
         self.parents: list[int] = []
         self.node_state: dict[int, torch.Tensor] = {}  # node id -> output of the row that proposed it  [d]
@@ -235,9 +237,13 @@ class _Growth:
     def context_rows(self, drafter: Drafter, embed: nn.Embedding):
         n, a = self.s.committed_len, self.seed.features.shape[0]
         state = drafter.target_state(self.seed.features.to(drafter.dtype))  # [A, d]
-        mask = torch.cat([torch.ones(a, n, dtype=torch.bool), torch.ones(a, a, dtype=torch.bool).tril()], 1)
-        return state, embed(self.seed.advanced_tokens), Segment(self.seed.advanced_tokens, torch.arange(n, n + a),
-                                                                self.s.cache, n, mask if a > 1 else None)
+        dev = self.device
+        mask = torch.cat([torch.ones(a, n, dtype=torch.bool, device=dev),
+                          torch.ones(a, a, dtype=torch.bool, device=dev).tril()], 1)   # [A, n + A]
+        positions = torch.arange(n, n + a, device=dev)                                   # [A]
+        return state, embed(self.seed.advanced_tokens), Segment(self.seed.advanced_tokens, positions,
+                                                                self.s.cache, n, mask if a > 1 else None,
+                                                                max_position=n + a - 1)
 
     def start_tree(self, hidden: torch.Tensor) -> None:  # [A, d] outputs of the context rows
         self.s.committed_len += hidden.shape[0]
@@ -261,18 +267,21 @@ class _Growth:
         slots = list(range(first, first + p))
         for node, slot in zip(parents, slots):
             self.node_slot[node] = slot
-        mask = torch.zeros(p, slots[-1] + 1, dtype=torch.bool)
+        mask = torch.zeros(p, slots[-1] + 1, dtype=torch.bool)   # [P, slots] built on the host, moved once
         mask[:, :self.base] = True
         for i, node in enumerate(parents):  # ancestors' rows and the row itself
             walk = node
             while walk != PARENT_IS_SEED:
                 mask[i, self.node_slot[walk]] = True
                 walk = b.node(walk).parent
-        tokens_ = torch.tensor([b.node(x).token for x in parents], dtype=torch.int64)
-        positions = torch.tensor([self.last_position + b.node(x).depth for x in parents], dtype=torch.int64)
+        dev = self.device
+        tokens_ = torch.tensor([b.node(x).token for x in parents], dtype=torch.int64, device=dev)       # [P]
+        positions = torch.tensor([self.last_position + b.node(x).depth for x in parents], dtype=torch.int64,
+                                 device=dev)                                                          # [P]
         self.parents = parents
         return (torch.stack([self.node_state[x] for x in parents]), tokens_,
-                Segment(tokens_, positions, s.cache, first, mask))
+                Segment(tokens_, positions, s.cache, first, mask.to(dev),
+                        max_position=self.last_position + max(b.node(x).depth for x in parents)))
 
     def absorb(self, hidden: torch.Tensor) -> None:  # [P, d]
         self.s.provisional_len += hidden.shape[0]

@@ -226,7 +226,9 @@ class Drafter(nn.Module):
         state = torch.cat([x[0] for x in segments])[None]
         embeds = torch.cat([x[1] for x in segments])[None]
         x, residual = self.layer_input(state, embeds)                      # [1, T, d_in], [1, T, d]
-        cos, sin = self.rope(torch.cat([s.positions for s in placed])[None])
+        tops = [s.max_position for s in placed]
+        cos, sin = self.rope(torch.cat([s.positions for s in placed])[None],
+                             None if None in tops else max(tops))   # host-known: no device read
         out = self.layer.forward_segments(x, residual, cos, sin, placed)[0]
         return [out[a:b] for a, b in (s.rows for s in placed)]
 

@@ -106,6 +106,12 @@ class Seed:
         return Seed(torch.cat([x.features.to(dtype) for x in seeds]), torch.cat([x.advanced_tokens for x in seeds]),
                     seeds[0].start_position, seeds[-1].round)
 
+    def to(self, device: torch.device) -> Seed:
+        """This seed with its tensors on ``device`` (itself when they are there already)."""
+        if self.features.device == device and self.advanced_tokens.device == device:
+            return self
+        return Seed(self.features.to(device), self.advanced_tokens.to(device), self.start_position, self.round)
+
     def then(self, later: Seed) -> Seed:
         """This seed followed by ``later`` as one seed, for a drafter that skipped rounds.
 

@@ -559,6 +559,7 @@ class Segment:
     start: int                    # slot of its first row (its committed length)
     mask: torch.Tensor | None     # [T_i, start + T_i] bool, or None for one row that sees everything
     rows: tuple[int, int] = (0, 0)  # [lo, hi) of its rows in the packed batch (set by the packing forward)
+    max_position: int | None = None  # its largest position, known on the host (None: read from the device)
 
 
 class MLP(nn.Module):

@@ -11,30 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import DraftTree
 from eyas.target.engine import PrefillProgress, TargetEngine
 from eyas.target.model import eagle3_feature_address
-from tests.testing import ours_from_hf, tiny_hf_llama
-
-
-class NoDeviceMix(TorchFunctionMode):
-    """Raise on any torch op whose tensor operands (of one dim or more) span more than one device."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0}
-        if len(devices) > 1:
-            raise AssertionError(f"{getattr(func, '__name__', func)}: operands on {sorted(devices)}")
-        self.ops += 1
-        return func(*args, **kwargs)
+from tests.testing import NoDeviceMix, ours_from_hf, tiny_hf_llama
 
 
 def test_the_mode_catches_what_meta_alone_lets_through():
