@@ -198,7 +198,9 @@ def cmd_serve(args) -> int:
     api_key = args.api_key or os.environ.get("EYAS_API_KEY")
     if api_key:
         app_args = {**app_args, "api_key": api_key}
-    config_warnings = parse_config(app_args).warnings()  # a bad config fails here, naming the field, before Ray starts
+    app_args = {**app_args, **{k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None}}
+    config = parse_config(app_args)   # a bad config fails here, naming the field, before Ray starts
+    config_warnings = config.warnings()
     flags = {"host": args.host, "http_port": args.http_port, "grpc_port": args.grpc_port}
     # addresses: a flag, else the file's http_options / grpc_options, else the defaults
     endpoints = {**SERVE_ENDPOINT_DEFAULTS, **file_endpoints, **{k: v for k, v in flags.items() if v is not None}}
@@ -207,6 +209,7 @@ def cmd_serve(args) -> int:
             print(f"warning: config.{warning}", file=sys.stderr)
         shown = {**app_args, **({"api_key": "<set>"} if app_args.get("api_key") else {})}   # never print the key
         print(json.dumps({"endpoints": endpoints, "args": shown,
+                          "devices": {kind: config.device_for(kind) for kind in ("target", "drafter")},
                           **({"warnings": [f"config.{w}" for w in config_warnings]} if config_warnings else {})}))
         return 0
     import ray
@@ -349,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--http-port", type=int, help="HTTP port (default: the config's http_options.port, else 8000)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on HTTP and gRPC (default: "
                    "$EYAS_API_KEY, else the config's api_key, else none)")
+    s.add_argument("--device", help="where the replicas compute: cpu | cuda | cuda:N (overrides the config's "
+                   "device; default: the GPU Ray assigns a replica that reserves one, else cpu; not yet run on a GPU)")
+    s.add_argument("--dtype", help="compute dtype at precision fp32: float32 | bfloat16 | float16 (overrides the config's)")
     s.add_argument("--check-config", action="store_true",
                    help="validate the config, print the addresses and app args it resolves to as JSON, and exit")
     s.set_defaults(func=cmd_serve)

@@ -94,23 +94,40 @@ def test_serve_takes_its_addresses_from_the_config_unless_a_flag_says_otherwise(
     assert not ray.is_initialized()
 
 
-def test_a_gpu_reservation_is_warned_about_since_replicas_compute_on_the_cpu(tmp_path, capsys):
-    """`target_num_gpus: 1` is a valid Ray reservation, but no Eyas replica computes on a GPU yet: the
-    config check says so, naming the field, on stderr and in --check-config's JSON; 0 GPUs says nothing."""
+def test_a_gpu_reservation_sets_the_replicas_device_and_a_contradiction_is_refused_or_warned(tmp_path, capsys):
+    """`target_num_gpus: 1` makes the target replicas compute on the GPU Ray assigns them ("cuda"), and
+    --check-config shows each kind's device; `device: cpu` beside a reservation, or a GPU device with
+    none, is warned about naming the field; fp16w on a reserved GPU and an unknown device are refused,
+    naming the field; `--device` overrides the file. Nothing starts Ray."""
     import ray
 
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text("applications: [{name: eyas, args: {target_num_gpus: 1, drafter_num_gpus: 0.5}}]\n")
-    assert main(["serve", "--check-config", "--config", str(cfg)]) == 0
-    captured = capsys.readouterr()
-    warnings = json.loads(captured.out)["warnings"]
-    assert [w.split(":")[0] for w in warnings] == ["config.target_num_gpus", "config.drafter_num_gpus"]
-    assert all("does not use" in w and "CPU" in w for w in warnings)
-    assert "warning: config.target_num_gpus: 1 reserves GPUs" in captured.err
-    cfg.write_text("applications: [{name: eyas, args: {target_num_gpus: 0}}]\n")
-    assert main(["serve", "--check-config", "--config", str(cfg)]) == 0
-    captured = capsys.readouterr()
-    assert "warnings" not in json.loads(captured.out) and "warning" not in captured.err
+
+    def check(args: str, *flags: str) -> tuple[int, dict | None, str]:
+        cfg.write_text(f"applications: [{{name: eyas, args: {{{args}}}}}]\n")
+        rc = main(["serve", "--check-config", "--config", str(cfg), *flags])
+        captured = capsys.readouterr()
+        return rc, json.loads(captured.out) if rc == 0 else None, captured.err
+
+    rc, out, err = check("target_num_gpus: 1, drafter_num_gpus: 0.5")
+    assert rc == 0 and out["devices"] == {"target": "cuda", "drafter": "cuda"} and "warnings" not in out
+    rc, out, err = check("target_num_gpus: 1")
+    assert out["devices"] == {"target": "cuda", "drafter": "cpu"} and "warnings" not in out and not err
+    rc, out, err = check("target_num_gpus: 1, drafter_num_gpus: 0.5, device: cpu")
+    assert [w.split(":")[0] for w in out["warnings"]] == ["config.target_num_gpus", "config.drafter_num_gpus"]
+    assert "warning: config.target_num_gpus: 1 reserves GPUs that each target replica does not use" in err
+    rc, out, err = check("target_num_gpus: 0", "--device", "cuda:1")
+    assert out["devices"] == {"target": "cuda:1", "drafter": "cuda:1"}
+    assert out["warnings"][0].startswith("config.device: cuda:1 for target replicas that reserve no GPU")
+    rc, out, err = check("target_num_gpus: 1, precision: fp16w")
+    assert rc == 2 and "config.precision: fp16w (fbgemm kernels) runs on the CPU only, not on the GPU that " \
+        "target_num_gpus reserves" in err
+    rc, out, err = check("target_num_gpus: 1, precision: fp16w, device: cpu")
+    assert rc == 0 and out["devices"]["target"] == "cpu"
+    rc, out, err = check("device: tpu")
+    assert rc == 2 and "config.device: 'tpu' is not" in err
+    rc, out, err = check("target_num_gpus: 0")
+    assert rc == 0 and out["devices"] == {"target": "cpu", "drafter": "cpu"} and "warnings" not in out and not err
     assert not ray.is_initialized()
 
 

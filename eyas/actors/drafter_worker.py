@@ -37,19 +37,23 @@ class DrafterWorker:
 
     @classmethod
     def load(cls, target: str, methods: tuple[str, ...] = ("eagle3",), drafter_dirs: dict[str, str] | None = None,
-             threads: int | None = None, precision: str = "fp32") -> DrafterWorker:
+             threads: int | None = None, precision: str = "fp32", dtype: str = "float32",
+             device: str = "cpu") -> DrafterWorker:
         """Load the target's embedding and LM head (and no decoder layer: :func:`load_target_head`) plus a
         drafter per method (shipped ones by default).
         ``precision``: the served target precision; at ``fp16w`` the drafters and the target head they
-        read run with fp16 weights too (fp32 otherwise: an int8 target still drafts at fp32)."""
+        read run with fp16 weights too (fp32 otherwise: an int8 target still drafts at fp32).
+        ``dtype``, ``device``: the target's compute dtype and where these drafters compute."""
         from eyas.runtime import make_drafter
         from eyas.target.loader import load_target_head
 
         if threads:
             torch.set_num_threads(threads)
-        head = load_target_head(target, "fp16w" if precision == "fp16w" else "fp32")
+        from eyas.target.loader import DTYPES
+
+        head = load_target_head(target, "fp16w" if precision == "fp16w" else "fp32", device=device, dtype=dtype)
         handles = {m: make_drafter(m, (drafter_dirs or {}).get(m), head.cfg, head.fingerprint, head.embed,
-                                   head.lm_head, head.precision) for m in methods}
+                                   head.lm_head, head.precision, DTYPES[dtype]) for m in methods}
         return cls({m: h.engine for m, h in handles.items()}, head.cfg.vocab_size,
                    {m: h.source for m, h in handles.items()}, {m: h.default_tree for m, h in handles.items()},
                    name=f"{target}/{'+'.join(methods)}")

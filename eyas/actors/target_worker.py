@@ -102,15 +102,16 @@ class TargetWorker:
 
     @classmethod
     def load(cls, target: str, precision: str = "fp32", threads: int | None = None,
-             dtype: str = "float32") -> TargetWorker:
+             dtype: str = "float32", device: str = "cpu") -> TargetWorker:
         """Load ``target`` (see ``eyas.target.loader.load_target``); ``threads``: torch CPU threads;
-        ``dtype``: the compute dtype at precision fp32."""
+        ``dtype``: the compute dtype at precision fp32; ``device``: where it computes."""
         from eyas.target.loader import load_target
 
         if threads:
             torch.set_num_threads(threads)
         suffix = "" if dtype == "float32" else f"/{dtype}"
-        return cls(load_target(target, precision, dtype=dtype).model, name=f"{target}/{precision}{suffix}")
+        return cls(load_target(target, precision, device=device, dtype=dtype).model,
+                   name=f"{target}/{precision}{suffix}")
 
     def engine_for(self, taps: tuple[FeatureTap, ...]) -> TargetEngine:
         for tap in taps:

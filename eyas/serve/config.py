@@ -9,7 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray.serve.config import AutoscalingConfig
 
 from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK
-from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, check_dtype
+from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, check_device, check_dtype
+
+REPLICA_KINDS = ("target", "drafter")
 
 
 class ServeConfig(BaseModel):
@@ -22,6 +24,10 @@ class ServeConfig(BaseModel):
     # the target's compute dtype at precision fp32; greedy speculative output is exact at float32 and
     # can differ from target-only at bfloat16 / float16 on a real model (docs/architecture.md)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # where the replicas compute: "cpu", "cuda" or "cuda:N"; None = the GPU Ray assigned a replica
+    # whose kind reserves one (`target_num_gpus` / `drafter_num_gpus` > 0; Ray makes it "cuda"),
+    # else the CPU. Not yet run on a GPU.
+    device: str | None = None
     methods: list[Literal["eagle1", "hass", "eagle3"]] = Field(default_factory=lambda: ["eagle3", "eagle1"])
     drafters: dict[str, str] = Field(default_factory=dict)  # method -> drafter folder (default: shipped)
     # replica counts: fixed, unless the kind's autoscaling config is given (then it rules)
@@ -98,13 +104,38 @@ class ServeConfig(BaseModel):
     @model_validator(mode="after")
     def _dtype_needs_fp32(self) -> "ServeConfig":
         check_dtype(self.dtype, self.precision)
+        if self.device is not None:   # its syntax and precision here; whether it exists, on the replica
+            check_device(self.device, self.precision, here=False)
+        for kind in REPLICA_KINDS:
+            if self.device is None and self.num_gpus(kind) > 0 and self.precision != "fp32":
+                raise ValueError(f"precision: {self.precision} (fbgemm kernels) runs on the CPU only, not on the "
+                                 f"GPU that {kind}_num_gpus reserves (set device: cpu, or precision: fp32)")
         return self
 
+    def num_gpus(self, kind: str) -> float:
+        return self.target_num_gpus if kind == "target" else self.drafter_num_gpus
+
+    def device_for(self, kind: str) -> str:
+        """Where a ``kind`` ("target" | "drafter") replica computes: ``device`` when set, else "cuda"
+        (the GPU Ray assigned it) for a kind that reserves GPUs, else "cpu"."""
+        assert kind in REPLICA_KINDS, kind
+        if self.device is not None:
+            return self.device
+        return "cuda" if self.num_gpus(kind) > 0 else "cpu"
+
     def warnings(self) -> list[str]:
-        """What this config asks for that Eyas does not do: a GPU reservation (replicas compute on the CPU)."""
-        return [f"{kind}_num_gpus: {gpus:g} reserves GPUs that each {kind} replica does not use: Eyas computes on "
-                f"the CPU (GPU execution: not yet, see the README)"
-                for kind, gpus in (("target", self.target_num_gpus), ("drafter", self.drafter_num_gpus)) if gpus > 0]
+        """What this config asks for that would not do what it seems to: GPUs reserved for replicas
+        that compute on the CPU, or a GPU device for replicas that reserve none."""
+        out = []
+        for kind in REPLICA_KINDS:
+            gpus, device = self.num_gpus(kind), self.device_for(kind)
+            if gpus > 0 and device == "cpu":
+                out.append(f"{kind}_num_gpus: {gpus:g} reserves GPUs that each {kind} replica does not use: "
+                           f"device is cpu")
+            elif gpus == 0 and device.startswith("cuda"):
+                out.append(f"device: {device} for {kind} replicas that reserve no GPU ({kind}_num_gpus: 0): "
+                           f"Ray does not place them by GPU")
+        return out
 
 
 def parse_config(config: dict | None) -> ServeConfig:

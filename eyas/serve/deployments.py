@@ -132,7 +132,8 @@ class EyasTarget:
         self.app_name = app_name()
         self.replica_id = _replica_id()
         self.worker_lock = threading.Lock()
-        self.worker = compute.run(TargetWorker.load, c.target, c.precision, c.torch_threads, c.dtype)
+        self.device = c.device_for("target")
+        self.worker = compute.run(TargetWorker.load, c.target, c.precision, c.torch_threads, c.dtype, self.device)
         self.locked = _Locked(self.worker, self.worker_lock)
         self.tokenizer = load_tokenizer(c.target)
         self.telemetry = Telemetry(f"eyas-target-{self.replica_id}", console=c.console_spans,
@@ -141,7 +142,7 @@ class EyasTarget:
         self.telemetry.add_queue_source(lambda: self.loop.work()["pending"])
         self.drafter = None if drafter is None else ServeCalls(drafter, self.replica_id, c.drafter_timeout_s,
                                                                    c.drafter_round_timeout_s)
-        self.curve_key = f"{c.target}/{c.precision}/{c.dtype}/{_device_kind(c.torch_threads)}"
+        self.curve_key = f"{c.target}/{c.precision}/{c.dtype}/{_device_kind(self.device, c.torch_threads)}"
         curve = self._start_curve()
         budgets = Budgets(max_batch=c.max_batch, max_verify_rows=c.max_verify_rows,
                           max_expert_bytes=c.max_expert_bytes)
@@ -319,7 +320,7 @@ class EyasDrafter:
         self.cfg = c = parse_config(config)
         self.replica_id = _replica_id()
         self.worker = compute.run(DrafterWorker.load, c.target, tuple(c.methods), dict(c.drafters) or None,
-                                  c.torch_threads, c.precision)
+                                  c.torch_threads, c.precision, c.dtype, c.device_for("drafter"))
         compute.run(self.worker.measure_costs)   # the targets' schedulers start from this replica's measured draft cost
         self.lock = threading.Lock()
         self.recent: dict[str, tuple[float, int]] = {}  # caller (target replica) -> (time, draft rows of its last round)
@@ -405,11 +406,12 @@ class EyasDrafter:
             pass
 
 
-def _device_kind(threads: int) -> str:
+def _device_kind(device: str, threads: int) -> str:
+    """What a latency curve was measured on: the GPU's name, or the CPU and its torch threads."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
     return f"cpu-{threads}t"
 
 

@@ -27,9 +27,10 @@ PRECISIONS = ("fp32", "fp16w", "int8")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_device(device: str, precision: str = "fp32") -> torch.device:
+def check_device(device: str, precision: str = "fp32", *, here: bool = True) -> torch.device:
     """The torch device of ``device`` ("cpu", "cuda", "cuda:N"); refused, naming the field, when it
-    does not parse, is not on this machine, or sits beside an fbgemm precision (CPU kernels)."""
+    does not parse, sits beside an fbgemm precision (CPU kernels), or (``here``) is not on this
+    machine. A serve config is checked with ``here=False``: its replicas may run on other nodes."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
@@ -38,7 +39,7 @@ def check_device(device: str, precision: str = "fp32") -> torch.device:
         raise ValueError(f"device: {device!r} is not one of cpu, cuda, cuda:N")
     if dev.type != "cpu" and precision != "fp32":
         raise ValueError(f"precision: {precision} (fbgemm kernels) runs on the CPU only, not {device!r}")
-    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+    if here and dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         raise ValueError(f"device: {device} is not available on this machine "
                          f"({torch.cuda.device_count()} CUDA devices)")
     return dev
@@ -324,15 +325,19 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     return LoadedTarget(model, tokenizer, fingerprint, precision, str(source))
 
 
-def load_target_head(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp32") -> LoadedHead:
+def load_target_head(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp32", *,
+                     device: str | torch.device = "cpu", dtype: str = "float32") -> LoadedHead:
     """Load only the embedding and LM head of the target ``source`` (see :func:`load_target`).
 
     precision: ``"fp32"`` or ``"fp16w"`` (the LM head then holds fbgemm fp16 weights, exactly as
-    ``load_target(..., "fp16w")``'s does). The fingerprint comes from the one ``load_target`` cached
+    ``load_target(..., "fp16w")``'s does). device, dtype: as :func:`load_target`'s (the head is the
+    one the target's own engine would hold). The fingerprint comes from the one ``load_target`` cached
     beside the checkpoint; a checkpoint without it is loaded whole once, to compute and cache it.
     """
     if precision not in ("fp32", "fp16w"):
         raise ValueError(f"precision: {precision!r} is not one of ('fp32', 'fp16w') for a target head")
+    torch_dtype = check_dtype(dtype, precision)
+    device = check_device(str(device), precision)
     folder = checkpoint_folder(source)
     cfg = TargetConfig.from_hf(json.loads((folder / "config.json").read_text()))
     fingerprint = _cached_fingerprint(folder, cfg) or load_target(source, "fp32").fingerprint  # caches it
@@ -348,6 +353,8 @@ def load_target_head(source: str | os.PathLike = DEFAULT_TARGET, precision: str 
     holder.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
     holder.lm_head.weight = embed.weight if cfg.tie_word_embeddings else \
         torch.nn.Parameter(tensors["lm_head.weight"].float(), requires_grad=False)
+    embed.to(device=device, dtype=torch_dtype)
+    holder.to(device=device, dtype=torch_dtype)
     if precision == "fp16w":
         quantize_fp16_weights(holder)
     return LoadedHead(embed, holder.lm_head, cfg, fingerprint, precision, str(source))

@@ -221,3 +221,19 @@ def test_a_drafter_worker_for_an_fp16w_target_drafts_with_fp16_weights():
     assert w.default_trees["eagle3"] == TreeSpec("dynamic", expand_width=2, max_depth=2, verify_budget=4)
     points = w.measure_costs(repeats=1)["eagle3"]
     assert points and all(ms > 0 for _, _, ms in points)
+
+
+@pytest.mark.real_model
+def test_a_drafter_worker_takes_the_target_dtype_and_device():
+    """The drafter deployment gets the app's dtype and device: at bfloat16 its drafters and the target
+    embedding and head they read are bfloat16 on that device, and it drafts; a device this machine
+    lacks is refused naming the field."""
+    w = DrafterWorker.load("smollm2-135m", ("eagle1",), dtype="bfloat16", device="cpu")
+    engine = w.engines["eagle1"]
+    assert engine.drafter.dtype == torch.bfloat16 and engine.embed.weight.dtype == torch.bfloat16
+    assert engine.lm_head.weight.dtype == torch.bfloat16 and engine.device == torch.device("cpu")
+    points = w.measure_costs(repeats=1)["eagle1"]
+    assert points and all(ms > 0 for _, _, ms in points)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="^device: cuda is not available on this machine"):
+            DrafterWorker.load("smollm2-135m", ("eagle1",), device="cuda")
