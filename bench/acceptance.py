@@ -262,6 +262,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype at precision fp32 (target and drafters)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (precision fp32; target and drafters)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: EYAS_THREADS or all cores)")
     p.add_argument("--json", help="write every number to this .json file")
     p.add_argument("--plot", help="the plot's .png (default: next to --json, else bench/out/acceptance.png)")
@@ -276,13 +277,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from eyas.target.loader import check_device
+
+    try:
+        check_device(args.device, args.precision)   # before the (slow) load, naming the field
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     set_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit)
     tree_overrides = {k: v for k, v in (("tree_width", args.tree_width), ("tree_depth", args.tree_depth),
                                         ("tree_budget", args.tree_budget)) if v is not None}
 
     print(f"loading the target ({args.precision}) and the drafters ...", file=sys.stderr, flush=True)
-    eyas = Eyas(precision=args.precision, dtype=args.dtype)
+    eyas = Eyas(precision=args.precision, dtype=args.dtype, device=args.device)
     prompt_ids = [eyas.encode(p) for p in prompts]
     eos_ids = set(eyas.cfg.eos_token_ids) | {eyas.tokenizer.eos_token_id}
     with warnings.catch_warnings():
@@ -316,7 +324,8 @@ def main(argv=None) -> int:
     print_markdown(methods, summary)
 
     config = {"prompts": args.prompts or "mt-bench first turns", "num_prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "precision": args.precision, "dtype": args.dtype, "greedy": True,
+              "max_new_tokens": args.max_new_tokens, "precision": args.precision, "dtype": args.dtype,
+              "device": args.device, "greedy": True,
               "threads": torch.get_num_threads(), "tree_overrides": tree_overrides or None,
               "warmup_new_tokens": WARMUP_NEW_TOKENS, "torch": torch.__version__,
               "python": platform.python_version(), "machine": platform.machine(),

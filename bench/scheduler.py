@@ -291,6 +291,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
                     help="a subset to run (target-only always runs: it is the baseline)")
     ap.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="compute dtype at precision fp32")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (precision fp32)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--max-prefill-rows", type=int, default=DEFAULT_PREFILL_CHUNK,
                     help="prompt rows a round prefills, all requests together (chunked prefill)")
@@ -300,10 +303,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
+    from eyas.target.loader import check_device, check_dtype
+
+    try:   # before the (slow) load, naming the field
+        check_dtype(args.dtype, args.precision)
+        check_device(args.device, args.precision)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
     warnings.filterwarnings("ignore")
     set_threads(args.threads)
     # every load, measurement and round runs on the process's one compute thread (eyas.compute)
-    eyas = compute.run(Eyas, precision=args.precision)
+    eyas = compute.run(Eyas, precision=args.precision, dtype=args.dtype, device=args.device)
     handle = compute.run(eyas.drafter, "eagle3")
     target_worker = TargetWorker(eyas.model)
     print("measuring the verify latency curve ...", flush=True)
@@ -395,6 +407,7 @@ def main(argv=None) -> int:
     for r in rows:
         r.pop("outputs")
     out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "precision": args.precision,
+                               "dtype": args.dtype, "device": args.device,
                                "slo_ms_per_token": slo, "max_new_tokens": args.max_new_tokens,
                                "max_prefill_rows": args.max_prefill_rows, "forward_bound": bound,
                                "long_prompt": long_cases,

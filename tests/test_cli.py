@@ -83,7 +83,8 @@ def test_serve_takes_its_addresses_from_the_config_unless_a_flag_says_otherwise(
         return json.loads(capsys.readouterr().out)
 
     assert check("--config", str(cfg)) == {"endpoints": {"host": "0.0.0.0", "http_port": 8123, "grpc_port": 9123},
-                                           "args": {"target_replicas": 2}}
+                                           "args": {"target_replicas": 2},
+                                           "devices": {"target": "cpu", "drafter": "cpu"}}
     assert check("--config", str(cfg), "--grpc-port", "7000")["endpoints"]["grpc_port"] == 7000
     assert check()["endpoints"] == {"host": "127.0.0.1", "http_port": 8000, "grpc_port": 9000}
     shipped = check("--config", str(REPO / "ray_configs" / "serve.yaml"))
