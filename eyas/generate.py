@@ -1,6 +1,6 @@
-"""The decode loop: target-only and speculative decoding share everything but the drafting.
+"""The in-process decode loop: target-only and speculative decoding share everything but the drafting.
 
-One round (DESIGN.md, "One speculation round"):
+Each round is the one round step (``eyas.step.round_step``, seed 0x05A-0x05D):
 
     propose  -> the drafter grows a tree behind the frontier token    (target-only: an empty tree)
     verify   -> the target runs the frontier + tree rows in one forward
@@ -8,7 +8,10 @@ One round (DESIGN.md, "One speculation round"):
     publish  -> the target commits the accepted rows; the drafter drops its tree rows
 
 Target-only decoding is the same loop with an empty tree: each round verifies one row (the
-frontier) and accepts it, which is plain autoregressive decoding.
+frontier) and accepts it, which is plain autoregressive decoding. Here both sides are engines in
+this process (:class:`EngineTarget`, ``eyas.step.SessionDrafter``); the remote client and the serving
+loop drive the same step over other sides. This module also holds the one finish rule of every
+loop (:func:`is_finished`, :func:`finish`) and the records they keep.
 """
 from __future__ import annotations
 
@@ -20,21 +23,13 @@ import torch
 
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.protocol.messages import AcceptDecision
-from eyas.protocol.tree import DraftTree, FlatTree
-from eyas.target.engine import TargetEngine
+from eyas.protocol.tree import FlatTree
+from eyas.step import Decided, DraftState, Published, SessionDrafter, round_step
+from eyas.target.engine import PrefillProgress, TargetEngine, Verified
 from eyas.verification.accept import decide
 from eyas.verification.sampling import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
-# The one reseed rule of every decode loop: a request reseeds its draft session from the target's
-# committed state (seed 0x05D) at most this many times before it goes on target-only: once for a
-# drafter that died, and again whenever a drafter deployment moved it to a replica that does not
-# hold its session (scale-up, scale-down, a replaced replica).
-MAX_DRAFTER_RESEEDS = 4
-
-
-class DrafterUnavailable(RuntimeError):
-    """The drafter died, timed out or lost the session; the decode loop reseeds or goes target-only."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +95,44 @@ class GenerationResult:
         return sum(r.hop_s for r in self.rounds)
 
 
+class EngineTarget:
+    """The target side of the round step for a :class:`TargetEngine` in this process: each request
+    is decided with its own prompt, sampler and generator (:meth:`add`)."""
+
+    def __init__(self, engine: TargetEngine):
+        self.engine = engine
+        self.samplers: dict[str, tuple[list[int], SamplingParams, torch.Generator]] = {}
+
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, generator: torch.Generator):
+        self.samplers[request_id] = (list(prompt_ids), sampling, generator)
+
+    def step(self, prefilling, verifies, max_prefill_rows):
+        pre, ver = self.engine.step([s.request_id for s in prefilling], [(s.request_id, t) for s, t in verifies],
+                                    max_prefill_rows)
+        return [self._decided(v) for v in pre], [self._decided(v) for v in ver]
+
+    def _decided(self, v: Verified | PrefillProgress | ValueError) -> Decided | PrefillProgress:
+        if isinstance(v, ValueError):   # a request in this process: its error is the caller's
+            raise v
+        if isinstance(v, PrefillProgress):
+            return v
+        prompt_ids, sampling, generator = self.samplers[v.request_id]
+        t0 = time.perf_counter()
+        decision = decide(v, prompt_ids, sampling, generator)                                   # accept
+        return Decided(request_id=v.request_id, round=v.round, decision=decision, flat=v.flat,
+                       accept_s=time.perf_counter() - t0)
+
+    def publish(self, decided: list[Decided]) -> list[Published]:
+        out = []
+        for d in decided:
+            seed, ack = self.engine.publish(d.request_id, d.round, d.decision)
+            out.append(Published(seed=seed, tokens=tuple(ack.output_tokens)))
+        return out
+
+    def reseed(self, request_id: str):
+        return self.engine.committed_seed(request_id)
+
+
 def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), drafter: DrafterEngine | None = None,
              tree: TreeSpec = TreeSpec(), seed: int = 0, request_id: str = "local",
@@ -111,33 +144,26 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
     if type(max_new_tokens) is not int or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
     stop_ids = tuple(target.cfg.eos_token_ids if stop_ids is None else stop_ids)
-    generator = torch.Generator().manual_seed(seed)
-    max_rows = tree.max_candidates + 1 if drafter is not None else 1
-    target.open_session(request_id, prompt_ids, max_new_tokens, max_rows)
-    if drafter is not None:
-        drafter.open_session(request_id, tree.draft_slots(len(prompt_ids), max_new_tokens))
+    sides = EngineTarget(target), SessionDrafter(drafter) if drafter is not None else None
+    sides[0].add(request_id, prompt_ids, sampling, torch.Generator().manual_seed(seed))
+    state = DraftState(request_id=request_id, method="target" if drafter is None else "drafter",
+                       draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens))
+    target.open_session(request_id, prompt_ids, max_new_tokens, tree.max_candidates + 1 if drafter is not None else 1)
     try:
         t_start = time.perf_counter()
-        verified = target.prefill(request_id)
-        seed_state, ack = target.publish(request_id, verified.round, decide(verified, prompt_ids, sampling, generator))
-        out = list(ack.output_tokens)
-        stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
+        emitted = round_step(*sides, [], [state]).published[request_id].tokens                  # the prefill: round 0
+        out = list(emitted)
+        stopped = bool(on_tokens and on_tokens(list(emitted)))
         prefill_s = time.perf_counter() - t_start
         rounds: list[RoundStats] = []
-        while not is_finished(out, max_new_tokens, stop_ids, ack.output_tokens, stopped):
-            t0 = time.perf_counter()
-            draft = drafter.propose(request_id, seed_state, tree) if drafter else DraftTree.empty()   # propose
-            t1 = time.perf_counter()
-            verified = target.verify(request_id, draft)                                                # verify
-            t2 = time.perf_counter()
-            decision = decide(verified, prompt_ids, sampling, generator)                                # accept
-            seed_state, ack = target.publish(request_id, verified.round, decision)                      # publish
-            if drafter:
-                drafter.publish(request_id)
-            out.extend(ack.output_tokens)
-            stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
+        while not is_finished(out, max_new_tokens, stop_ids, emitted, stopped):
+            r = round_step(*sides, [(state, tree if drafter is not None else None)])               # one round
+            decision, emitted = r.verdicts[0].decision, r.published[request_id].tokens
+            out.extend(emitted)
+            stopped = bool(on_tokens and on_tokens(list(emitted)))
             rounds.append(RoundStats(accept_length=decision.accept_length, new_tokens=decision.num_new_tokens,
-                                     tree_nodes=draft.num_nodes, draft_s=t1 - t0, verify_s=t2 - t1))
+                                     tree_nodes=r.trees[request_id].num_nodes, draft_s=r.draft_s,
+                                     verify_s=r.verify_s))
         wall_s = time.perf_counter() - t_start
     finally:
         target.close_session(request_id)
@@ -146,11 +172,6 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
     token_ids, reason = finish(out, max_new_tokens, stop_ids, stopped=stopped)
     return GenerationResult(token_ids=token_ids, finish_reason=reason, prefill_s=prefill_s, wall_s=wall_s,
                             rounds=tuple(rounds))
-
-
-def may_reseed(reseeds: int) -> bool:
-    """The reseed rule: whether a request that has reseeded ``reseeds`` times may reseed again."""
-    return reseeds < MAX_DRAFTER_RESEEDS
 
 
 def is_finished(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], emitted, stopped: bool) -> bool:

@@ -8,10 +8,12 @@ reply back: :class:`GrpcTransport` over a gRPC channel (a drafter in another clu
 committed length and the frontier token from the acks, so a caller hands ``verify`` a
 ``DraftTree`` exactly as it would hand ``TargetEngine.verify``.
 
-``generate_remote`` is ``eyas.generate.generate`` with the target behind that transport and the
-drafter local or remote: propose -> verify (+ the target's accept) -> publish (seed 0x05A-0x05D).
-When the drafter fails or times out it reseeds once from the target's committed state (seed 0x05D),
-and if that fails too the request goes on target-only: the same greedy tokens, ``drafter_fallback``.
+``generate_remote`` is ``eyas.generate.generate`` with the target behind that transport
+(:class:`VerifierTarget`) and the drafter local or remote: the same round step
+(``eyas.step.round_step``: propose -> verify (+ the target's accept) -> publish, seed 0x05A-0x05D).
+A round whose drafter fails or times out goes plain; the request then reseeds from the target's
+committed state (seed 0x05D) under the one reseed rule, and after that goes on target-only: the
+same greedy tokens, ``drafter_fallback``.
 """
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ from typing import Callable, Protocol
 import grpc
 
 from eyas.drafting.engine import TreeSpec
-from eyas.generate import (DrafterUnavailable, GenerationResult, RoundRecord, RoundStats, finish, is_finished,
-                           may_reseed)
+from eyas.generate import GenerationResult, RoundRecord, RoundStats, finish, is_finished
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import eyas_pb2_grpc
 from eyas.protocol import wire
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.remote.verifier_server import GRPC_OPTIONS
+from eyas.step import Decided, DrafterUnavailable, DraftState, Published, SessionDrafter, round_step
 from eyas.verification.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -226,10 +228,33 @@ class RemoteVerifier:
         return self._rpc("CloseSession", pb.CloseSessionRequest(request_id=request_id)).closed
 
 
-def _propose(drafter, request_id: str, seed: Seed, tree: TreeSpec) -> tuple[DraftTree, float]:
-    """-> (tree, the drafter's own compute seconds, when it reports them)."""
-    out = drafter.propose(request_id, seed, tree)
-    return out if isinstance(out, tuple) else (out, 0.0)
+class VerifierTarget:
+    """The round step's target side for a :class:`RemoteVerifier`: its validated per-request
+    messages (a prompt is prefilled whole, by one Prefill call)."""
+
+    def __init__(self, verifier: RemoteVerifier):
+        self.verifier = verifier
+
+    def step(self, prefilling, verifies, max_prefill_rows):
+        pre = [self._decided(s.request_id, self.verifier.prefill(s.request_id)) for s in prefilling]
+        ver = [self._decided(s.request_id, self.verifier.verify(s.request_id, tree)) for s, tree in verifies]
+        return pre, ver
+
+    @staticmethod
+    def _decided(request_id: str, v: RemoteVerdict) -> Decided:
+        return Decided(request_id=request_id, round=v.round, decision=v.decision, flat=v.flat,
+                       compute_s=v.compute_s, accept_s=v.accept_s, pack_s=v.pack_s)
+
+    def publish(self, decided: list[Decided]) -> list[Published]:
+        out = []
+        for d in decided:
+            seed, ack = self.verifier.publish(d.request_id, d.round)
+            out.append(Published(seed=seed, tokens=tuple(ack.output_tokens),
+                                 compute_s=self.verifier.sessions[d.request_id].publish_compute_s))
+        return out
+
+    def reseed(self, request_id: str) -> Seed:
+        return self.verifier.reseed(request_id)
 
 
 def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_tokens: int,
@@ -239,8 +264,8 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
                     cancel: threading.Event | None = None,
                     on_tokens: Callable[[list[int]], bool | None] | None = None,
                     on_round: Callable[[RoundRecord], None] | None = None) -> GenerationResult:
-    """``eyas.generate.generate`` with the target behind ``verifier``; the same tokens for the same
-    seed, since the remote target decides with the same sampler in the same order.
+    """``eyas.generate.generate`` with the target behind ``verifier``: the same round step, so the
+    same tokens for the same seed (the remote target decides with the same sampler in the same order).
 
     drafter: anything with ``open_session / propose / publish / close_session`` (e.g. a ``DrafterEngine``); its ``taps`` name the feature address unless ``taps`` does.
     cancel: set it to stop at the next round boundary (finish reason "cancelled").
@@ -255,53 +280,37 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
     info = verifier.open_session(request_id, prompt_ids, max_new_tokens, max_rows, sampling=sampling, seed=seed,
                                  taps=taps)
     stop_ids = tuple(info.eos_token_ids if stop_ids is None else stop_ids)
-    slots = tree.draft_slots(len(prompt_ids), max_new_tokens)
-    fallback, reseeds, stopped, cancelled = False, 0, False, False
+    sides = VerifierTarget(verifier), SessionDrafter(drafter) if drafter is not None else None
+    state = DraftState(request_id=request_id, method="target" if drafter is None else "drafter",
+                       draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens))
+    stopped, cancelled = False, False
     try:
-        if drafter is not None:
-            try:
-                drafter.open_session(request_id, slots)
-            except DrafterUnavailable as err:
-                log.warning("request %s: drafter unavailable at open (%s); target-only", request_id, err)
-                drafter, fallback = None, True
         t_start = time.perf_counter()
-        verdict = verifier.prefill(request_id)
-        seed_state, ack = verifier.publish(request_id, verdict.round)
-        out = list(ack.output_tokens)
-        stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
+        emitted = round_step(*sides, [], [state]).published[request_id].tokens                 # the prefill: round 0
+        out = list(emitted)
+        stopped = bool(on_tokens and on_tokens(list(emitted)))
         prefill_s = time.perf_counter() - t_start
         rounds: list[RoundStats] = []
-        while not is_finished(out, max_new_tokens, stop_ids, ack.output_tokens, stopped):
+        while not is_finished(out, max_new_tokens, stop_ids, emitted, stopped):
             if cancel is not None and cancel.is_set():
                 cancelled = True
                 break
-            t0, start_ns = time.perf_counter(), time.time_ns()
-            draft, draft_compute_s = DraftTree.empty(), 0.0
-            while drafter is not None:                                                                 # propose
-                try:
-                    draft, draft_compute_s = _propose(drafter, request_id, seed_state, tree)
-                    break
-                except DrafterUnavailable as err:
-                    drafter, seed_state, reseeds, fallback = _recover_drafter(
-                        drafter, verifier, request_id, slots, reseeds, err)
-            t1 = time.perf_counter()
-            verdict = verifier.verify(request_id, draft)                                               # verify+accept
-            t2 = time.perf_counter()
-            seed_state, ack = verifier.publish(request_id, verdict.round)                              # publish
-            if drafter is not None:
-                drafter.publish(request_id)
-            t3 = time.perf_counter()
-            out.extend(ack.output_tokens)
-            stopped = bool(on_tokens and on_tokens(list(ack.output_tokens)))
-            d = verdict.decision
+            start_ns = time.time_ns()
+            r = round_step(*sides, [(state, tree if drafter is not None else None)])              # one round
+            v, ack = r.verdicts[0], r.published[request_id]
+            emitted = ack.tokens
+            out.extend(emitted)
+            stopped = bool(on_tokens and on_tokens(list(emitted)))
+            nodes = r.trees[request_id].num_nodes
             if on_round is not None:
-                on_round(RoundRecord(request_id=request_id, round=verdict.round,
-                                     flat=verdict.flat if draft.num_nodes else None, decision=d, start_ns=start_ns,
-                                     draft_s=t1 - t0, pack_s=verdict.pack_s, verify_s=t2 - t1 - verdict.pack_s,
-                                     accept_s=verdict.accept_s, publish_s=t3 - t2, fallback=fallback))
-            hop_s = (t3 - t0) - draft_compute_s - verdict.compute_s - verifier.sessions[request_id].publish_compute_s
-            rounds.append(RoundStats(accept_length=d.accept_length, new_tokens=d.num_new_tokens,
-                                     tree_nodes=draft.num_nodes, draft_s=t1 - t0, verify_s=t2 - t1, hop_s=max(hop_s, 0.0) if draft_compute_s or verdict.compute_s else 0.0))
+                on_round(RoundRecord(request_id=request_id, round=v.round, flat=v.flat if nodes else None,
+                                     decision=v.decision, start_ns=start_ns, draft_s=r.draft_s, pack_s=v.pack_s,
+                                     verify_s=r.verify_s - v.pack_s, accept_s=v.accept_s, publish_s=r.publish_s,
+                                     fallback=state.fallback))
+            hop_s = r.draft_s + r.verify_s + r.publish_s - r.draft_compute_s - v.compute_s - ack.compute_s
+            rounds.append(RoundStats(accept_length=v.decision.accept_length, new_tokens=v.decision.num_new_tokens,
+                                     tree_nodes=nodes, draft_s=r.draft_s, verify_s=r.verify_s,
+                                     hop_s=max(hop_s, 0.0) if r.draft_compute_s or v.compute_s else 0.0))
         wall_s = time.perf_counter() - t_start
     finally:
         verifier.close_session(request_id)
@@ -312,26 +321,4 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
                 pass
     token_ids, reason = finish(out, max_new_tokens, stop_ids, stopped=stopped, cancelled=cancelled)
     return GenerationResult(token_ids=token_ids, finish_reason=reason, prefill_s=prefill_s, wall_s=wall_s,
-                            rounds=tuple(rounds), drafter_fallback=fallback,
-                            drafter_reseeds=reseeds)
-
-
-def _recover_drafter(drafter, verifier: RemoteVerifier, request_id: str, slots: int, reseeds: int,
-                     err: Exception) -> tuple[object | None, Seed | None, int, bool]:
-    """Reseed ``drafter`` from the target's committed state (seed 0x05D), or give it up.
-
-    -> (drafter or None, the seed to propose from, reseeds so far, fell back)."""
-    if not may_reseed(reseeds):
-        log.warning("request %s: drafter failed again (%s); target-only from here", request_id, err)
-        return None, None, reseeds, True
-    log.warning("request %s: drafter failed (%s); reseeding from the committed state", request_id, err)
-    try:
-        try:
-            drafter.close_session(request_id)
-        except Exception:
-            pass
-        drafter.open_session(request_id, slots)
-        return drafter, verifier.reseed(request_id), reseeds + 1, False
-    except DrafterUnavailable as again:
-        log.warning("request %s: drafter reseed failed (%s); target-only from here", request_id, again)
-        return None, None, reseeds + 1, True
+                            rounds=tuple(rounds), drafter_fallback=state.fallback, drafter_reseeds=state.reseeds)

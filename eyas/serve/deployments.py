@@ -41,7 +41,7 @@ from eyas import compute
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import Refusal, TargetWorker
 from eyas.drafting.engine import TreeSpec
-from eyas.generate import DrafterUnavailable
+from eyas.step import DrafterUnavailable
 from eyas.protocol.schema import GenerateRequest
 from eyas.runtime import StopStrings, build_report, tree_for
 from eyas.scheduler.cost import ExpertTraffic

@@ -4,14 +4,17 @@ All live requests of a target worker advance together, one round at a time:
 
     plan     the policy (eyas.scheduler.policy) picks the batch and each request's tree from the
              latency curve and each request's recent acceptance
-    propose  ONE call: ``DrafterWorker.propose_batch`` grows every planned request's tree
-    verify   ONE call: ``TargetWorker.verify_batch`` verifies all rows in one forward (per feature
-             address) and decides acceptance per request
-    publish  ONE call: ``TargetWorker.publish_batch``, each request its own transaction
+    step     the round step of every decode loop (``eyas.step.round_step``) over the workers
+             (:class:`WorkerTarget`, :class:`WorkerDrafter`):
+               propose  ONE call: ``DrafterWorker.propose_batch`` grows every planned request's tree
+               verify   ONE call: ``TargetWorker.round_batch`` runs the prompts' next prefill chunks
+                        and all verify rows in one forward (per feature address), and decides
+                        acceptance per request
+               publish  ONE call: ``TargetWorker.publish_batch``, each request its own transaction
 
-so the per-round Ray cost is three calls for the whole batch, not three per request. Requests join
-between rounds (the arrivals since the last round are prefilled together, in one batched forward)
-and leave when they finish, are cancelled or fail.
+so the per-round cost is three worker calls for the whole batch, not three per request. Requests
+join between rounds (their prompts are prefilled in chunks by the rounds that follow, beside the
+others' decoding) and leave when they finish, are cancelled or fail.
 The loop is the one owner of the per-request scheduling state (:class:`Live`); the workers own the KV.
 
 Greedy requests get the tree the policy plans (within their own knobs); a sampled request always
@@ -22,7 +25,7 @@ Failures: a request the target refuses finishes with an error (the others go on)
 drafter makes the rounds plain for everyone at once, with no further drafter call in the round path
 (``drafter_down``), while a probe thread asks it for its ``info`` every ``DRAFTER_PROBE_S``; once it
 answers (typically a replacement replica), each request reseeds its draft session from the target's
-committed state (seed 0x05D), up to ``MAX_DRAFTER_RESEEDS`` times in all (``eyas.generate.may_reseed``,
+committed state (seed 0x05D), up to ``MAX_DRAFTER_RESEEDS`` times in all (``eyas.step.may_reseed``,
 the rule of every decode loop), after which it goes on target-only
 (``drafter_fallback``). Greedy tokens never change: the target decides every one.
 """
@@ -39,19 +42,18 @@ from eyas import compute
 from eyas.actors.target_worker import Refusal
 from eyas.target.engine import PrefillProgress
 from eyas.drafting.engine import TreeSpec
-from eyas.generate import (FINISH_CANCELLED, FINISH_ERROR, DrafterUnavailable, GenerationResult, RoundRecord,
-                           RoundStats, finish, is_finished, may_reseed)
+from eyas.generate import FINISH_CANCELLED, FINISH_ERROR, GenerationResult, RoundRecord, RoundStats, finish, is_finished
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import Seed
-from eyas.protocol.tree import DraftTree, flatten_tree
+from eyas.protocol.tree import flatten_tree
 from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK, PLAIN, ExpertTraffic, TreeShape
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
+from eyas.step import Decided, DrafterUnavailable, DraftState, Published, round_step
 from eyas.verification.sampling import SamplingParams
 
 log = logging.getLogger("eyas.round_loop")
-CONSUME_SEED_ONLY = TreeSpec(kind="chain", max_depth=0)  # plain decoding: the drafter appends context rows only
 NEVER_ACCEPTS = AcceptanceEstimate([0.0] * 8)  # target-only requests: no tree ever pays
 DRAFTER_PROBE_S = 0.5  # how often a loop whose drafter is down asks whether it answers again
 
@@ -78,14 +80,13 @@ class WorkerCalls:
             raise
 
 
-@dataclass
-class Live:
-    """One request in the loop. Only :class:`RoundLoop` touches it."""
+@dataclass(kw_only=True)
+class Live(DraftState):
+    """One request in the loop: its drafting state (``DraftState``, advanced by the round step) and
+    its scheduling state. Only :class:`RoundLoop` touches it."""
 
-    request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
-    method: str                       # "target" | "eagle1" | "hass" | "eagle3"
     tree: TreeSpec                    # the request's own knobs: the largest tree it may get
     sampling: SamplingParams
     seed_value: int
@@ -94,12 +95,6 @@ class Live:
     cancel: threading.Event
     arrival: float
     acceptance: AcceptanceEstimate
-    seed: Seed | None = None          # the last publish's seed (frontier, committed length, round)
-    unread: list[Seed] = field(default_factory=list)  # seeds the drafter has not read yet, in order
-    drafter_open: bool = False
-    needs_reseed: bool = False
-    fallback: bool = False
-    reseeds: int = 0
     out: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
     prefill_s: float = 0.0
@@ -107,9 +102,65 @@ class Live:
     stopped: bool = False
     eos: tuple[int, ...] = ()
 
-    @property
-    def speculative(self) -> bool:
-        return self.method != "target" and not self.fallback
+
+class WorkerTarget:
+    """The round step's target side for a ``TargetWorker`` behind :class:`WorkerCalls`: its batched
+    calls and protobuf messages (``round_batch``, ``publish_batch``, ``reseed``)."""
+
+    def __init__(self, calls: WorkerCalls):
+        self.calls = calls
+
+    def step(self, prefilling: list[Live], verifies, max_prefill_rows: int | None):
+        t0 = time.perf_counter()
+        msgs, flats = [], []
+        for s, tree in verifies:   # the frontier + tree rows behind the last publish's seed
+            flat = flatten_tree(tree, s.seed.frontier_token, s.seed.end_position)
+            flats.append(flat)
+            msgs.append(wire.flat_tree_to_proto(flat, request_id=s.request_id, round=s.seed.round + 1,
+                                                base_position=s.seed.end_position))
+        pack_s = time.perf_counter() - t0
+        pre, ver = self.calls("round_batch", [pb.PrefillRequest(request_id=s.request_id) for s in prefilling], msgs,
+                              max_prefill_rows)
+        return ([self._decided(s.request_id, r, None, 0.0) for s, r in zip(prefilling, pre)],
+                [self._decided(s.request_id, r, f, pack_s) for (s, _), r, f in zip(verifies, ver, flats)])
+
+    @staticmethod
+    def _decided(request_id: str, reply, flat, pack_s: float):
+        if isinstance(reply, (Refusal, PrefillProgress)):
+            return reply
+        return Decided(request_id=request_id, round=reply.round, flat=flat, pack_s=pack_s,
+                       decision=wire.decision_from_proto(reply, request_id=request_id),
+                       compute_s=reply.compute_ms / 1000, accept_s=reply.accept_ms / 1000,
+                       expert_bytes=reply.expert_bytes, batch_expert_bytes=reply.batch_expert_bytes)
+
+    def publish(self, decided: list[Decided]) -> list[Published | Refusal]:
+        acks = self.calls("publish_batch", [pb.PublishRequest(request_id=d.request_id, round=d.round) for d in decided])
+        return [a if isinstance(a, Refusal) else Published(seed=wire.seed_from_proto(a.seed),
+                                                            tokens=tuple(a.output_tokens), compute_s=a.compute_ms / 1000)
+                for a in acks]
+
+    def reseed(self, request_id: str) -> Seed:
+        return wire.seed_from_proto(self.calls("reseed", pb.ReseedRequest(request_id=request_id)))
+
+
+class WorkerDrafter:
+    """The round step's drafter side for a ``DrafterWorker`` behind :class:`WorkerCalls`."""
+
+    def __init__(self, calls: WorkerCalls):
+        self.calls = calls
+
+    def open_session(self, state: Live) -> None:
+        self.calls("open_session", state.request_id, state.method, state.draft_slots)
+
+    def close_session(self, request_id: str) -> None:
+        self.calls("close_session", request_id)
+
+    def propose_batch(self, items):
+        return self.calls("propose_batch", [(rid, wire.seed_to_proto(seed, request_id=rid), tree)
+                                            for rid, seed, tree in items])
+
+    def publish(self, request_ids: list[str]) -> None:
+        """Nothing to send: the worker drops a round's tree rows when the request's next seed arrives."""
 
 
 def measured_draft_points(drafter_info: dict) -> list[tuple[int, int, float]]:
@@ -136,6 +187,9 @@ class RoundLoop:
             raise ValueError(f"max_prefill_rows: must be >= 1, got {max_prefill_rows}")
         self.max_prefill_rows = max_prefill_rows
         self.target, self.drafter, self.drafter_info = target, drafter, drafter_info
+        # the round step's two sides over these workers (eyas.step)
+        self.target_side = WorkerTarget(target)
+        self.drafter_side = WorkerDrafter(drafter) if drafter is not None else None
         self.policy, self.curve = policy, curve
         # what a round's drafting adds (the propose call, hop included); live rounds refit it
         self.draft_cost = draft_cost if draft_cost is not None else DraftCost.from_points(
@@ -177,9 +231,11 @@ class RoundLoop:
                sampling: SamplingParams, seed: int, on_tokens=None,
                cancel: threading.Event | None = None) -> concurrent.futures.Future:
         """-> a future of the ``GenerationResult``; validation errors of the prefill surface through it."""
-        live = Live(request_id, list(prompt_ids), max_new_tokens, method, tree, sampling, seed, on_tokens,
-                    concurrent.futures.Future(), cancel or threading.Event(), time.perf_counter(),
-                    AcceptanceEstimate.from_prior(self.prior))
+        live = Live(request_id=request_id, method=method, draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens),
+                    prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, tree=tree, sampling=sampling,
+                    seed_value=seed, on_tokens=on_tokens, future=concurrent.futures.Future(),
+                    cancel=cancel or threading.Event(), arrival=time.perf_counter(),
+                    acceptance=AcceptanceEstimate.from_prior(self.prior))
         with self.lock:
             self.pending.append(live)
             self.lock.notify()
@@ -276,27 +332,10 @@ class RoundLoop:
         live.eos = tuple(opened.eos_token_ids)
         return True
 
-    def _open_draft(self, live: Live) -> None:
-        if live.method == "target":
-            return
-        if self.drafter is None or live.method not in self.drafter_info:
-            live.fallback = True
-            return
-        if self.drafter_down.is_set():
-            live.needs_reseed = True   # opened and seeded from the committed state once the drafter answers
-            return
-        try:
-            self.drafter("open_session", live.request_id, live.method,
-                         live.tree.draft_slots(len(live.prompt_ids), live.max_new_tokens))
-            live.drafter_open = True
-        except DrafterUnavailable:
-            live.needs_reseed = True
-            self._drafter_lost()
-
     def _round(self) -> None:
-        """One round: plan, propose, then ONE target call (``round_batch``) that runs the prompts'
-        next prefill chunks (at most ``max_prefill_rows`` rows, shortest prompt first) and the
-        planned verifies in one forward, then ONE publish call for every decided request."""
+        """One round: plan, then the round step (``eyas.step.round_step``): propose, ONE target call
+        (``round_batch``) that runs the prompts' next prefill chunks (at most ``max_prefill_rows``
+        rows, shortest prompt first) and the planned verifies in one forward, and ONE publish call."""
         prefilling = [x for x in self.live.values() if x.seed is None]
         decoding = [x for x in self.live.values() if x.seed is not None]
         prefill_rows = sum(len(x.prompt_ids) - x.prompt_done for x in prefilling)
@@ -311,103 +350,80 @@ class RoundLoop:
             if cands else None                                                                  # plan
         shapes = {rid: self._fit(self.live[rid], shape) for rid, shape in plan.shapes.items()} if plan else {}
         batch = [self.live[rid] for rid in shapes]
-        start_ns, t0 = time.time_ns(), time.perf_counter()
-        self._draft_compute_s = 0.0
-        trees = self._propose(batch, shapes) if batch else {}                                   # propose
-        t1 = time.perf_counter()
-        drafted = [rid for rid, t in trees.items() if t.num_nodes]
+        for x in prefilling:  # no drafter for its method (by the time its prompt is done): target-only
+            if x.speculative and (self.drafter is None or x.method not in self.drafter_info):
+                x.fallback = True
+        start_ns = time.time_ns()
+        r = round_step(self.target_side, None if self.drafter_down.is_set() else self.drafter_side,
+                       [(x, self._tree(x, shapes[x.request_id])) for x in batch], prefilling,
+                       self.max_prefill_rows)                                                   # the round step
+        if r.drafter_lost:
+            log.warning("drafter unavailable: rounds are plain until it answers again; then reseeding")
+            self._drafter_lost()
+        drafted = [rid for rid, t in r.trees.items() if t.num_nodes]
         if batch:
-            self.draft_cost.observe(max((shapes[rid].depth_cap for rid in drafted), default=0), 1000 * (t1 - t0),
+            self.draft_cost.observe(max((shapes[rid].depth_cap for rid in drafted), default=0), 1000 * r.draft_s,
                                     sum(shapes[rid].drafter_rows(backlog[rid]) for rid in drafted))
-        msgs, flats = [], {}
-        for live in batch:
-            s = self._target_view(live)
-            flat = flatten_tree(trees[live.request_id], s[0], s[1])
-            flats[live.request_id] = flat
-            msgs.append(wire.flat_tree_to_proto(flat, request_id=live.request_id, round=s[2],
-                                                base_position=s[1]))
-        t2 = time.perf_counter()
-        prefill_replies, decisions = self.target(
-            "round_batch", [pb.PrefillRequest(request_id=x.request_id) for x in prefilling], msgs,
-            self.max_prefill_rows)                                                              # verify + accept
-        t3 = time.perf_counter()
-        prompts_done, ran_prefill_rows = self._prefill_progress(prefilling, prefill_replies)
-        to_publish = [(live, d) for live, d in zip(batch, decisions) if not isinstance(d, Refusal)]
-        for live, d in zip(batch, decisions):
-            if isinstance(d, Refusal):
-                self._finish(live, FINISH_ERROR, ValueError(d.message))
-        publishes = [(live, d) for live, d in prompts_done] + to_publish
-        acks = self.target("publish_batch", [pb.PublishRequest(request_id=live.request_id, round=d.round)
-                                             for live, d in publishes]) if publishes else []    # publish
-        t4 = time.perf_counter()
-        self._prefilled(prompts_done, acks[:len(prompts_done)])
-        acks = acks[len(prompts_done):]
-        rows = sum(f.num_rows for rid, f in flats.items())
-        self.last_verify_rows, self.last_draft_rows = rows, rows - len(flats)
+        ran_prefill_rows = self._prefill_progress(prefilling, r)
+        decided = [(live, v) for live, v in zip(batch, r.verdicts) if isinstance(v, Decided)]
+        for live, v in zip(batch, r.verdicts):
+            if isinstance(v, Refusal):
+                self._finish(live, FINISH_ERROR, ValueError(v.message))
+        pack_s = max((v.pack_s for _, v in decided), default=0.0)
+        rows = sum(t.num_nodes + 1 for t in r.trees.values())
+        self.last_verify_rows, self.last_draft_rows = rows, rows - len(r.trees)
         self.last_prefill_rows = ran_prefill_rows
         self.last_batch = len(batch)
-        self.curve.observe(rows + ran_prefill_rows, 1000 * (t3 - t2))
+        self.curve.observe(rows + ran_prefill_rows, 1000 * (r.verify_s - pack_s))
         if not batch:  # a round that only prefilled
             return
         self.rounds += 1  # rounds that decoded
-        self.last_expert_bytes = max((d.batch_expert_bytes for _, d in to_publish), default=0)
+        self.last_expert_bytes = max((v.batch_expert_bytes for _, v in decided), default=0)
         self.experts.observe(rows + ran_prefill_rows, self.last_expert_bytes)
-        accept_s = max((d.accept_ms for _, d in to_publish), default=0.0) / 1000
+        accept_s = max((v.accept_s for _, v in decided), default=0.0)
         # the Ray hop cost: the round's wall time outside the workers' own compute (calls, encoding, queues)
-        compute_s = (self._draft_compute_s + max((d.compute_ms for _, d in to_publish), default=0.0) / 1000
-                     + sum(a.compute_ms for a in acks if not isinstance(a, Refusal)) / 1000)
-        hop_s = max((t4 - t0) - compute_s, 0.0)
-        for (live, d), ack in zip(to_publish, acks):
+        compute_s = (r.draft_compute_s + max((v.compute_s for _, v in decided), default=0.0)
+                     + sum(a.compute_s for a in r.published.values() if isinstance(a, Published)))
+        hop_s = max(r.draft_s + r.verify_s + r.publish_s - compute_s, 0.0)
+        for live, v in decided:
+            ack = r.published[live.request_id]
             if isinstance(ack, Refusal):
                 self._finish(live, FINISH_ERROR, ValueError(ack.message))
                 continue
-            decision = wire.decision_from_proto(d, request_id=live.request_id)
-            self._next_seed(live, wire.seed_from_proto(ack.seed))
-            flat = flats[live.request_id]
-            nodes = flat.num_rows - 1
+            nodes = r.trees[live.request_id].num_nodes
             if nodes:
-                live.acceptance.observe(decision.accept_length, shapes[live.request_id].depth_cap)
-                self.prior.observe(decision.accept_length, shapes[live.request_id].depth_cap, weight=PRIOR_EMA)
+                live.acceptance.observe(v.decision.accept_length, shapes[live.request_id].depth_cap)
+                self.prior.observe(v.decision.accept_length, shapes[live.request_id].depth_cap, weight=PRIOR_EMA)
             # each request in the batch waited for the whole round: it is charged the full times
-            live.rounds.append(RoundStats(accept_length=decision.accept_length, new_tokens=decision.num_new_tokens,
-                                          tree_nodes=nodes, draft_s=t1 - t0, verify_s=t3 - t1, hop_s=hop_s))
+            live.rounds.append(RoundStats(accept_length=v.decision.accept_length, new_tokens=v.decision.num_new_tokens,
+                                          tree_nodes=nodes, draft_s=r.draft_s, verify_s=r.verify_s, hop_s=hop_s))
             if self.on_round is not None:
-                self.on_round(RoundRecord(request_id=live.request_id, round=d.round, flat=flat if nodes else None,
-                                          decision=decision, start_ns=start_ns, draft_s=t1 - t0, pack_s=t2 - t1,
-                                          verify_s=t3 - t2, accept_s=accept_s, publish_s=t4 - t3,
-                                          fallback=live.fallback, expert_bytes=d.expert_bytes,
-                                          batch_expert_bytes=d.batch_expert_bytes))
-            self._emit(live, list(ack.output_tokens))
+                self.on_round(RoundRecord(request_id=live.request_id, round=v.round, flat=v.flat if nodes else None,
+                                          decision=v.decision, start_ns=start_ns, draft_s=r.draft_s, pack_s=pack_s,
+                                          verify_s=r.verify_s - pack_s, accept_s=accept_s, publish_s=r.publish_s,
+                                          fallback=live.fallback, expert_bytes=v.expert_bytes,
+                                          batch_expert_bytes=v.batch_expert_bytes))
+            self._emit(live, list(ack.tokens))
 
-    def _prefill_progress(self, prefilling: list[Live], replies: list
-                          ) -> tuple[list[tuple[Live, pb.AcceptDecision]], int]:
-        """Each prefilling request's reply: a refusal fails it; a ``PrefillProgress`` moves its
-        prefilled count on; a decision (its last chunk ran) is returned, to be published as round 0.
-        -> (the finished prompts with their decisions, the prompt rows this round ran)."""
+    def _prefill_progress(self, prefilling: list[Live], r) -> int:
+        """Each prefilling request's part of the round ``r``: a refusal fails it; a ``PrefillProgress``
+        moves its prefilled count on; a finished prompt's publish (round 0) sends its first token
+        (its draft session was opened by the step). -> the prompt rows this round ran."""
         before = sum(x.prompt_done for x in prefilling)
-        done = []
-        for live, reply in zip(prefilling, replies):
+        for live, reply in zip(prefilling, r.prefills):
             if isinstance(reply, Refusal):
                 self._finish(live, FINISH_ERROR, ValueError(reply.message))
             elif isinstance(reply, PrefillProgress):
                 live.prompt_done = reply.prefilled
             else:
                 live.prompt_done = len(live.prompt_ids)
-                done.append((live, reply))
-        return done, sum(x.prompt_done for x in prefilling) - before
-
-    def _prefilled(self, done: list[tuple[Live, pb.AcceptDecision]], acks: list) -> None:
-        """Publish's answer for each prompt that finished prefilling: its first token goes out, and its
-        draft session opens (it drafts from the next round)."""
-        for (live, _), ack in zip(done, acks):
-            if isinstance(ack, Refusal):
-                self._finish(live, FINISH_ERROR, ValueError(ack.message))
-                continue
-            live.seed = wire.seed_from_proto(ack.seed)
-            live.unread = [live.seed]
-            live.prefill_s = time.perf_counter() - live.arrival
-            self._open_draft(live)
-            self._emit(live, list(ack.output_tokens))
+                ack = r.published[live.request_id]
+                if isinstance(ack, Refusal):
+                    self._finish(live, FINISH_ERROR, ValueError(ack.message))
+                    continue
+                live.prefill_s = time.perf_counter() - live.arrival
+                self._emit(live, list(ack.tokens))
+        return sum(x.prompt_done for x in prefilling) - before
 
     # --- helpers ------------------------------------------------------------------------------------
     def _fit(self, live: Live, shape: TreeShape) -> TreeShape:
@@ -422,77 +438,13 @@ class RoundLoop:
         return TreeShape(min(shape.expand_width, t.expand_width), min(shape.max_depth, t.max_depth),
                          min(shape.verify_budget, t.verify_budget)) if shape.speculates else PLAIN
 
-    def _tree(self, live: Live, shape: TreeShape) -> TreeSpec:
+    def _tree(self, live: Live, shape: TreeShape) -> TreeSpec | None:
+        """The tree a planned shape gives the request this round (None: a plain round)."""
         if not shape.speculates:
-            return CONSUME_SEED_ONLY
+            return None
         if live.tree.kind != "dynamic" or live.sampling.temperature > 0:
             return live.tree
         return tree_spec(shape)
-
-    def _target_view(self, live: Live) -> tuple[int, int, int]:
-        """(frontier token, committed length, next round) from the last publish's seed."""
-        s = live.seed
-        return s.frontier_token, s.end_position, s.round + 1
-
-    def _next_seed(self, live: Live, seed: Seed) -> None:
-        """A publish's seed. A request that did not draft this round has not read its last seed: the
-        unread seeds queue up and the drafter reads them joined (``Seed.join``) when the request
-        drafts again (no drafter call in a round where a request decodes plainly)."""
-        live.seed = seed
-        live.unread = live.unread + [seed] if live.speculative else [seed]   # joined once, when read
-
-    def _propose(self, batch: list[Live], shapes: dict[str, TreeShape]) -> dict[str, DraftTree]:
-        trees = {x.request_id: DraftTree.empty() for x in batch}
-        # who calls the drafter: requests with a tree this round, and those whose draft session must be
-        # reseeded (they read the reseed now, drafting nothing if planned plain)
-        drafting = [x for x in batch if x.speculative and self.drafter is not None
-                    and (shapes[x.request_id].speculates or x.needs_reseed)]
-        if not drafting or self.drafter_down.is_set():
-            return trees   # the drafter is down: plain this round; reseeds wait for the probe
-        for live in [x for x in drafting if x.needs_reseed]:  # seed 0x05D: reseed from committed state
-            self._reseed(live)
-            if self.drafter_down.is_set():
-                return trees
-        drafting = [x for x in drafting if x.drafter_open and not x.fallback]
-        if not drafting:
-            return trees
-        items = [(x.request_id, wire.seed_to_proto(Seed.join(x.unread), request_id=x.request_id),
-                  self._tree(x, shapes[x.request_id])) for x in drafting]
-        try:
-            out, self._draft_compute_s = self.drafter("propose_batch", items)
-        except DrafterUnavailable as err:
-            log.warning("drafter unavailable (%s): rounds are plain until it answers again; then reseeding", err)
-            for x in drafting:
-                x.needs_reseed, x.drafter_open = True, False
-            self._drafter_lost()
-            return trees
-        for x, tree in zip(drafting, out):
-            if isinstance(tree, Refusal):  # e.g. a restarted drafter lost the session
-                x.needs_reseed, x.drafter_open = True, False
-            else:
-                trees[x.request_id], x.unread = tree, []
-        return trees
-
-    def _reseed(self, live: Live) -> None:
-        if not may_reseed(live.reseeds):
-            live.fallback, live.needs_reseed = True, False
-            return
-        live.reseeds += 1
-        try:
-            try:
-                self.drafter("close_session", live.request_id)
-            except DrafterUnavailable:
-                raise
-            except Exception:
-                pass
-            self.drafter("open_session", live.request_id, live.method,
-                         live.tree.draft_slots(len(live.prompt_ids), live.max_new_tokens))
-            live.seed = wire.seed_from_proto(self.target("reseed", pb.ReseedRequest(request_id=live.request_id)))
-            live.unread = [live.seed]
-            live.drafter_open, live.needs_reseed = True, False
-        except DrafterUnavailable:
-            live.reseeds -= 1   # not the request's fault: it reseeds when the drafter answers again
-            self._drafter_lost()
 
     def _drafter_lost(self) -> None:
         """Plain rounds for everyone from now on, and a probe that lifts that once the drafter (a
@@ -548,9 +500,8 @@ class RoundLoop:
 
 
 def tree_spec(shape: TreeShape) -> TreeSpec:
-    """The dynamic tree of a planned shape (``CONSUME_SEED_ONLY`` for a plain one)."""
-    if not shape.speculates:
-        return CONSUME_SEED_ONLY
+    """The dynamic tree of a planned shape that speculates."""
+    assert shape.speculates, shape
     return TreeSpec(kind="dynamic", expand_width=max(shape.expand_width, 1), max_depth=shape.max_depth,
                     verify_budget=shape.verify_budget)
 

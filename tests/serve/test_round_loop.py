@@ -9,7 +9,7 @@ import torch
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import TargetWorker
 from eyas.serve.round_loop import RoundLoop, WorkerCalls
-from eyas.generate import DrafterUnavailable
+from eyas.step import DrafterUnavailable
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import generate
 from eyas.scheduler.latency import DraftCost, LatencyCurve
@@ -194,8 +194,9 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
                                "pending": 0, "batch": 0}
 
         def live(rid, prompt, max_new):
-            return Live(rid, prompt, max_new, "eagle1", TreeSpec(), SamplingParams(), 0, None,
-                        concurrent.futures.Future(), threading.Event(), time.perf_counter(), AcceptanceEstimate())
+            return Live(request_id=rid, method="eagle1", prompt_ids=prompt, max_new_tokens=max_new, tree=TreeSpec(),
+                        sampling=SamplingParams(), seed_value=0, on_tokens=None, future=concurrent.futures.Future(),
+                        cancel=threading.Event(), arrival=time.perf_counter(), acceptance=AcceptanceEstimate())
 
         running = live("a", [1, 2, 3], 16)
         running.out, running.prompt_done, running.seed = [5, 6, 7, 8], 3, object()

@@ -1,0 +1,273 @@
+"""The round step: propose -> verify (+ accept) -> publish, the one round function of every decode loop.
+
+Three loops drive it: the in-process ``eyas.generate.generate``, the remote-verifier client
+``eyas.remote.verifier_client.generate_remote`` and the serving ``eyas.serve.round_loop.RoundLoop``.
+Each hands :func:`round_step` its two sides, a *target side* and a *drafter side* (the
+:class:`TargetSide` and :class:`DrafterSide` protocols): engines called directly in one process,
+workers behind Ray, or a ``Verifier`` over gRPC. The step itself is the same everywhere (seed
+0x05A-0x05D):
+
+    propose  the drafter grows each drafting request's tree from its unread seeds (a reseed first,
+             for a request whose draft session was lost: the reseed rule below)
+    verify   ONE target call: the prompts' next prefill chunks and every request's frontier + tree
+             rows in one forward, each decided (accepted) under its own sampler
+    publish  ONE target call: each decided request commits its accepted rows, its own transaction;
+             the drafter drops its provisional tree rows
+
+Terms. A *seed* (``Seed``) is what a publish returns for the drafter: the verified target features
+of the rows it committed. A request's *unread* seeds are those its drafter has not consumed yet
+(a request that decodes plainly for a few rounds skips the drafter; its seeds queue, joined when it
+drafts again). *Reseeding* rebuilds a lost draft session from the target's committed state (seed
+0x05D); a request reseeds at most :data:`MAX_DRAFTER_RESEEDS` times, every attempt counted, and
+goes on target-only after that (*fallback*). Greedy tokens never depend on the drafter: the target
+decides every one.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from eyas.actors.target_worker import Refusal
+from eyas.drafting.engine import TreeSpec
+from eyas.protocol.messages import AcceptDecision, Seed
+from eyas.protocol.tree import DraftTree, FlatTree
+from eyas.target.engine import PrefillProgress
+
+# The one reseed rule of every decode loop: a request reseeds its draft session from the target's
+# committed state (seed 0x05D) at most this many times before it goes on target-only: once for a
+# drafter that died, and again whenever a drafter deployment moved it to a replica that does not
+# hold its session (scale-up, scale-down, a replaced replica).
+MAX_DRAFTER_RESEEDS = 4
+CONSUME_SEED_ONLY = TreeSpec(kind="chain", max_depth=0)  # a plain round's drafter call: context rows only
+
+
+class DrafterUnavailable(RuntimeError):
+    """The drafter died, timed out or lost the session; the round goes plain and the request reseeds."""
+
+
+def may_reseed(reseeds: int) -> bool:
+    """The reseed rule: whether a request that has reseeded ``reseeds`` times may reseed again."""
+    return reseeds < MAX_DRAFTER_RESEEDS
+
+
+@dataclass(kw_only=True)
+class DraftState:
+    """One request's drafting state across rounds: owned by the loop that made it, advanced by
+    :func:`round_step` (and by no one else)."""
+
+    request_id: str
+    method: str                       # "target" | "eagle1" | "hass" | "eagle3"
+    draft_slots: int = 0              # draft KV slots its session opens with
+    seed: Seed | None = None          # the last publish's seed (None until its prompt is prefilled)
+    unread: list[Seed] = field(default_factory=list)  # seeds the drafter has not read yet, in order
+    drafter_open: bool = False
+    needs_reseed: bool = False
+    fallback: bool = False
+    reseeds: int = 0
+
+    @property
+    def speculative(self) -> bool:
+        return self.method != "target" and not self.fallback
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decided:
+    """A round the target verified and decided, to be published."""
+
+    request_id: str
+    round: int
+    decision: AcceptDecision
+    flat: FlatTree | None = None   # the verified rows (None for a prefill)
+    compute_s: float = 0.0         # the target's forward and decision
+    accept_s: float = 0.0          # of which the decision
+    pack_s: float = 0.0            # flattening and encoding the rows, where a side does it
+    expert_bytes: int = 0          # MoE: expert weights this request's rows routed to
+    batch_expert_bytes: int = 0    # MoE: the union over the whole forward (seed 0x09A)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Published:
+    """A committed round: the drafter's next seed and the tokens it emitted."""
+
+    seed: Seed
+    tokens: tuple[int, ...]
+    compute_s: float = 0.0
+
+
+class TargetSide(Protocol):
+    def step(self, prefilling: list[DraftState], verifies: list[tuple[DraftState, DraftTree]],
+             max_prefill_rows: int | None) -> tuple[list[Decided | PrefillProgress | Refusal], list[Decided | Refusal]]:
+        """The prompts' next chunks and the verifies, in one forward, each decided."""
+
+    def publish(self, decided: list[Decided]) -> list[Published | Refusal]: ...
+
+    def reseed(self, request_id: str) -> Seed:
+        """Every committed row's verified feature from position 0."""
+
+
+class DrafterSide(Protocol):
+    def open_session(self, state: DraftState) -> None: ...
+
+    def close_session(self, request_id: str) -> None: ...
+
+    def propose_batch(self, items: list[tuple[str, Seed, TreeSpec]]) -> tuple[list[DraftTree | Refusal], float]:
+        """-> (per item a tree or a refusal, seconds of drafter compute); raises DrafterUnavailable."""
+
+    def publish(self, request_ids: list[str]) -> None:
+        """Drop these requests' provisional tree rows (the round was published)."""
+
+
+class SessionDrafter:
+    """The drafter side of the round step for a drafter object in this process with a
+    ``DrafterEngine``'s per-request methods (``open_session(request_id, slots)``, ``propose``,
+    ``publish``, ``close_session``): an engine, a ``DrafterWorker``, a test's stand-in."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def open_session(self, state: DraftState) -> None:
+        self.drafter.open_session(state.request_id, state.draft_slots)
+
+    def close_session(self, request_id: str) -> None:
+        self.drafter.close_session(request_id)
+
+    def propose_batch(self, items: list[tuple[str, Seed, TreeSpec]]) -> tuple[list[DraftTree], float]:
+        trees, compute_s = [], 0.0
+        for request_id, seed, tree in items:
+            t0 = time.perf_counter()
+            out = self.drafter.propose(request_id, seed, tree)
+            tree_, seconds = out if isinstance(out, tuple) else (out, time.perf_counter() - t0)
+            trees.append(tree_)
+            compute_s += seconds
+        return trees, compute_s
+
+    def publish(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.drafter.publish(request_id)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Round:
+    """What one :func:`round_step` did, for the loop's records."""
+
+    trees: dict[str, DraftTree]        # request id -> the tree it verified (empty: a plain round)
+    prefills: list[Decided | PrefillProgress | Refusal]
+    verdicts: list[Decided | Refusal]  # one per batch item, in order
+    published: dict[str, Published | Refusal]  # request id -> its publish (finished prefills and decided verifies)
+    draft_compute_s: float             # the drafter's own compute in the propose call
+    drafter_lost: bool                 # a drafter call raised DrafterUnavailable this round
+    draft_s: float                     # propose (reseeds included)
+    verify_s: float                    # the target call: forward and decisions
+    publish_s: float
+
+
+def round_step(target: TargetSide, drafter: DrafterSide | None, batch: list[tuple[DraftState, TreeSpec | None]],
+               prefilling: list[DraftState] = (), max_prefill_rows: int | None = None) -> Round:
+    """One round for ``batch`` (each decoding request with this round's tree; None: a plain round)
+    and the ``prefilling`` prompts. ``drafter``: None while there is none (or it is down): every
+    round is plain and reseeds wait."""
+    t0 = time.perf_counter()
+    trees, drafted, draft_compute_s, lost = propose(target, drafter, batch)                           # propose
+    t1 = time.perf_counter()
+    prefills, verdicts = target.step(list(prefilling), [(s, trees[s.request_id]) for s, _ in batch],
+                                     max_prefill_rows)                                                 # verify + accept
+    t2 = time.perf_counter()
+    states = [*prefilling, *(s for s, _ in batch)]
+    decided = [(s, v) for s, v in zip(states, [*prefills, *verdicts]) if isinstance(v, Decided)]
+    acks = target.publish([v for _, v in decided]) if decided else []                                 # publish
+    if drafted:
+        drafter.publish(drafted)
+    for (s, v), ack in zip(decided, acks):
+        if isinstance(ack, Published):
+            lost |= _advance(s, ack.seed, drafter, first=s.seed is None)
+    return Round(trees=trees, prefills=prefills, verdicts=verdicts,
+                 published={s.request_id: ack for (s, _), ack in zip(decided, acks)},
+                 draft_compute_s=draft_compute_s, drafter_lost=lost, draft_s=t1 - t0, verify_s=t2 - t1,
+                 publish_s=time.perf_counter() - t2)
+
+
+def _advance(s: DraftState, seed: Seed, drafter: DrafterSide | None, first: bool) -> bool:
+    """A publish's seed. After the prefill the draft session opens (it drafts from the next round);
+    later seeds queue until the drafter reads them. -> whether the drafter was unavailable."""
+    s.seed = seed
+    if first:
+        s.unread = [seed]
+        return open_draft(s, drafter)
+    s.unread = s.unread + [seed] if s.speculative else [seed]   # joined once, when read
+    return False
+
+
+def open_draft(s: DraftState, drafter: DrafterSide | None) -> bool:
+    """Open a speculative request's draft session; one that cannot open now reseeds later.
+    -> whether the drafter was unavailable."""
+    if not s.speculative:
+        return False
+    if drafter is None:
+        s.needs_reseed = True   # opened and seeded from the committed state once the drafter answers
+        return False
+    try:
+        drafter.open_session(s)
+        s.drafter_open = True
+        return False
+    except DrafterUnavailable:
+        s.needs_reseed = True
+        return True
+
+
+def propose(target: TargetSide, drafter: DrafterSide | None, batch: list[tuple[DraftState, TreeSpec | None]]
+            ) -> tuple[dict[str, DraftTree], list[str], float, bool]:
+    """Every batch item's tree (empty unless its request drafts this round), after the reseeds due.
+
+    Who calls the drafter: requests with a tree this round, and those whose draft session must be
+    reseeded (they read the reseed now, drafting nothing if planned plain).
+    -> (request id -> tree, the requests that drafted, the drafter's compute seconds, whether the
+    drafter was unavailable)."""
+    trees = {s.request_id: DraftTree.empty() for s, _ in batch}
+    drafting = [(s, tree) for s, tree in batch if s.speculative and (tree is not None or s.needs_reseed)]
+    if drafter is None or not drafting:
+        return trees, [], 0.0, False
+    for s, _ in drafting:
+        if s.needs_reseed and reseed(target, drafter, s):
+            return trees, [], 0.0, True
+    drafting = [(s, tree) for s, tree in drafting if s.drafter_open and not s.fallback]
+    if not drafting:
+        return trees, [], 0.0, False
+    try:
+        out, compute_s = drafter.propose_batch([(s.request_id, Seed.join(s.unread), tree or CONSUME_SEED_ONLY)
+                                                for s, tree in drafting])
+    except DrafterUnavailable:
+        for s, _ in drafting:
+            s.needs_reseed, s.drafter_open = True, False
+        return trees, [], 0.0, True
+    drafted = []
+    for (s, _), tree in zip(drafting, out):
+        if isinstance(tree, Refusal):  # e.g. a restarted drafter lost the session
+            s.needs_reseed, s.drafter_open = True, False
+        else:
+            trees[s.request_id], s.unread = tree, []
+            drafted.append(s.request_id)
+    return trees, drafted, compute_s, False
+
+
+def reseed(target: TargetSide, drafter: DrafterSide, s: DraftState) -> bool:
+    """Rebuild ``s``'s draft session from the target's committed state (seed 0x05D), or give the
+    drafter up for it (the reseed rule). -> whether the drafter was unavailable."""
+    if not may_reseed(s.reseeds):
+        s.fallback, s.needs_reseed = True, False
+        return False
+    s.reseeds += 1
+    try:
+        try:
+            drafter.close_session(s.request_id)
+        except DrafterUnavailable:
+            raise
+        except Exception:  # noqa: BLE001 - a session already gone is what a reseed expects
+            pass
+        drafter.open_session(s)
+        s.seed = target.reseed(s.request_id)
+        s.unread = [s.seed]
+        s.drafter_open, s.needs_reseed = True, False
+        return False
+    except DrafterUnavailable:
+        return True
