@@ -12,8 +12,11 @@ On the default target (or, with --tiny, a tiny random Llama: the CPU test runs t
 4. curve     the verify latency curve (ms of a verify of R rows after a 128-token context).
 
 Every section runs on its own: one that fails is reported with its error and the others go on, so
-a first run on a new device says what works and what does not. Drafter training on a device is not
-yet implemented (`eyas train` runs on the CPU) and is reported as such.
+a first run on a new device says what works and what does not.
+
+5. training  the target extracts training features on the device and an EAGLE-3 drafter trains
+             there under --dtype autocast: tokens/s with a step's samples packed into one token
+             grid, against one sample at a time.
 
 Run (about 8 minutes at most on one H200; seconds at --tiny on a CPU):
     .venv/bin/python bench/gpu_check.py                       # the default target, cuda, bfloat16
@@ -98,6 +101,61 @@ def hf_generate(hf, prompts: list[list[int]], max_new_tokens: int, device: str) 
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                           min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return (out.shape[1] - width) * len(prompts)
+
+
+def train_rate(device: str, dtype: str, tiny: bool, steps: int, batch_samples: int = 8) -> dict:
+    """Drafter training on the device: the frozen target extracts the features of ``batch_samples
+    x (steps + 1)`` samples there (the target's own answers in data/regen; random token walks at
+    --tiny), then EAGLE-3 trains ``steps`` optimizer steps after a warm-up one, the samples of a
+    step packed into one token grid, and again one sample at a time; -> tokens/s of each."""
+    import tempfile
+
+    from eyas.training.config import TrainConfig
+    from eyas.training.data import Sample
+    from eyas.training.features import FeatureCache, training_taps
+    from eyas.training.trainer import DrafterTrainer
+
+    n = batch_samples * (steps + 1)
+    if tiny:
+        _, model = tiny_target(torch.float32, device)
+        g = torch.Generator().manual_seed(2)
+        samples = []
+        for i in range(n):
+            length = int(torch.randint(24, 64, (1,), generator=g))
+            ids = (int(torch.randint(0, 256, (1,), generator=g)) + 3 * torch.arange(length)) % 256
+            mask = torch.arange(length) >= length // 3
+            samples.append(Sample(f"s{i}", ids, mask, torch.zeros(length, dtype=torch.int64), torch.arange(length)))
+    else:
+        from eyas.target.loader import load_target
+        from eyas.training.data import render
+        from eyas.training.regen import read_regenerated
+
+        loaded = load_target(device=device)   # float32 weights: the trainer's autocast takes --dtype
+        model = loaded.model
+        answers = Path(__file__).resolve().parents[1] / "data" / "regen" / "smollm2-135m-sharegpt-train.answers.jsonl"
+        samples = [x for rec in read_regenerated(answers)[:n]
+                   if (x := render(loaded.tokenizer, rec["id"], rec["messages"], 512)) is not None]
+    fingerprint = {"config_digest": "gpu-check", "weight_digest": "gpu-check", "tokenizer_digest": "gpu-check"}
+    model.requires_grad_(False)
+    rates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = FeatureCache(Path(tmp) / "features")
+        (_, t_extract) = timed(cache.extract, model, fingerprint, samples, training_taps(model), {"gpu_check": True})
+        for name, pack in (("packed", 4096), ("one_by_one", None)):
+            cfg = TrainConfig(method="eagle3", batch_samples=batch_samples, epochs=1.0, warmup_steps=1,
+                              draft_vocab_size=min(1024, model.cfg.vocab_size), eval_every=10 ** 6,
+                              checkpoint_every=10 ** 6, device=device, dtype=dtype, pack_tokens=pack,
+                              out=str(Path(tmp) / name))
+            trainer = DrafterTrainer(cfg, model, fingerprint, cache, cache)
+            trainer.train_step()   # warm-up
+            tokens = sum(trainer.train_data[i].input_ids.numel() for k in range(1, steps + 1)
+                         for i in trainer.batch_indices(k))
+            _, seconds = timed(lambda: [trainer.train_step() for _ in range(steps)])
+            rates[name] = tokens / seconds
+    extracted = sum(x.input_ids.numel() for x in samples)
+    return {"tokens_s": {k: round(v, 1) for k, v in rates.items()},
+            "packed_vs_one_by_one": round(rates["packed"] / rates["one_by_one"], 2),
+            "feature_extraction_tokens_s": round(extracted / t_extract, 1), "samples": len(samples)}
 
 
 def main(argv=None) -> int:
@@ -201,11 +259,14 @@ def main(argv=None) -> int:
         ms = TargetWorker(state["model"]).measure_latency((1, 2, 4, 8, 16, 32, 64), repeats=3, prefix=128)
         return {"verify_ms": {str(r): round(v, 2) for r, v in ms.items()}}
 
+    def training():
+        return train_rate(args.device, args.dtype, args.tiny, steps=2 if args.tiny else 4)
+
     section("load", load)
     for name, fn in (("identity", identity), ("speed", speed), ("curve", curve)):
         if report["sections"]["load"]["ok"]:
             section(name, fn)
-    report["sections"]["training"] = {"ok": False, "error": "not yet: eyas train runs on the CPU only"}
+    section("training", training)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
@@ -216,8 +277,9 @@ def main(argv=None) -> int:
           + (f"; identical {s['identity']['identical']}/{s['identity']['prompts']}, tau {s['identity']['tau']:.2f}"
              if s.get("identity", {}).get("ok") else "")
           + (f"; tok/s {s['speed']['tok_s']}" if s.get("speed", {}).get("ok") else "")
+          + (f"; training tok/s {s['training']['tokens_s']}" if s.get("training", {}).get("ok") else "")
           + f"; wrote {out}")
-    return 0 if all(s[k]["ok"] for k in ("load", "identity", "speed", "curve") if k in s) else 1
+    return 0 if all(v["ok"] for v in s.values()) else 1
 
 
 if __name__ == "__main__":

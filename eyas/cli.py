@@ -160,7 +160,7 @@ def cmd_demo(args) -> int:
 
 def cmd_train(args) -> int:
     from eyas.runtime import Eyas, set_threads
-    from eyas.training.config import load_config
+    from eyas.training.config import load_config, validated
     from eyas.training.prepare import prepare_features
     from eyas.training.trainer import DrafterTrainer
 
@@ -171,8 +171,14 @@ def cmd_train(args) -> int:
         cfg = cfg.model_copy(update={"out": args.out})
     if args.threads:
         cfg = cfg.model_copy(update={"threads": args.threads})
+    overrides = {key: getattr(args, key) for key in ("device", "dtype") if getattr(args, key)}
+    if overrides:
+        cfg = validated({**cfg.model_dump(), **overrides})   # checked, naming the field
+    from eyas.target.loader import check_device
+
+    check_device(cfg.device)   # here, before the (slow) load
     set_threads(cfg.threads)
-    eyas = Eyas(cfg.target, "fp32")
+    eyas = Eyas(cfg.target, "fp32", device=cfg.device)   # the frozen target extracts the features there
     train, heldout = prepare_features(cfg, eyas)
     trainer = DrafterTrainer(cfg, eyas.model, eyas.loaded.fingerprint.to_dict(), train, heldout)
     summary = trainer.fit()
@@ -342,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--config", required=True, help="a training YAML (see configs/)")
     t.add_argument("--out", help="overrides the config's output folder")
     t.add_argument("--threads", type=int, help="overrides the config's torch CPU threads (a resumed run may change it)")
+    t.add_argument("--device", help="overrides the config's device: cpu | cuda | cuda:N (not yet run on a GPU)")
+    t.add_argument("--dtype", help="overrides the config's autocast dtype: float32 | bfloat16 | float16")
     t.set_defaults(func=cmd_train)
     s = sub.add_parser("serve", help="start a local Ray and the Eyas Serve application")
     s.add_argument("--config", help="a Serve config (ray_configs/serve.yaml); its eyas application's args are used")

@@ -171,3 +171,12 @@ def test_generate_json_and_out_of_vocabulary_ids(capsys, real_eyas):
     assert report["accept_length_mean"] == pytest.approx(report["new_tokens"] / max(report["target_forwards"], 1))
     assert main(["generate", "--prompt-ids", "1,2,4000000", "--method", "target"]) == 2
     assert capsys.readouterr().err.startswith("error: prompt_ids:")
+
+
+def test_train_device_and_dtype_are_checked_before_anything_loads(capsys):
+    """`eyas train --device/--dtype` override the config; a bad value is refused naming the field."""
+    config = str(REPO / "configs" / "release" / "eagle3.yaml")
+    assert main(["train", "--config", config, "--dtype", "fp8"]) == 2
+    assert capsys.readouterr().err.startswith("error: config.dtype: Input should be")
+    assert main(["train", "--config", config, "--device", "tpu"]) == 2
+    assert "device: 'tpu' is not" in capsys.readouterr().err

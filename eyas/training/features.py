@@ -78,6 +78,7 @@ class FeatureCache:
         from safetensors.torch import save_file
 
         assert not any(p.requires_grad for p in model.parameters()), "the target must be frozen"
+        dev = model.embed.weight.device
         longest = max((len(s.input_ids) for s in samples), default=0)
         if longest > model.cfg.max_context:  # past a sliding window the full-causal forward is not the target's
             raise ValueError(f"data.max_len: a sample holds {longest} tokens, beyond the target's context "
@@ -103,12 +104,13 @@ class FeatureCache:
                 bar.update(tokens)
                 continue
             feats = []
-            for s in chunk:
+            for s in chunk:   # on the model's device; the features come back to the host for the shard
                 n = len(s.input_ids)
                 cache = model.allocate_cache(1, n)
-                mask = torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0)
-                out = model(s.input_ids[None], s.position_id[None], cache, 0, mask, taps, logits_rows="none")
-                f = out.features[0].to(FEATURE_DTYPE)
+                mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril().unsqueeze(0)   # [1, n, n]
+                out = model(s.input_ids[None].to(dev), s.position_id[None].to(dev), cache, 0, mask, taps,
+                            logits_rows="none")
+                f = out.features[0].to(FEATURE_DTYPE).cpu()
                 if not torch.isfinite(f).all():
                     raise ValueError(f"features: sample {s.sample_id} overflows {FEATURE_DTYPE}")
                 feats.append(f)

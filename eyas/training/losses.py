@@ -291,9 +291,10 @@ def feature_noise(
         raise ValueError(f"noise: unknown kind {kind!r}; expected one of {NOISE_KINDS}")
     if kind == "none":
         return torch.zeros_like(features)
-    uniform = torch.rand(
-        features.shape, generator=generator, dtype=torch.float32, device=features.device
-    )  # [..., S, d] in [0, 1)
+    uniform = torch.rand(  # drawn where the generator lives (the CPU by default), then moved
+        features.shape, generator=generator, dtype=torch.float32,
+        device=generator.device if generator is not None else features.device,
+    ).to(features.device)  # [..., S, d] in [0, 1)
     half_width = PAPER_NOISE_HALF_WIDTH
     if kind == "pinned":
         seq = features.shape[-2]

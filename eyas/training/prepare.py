@@ -53,7 +53,7 @@ def regenerated_samples(cfg: TrainConfig, tokenizer, split: str, count: int, cac
             else cache_folder.with_name(cache_folder.name + ".answers.jsonl"))
     regenerate_batched(checkpoint_folder(cfg.target), conversations(split), path, limit=count,
                        batch_size=d.regen_batch, max_new_tokens=d.regen_max_new_tokens,
-                       max_prompt_tokens=d.regen_max_prompt_tokens, desc=f"regenerate {split}")
+                       max_prompt_tokens=d.regen_max_prompt_tokens, desc=f"regenerate {split}", device=cfg.device)
     samples = []
     for rec in read_regenerated(path)[:count]:
         s = render(tokenizer, rec["id"], rec["messages"], d.max_len)

@@ -74,10 +74,10 @@ def first_turn_prompts(items: Iterable[tuple[str, list[dict]]], tokenizer, max_p
 
 def regenerate_batched(model_folder: str | Path, items: Iterable[tuple[str, list[dict]]], out_path: str | Path,
                        limit: int, batch_size: int = 64, max_new_tokens: int = 192,
-                       max_prompt_tokens: int = 256, desc: str = "regenerate") -> RegenSummary:
+                       max_prompt_tokens: int = 256, desc: str = "regenerate", device: str = "cpu") -> RegenSummary:
     """Answer the first user turn of up to ``limit`` conversations with the target at ``model_folder``
     (an HF checkpoint folder: ``eyas.target.loader.checkpoint_folder``), greedy, ``batch_size`` at a
-    time; append one JSON line per answer to ``out_path``; skip ids already there."""
+    time, on ``device``; append one JSON line per answer to ``out_path``; skip ids already there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if batch_size < 1:
@@ -95,7 +95,7 @@ def regenerate_batched(model_folder: str | Path, items: Iterable[tuple[str, list
     todo.sort(key=lambda p: p[2])     # similar lengths share a batch: less padding
     if not todo:
         return RegenSummary(0, len(done), 0, 0, 0.0)
-    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).to(device).eval()
     end_id = tok.convert_tokens_to_ids(END_OF_TURN)
     t0, new_tokens, truncated = time.perf_counter(), 0, 0
     bar = tqdm(total=len(todo), desc=desc, unit="prompt", dynamic_ncols=True)
@@ -103,7 +103,7 @@ def regenerate_batched(model_folder: str | Path, items: Iterable[tuple[str, list
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
             texts = [tok.apply_chat_template(u, add_generation_prompt=True, tokenize=False) for _, u, _ in chunk]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             with torch.inference_mode():
                 out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                      eos_token_id=end_id, pad_token_id=tok.pad_token_id)

@@ -36,6 +36,7 @@ from eyas.training.losses import (build_draft_vocab, feature_noise, masked_smoot
                                   topk_distillation)
 from eyas.training.masks import rollout_valid, rollout_visibility
 from eyas.training.rows import dense_row_masks
+from eyas.target.loader import DTYPES, check_device, check_dtype
 
 STATE_FILE = "trainer_state.pt"
 
@@ -47,11 +48,31 @@ class StepStats:
     per_step_loss: tuple[float, ...]
 
 
+def packs(samples: list[FeatureBatch], max_tokens: int | None) -> list[list[FeatureBatch]]:
+    """``samples`` in order, grouped into packs of at most ``max_tokens`` tokens (a longer sample is
+    a pack of its own; None: one sample per pack)."""
+    if max_tokens is None:
+        return [[fb] for fb in samples]
+    out: list[list[FeatureBatch]] = []
+    used = 0
+    for fb in samples:
+        n = fb.input_ids.numel()
+        if out and used + n <= max_tokens:
+            out[-1].append(fb)
+            used += n
+        else:
+            out.append([fb])
+            used = n
+    return out
+
+
 class DrafterTrainer:
     def __init__(self, cfg: TrainConfig, target: TargetModel, fingerprint: dict, train: FeatureCache,
                  heldout: FeatureCache, out: str | Path | None = None):
         self.cfg = cfg
-        self.target = target.requires_grad_(False)
+        self.device = check_device(cfg.device)
+        check_dtype(cfg.dtype)
+        self.target = target.requires_grad_(False).to(self.device)
         self.fingerprint = fingerprint
         self.out = Path(out or cfg.out)
         self.d = target.cfg.hidden_size
@@ -71,6 +92,7 @@ class DrafterTrainer:
             for fb in self.train_data:
                 counts += torch.bincount(fb.input_ids[fb.loss_mask], minlength=target.cfg.vocab_size)
             self.drafter.set_draft_vocab(build_draft_vocab(counts, dcfg.out_vocab))
+        self.drafter.to(self.device)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.steps_per_epoch = max(1, len(self.train_data) // cfg.batch_samples)
@@ -121,52 +143,66 @@ class DrafterTrainer:
 
     def sample_loss(self, fb: FeatureBatch, noise: bool, stats: dict | None = None) -> tuple[torch.Tensor | None, int]:
         """Loss of one sample (None when it has no supervised row) and its supervised-row count."""
-        cfg, d = self.cfg, self.d
-        ids = fb.input_ids
-        S = ids.numel()
-        feats = fb.features.float()                     # [S, 4d]: low, mid, high, final (normed)
-        final = feats[:, 3 * d:]                        # [S, d] LM-head input
-        valid = torch.ones(S, dtype=torch.bool)
-        seg = torch.zeros(S, dtype=torch.int64)
-        row_valid = dense_row_masks(valid[None], seg[None], fb.loss_mask[None])[0][0]     # b_t  [S]
+        return self.pack_loss([fb], noise, stats)
+
+    def pack_loss(self, samples: list[FeatureBatch], noise: bool, stats: dict | None = None
+                  ) -> tuple[torch.Tensor | None, int]:
+        """The sum of ``samples``' own losses, computed *packed*: their rows are concatenated into one
+        token grid of ``N`` rows and every rollout step is one drafter pass over all of them. Segment
+        ids keep each sample's attention (``rollout_visibility``) and supervision (``rollout_valid``)
+        inside it (seed 0x02A, 0x07B), positions restart per sample, and each sample's loss is the
+        mean over its own supervised rows, as if it ran alone. -> (the sum, or None with no
+        supervised row; the supervised-row count)."""
+        cfg, d, dev = self.cfg, self.d, self.device
+        lengths = [fb.input_ids.numel() for fb in samples]
+        N = sum(lengths)
+        ids = torch.cat([fb.input_ids for fb in samples]).to(dev)                        # [N]
+        loss_mask = torch.cat([fb.loss_mask for fb in samples]).to(dev)                  # [N]
+        feats = torch.cat([fb.features for fb in samples]).to(dev).float()               # [N, 4d]: low, mid, high, final
+        counts = torch.tensor(lengths, device=dev)
+        seg = torch.repeat_interleave(torch.arange(len(samples), device=dev), counts)   # [N] sample of each row
+        starts = torch.cumsum(counts, 0) - counts                                        # [K]
+        local = torch.arange(N, device=dev) - starts[seg]                                # [N] position in its sample
+        last = (starts + counts - 1)[seg]                                                # [N] its sample's last row
+        final = feats[:, 3 * d:]                                                         # [N, d] LM-head input
+        valid = torch.ones(N, dtype=torch.bool, device=dev)
+        row_valid = dense_row_masks(valid[None], seg[None], loss_mask[None])[0][0]       # b_t  [N]
         steps = self.num_steps
-        supervised = rollout_valid(valid, seg, fb.loss_mask, steps)                      # [steps, S]
-        visible = rollout_visibility(seg, row_valid, steps)                               # [steps, S, steps*S]
-        if cfg.method == "eagle3":
-            taps = [feats[:, k * d:(k + 1) * d] for k in range(3)]                        # raw low/mid/high
-            taps = [self.target.norm(t) if tap.normed else t for t, tap in zip(taps, self.serve_taps)]
-            state = self.drafter.target_state(torch.cat(taps, dim=-1))                   # [S, d]
-            head_draft = self.target.lm_head.weight[self.drafter.d2t]                     # [Vd, d]
-        else:
-            state = final + (feature_noise(final[None], cfg.noise, self.noise_gen)[0] if noise else 0.0)
+        supervised = rollout_valid(valid, seg, loss_mask, steps)                         # [steps, N]
+        visible = rollout_visibility(seg, row_valid, steps)                               # [steps, N, steps*N]
+        with self.autocast():
+            if cfg.method == "eagle3":
+                taps = [feats[:, k * d:(k + 1) * d] for k in range(3)]                    # raw low/mid/high
+                taps = [self.target.norm(t) if tap.normed else t for t, tap in zip(taps, self.serve_taps)]
+                state = self.drafter.target_state(torch.cat(taps, dim=-1))               # [N, d]
+                head_draft = self.target.lm_head.weight[self.drafter.d2t]                 # [Vd, d]
+            else:
+                state = final + (torch.cat([feature_noise(final[a:a + n][None], cfg.noise, self.noise_gen)[0]
+                                            for a, n in zip(starts.tolist(), lengths)]) if noise else 0.0)
         cache = GrowingKV(1)
-        rows = torch.arange(S)
+        rows = torch.arange(N, device=dev)
         total, n_sup = None, int(supervised[0].sum())
         for s in range(steps):
-            nxt = (rows + s + 1).clamp(max=S - 1)       # token x_{i+s+1} and teacher index f_{i+s+1}
-            h = self.drafter(state[None], self.target.embed(ids[nxt])[None], (rows + s)[None], cache, s * S,
-                             visible[s, :, :(s + 1) * S][None])[0]                        # [S, d]
+            nxt = torch.minimum(rows + s + 1, last)     # token x_{i+s+1} and teacher index f_{i+s+1}, in its sample
+            with self.autocast():
+                h = self.drafter(state[None], self.target.embed(ids[nxt])[None], (local + s)[None], cache, s * N,
+                                 visible[s, :, :(s + 1) * N][None])[0]                   # [N, d]
             m = supervised[s]
             if int(m.sum()) == 0:
                 break
-            ones = torch.ones(int(m.sum()), dtype=torch.bool)
+            per_sample = torch.bincount(seg[m], minlength=len(samples)).tolist()         # supervised rows of each
             target_feature = final[nxt][m]
             with torch.no_grad():
                 if cfg.method == "eagle3":
                     q = torch.softmax((target_feature @ head_draft.T).float(), dim=-1)   # draft-vocab q
                 else:
                     q = torch.softmax(self.target.lm_head(target_feature).float(), dim=-1)
-            if cfg.method == "eagle3":
-                logits = self.drafter.logits(h[m], self.target.lm_head)
-                loss_s = soft_cross_entropy(logits, q, ones)
-                weighted = cfg.ttt_decay ** s * loss_s
-            else:
-                logits = self.target.lm_head(h[m]).float()
-                loss_s = (cfg.reg_weight * masked_smooth_l1(h[m], target_feature, ones)
-                          + cfg.cls_weight * soft_cross_entropy(logits, q, ones))
-                if cfg.method == "hass":
-                    loss_s = loss_s + cfg.hass_topk_weight * topk_distillation(logits, q, ones, cfg.hass_topk)
-                weighted = loss_s
+            with self.autocast():
+                logits = (self.drafter.logits(h[m], self.target.lm_head) if cfg.method == "eagle3"
+                          else self.target.lm_head(h[m])).float()
+            parts = [self._rows_loss(h_k, logits_k, f_k, q_k) for h_k, logits_k, f_k, q_k in
+                     zip(*(x.split(per_sample) for x in (h[m], logits, target_feature, q))) if h_k.shape[0]]
+            weighted = (cfg.ttt_decay ** s if cfg.method == "eagle3" else 1.0) * sum(parts)
             total = weighted if total is None else total + weighted
             if stats is not None:
                 top = logits.topk(3, dim=-1).indices
@@ -174,9 +210,29 @@ class DrafterTrainer:
                 stats.setdefault("top1", [0] * steps)[s] += int((top[:, :1] == tgt).sum())
                 stats.setdefault("top3", [0] * steps)[s] += int((top == tgt).any(-1).sum())
                 stats.setdefault("rows", [0] * steps)[s] += int(m.sum())
-                stats.setdefault("loss", [0.0] * steps)[s] += float(loss_s) * int(m.sum())
+                stats.setdefault("loss", [0.0] * steps)[s] += sum(float(p) * c for p, c in
+                                                                   zip(parts, [c for c in per_sample if c]))
             state = h
         return total, n_sup
+
+    def _rows_loss(self, h: torch.Tensor, logits: torch.Tensor, target_feature: torch.Tensor, q: torch.Tensor
+                   ) -> torch.Tensor:
+        """One sample's loss at one rollout step (before EAGLE-3's step weight), the mean over its
+        supervised rows (all of these): h [M, d], logits [M, V], target_feature [M, d], q [M, V] -> []."""
+        cfg = self.cfg
+        ones = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+        if cfg.method == "eagle3":
+            return soft_cross_entropy(logits, q, ones)
+        loss = (cfg.reg_weight * masked_smooth_l1(h.float(), target_feature, ones)
+                + cfg.cls_weight * soft_cross_entropy(logits, q, ones))
+        if cfg.method == "hass":
+            loss = loss + cfg.hass_topk_weight * topk_distillation(logits, q, ones, cfg.hass_topk)
+        return loss
+
+    def autocast(self):
+        """Mixed precision for the drafter's forward (``dtype``): weights and optimizer stay float32,
+        losses are float32."""
+        return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.dtype], enabled=self.cfg.dtype != "float32")
 
     # --- optimisation ----------------------------------------------------------------------------------
     def train_step(self) -> StepStats | None:
@@ -184,11 +240,11 @@ class DrafterTrainer:
         self.drafter.train()
         self.optimizer.zero_grad(set_to_none=True)
         losses, n_rows = [], 0
-        for i in self.batch_indices(self.step):
-            loss, n = self.sample_loss(self.train_data[i], noise=True)
+        for group in packs([self.train_data[i] for i in self.batch_indices(self.step)], self.cfg.pack_limit()):
+            loss, n = self.pack_loss(group, noise=True)
             if loss is not None:
                 (loss / self.cfg.batch_samples).backward()
-                losses.append(float(loss))
+                losses.append(float(loss.detach()) / max(sum(bool(fb.loss_mask.any()) for fb in group), 1))
                 n_rows += n
         self.step += 1
         if n_rows == 0:  # nothing supervised: no update, no weight decay (seed 0x04A)
@@ -211,8 +267,8 @@ class DrafterTrainer:
         ``data`` (default: the held-out split)."""
         self.drafter.eval()
         stats: dict = {}
-        for fb in self.heldout_data if data is None else data:
-            self.sample_loss(fb, noise=False, stats=stats)
+        for group in packs(list(self.heldout_data if data is None else data), self.cfg.pack_limit()):
+            self.pack_loss(group, noise=False, stats=stats)
         rows = [max(r, 1) for r in stats.get("rows", [1])]
         return {"top1": [t / r for t, r in zip(stats.get("top1", [0]), rows)],
                 "top3": [t / r for t, r in zip(stats.get("top3", [0]), rows)],
@@ -232,14 +288,14 @@ class DrafterTrainer:
         path = self.out / STATE_FILE
         if not path.exists():
             return False
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location=self.device, weights_only=False)
         if state.get("method") != self.cfg.method:
             raise ValueError(f"checkpoint.method: {state.get('method')!r} != config method {self.cfg.method!r}")
         self.drafter.load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
-        self.noise_gen.set_state(state["noise_gen"])
+        self.noise_gen.set_state(state["noise_gen"].cpu())
         return True
 
     def export(self, summary: dict) -> Path:

@@ -153,3 +153,56 @@ def test_a_run_trains_on_a_prefix_of_a_larger_cache(tiny_setup, tmp_path):
     assert torch.equal(trainer.drafter.d2t, build_draft_vocab(counted, 32)) and trainer.steps_per_epoch == 2
     with pytest.raises(ValueError, match="cache_samples"):
         TrainConfig(data={"train_samples": 8, "cache_samples": 4})
+
+
+@pytest.mark.parametrize("method", ["eagle1", "hass", "eagle3"])
+def test_a_packed_step_equals_its_samples_one_by_one(tiny_setup, tmp_path, method):
+    """Packing (``pack_tokens``): four samples in one token grid give the sum of their own losses
+    and the same gradient as running them one at a time (segment ids keep attention, supervision
+    and each sample's mean to itself); the held-out stats agree too."""
+    one = make({"method": method, "noise": "none", "pack_tokens": None}, tiny_setup, tmp_path / "one")
+    packed = make({"method": method, "noise": "none", "pack_tokens": 4096}, tiny_setup, tmp_path / "packed")
+    samples = one.train_data[:4]
+    assert [len(p) for p in __import__("eyas.training.trainer", fromlist=["packs"]).packs(samples, 4096)] == [4]
+    alone = [one.pack_loss([fb], noise=False)[0] for fb in samples]
+    total, n = packed.pack_loss(samples, noise=False)
+    assert n == sum(one.pack_loss([fb], noise=False)[1] for fb in samples)
+    torch.testing.assert_close(total, sum(alone), rtol=1e-5, atol=1e-6)
+    sum(alone).backward()
+    total.backward()
+    for (name, a), b in zip(one.drafter.named_parameters(), packed.drafter.parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    e1, e2 = one.evaluate(), packed.evaluate()
+    assert e1["top1"] == e2["top1"] and e1["top3"] == e2["top3"]
+    torch.testing.assert_close(torch.tensor(e2["loss"]), torch.tensor(e1["loss"]), rtol=1e-5, atol=1e-6)
+
+
+def test_packs_keep_the_order_and_the_token_bound():
+    from eyas.training.trainer import packs
+
+    fbs = [FeatureBatch(f"s{i}", torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool),
+                        torch.zeros(n, 4)) for i, n in enumerate([30, 40, 50, 200, 10])]
+    assert [[fb.sample_id for fb in p] for p in packs(fbs, 100)] == [["s0", "s1"], ["s2"], ["s3"], ["s4"]]
+    assert [len(p) for p in packs(fbs, None)] == [1] * 5
+
+
+def test_bfloat16_autocast_trains_and_a_bad_device_names_the_field(tiny_setup, tmp_path):
+    """`dtype: bfloat16` runs the drafter under autocast (float32 weights and losses) and the loss
+    still falls; a device that does not parse is refused naming `device`."""
+    trainer = make({"method": "eagle3", "epochs": 40, "lr": 1e-2, "noise": "none", "dtype": "bfloat16"}, tiny_setup,
+                   tmp_path)
+    before = sum(trainer.evaluate(trainer.train_data)["loss"])
+    trainer.fit()
+    after = sum(trainer.evaluate(trainer.train_data)["loss"])
+    assert after < 0.9 * before, (before, after)
+    assert all(p.dtype == torch.float32 for p in trainer.drafter.parameters())
+    with pytest.raises(ValueError, match="device: 'tpu' is not"):
+        TrainConfig(device="tpu")
+
+
+def test_pack_tokens_auto_packs_on_a_gpu_only():
+    assert TrainConfig().pack_limit() is None and TrainConfig(device="cuda").pack_limit() == 2048
+    assert TrainConfig(pack_tokens=512).pack_limit() == 512 and TrainConfig(pack_tokens=None).pack_limit() is None
+    with pytest.raises(ValueError, match="pack_tokens: must be at least 16"):
+        TrainConfig(pack_tokens=8)
