@@ -130,7 +130,7 @@ class DrafterWorker:
     def leak_check(self) -> dict:
         engine_ids = {rid for e in self.engines.values() for rid in e.sessions}
         allocated = sum(e.kv_slots_allocated() for e in self.engines.values())
-        nbytes = sum(s.cache.max_slots * s.cache.bytes_per_slot for e in self.engines.values() for s in e.sessions.values())
+        nbytes = sum(e.kv_bytes_allocated() for e in self.engines.values())
         return {"worker": self.name, "live_sessions": len(self.session_method), "kv_slots_allocated": allocated,
                 "kv_bytes_allocated": nbytes,
                 "orphans": sorted(engine_ids ^ set(self.session_method)),

@@ -1,6 +1,7 @@
 """The drafter engine: the one owner of drafter weights and draft KV.
 
-Per request a :class:`DraftSession` holds the draft KV cache. Its slots ``[0, committed_len)``
+Every live request's draft K/V lives in one padded store (``BatchKV``, as the target engine's:
+``eyas.target.batch_kv``); a :class:`DraftSession` owns one row of it. Its slots ``[0, committed_len)``
 are *context rows*: draft rows whose state is a verified target feature (seed 0x05D: the drafter
 never commits a row built on an unverified feature). A round:
 
@@ -24,7 +25,8 @@ from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.drafting.tree import (DEFAULT_STATIC_CHOICES, DynamicTreeBuilder,
                                 StaticTreeBuilder, chain_choices)
 from eyas.protocol.messages import Seed
-from eyas.target.model import FeatureTap, KVCache, Segment
+from eyas.target.batch_kv import RowGroup
+from eyas.target.model import FeatureTap
 
 TREE_KINDS = ("dynamic", "static", "chain")
 
@@ -79,7 +81,8 @@ class DraftSession:
     """Mutable per-request draft state. Only :class:`DrafterEngine` touches it."""
 
     request_id: str
-    cache: KVCache
+    kv_row: int                # its row of the engine's K/V store
+    max_slots: int             # the slots it may use in that row
     committed_len: int = 0     # context rows: built on verified target features
     provisional_len: int = 0   # tree rows of the current round, after the context rows
 
@@ -106,17 +109,37 @@ class DrafterEngine:
         self.taps = tuple(taps)
         self.device = embed.weight.device   # where every draft tensor lives (the target's device)
         self.sessions: dict[str, DraftSession] = {}
+        # every live request's draft K/V in one padded store, rows [0, live) (eyas.target.batch_kv)
+        self.kv = self.drafter.allocate_store()
+        self._row_owner: list[str] = []     # KV row -> request id
 
     def kv_slots_allocated(self) -> int:
-        return sum(s.cache.max_slots for s in self.sessions.values())
+        return sum(s.max_slots for s in self.sessions.values())
+
+    def kv_bytes_allocated(self) -> int:
+        """Bytes the padded store holds (0 once every session is closed)."""
+        return self.kv.nbytes
 
     def open_session(self, request_id: str, max_slots: int) -> None:
         if request_id in self.sessions:
             raise ValueError(f"request_id: {request_id!r} already has a live draft session")
-        self.sessions[request_id] = DraftSession(request_id, self.drafter.allocate_cache(max_slots))
+        self.kv.reserve(len(self._row_owner) + 1, max_slots)
+        self.sessions[request_id] = DraftSession(request_id, len(self._row_owner), max_slots)
+        self._row_owner.append(request_id)
 
     def close_session(self, request_id: str) -> None:
-        self.sessions.pop(request_id, None)
+        """Forget a request; the last KV row moves into its place, so live rows stay ``[0, live)``."""
+        s = self.sessions.pop(request_id, None)
+        if s is None:
+            return
+        last = self._row_owner.pop()
+        if last != request_id:
+            moved = self.sessions[last]
+            self.kv.move(moved.kv_row, s.kv_row, moved.max_slots)
+            moved.kv_row = s.kv_row
+            self._row_owner[s.kv_row] = last
+        if not self._row_owner:
+            self.kv.release()
 
     def _session(self, request_id: str) -> DraftSession:
         if request_id not in self.sessions:
@@ -136,14 +159,15 @@ class DrafterEngine:
 
     @torch.inference_mode()
     def propose_batch(self, items: list[tuple[str, Seed, TreeSpec]]) -> list[DraftTree]:
-        """Grow one tree per request; every step of every request's growth shares one packed drafter
-        pass and one LM-head call (each request keeps its own draft KV and masks)."""
+        """Grow one tree per request; every step of every request's growth shares one drafter pass
+        over the store (one attention call for all of them, each request's own causal and tree mask
+        in it) and one LM-head call."""
         if len({rid for rid, _, _ in items}) != len(items):
             raise ValueError("request_id: a request appears twice in one drafting batch")
         # checks first; a seed decoded from the wire (on the CPU) moves to the drafter's device here
-        growths = [_Growth(self._session(rid), seed.to(self.device), tree, self.device) for rid, seed, tree in items]
+        growths = [_Growth(self._session(rid), seed, tree, self.device) for rid, seed, tree in items]
         # 1. context rows from verified target features (seed 0x05A/0x05D) ----------------------
-        hidden = self.drafter.forward_packed([g.context_rows(self.drafter, self.embed) for g in growths])
+        hidden = self.drafter.forward_batch(self.kv, [g.context_rows(self.drafter, self.embed) for g in growths])
         for g, h in zip(growths, hidden):
             g.start_tree(h)
         # 2. grow the trees over provisional rows (seed 0x05B, 0x06B), all requests in lockstep ------
@@ -159,7 +183,8 @@ class DrafterEngine:
                     steps.append((g, rows))
             if not steps:
                 break
-            outs = self.drafter.forward_packed([(state, self.embed(toks), seg) for _, (state, toks, seg) in steps])
+            outs = self.drafter.forward_batch(self.kv, [(state, self.embed(toks), rows)
+                                                        for _, (state, toks, rows) in steps])
             for (g, _), h in zip(steps, outs):
                 g.absorb(h)
         return [g.result() for g in growths]
@@ -228,7 +253,12 @@ class _Growth:
             raise ValueError(f"request_id: {s.request_id!r} has an unpublished draft round")
         if seed.start_position != s.committed_len:
             raise ValueError(f"seed.start_position: {seed.start_position} != draft context length {s.committed_len}")
-        self.s, self.seed, self.builder, self.device = s, seed, tree.builder(), device
+        need = s.committed_len + seed.features.shape[0] + tree.max_draft_rows
+        if need > s.max_slots:
+            raise ValueError(f"seed: {s.committed_len} committed + {seed.features.shape[0]} new context rows + the "
+                             f"tree's {tree.max_draft_rows} draft rows exceed the draft session's {s.max_slots} slots")
+        self.host_tokens = seed.advanced_tokens.cpu()   # [A]: the plan's host copy
+        self.s, self.seed, self.builder, self.device = s, seed.to(device), tree.builder(), device
         self.parent_hidden: torch.Tensor | None = None  # [P, d] rows whose children come next; None = done
         self.parents: list[int] = []
         self.node_state: dict[int, torch.Tensor] = {}  # node id -> output of the row that proposed it  [d]
@@ -237,13 +267,10 @@ class _Growth:
     def context_rows(self, drafter: Drafter, embed: nn.Embedding):
         n, a = self.s.committed_len, self.seed.features.shape[0]
         state = drafter.target_state(self.seed.features.to(drafter.dtype))  # [A, d]
-        dev = self.device
-        mask = torch.cat([torch.ones(a, n, dtype=torch.bool, device=dev),
-                          torch.ones(a, a, dtype=torch.bool, device=dev).tril()], 1)   # [A, n + A]
-        positions = torch.arange(n, n + a, device=dev)                                   # [A]
-        return state, embed(self.seed.advanced_tokens), Segment(self.seed.advanced_tokens, positions,
-                                                                self.s.cache, n, mask if a > 1 else None,
-                                                                max_position=n + a - 1)
+        # the plan's bookkeeping is host data, moved once when the round's plan is built (BatchRows)
+        mask = torch.cat([torch.ones(a, n, dtype=torch.bool), torch.ones(a, a, dtype=torch.bool).tril()], 1)  # [A, n+A]
+        rows = RowGroup(self.s.kv_row, self.host_tokens, torch.arange(n, n + a), n, mask if a > 1 else None)
+        return state, embed(self.seed.advanced_tokens), rows
 
     def start_tree(self, hidden: torch.Tensor) -> None:  # [A, d] outputs of the context rows
         self.s.committed_len += hidden.shape[0]
@@ -254,7 +281,7 @@ class _Growth:
             self.parents, self.parent_hidden = [PARENT_IS_SEED], hidden[-1:]
 
     def add_children(self, tokens: torch.Tensor, conf: torch.Tensor):
-        """Add the parents' top children; -> the next rows (state, tokens, Segment) or None when done."""
+        """Add the parents' top children; -> the next rows (state, device tokens, RowGroup) or None when done."""
         b = self.builder
         for node in b.add_children(self.parents, tokens, conf):
             self.node_state[node] = self.parent_hidden[self.parents.index(b.node(node).parent)]
@@ -267,21 +294,19 @@ class _Growth:
         slots = list(range(first, first + p))
         for node, slot in zip(parents, slots):
             self.node_slot[node] = slot
-        mask = torch.zeros(p, slots[-1] + 1, dtype=torch.bool)   # [P, slots] built on the host, moved once
+        assert slots[-1] < s.max_slots, "checked when the growth began"
+        mask = torch.zeros(p, slots[-1] + 1, dtype=torch.bool)   # [P, slots] built on the host, moved with the plan
         mask[:, :self.base] = True
         for i, node in enumerate(parents):  # ancestors' rows and the row itself
             walk = node
             while walk != PARENT_IS_SEED:
                 mask[i, self.node_slot[walk]] = True
                 walk = b.node(walk).parent
-        dev = self.device
-        tokens_ = torch.tensor([b.node(x).token for x in parents], dtype=torch.int64, device=dev)       # [P]
-        positions = torch.tensor([self.last_position + b.node(x).depth for x in parents], dtype=torch.int64,
-                                 device=dev)                                                          # [P]
+        tokens_ = torch.tensor([b.node(x).token for x in parents], dtype=torch.int64)                   # [P] host
+        positions = torch.tensor([self.last_position + b.node(x).depth for x in parents], dtype=torch.int64)  # [P]
         self.parents = parents
-        return (torch.stack([self.node_state[x] for x in parents]), tokens_,
-                Segment(tokens_, positions, s.cache, first, mask.to(dev),
-                        max_position=self.last_position + max(b.node(x).depth for x in parents)))
+        return (torch.stack([self.node_state[x] for x in parents]), tokens_.to(self.device),
+                RowGroup(s.kv_row, tokens_, positions, first, mask))
 
     def absorb(self, hidden: torch.Tensor) -> None:  # [P, d]
         self.s.provisional_len += hidden.shape[0]

@@ -24,13 +24,13 @@ The frozen target embedding and LM head are passed in; the drafter owns neither 
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, asdict
 
 import torch
 import torch.nn as nn
 
-from eyas.target.model import (MLP, Attention, FeatureTap, KVCache, RMSNorm, RotaryTable, Segment, TargetConfig,
+from eyas.target.batch_kv import BatchKV, BatchRows, RowGroup
+from eyas.target.model import (MLP, Attention, FeatureTap, KVCache, RMSNorm, RotaryTable, TargetConfig,
                                eagle1_feature_address, eagle3_feature_address, head_rows)
 
 METHODS = ("eagle1", "eagle3")
@@ -126,8 +126,8 @@ class DraftLayer(nn.Module):
         h = residual + self.attn(self._pre(x), cos, sin, cache, 0, start, mask)
         return h + self.mlp(self.mlp_norm(h))
 
-    def forward_segments(self, x, residual, cos, sin, segments):  # x: [1, T, d_in]; residual: [1, T, d]
-        h = residual + self.attn.forward_segments(self._pre(x), cos, sin, segments, 0)
+    def forward_batch(self, x, residual, cos, sin, kv, plan):  # x: [1, N, d_in]; residual: [1, N, d]
+        h = residual + self.attn.forward_batch(self._pre(x), cos, sin, kv, plan, 0)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -211,26 +211,29 @@ class Drafter(nn.Module):
         cos, sin = self.rope(positions)
         return self.layer(x, residual, cos, sin, cache, start, mask)
 
-    def forward_packed(self, segments: list[tuple[torch.Tensor, torch.Tensor, Segment]]) -> list[torch.Tensor]:
-        """Several requests' draft rows in one pass, each against its own draft KV and mask.
+    def allocate_store(self) -> BatchKV:
+        """An empty K/V store for a drafter engine's live requests (one layer; its dtype and device)."""
+        c = self.cfg
+        w = self.layer.mlp_norm.weight
+        return BatchKV(1, c.num_kv_heads, c.head_dim, w.dtype, w.device)
 
-        segments: (state [T_i, d], token_embeds [T_i, d], Segment with positions/cache/start/mask;
-        its ``tokens`` are unused). Returns each segment's output state [T_i, d].
-        """
-        placed, lo = [], 0
-        for state, embeds, seg in segments:
-            t = state.shape[0]
-            assert state.ndim == 2 and state.shape == embeds.shape and seg.positions.shape == (t,)
-            placed.append(dataclasses.replace(seg, rows=(lo, lo + t)))
-            lo += t
-        state = torch.cat([x[0] for x in segments])[None]
-        embeds = torch.cat([x[1] for x in segments])[None]
-        x, residual = self.layer_input(state, embeds)                      # [1, T, d_in], [1, T, d]
-        tops = [s.max_position for s in placed]
-        cos, sin = self.rope(torch.cat([s.positions for s in placed])[None],
-                             None if None in tops else max(tops))   # host-known: no device read
-        out = self.layer.forward_segments(x, residual, cos, sin, placed)[0]
-        return [out[a:b] for a, b in (s.rows for s in placed)]
+    def forward_batch(self, kv: BatchKV, groups: list[tuple[torch.Tensor, torch.Tensor, RowGroup]]
+                      ) -> list[torch.Tensor]:
+        """Several requests' draft rows in one pass over the engine's one K/V store, with one
+        attention call for all of them (``eyas.target.batch_kv``: a padded query grid and one mask
+        with each request's causal prefix and tree ancestry; no row sees another request's keys).
+
+        groups: (state [T_i, d], token_embeds [T_i, d], RowGroup: KV row, positions, start, mask).
+        Returns each group's output state [T_i, d]."""
+        for state, embeds, g in groups:
+            assert state.ndim == 2 and state.shape == embeds.shape and g.positions.shape == (state.shape[0],)
+        plan = BatchRows.build([g for _, _, g in groups], kv.device)
+        state = torch.cat([x[0] for x in groups])[None]
+        embeds = torch.cat([x[1] for x in groups])[None]
+        x, residual = self.layer_input(state, embeds)                      # [1, N, d_in], [1, N, d]
+        cos, sin = self.rope(plan.positions[None], plan.max_position)      # host-known: no device read
+        out = self.layer.forward_batch(x, residual, cos, sin, kv, plan)[0]
+        return [out[a:b] for a, b in plan.bounds]
 
     def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """hidden: [..., d] -> draft logits [..., out_vocab] (draft-vocabulary ids for EAGLE-3)."""

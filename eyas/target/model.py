@@ -447,28 +447,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, T, self.heads * hd))
 
 
-    def forward_segments(self, x, cos, sin, segments: list["Segment"], layer: int):
-        """Packed rows of several requests: x [1, T, d] holds each segment's rows at ``rows``.
-
-        The projections run once over all rows (the weights are read once per batch); attention runs
-        per segment, against that segment's own cache and mask only, so no row sees another
-        request's keys (the ragged batch of the scheduler issue).
-        """
-        _, T, _ = x.shape
-        hd = self.head_dim
-        q, k, v = self.project(x)
-        q = apply_rotary(q.view(1, T, self.heads, hd).transpose(1, 2), cos, sin)     # [1, H, T, hd]
-        k = apply_rotary(k.view(1, T, self.kv_heads, hd).transpose(1, 2), cos, sin)  # [1, H_kv, T, hd]
-        v = v.view(1, T, self.kv_heads, hd).transpose(1, 2)
-        outs = []
-        for seg in segments:
-            lo, hi = seg.rows
-            keys, values = seg.cache.write(layer, seg.start, k[:, :, lo:hi], v[:, :, lo:hi])
-            outs.append(self._attend(q[:, :, lo:hi], keys, values, None if seg.mask is None else seg.mask[None],
-                                     seg.start))
-        out = torch.cat(outs, dim=2)  # [1, H, T, hd]
-        return self.wo(out.transpose(1, 2).reshape(1, T, self.heads * hd))
-
     def forward_batch(self, x, cos, sin, kv: "BatchKV", plan: "BatchRows", layer: int):
         """Packed rows of every request in the round, x [1, N, d], over the engine's one K/V store.
 
@@ -546,20 +524,6 @@ def head_rows(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return head(x)
     rows = x.reshape(-1, x.shape[-1])                                         # [N, d]
     return (head.weight @ rows.T).T.contiguous().reshape(*x.shape[:-1], head.weight.shape[0])  # [..., V]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One request's rows inside a packed forward over per-request caches (the drafter's
-    ``forward_packed``; the target batches over one store instead, ``forward_batch``)."""
-
-    tokens: torch.Tensor          # [T_i] int64
-    positions: torch.Tensor       # [T_i] int64
-    cache: "KVCache"              # this request's own cache
-    start: int                    # slot of its first row (its committed length)
-    mask: torch.Tensor | None     # [T_i, start + T_i] bool, or None for one row that sees everything
-    rows: tuple[int, int] = (0, 0)  # [lo, hi) of its rows in the packed batch (set by the packing forward)
-    max_position: int | None = None  # its largest position, known on the host (None: read from the device)
 
 
 class MLP(nn.Module):

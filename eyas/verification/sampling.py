@@ -93,7 +93,8 @@ def sample(
     probs: torch.Tensor,  # [V] or [R, V] float, nonnegative, positive mass per row
     generator: torch.Generator | None,
 ) -> torch.Tensor:  # [] or [R] int64 on probs.device
-    """Draw one token per row with torch.multinomial; `generator` must live on probs.device."""
+    """Draw one token per row with torch.multinomial, on the generator's device (a CPU generator
+    draws CUDA probabilities on the host: the same draws for a seed on every device)."""
     if not isinstance(probs, torch.Tensor) or probs.ndim not in (1, 2):
         raise ValueError("probs: expected a tensor [V] or [R, V]")
     if not probs.dtype.is_floating_point:
@@ -105,5 +106,6 @@ def sample(
         raise ValueError("probs: entries must be finite and nonnegative")
     if bool((rows.sum(dim=1) <= 0).any()):
         raise ValueError("probs: every row needs positive mass")
-    tokens = torch.multinomial(rows, 1, generator=generator).squeeze(1)  # [R]
+    where = generator.device if generator is not None else rows.device
+    tokens = torch.multinomial(rows.to(where), 1, generator=generator).squeeze(1).to(probs.device)  # [R]
     return tokens[0] if probs.ndim == 1 else tokens

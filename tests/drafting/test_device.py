@@ -58,4 +58,4 @@ def test_drafting_stays_on_the_drafter_device():
                 assert [t.num_nodes for t in out] == [5, 2]
                 assert {t.tokens.device.type for t in out} == {"cpu"}   # a tree is host data (it is flattened there)
         assert guard.ops > 50
-        assert {s.cache.k.device.type for s in engine.sessions.values()} == {"meta"}
+        assert engine.kv.k.device.type == "meta"

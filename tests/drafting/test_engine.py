@@ -122,6 +122,40 @@ def test_batched_drafting_equals_drafting_each_request_alone(tiny_target):
         assert a.num_nodes > 0 and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
         torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-5)
         assert alone.sessions[rid].provisional_len == batched.sessions[rid].provisional_len
+    # one store: closing "a" (KV row 0) moves the last row ("c") into its place with its K/V; the
+    # next round of "b" and "c" still drafts what each does alone, and the store is freed at the end
+    assert [batched.sessions[r].kv_row for r in "abc"] == [0, 1, 2]
+    batched.close_session("a")
+    assert batched.sessions["c"].kv_row == 0 and batched.sessions["b"].kv_row == 1
+    nxt = {}
+    for rid in ("b", "c"):
+        for e in (alone, batched):
+            e.publish(rid)
+        n = batched.sessions[rid].committed_len
+        nxt[rid] = Seed(torch.randn(2, cfg.hidden_size, generator=g), torch.randint(0, cfg.vocab_size, (2,), generator=g),
+                        n, 1)
+    singles = {rid: alone.propose(rid, nxt[rid], specs[rid]) for rid in nxt}
+    together = dict(zip(nxt, batched.propose_batch([(rid, nxt[rid], specs[rid]) for rid in nxt])))
+    for rid in nxt:
+        a, b = singles[rid], together[rid]
+        assert a.num_nodes > 0 and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-5)
+    for rid in ("b", "c"):
+        batched.close_session(rid)
+    assert batched.kv_slots_allocated() == 0 and batched.kv_bytes_allocated() == 0
+
+
+def test_a_seed_or_tree_beyond_the_session_slots_is_refused_naming_the_field(tiny_target):
+    drafter = init_drafter(DrafterConfig.for_target("eagle1", tiny_target.cfg))
+    engine = DrafterEngine(drafter, tiny_target.embed, tiny_target.lm_head)
+    engine.open_session("r", 8)
+    with pytest.raises(ValueError, match="^seed: 0 committed \\+ 9 new context rows \\+ the tree's 0 draft rows "
+                                         "exceed the draft session's 8 slots"):
+        engine.propose("r", make_seed(tiny_target, "eagle1", n=9), TreeSpec(kind="chain", max_depth=0))
+    with pytest.raises(ValueError, match="^seed: 0 committed \\+ 6 new context rows \\+ the tree's 16 draft rows"):
+        engine.propose("r", make_seed(tiny_target, "eagle1", n=6), TreeSpec())
+    s = engine.sessions["r"]
+    assert s.committed_len == 0 and s.provisional_len == 0   # refused before any write
 
 
 def test_measure_cost_times_each_depth_and_leaves_no_session():
