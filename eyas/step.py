@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from eyas.actors.target_worker import Refusal
+from eyas.protocol.messages import Refusal
 from eyas.drafting.engine import TreeSpec
 from eyas.protocol.messages import AcceptDecision, Seed
 from eyas.protocol.tree import DraftTree, FlatTree

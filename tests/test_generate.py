@@ -143,7 +143,7 @@ def test_greedy_identity_at_a_half_precision_compute_dtype(method, dtype):
                      DrafterWorker({method: drafter}, model.cfg.vocab_size).info(),
                      PromptLengthPolicy(Budgets()), LatencyCurve.from_points({1: 1.0, 64: 2.0}))
     seen = {}
-    original = worker.round_batch
+    original = worker.step
 
     def spy(*args):
         out = original(*args)
@@ -154,7 +154,7 @@ def test_greedy_identity_at_a_half_precision_compute_dtype(method, dtype):
                 seen.setdefault("features", set()).update(f.dtype for f in s.features)
         return out
 
-    worker.round_batch = spy
+    worker.step = spy
     try:
         futures = [loop.submit(f"r{i}", p, 24, method, TreeSpec(), SamplingParams(), 0) for i, p in enumerate(prompts)]
         served = [f.result(timeout=120).token_ids for f in futures]

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from eyas.actors.target_worker import Refusal
+from eyas.protocol.messages import Refusal
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire

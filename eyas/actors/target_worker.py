@@ -1,9 +1,11 @@
 """``TargetWorker``: the owner of one target's device state, speaking the ``Verifier`` messages.
 
-It is a plain class. Each ``EyasTarget`` Serve replica owns one (the ``TargetWorker`` of DESIGN.md;
-eyas/serve/deployments.py), ``eyas.remote.verifier_server`` serves it over plain gRPC, and the tests call it
-directly. Each method takes and returns the protobuf messages of ``eyas.proto``, so the same
-messages travel inside Ray and across clusters (DESIGN.md, "The wire contract").
+It is a plain class. Each ``EyasTarget`` Serve replica owns one (eyas/serve/deployments.py),
+``eyas.remote.verifier_server`` serves it over plain gRPC, and the tests call it directly. It speaks
+two ways: objects for a caller in its own process (the replica's round loop: ``open``, ``step``,
+``publish_rounds``, ``committed_seed``, ``close``), and the protobuf messages of ``eyas.proto`` for
+one across a process boundary (the ``Verifier`` rpcs and their batched forms), which are decoded
+and checked, then run through the same object calls (seed 0x05A-0x05D, the wire contract).
 
 State it owns: the target weights, and per request one session (through :class:`TargetEngine`:
 committed KV, provisional branch KV) plus the session's sampler and the decided-but-unpublished
@@ -32,8 +34,9 @@ import torch
 from eyas.verification.accept import decide
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
-from eyas.protocol.messages import AcceptDecision
-from eyas.protocol.tree import FlatTree
+from eyas.protocol.messages import AcceptDecision, PublishAck, Refusal, Seed
+from eyas.protocol.tree import DraftTree, FlatTree
+from eyas.step import Decided, Published
 from eyas.target.engine import PrefillProgress, TargetEngine
 from eyas.target.model import FeatureTap, TargetModel
 from eyas.verification.sampling import SamplingParams
@@ -47,28 +50,24 @@ class SessionNotFound(LookupError):
     """No live session for a request id (gRPC NOT_FOUND)."""
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """One refused item of a batched call: the message names the field (``not_found``: no session)."""
-
-    message: str
-    not_found: bool = False
-
-    @classmethod
-    def of(cls, err: Exception) -> Refusal:
-        if isinstance(err, SessionNotFound):
-            return cls(str(err.args[0]), True)
-        return cls(str(err))
-
-
-@dataclass(frozen=True)
+@dataclass
 class Verdict:
     """One decided round, kept until it is published (and after, to answer a duplicate publish)."""
 
-    round: int
-    flat: FlatTree | None          # None for the prefill
-    decision: AcceptDecision
-    reply: pb.AcceptDecision
+    decided: Decided                      # the round, its rows (None for the prefill) and decision
+    reply: pb.AcceptDecision | None = None  # its message, encoded once when a caller speaks protobuf
+
+    @property
+    def round(self) -> int:
+        return self.decided.round
+
+    @property
+    def flat(self) -> FlatTree | None:
+        return self.decided.flat
+
+    @property
+    def decision(self) -> AcceptDecision:
+        return self.decided.decision
 
 
 @dataclass
@@ -82,7 +81,8 @@ class WorkerSession:
     generator: torch.Generator
     pending: Verdict | None = None     # decided, not yet published
     published: Verdict | None = None   # the last published round
-    published_reply: pb.PublishAck | None = None  # its ack, returned again to a duplicate publish
+    published_result: tuple[Published, PublishAck] | None = None  # its result, returned again to a duplicate
+    published_reply: pb.PublishAck | None = None  # the same as a message, once a caller asked for one
 
 
 def _same_rows(a: FlatTree, b: FlatTree) -> bool:
@@ -124,6 +124,16 @@ class TargetWorker:
     # --- the Verifier messages -------------------------------------------------------------------
     def open_session(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
         spec = wire.session_spec_from_proto(request, vocab_size=self.vocab_size)
+        self.open(spec)
+        engine = self.sessions[spec.request_id].engine
+        return pb.OpenSessionResponse(request_id=spec.request_id, vocab_size=self.vocab_size,
+                                      feature_dim=len(engine.taps) * self.cfg.hidden_size,
+                                      max_tree_rows=spec.max_tree_rows, eos_token_ids=list(self.cfg.eos_token_ids))
+
+    def open(self, spec: wire.SessionSpec) -> tuple[int, ...]:
+        """:meth:`open_session` for a ``SessionSpec`` object (checked as the message is) -> the
+        target's stop token ids."""
+        wire.check_session_spec(spec, vocab_size=self.vocab_size)
         sampling = SamplingParams(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
         if spec.request_id in self.sessions:
             raise ValueError(f"request_id: {spec.request_id!r} already has a live session")
@@ -131,51 +141,64 @@ class TargetWorker:
         engine.open_session(spec.request_id, list(spec.prompt_ids), spec.max_new_tokens, spec.max_tree_rows)
         self.sessions[spec.request_id] = WorkerSession(engine, list(spec.prompt_ids), spec.max_tree_rows, sampling,
                                                        torch.Generator().manual_seed(spec.seed))
-        return pb.OpenSessionResponse(request_id=spec.request_id, vocab_size=self.vocab_size,
-                                      feature_dim=len(engine.taps) * self.cfg.hidden_size,
-                                      max_tree_rows=spec.max_tree_rows, eos_token_ids=list(self.cfg.eos_token_ids))
+        return tuple(self.cfg.eos_token_ids)
 
     def prefill(self, request: pb.PrefillRequest) -> pb.AcceptDecision:
         s = self._session(request.request_id)
         if s.pending is not None and s.pending.flat is None:
-            return s.pending.reply  # a retried prefill: the same decision
+            return self._reply(s.pending)  # a retried prefill: the same decision
         t0 = time.perf_counter()
         verified = s.engine.prefill(request.request_id)
-        return self._decided(request.request_id, s, verified, t0)
+        return self._reply(self._decide(s, verified, t0))
 
     def verify(self, request: pb.FlatTree) -> pb.AcceptDecision:
         s = self._session(request.request_id)
         flat = self._inbound_flat(s, request)
         if s.pending is not None:  # this round is decided but unpublished: only a retry is answered
             if s.pending.flat is not None and _same_rows(s.pending.flat, flat):
-                return s.pending.reply
+                return self._reply(s.pending)
             raise ValueError(f"round: {request.round} is already verified with another tree; publish it first")
         t0 = time.perf_counter()
         verified = s.engine.verify(request.request_id, wire.draft_tree_from_flat(flat))
-        return self._decided(request.request_id, s, verified, t0)
+        return self._reply(self._decide(s, verified, t0))
 
     def publish(self, request: pb.PublishRequest) -> pb.PublishAck:
         s = self._session(request.request_id)
-        verdict = next((v for v in (s.pending, s.published) if v is not None and v.round == request.round), None)
+        self.publish_round(request.request_id, request.round)
+        if s.published_reply is None:   # encoded once; a duplicate publish gets the same message
+            published, ack = s.published_result
+            s.published_reply = wire.ack_to_proto(ack, published.seed)
+            s.published_reply.compute_ms = 1000 * published.compute_s
+        return s.published_reply
+
+    def publish_round(self, request_id: str, round: int) -> Published:
+        """Commit the decision this worker made for ``round`` (the publish transaction: idempotent,
+        a stale or future round refused, every check before the first write) -> the drafter's next
+        seed and the emitted tokens."""
+        s = self._session(request_id)
+        verdict = next((v for v in (s.pending, s.published) if v is not None and v.round == round), None)
         if verdict is None:
             last = s.published.round if s.published is not None else "none"
-            raise ValueError(f"round: {request.round} is stale, undecided or from the future "
+            raise ValueError(f"round: {round} is stale, undecided or from the future "
                              f"(last published {last}, decided {s.pending.round if s.pending else 'none'})")
-        if verdict is s.published and s.published_reply is not None:
-            return s.published_reply  # applied twice: a no-op with the same ack
+        if verdict is s.published and s.published_result is not None:
+            return s.published_result[0]  # applied twice: a no-op with the same result
         t0 = time.perf_counter()
-        seed, ack = s.engine.publish(request.request_id, request.round, verdict.decision)
-        reply = wire.ack_to_proto(ack, seed)
-        reply.compute_ms = 1000 * (time.perf_counter() - t0)
-        s.pending, s.published, s.published_reply = None, verdict, reply
-        return reply
+        seed, ack = s.engine.publish(request_id, round, verdict.decision)
+        published = Published(seed=seed, tokens=tuple(ack.output_tokens), compute_s=time.perf_counter() - t0)
+        s.pending, s.published, s.published_result, s.published_reply = None, verdict, (published, ack), None
+        return published
 
     def close_session(self, request: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
-        wire.check_request_id(request.request_id)
-        s = self.sessions.pop(request.request_id, None)
+        return pb.CloseSessionResponse(closed=self.close(request.request_id))
+
+    def close(self, request_id: str) -> bool:
+        """:meth:`close_session` for a request id -> whether a session was closed."""
+        wire.check_request_id(request_id)
+        s = self.sessions.pop(request_id, None)
         if s is not None:
-            s.engine.close_session(request.request_id)
-        return pb.CloseSessionResponse(closed=s is not None)
+            s.engine.close_session(request_id)
+        return s is not None
 
     # --- batched rounds (the scheduler: many requests, one forward) ------------------------------
     def verify_batch(self, requests: list[pb.FlatTree]) -> list[pb.AcceptDecision | Refusal]:
@@ -191,12 +214,35 @@ class TargetWorker:
     def round_batch(self, prefills: list[pb.PrefillRequest], verifies: list[pb.FlatTree],
                     max_prefill_rows: int | None = None
                     ) -> tuple[list[pb.AcceptDecision | PrefillProgress | Refusal], list[pb.AcceptDecision | Refusal]]:
+        """:meth:`step` for protobuf messages: each FlatTree is validated against its session
+        (round, committed length, frontier, vocabulary, row budget) and decoded first; a message
+        refused there gets its :class:`Refusal` and touches nothing."""
+        trees: list = []
+        for request in verifies:
+            try:
+                s = self._session(request.request_id)
+                if s.pending is not None:
+                    raise ValueError(f"round: {s.pending.round} of {request.request_id!r} is not yet published")
+                trees.append(wire.draft_tree_from_flat(self._inbound_flat(s, request)))
+            except (ValueError, SessionNotFound) as err:
+                trees.append(Refusal.of(err))
+        pre, ver = self.step([p.request_id for p in prefills], [(r.request_id, t) for r, t in zip(verifies, trees)],
+                             max_prefill_rows)
+        encode = lambda x: x if isinstance(x, (Refusal, PrefillProgress)) else self._reply(  # noqa: E731
+            self.sessions[x.request_id].pending)
+        return [encode(x) for x in pre], [encode(x) for x in ver]
+
+    def step(self, prefills: list[str], verifies: list[tuple[str, DraftTree | Refusal]],
+             max_prefill_rows: int | None = None
+             ) -> tuple[list[Decided | PrefillProgress | Refusal], list[Decided | Refusal]]:
         """One round's target work in ONE forward per feature address (``TargetEngine.step``): the
         next prompt chunk of each of ``prefills`` (at most ``max_prefill_rows`` prompt rows in all,
-        shortest remaining prompt first; None: no bound) and the verify of each of ``verifies``,
-        each then decided under its session's sampling.
+        shortest remaining prompt first; None: no bound) and the frontier + tree of each of
+        ``verifies``, each then decided under its session's sampling. Objects in, objects out: a
+        caller in this process passes its DraftTree as it is (a verify's rows are flattened once,
+        by the engine, behind the session's own frontier and committed length).
 
-        Each message is validated on its own; a refused one gets a :class:`Refusal` in its place and
+        Each item is checked on its own; a refused one gets a :class:`Refusal` in its place and
         touches nothing, and the others are computed as if alone. A retried prefill gets its earlier
         decision again; a prompt with rows still to go gets a ``PrefillProgress``."""
         t0 = time.perf_counter()
@@ -204,50 +250,54 @@ class TargetWorker:
         ver_out: list = [None] * len(verifies)
         groups: dict[int, tuple[TargetEngine, list, list]] = {}  # engine -> (prefill members, verify members)
         seen: set[str] = set()
-        for i, request in enumerate(prefills):
+        for i, request_id in enumerate(prefills):
             try:
-                if request.request_id in seen:
-                    raise ValueError(f"request_id: {request.request_id!r} appears twice in one batch")
-                seen.add(request.request_id)
-                s = self._session(request.request_id)
+                if request_id in seen:
+                    raise ValueError(f"request_id: {request_id!r} appears twice in one batch")
+                seen.add(request_id)
+                s = self._session(request_id)
                 if s.pending is not None and s.pending.flat is None:
-                    pre_out[i] = s.pending.reply  # a retried prefill: the same decision
+                    pre_out[i] = s.pending.decided  # a retried prefill: the same decision
                     continue
                 groups.setdefault(id(s.engine), (s.engine, [], []))[1].append((i, s))
             except (ValueError, SessionNotFound) as err:
                 pre_out[i] = Refusal.of(err)
-        for i, request in enumerate(verifies):
+        for i, (request_id, tree) in enumerate(verifies):
             try:
-                if request.request_id in seen:
-                    raise ValueError(f"request_id: {request.request_id!r} appears twice in one batch")
-                seen.add(request.request_id)
-                s = self._session(request.request_id)
+                if isinstance(tree, Refusal):   # refused while decoding (round_batch)
+                    ver_out[i] = tree
+                    continue
+                if request_id in seen:
+                    raise ValueError(f"request_id: {request_id!r} appears twice in one batch")
+                seen.add(request_id)
+                s = self._session(request_id)
                 if s.pending is not None:
-                    raise ValueError(f"round: {s.pending.round} of {request.request_id!r} is not yet published")
-                flat = self._inbound_flat(s, request)
-                groups.setdefault(id(s.engine), (s.engine, [], []))[2].append((i, s, wire.draft_tree_from_flat(flat)))
+                    raise ValueError(f"round: {s.pending.round} of {request_id!r} is not yet published")
+                if tree.num_nodes + 1 > s.max_tree_rows:
+                    raise ValueError(f"tree_budget: {tree.num_nodes + 1} rows exceed the session's {s.max_tree_rows}")
+                groups.setdefault(id(s.engine), (s.engine, [], []))[2].append((i, s, tree))
             except (ValueError, SessionNotFound) as err:
                 ver_out[i] = Refusal.of(err)
         share = self._prefill_shares(prefills, groups, max_prefill_rows)
         for key, (engine, pre, ver) in groups.items():
-            pre_done, ver_done = engine.step([prefills[i].request_id for i, _ in pre],
-                                             [(verifies[i].request_id, tree) for i, _, tree in ver], share[key])
+            pre_done, ver_done = engine.step([prefills[i] for i, _ in pre],
+                                             [(verifies[i][0], tree) for i, _, tree in ver], share[key])
             for (i, s), v in zip(pre, pre_done):
                 pre_out[i] = (Refusal.of(v) if isinstance(v, ValueError) else v if isinstance(v, PrefillProgress)
-                              else self._decided(prefills[i].request_id, s, v, t0))
+                              else self._decide(s, v, t0).decided)
             for (i, s, _), v in zip(ver, ver_done):
-                ver_out[i] = Refusal.of(v) if isinstance(v, ValueError) else self._decided(verifies[i].request_id, s, v, t0)
+                ver_out[i] = Refusal.of(v) if isinstance(v, ValueError) else self._decide(s, v, t0).decided
         return pre_out, ver_out
 
     @staticmethod
-    def _prefill_shares(prefills: list[pb.PrefillRequest], groups: dict, max_prefill_rows: int | None
+    def _prefill_shares(prefills: list[str], groups: dict, max_prefill_rows: int | None
                         ) -> dict[int, int | None]:
         """The round's prefill rows, shortest remaining prompt first across every engine (so a short
         prompt is not stuck behind a long one of another feature address): sorts each engine's
         prefill members into that order and returns each engine's share of the rows (None: no bound).
         Each engine's own shortest-first fill of its share then gives every prompt its rows."""
         def left(member) -> int:
-            t = member[1].engine.sessions[prefills[member[0]].request_id]
+            t = member[1].engine.sessions[prefills[member[0]]]
             return t.prompt_len - t.prefilled
 
         for _, pre, _ in groups.values():
@@ -271,10 +321,23 @@ class TargetWorker:
                 out.append(Refusal.of(err))
         return out
 
+    def publish_rounds(self, rounds: list[tuple[str, int]]) -> list[Published | Refusal]:
+        """:meth:`publish_round` for each ``(request id, round)``: objects in, objects out."""
+        out = []
+        for request_id, round_ in rounds:
+            try:
+                out.append(self.publish_round(request_id, round_))
+            except (ValueError, SessionNotFound) as err:
+                out.append(Refusal.of(err))
+        return out
+
     def reseed(self, request: pb.ReseedRequest) -> pb.Seed:
         """The committed state as one seed from position 0, for a drafter that lost its session."""
-        s = self._session(request.request_id)
-        return wire.seed_to_proto(s.engine.committed_seed(request.request_id), request_id=request.request_id)
+        return wire.seed_to_proto(self.committed_seed(request.request_id), request_id=request.request_id)
+
+    def committed_seed(self, request_id: str) -> Seed:
+        """:meth:`reseed` as an object."""
+        return self._session(request_id).engine.committed_seed(request_id)
 
     @torch.inference_mode()
     def measure_latency(self, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3,
@@ -282,7 +345,6 @@ class TargetWorker:
         """The verify latency curve on this worker's device: ms of a verify of R rows after a
         ``prefix``-token committed context (the median of ``repeats``), for each R in ``rows``,
         tapping ``taps`` as a drafter's sessions would."""
-        from eyas.protocol.messages import AcceptDecision
         from eyas.protocol.tree import DraftTree
         from eyas.scheduler.latency import measure_curve
 
@@ -337,14 +399,25 @@ class TargetWorker:
                                          base_position=t.committed_len, round=t.round + 1,
                                          frontier_token=t.frontier_token)
 
-    def _decided(self, request_id: str, s: WorkerSession, verified, t0: float) -> pb.AcceptDecision:
+    def _decide(self, s: WorkerSession, verified, t0: float) -> Verdict:
+        """Decide a verified round under the session's sampler; it is the session's pending verdict."""
         t1 = time.perf_counter()
         decision = decide(verified, s.prompt_ids, s.sampling, s.generator)
-        reply = wire.decision_to_proto(decision, request_id=request_id, round=verified.round)
         t2 = time.perf_counter()
-        reply.compute_ms, reply.accept_ms = 1000 * (t2 - t0), 1000 * (t2 - t1)
-        if verified.flat is not None and s.engine.cfg.num_experts:  # MoE: what this verify read (seed 0x09A)
-            reply.expert_bytes = s.engine.last_request_expert_bytes.get(request_id, 0)
-            reply.batch_expert_bytes = s.engine.last_expert_bytes
-        s.pending = Verdict(verified.round, verified.flat, decision, reply)
-        return reply
+        moe = verified.flat is not None and s.engine.cfg.num_experts   # MoE: what this verify read (seed 0x09A)
+        s.pending = Verdict(Decided(request_id=verified.request_id, round=verified.round, decision=decision,
+                                    flat=verified.flat, compute_s=t2 - t0, accept_s=t2 - t1,
+                                    expert_bytes=s.engine.last_request_expert_bytes.get(verified.request_id, 0)
+                                    if moe else 0, batch_expert_bytes=s.engine.last_expert_bytes if moe else 0))
+        return s.pending
+
+    @staticmethod
+    def _reply(verdict: Verdict) -> pb.AcceptDecision:
+        """The verdict as a message (encoded once)."""
+        if verdict.reply is None:
+            d = verdict.decided
+            reply = wire.decision_to_proto(d.decision, request_id=d.request_id, round=d.round)
+            reply.compute_ms, reply.accept_ms = 1000 * d.compute_s, 1000 * d.accept_s
+            reply.expert_bytes, reply.batch_expert_bytes = d.expert_bytes, d.batch_expert_bytes
+            verdict.reply = reply
+        return verdict.reply

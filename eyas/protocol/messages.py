@@ -128,3 +128,17 @@ class PublishAck:
     round: int
     committed_len: int
     output_tokens: tuple[int, ...]  # tokens this publish emitted (accepted candidates + frontier)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One refused item of a batched call: the message names the field (``not_found``: no session)."""
+
+    message: str
+    not_found: bool = False
+
+    @classmethod
+    def of(cls, err: Exception) -> "Refusal":
+        if isinstance(err, LookupError):   # an unknown request id (the worker's SessionNotFound)
+            return cls(str(err.args[0]), True)
+        return cls(str(err))

@@ -292,6 +292,20 @@ def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
                                  tap_normed=[t[1] for t in spec.taps])
 
 
+def check_session_spec(spec: SessionSpec, *, vocab_size: int) -> SessionSpec:
+    """The checks of an OpenSessionRequest, on a ``SessionSpec`` object (a caller in the worker's
+    own process); refusals name the field as the message's would."""
+    check_request_id(spec.request_id)
+    if not spec.prompt_ids:
+        raise WireError("prompt_ids: must hold at least one token")
+    _in_vocab(list(spec.prompt_ids), vocab_size, "prompt_ids")
+    _at_least(spec.max_new_tokens, 1, "max_new_tokens")
+    _at_least(spec.max_tree_rows, 1, "max_tree_rows")
+    if any(layer < 0 for layer, _ in spec.taps):
+        raise WireError(f"tap_layers: {[layer for layer, _ in spec.taps]} must be >= 0")
+    return spec
+
+
 def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> SessionSpec:
     check_request_id(msg.request_id)
     if not msg.prompt_ids:

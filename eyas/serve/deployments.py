@@ -39,7 +39,8 @@ from ray import serve
 
 from eyas import compute
 from eyas.actors.drafter_worker import DrafterWorker
-from eyas.actors.target_worker import Refusal, TargetWorker
+from eyas.actors.target_worker import TargetWorker
+from eyas.protocol.messages import Refusal
 from eyas.drafting.engine import TreeSpec
 from eyas.step import DrafterUnavailable
 from eyas.protocol.schema import GenerateRequest

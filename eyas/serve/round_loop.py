@@ -39,14 +39,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from eyas import compute
-from eyas.actors.target_worker import Refusal
+from eyas.protocol.messages import Refusal
 from eyas.target.engine import PrefillProgress
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import FINISH_CANCELLED, FINISH_ERROR, GenerationResult, RoundRecord, RoundStats, finish, is_finished
-from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import Seed
-from eyas.protocol.tree import flatten_tree
 from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK, PLAIN, ExpertTraffic, TreeShape
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
@@ -104,50 +102,32 @@ class Live(DraftState):
 
 
 class WorkerTarget:
-    """The round step's target side for a ``TargetWorker`` behind :class:`WorkerCalls`: its batched
-    calls and protobuf messages (``round_batch``, ``publish_batch``, ``reseed``)."""
+    """The round step's target side for a ``TargetWorker`` behind :class:`WorkerCalls`. Objects go
+    in and come out (``TargetWorker.step``, ``publish_rounds``, ``committed_seed``): the serving
+    replica's target worker is in its own process, and a Ray actor would pickle them."""
 
     def __init__(self, calls: WorkerCalls):
         self.calls = calls
 
     def step(self, prefilling: list[Live], verifies, max_prefill_rows: int | None):
-        t0 = time.perf_counter()
-        msgs, flats = [], []
-        for s, tree in verifies:   # the frontier + tree rows behind the last publish's seed
-            flat = flatten_tree(tree, s.seed.frontier_token, s.seed.end_position)
-            flats.append(flat)
-            msgs.append(wire.flat_tree_to_proto(flat, request_id=s.request_id, round=s.seed.round + 1,
-                                                base_position=s.seed.end_position))
-        pack_s = time.perf_counter() - t0
-        pre, ver = self.calls("round_batch", [pb.PrefillRequest(request_id=s.request_id) for s in prefilling], msgs,
-                              max_prefill_rows)
-        return ([self._decided(s.request_id, r, None, 0.0) for s, r in zip(prefilling, pre)],
-                [self._decided(s.request_id, r, f, pack_s) for (s, _), r, f in zip(verifies, ver, flats)])
-
-    @staticmethod
-    def _decided(request_id: str, reply, flat, pack_s: float):
-        if isinstance(reply, (Refusal, PrefillProgress)):
-            return reply
-        return Decided(request_id=request_id, round=reply.round, flat=flat, pack_s=pack_s,
-                       decision=wire.decision_from_proto(reply, request_id=request_id),
-                       compute_s=reply.compute_ms / 1000, accept_s=reply.accept_ms / 1000,
-                       expert_bytes=reply.expert_bytes, batch_expert_bytes=reply.batch_expert_bytes)
+        return self.calls("step", [s.request_id for s in prefilling], [(s.request_id, tree) for s, tree in verifies],
+                          max_prefill_rows)
 
     def publish(self, decided: list[Decided]) -> list[Published | Refusal]:
-        acks = self.calls("publish_batch", [pb.PublishRequest(request_id=d.request_id, round=d.round) for d in decided])
-        return [a if isinstance(a, Refusal) else Published(seed=wire.seed_from_proto(a.seed),
-                                                            tokens=tuple(a.output_tokens), compute_s=a.compute_ms / 1000)
-                for a in acks]
+        return self.calls("publish_rounds", [(d.request_id, d.round) for d in decided])
 
     def reseed(self, request_id: str) -> Seed:
-        return wire.seed_from_proto(self.calls("reseed", pb.ReseedRequest(request_id=request_id)))
+        return self.calls("committed_seed", request_id)
 
 
 class WorkerDrafter:
-    """The round step's drafter side for a ``DrafterWorker`` behind :class:`WorkerCalls`."""
+    """The round step's drafter side for a ``DrafterWorker`` behind :class:`WorkerCalls` (or the
+    drafter deployment's calls): seeds travel as ``Seed`` objects to a worker in this process and
+    as protobuf messages to one in another process (the serving drafter deployment)."""
 
-    def __init__(self, calls: WorkerCalls):
+    def __init__(self, calls):
         self.calls = calls
+        self.local = getattr(calls, "local", False)
 
     def open_session(self, state: Live) -> None:
         self.calls("open_session", state.request_id, state.method, state.draft_slots)
@@ -156,7 +136,7 @@ class WorkerDrafter:
         self.calls("close_session", request_id)
 
     def propose_batch(self, items):
-        return self.calls("propose_batch", [(rid, wire.seed_to_proto(seed, request_id=rid), tree)
+        return self.calls("propose_batch", [(rid, seed if self.local else wire.seed_to_proto(seed, request_id=rid), tree)
                                             for rid, seed, tree in items])
 
     def publish(self, request_ids: list[str]) -> None:
@@ -325,11 +305,10 @@ class RoundLoop:
                                 live.sampling.temperature, live.sampling.top_p, live.sampling.top_k, live.seed_value,
                                 taps)
         try:
-            opened = self.target("open_session", wire.session_spec_to_proto(spec))
+            live.eos = self.target("open", spec)
         except Exception as err:
             live.future.set_exception(_as_value_error(err))
             return False
-        live.eos = tuple(opened.eos_token_ids)
         return True
 
     def _round(self) -> None:
@@ -478,7 +457,7 @@ class RoundLoop:
             return
         self.live.pop(live.request_id, None)
         try:
-            self.target("close_session", pb.CloseSessionRequest(request_id=live.request_id))
+            self.target("close", live.request_id)
         except Exception:
             log.exception("close_session %s", live.request_id)
         if live.drafter_open and self.drafter is not None:

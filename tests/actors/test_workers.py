@@ -198,7 +198,7 @@ def test_bad_seeds_and_unknown_methods_are_refused_naming_the_field(tiny_target,
 def test_a_batched_prefill_answers_a_retry_with_the_same_decision_and_refuses_alone(worker):
     """prefill_batch: a request prefilled before gets its earlier decision again; an unknown or repeated
     request gets a Refusal naming the field; the valid ones are decided as single prefills would be."""
-    from eyas.actors.target_worker import Refusal
+    from eyas.protocol.messages import Refusal
     from eyas.protocol import wire
 
     for rid, prompt in (("x", PROMPT), ("y", PROMPT[:3])):
@@ -210,6 +210,52 @@ def test_a_batched_prefill_answers_a_retry_with_the_same_decision_and_refuses_al
     assert isinstance(out[3], Refusal) and "twice" in out[3].message
     assert isinstance(out[2], pb.AcceptDecision) and out[2].round == first.round
     assert worker.publish(pb.PublishRequest(request_id="y", round=out[2].round)).committed_len == 3
+
+
+def test_the_object_calls_decide_what_the_messages_do_and_refuse_each_item_alone(tiny_target, drafter_engine):
+    """TargetWorker.step / publish_rounds / committed_seed (a caller in the worker's process, no
+    protobuf): the same decisions, seeds and tokens as round_batch / publish_batch / reseed on a twin
+    worker; an unknown request, a bad prompt, a tree over the session's rows and an unpublished round
+    are each refused alone, naming the field, and change nothing."""
+    from eyas.protocol import wire
+    from eyas.protocol.messages import Refusal
+    from eyas.step import Decided, Published
+
+    objects, messages = TargetWorker(tiny_target), TargetWorker(tiny_target)
+    taps = tuple((t.layers_applied, t.normed) for t in drafter_engine.taps)
+    spec = wire.SessionSpec("a", tuple(PROMPT), 12, TREE.max_candidates + 1, taps=taps)
+    assert objects.open(spec) == tuple(tiny_target.cfg.eos_token_ids)
+    messages.open_session(wire.session_spec_to_proto(spec))
+    with pytest.raises(ValueError, match="^prompt_ids: "):
+        objects.open(wire.SessionSpec("bad", (1, 10_000), 4, 1))
+    (pre,), _ = objects.step(["a"], [])
+    (pre_msg,), _ = messages.round_batch([pb.PrefillRequest(request_id="a")], [])
+    assert isinstance(pre, Decided) and pre.round == pre_msg.round
+    (pub,) = objects.publish_rounds([("a", pre.round)])
+    (ack,) = messages.publish_batch([pb.PublishRequest(request_id="a", round=pre_msg.round)])
+    assert isinstance(pub, Published) and list(pub.tokens) == list(ack.output_tokens)
+    torch.testing.assert_close(pub.seed.features, wire.seed_from_proto(ack.seed).features)
+    drafter_engine.open_session("a", 256)
+    try:
+        tree = drafter_engine.propose("a", pub.seed, TREE)
+        _, (ver, ghost) = objects.step([], [("a", tree), ("ghost", tree)])
+        flat = wire.flat_tree_to_proto(ver.flat, request_id="a", round=ver.round, base_position=ver.flat.positions[0].item())
+        _, (ver_msg,) = messages.round_batch([], [flat])
+        assert isinstance(ghost, Refusal) and ghost.not_found and ghost.message.startswith("request_id: ")
+        assert torch.equal(ver.decision.accepted_tokens, wire.decision_from_proto(ver_msg).accepted_tokens)
+        _, (again,) = objects.step([], [("a", tree)])
+        assert isinstance(again, Refusal) and again.message.startswith(f"round: {ver.round} of 'a' is not yet published")
+        objects.publish_rounds([("a", ver.round)])
+        over = tree.__class__(torch.zeros(20, dtype=torch.int64), torch.arange(-1, 19), torch.arange(1, 21),
+                              torch.full((20,), 0.5))
+        _, (refused,) = objects.step([], [("a", over)])
+        assert isinstance(refused, Refusal) and refused.message.startswith("tree_budget: 21 rows exceed")
+        seed = objects.committed_seed("a")
+        assert seed.start_position == 0 and seed.features.shape[0] == objects.sessions["a"].engine.sessions["a"].committed_len
+    finally:
+        drafter_engine.close_session("a")
+        objects.close("a"), messages.close("a")
+    assert objects.leak_check()["ok"] and messages.leak_check()["ok"]
 
 
 @pytest.mark.real_model

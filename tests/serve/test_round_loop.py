@@ -235,13 +235,16 @@ class CountingTarget:
         raise AssertionError("the loop prefills in its rounds")
 
     def round_batch(self, prefills, verifies, max_prefill_rows=None):
+        raise AssertionError("the loop's worker calls carry objects (TargetWorker.step)")
+
+    def step(self, prefills, verifies, max_prefill_rows=None):
         self.calls = getattr(self, "calls", 0) + 1
         if getattr(self, "during_call", None):
             self.during_call(self.calls)
         if prefills:
             self.prefill_batches.append(len(prefills))
-            before = {r.request_id: self._prefilled(r.request_id) for r in prefills}
-        out = self.worker.round_batch(prefills, verifies, max_prefill_rows)
+            before = {rid: self._prefilled(rid) for rid in prefills}
+        out = self.worker.step(prefills, verifies, max_prefill_rows)
         if prefills:
             self.prefill_rows.append({rid: self._prefilled(rid) - n for rid, n in before.items()})
         return out
