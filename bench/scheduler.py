@@ -138,7 +138,7 @@ class _CountingCalls:
         self.calls, self.hook, self.rounds = calls, hook, 0
 
     def __call__(self, method: str, *args):
-        if method == "round_batch":
+        if method == "step":   # the round's one target call (TargetWorker.step)
             self.rounds += 1
             self.hook(self.rounds)
         return self.calls(method, *args)

@@ -7,10 +7,10 @@ All live requests of a target worker advance together, one round at a time:
     step     the round step of every decode loop (``eyas.step.round_step``) over the workers
              (:class:`WorkerTarget`, :class:`WorkerDrafter`):
                propose  ONE call: ``DrafterWorker.propose_batch`` grows every planned request's tree
-               verify   ONE call: ``TargetWorker.round_batch`` runs the prompts' next prefill chunks
+               verify   ONE call: ``TargetWorker.step`` runs the prompts' next prefill chunks
                         and all verify rows in one forward (per feature address), and decides
                         acceptance per request
-               publish  ONE call: ``TargetWorker.publish_batch``, each request its own transaction
+               publish  ONE call: ``TargetWorker.publish_rounds``, each request its own transaction
 
 so the per-round cost is three worker calls for the whole batch, not three per request. Requests
 join between rounds (their prompts are prefilled in chunks by the rounds that follow, beside the
@@ -313,7 +313,7 @@ class RoundLoop:
 
     def _round(self) -> None:
         """One round: plan, then the round step (``eyas.step.round_step``): propose, ONE target call
-        (``round_batch``) that runs the prompts' next prefill chunks (at most ``max_prefill_rows``
+        (``TargetWorker.step``) that runs the prompts' next prefill chunks (at most ``max_prefill_rows``
         rows, shortest prompt first) and the planned verifies in one forward, and ONE publish call."""
         prefilling = [x for x in self.live.values() if x.seed is None]
         decoding = [x for x in self.live.values() if x.seed is not None]
