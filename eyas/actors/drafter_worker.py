@@ -1,7 +1,6 @@
 """``DrafterWorker``: the owner of drafter weights and draft KV for one or more drafting methods.
 
-A plain class; each ``EyasDrafter`` Serve replica owns one (the ``DrafterWorker`` of DESIGN.md;
-eyas/serve/deployments.py). Per request it holds one draft session in the :class:`DrafterEngine` of the request's
+A plain class; each ``EyasDrafter`` Serve replica owns one (eyas/serve/deployments.py). Per request it holds one draft session in the :class:`DrafterEngine` of the request's
 method. A round: ``propose(request_id, seed, tree)`` first discards the previous round's provisional
 tree rows (the seed proves that round was published), appends the seed's verified context rows and
 grows the next tree (seed 0x05B, 0x06B). The seed arrives as the wire message (``pb.Seed``) and is

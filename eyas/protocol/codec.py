@@ -1,4 +1,4 @@
-"""The tensor codec of the wire contract (DESIGN.md, "The wire contract").
+"""The tensor codec of the wire contract (docs/architecture.md, "The wire contract").
 
 A tensor crosses a process as the msgpack map
 

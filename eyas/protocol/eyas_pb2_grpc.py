@@ -298,7 +298,7 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
-        """The target verifies the tree and decides acceptance (the target decides, DESIGN.md).
+        """The target verifies the tree and decides acceptance (the target decides: docs/architecture.md, "One round").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,4 +1,4 @@
-"""The per-round messages of the wire contract (DESIGN.md, "One speculation round").
+"""The per-round messages of the wire contract (docs/architecture.md, "One round").
 
 - `Seed`: what the target hands the drafter after a publish (seed 0x05A, 0x05D).
 - `AcceptDecision`: the verifier's choice of one accepted path and the frontier token (seed 0x05C).

@@ -10,7 +10,7 @@ protoc runs with the folder that holds the `eyas` package as its include root an
 `eyas/protocol/eyas.proto`, so the generated grpc module imports its messages as
 `from eyas.protocol import eyas_pb2` and the descriptor is registered under that path, never
 as a bare top-level `eyas_pb2`. `regenerate` rewrites a bare `import eyas_pb2` should a
-generator still write one, and checks the import it leaves (DESIGN.md, "The wire contract").
+generator still write one, and checks the import it leaves (docs/architecture.md, "The wire contract").
 """
 from __future__ import annotations
 

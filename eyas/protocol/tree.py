@@ -1,7 +1,7 @@
 """The tree messages of the wire contract: a drafter's `DraftTree` and the verifier's `FlatTree`.
 
 Both are validated on construction; `validate_flat_tree` adds the checks an inbound message needs
-(DESIGN.md, "The wire contract"). Pure tensor code: no model, no Ray.
+(docs/architecture.md, "The wire contract"). Pure tensor code: no model, no Ray.
 
 Flatten a draft tree into the rows the target verifies in one forward pass (seed 0x05C).
 

@@ -1,8 +1,8 @@
 """Converters between the protobuf messages of ``eyas.proto`` and the internal types.
 
 Outbound (``*_to_proto``) converters trust their input: the internal frozen dataclasses are
-already validated. Inbound (``*_from_proto``) converters trust nothing (DESIGN.md, "The wire
-contract"): they decode every tensor field with the codec (dtype, shape, size), rebuild the
+already validated. Inbound (``*_from_proto``) converters trust nothing (docs/architecture.md,
+"The wire contract"): they decode every tensor field with the codec (dtype, shape, size), rebuild the
 internal dataclass (whose ``__post_init__`` checks layout and, for ``DraftTree``/``AcceptDecision``,
 structure), and run ``validate_flat_tree`` on an inbound tree: parents precede children, the tree
 is ancestor-closed, positions equal the base plus the depth, rows stay within the budget, token

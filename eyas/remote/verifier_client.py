@@ -1,7 +1,7 @@
 """The drafter side of the ``Verifier`` messages: :class:`RemoteVerifier` and :func:`generate_remote`.
 
 ``RemoteVerifier`` offers the target-side steps the decode loop needs (open, prefill, verify,
-publish, close, reseed) over a *transport*, and validates every reply before use (DESIGN.md, "The
+publish, close, reseed) over a *transport*, and validates every reply before use (docs/architecture.md, "The
 wire contract"). A transport carries one ``Verifier`` message to a ``TargetWorker`` and brings its
 reply back: :class:`GrpcTransport` over a gRPC channel (a drafter in another cluster), or
 :class:`LocalTransport` to an in-process worker. The client tracks the round, the

@@ -1,6 +1,6 @@
 """A plain grpcio server for the ``Verifier`` service over one :class:`TargetWorker`.
 
-A drafter drives a target over gRPC, outside Ray (DESIGN.md, "One speculation round"):
+A drafter drives a target over gRPC, outside Ray (docs/architecture.md, "One round"):
 
     OpenSession -> Prefill -> Publish(0) -> [Verify(FlatTree) -> Publish(round)]* -> CloseSession
 

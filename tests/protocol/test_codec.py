@@ -1,4 +1,4 @@
-"""The msgpack tensor codec: round trips and strict rejection naming the field (DESIGN.md, wire contract)."""
+"""The msgpack tensor codec: round trips and strict rejection naming the field (docs/architecture.md, "The wire contract")."""
 from __future__ import annotations
 
 import msgpack

@@ -1,4 +1,4 @@
-"""Converters between protobuf messages and the internal types; inbound validation (DESIGN.md, wire contract)."""
+"""Converters between protobuf messages and the internal types; inbound validation (docs/architecture.md, "The wire contract")."""
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,6 @@
 """A drafter drives a target over a real loopback gRPC channel (eyas/protocol/verifier_*.py).
 
-DESIGN.md, "The wire contract": every inbound message is validated before use; a bad one gets
+docs/architecture.md, "The wire contract": every inbound message is validated before use; a bad one gets
 INVALID_ARGUMENT naming the field and never touches the committed state.
 """
 from __future__ import annotations

@@ -190,7 +190,7 @@ def test_packs_keep_the_order_and_the_token_bound():
 def test_bfloat16_autocast_trains_and_a_bad_device_names_the_field(tiny_setup, tmp_path):
     """`dtype: bfloat16` runs the drafter under autocast (float32 weights and losses) and the loss
     still falls; a device that does not parse is refused naming `device`."""
-    trainer = make({"method": "eagle3", "epochs": 40, "lr": 1e-2, "noise": "none", "dtype": "bfloat16"}, tiny_setup,
+    trainer = make({"method": "eagle1", "epochs": 40, "lr": 1e-2, "noise": "none", "dtype": "bfloat16"}, tiny_setup,
                    tmp_path)
     before = sum(trainer.evaluate(trainer.train_data)["loss"])
     trainer.fit()
