@@ -125,7 +125,7 @@ def select_methods(precisions: list[str], names: list[str] | None) -> list[Metho
 
 # --- one generation -----------------------------------------------------------------------------
 def run_hf(hf, tokenizer, ids: list[int], max_new_tokens: int, extra: dict) -> dict:
-    input_ids = torch.tensor([ids], dtype=torch.int64)
+    input_ids = torch.tensor([ids], dtype=torch.int64, device=hf.device)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     t0 = time.perf_counter()
@@ -221,21 +221,27 @@ def verify_latency(model, rows_list=LATENCY_ROWS, prefix=LATENCY_PREFIX, repeats
     """
     gen = torch.Generator().manual_seed(0)
     vocab = model.cfg.vocab_size
+    dev = model.embed.weight.device
     cache = model.allocate_cache(1, prefix + max(rows_list))
     taps = eagle3_feature_address(model.cfg)
-    prefix_ids = torch.randint(0, vocab, (1, prefix), generator=gen)
-    causal = torch.ones(prefix, prefix, dtype=torch.bool).tril().unsqueeze(0)
-    model(prefix_ids, torch.arange(prefix).unsqueeze(0), cache, 0, causal, taps, logits_rows="last")
+    prefix_ids = torch.randint(0, vocab, (1, prefix), generator=gen).to(dev)
+    causal = torch.ones(prefix, prefix, dtype=torch.bool, device=dev).tril().unsqueeze(0)
+    model(prefix_ids, torch.arange(prefix, device=dev).unsqueeze(0), cache, 0, causal, taps, logits_rows="last")
     curve = {}
     for rows in rows_list:
-        tokens = torch.randint(0, vocab, (1, rows), generator=gen)
-        positions = (prefix + torch.arange(rows)).unsqueeze(0)
+        tokens = torch.randint(0, vocab, (1, rows), generator=gen).to(dev)
+        positions = (prefix + torch.arange(rows, device=dev)).unsqueeze(0)
         mask = None if rows == 1 else torch.cat(
-            [torch.ones(rows, prefix, dtype=torch.bool), torch.ones(rows, rows, dtype=torch.bool).tril()], 1)[None]
+            [torch.ones(rows, prefix, dtype=torch.bool, device=dev),
+             torch.ones(rows, rows, dtype=torch.bool, device=dev).tril()], 1)[None]
         times = []
         for i in range(2 + repeats):   # 2 warm-up forwards
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
             model(tokens, positions, cache, prefix, mask, taps, logits_rows="all")
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         curve[rows] = 1000 * statistics.median(times)
@@ -325,6 +331,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", help="a subset of the methods (the two baselines always run)")
     p.add_argument("--out", default="bench/out/decode_speed", help="writes OUT.json and OUT.png")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: EYAS_THREADS or all cores)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu | cuda | cuda:N for Eyas at fp32 and its HF twin (fp16w and int8 are CPU modes)")
     return p.parse_args(argv)
 
 
@@ -341,16 +349,23 @@ def load_hf(tokenizer):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # fp32 is always a baseline
-    precisions = [p for p in PRECISIONS if p == "fp32" or args.precision in ("all", p)]
+    from eyas.target.loader import check_device
+
+    try:
+        check_device(args.device)   # before the (slow) loads, naming the field
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    # fp32 is always a baseline; fp16w and int8 are CPU modes
+    precisions = [p for p in PRECISIONS if p == "fp32" or args.precision in ("all", p) and args.device == "cpu"]
     set_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit)
     methods = select_methods(precisions, args.methods)
 
     print(f"loading the target ({', '.join(precisions)}) and its HF twin ...", file=sys.stderr, flush=True)
-    eyas = {p: Eyas(precision=p) for p in precisions}
+    eyas = {p: Eyas(precision=p, device=args.device if p == "fp32" else "cpu") for p in precisions}
     tokenizer = eyas["fp32"].tokenizer
-    ctx = {"eyas": eyas, "hf": load_hf(tokenizer), "tokenizer": tokenizer}
+    ctx = {"eyas": eyas, "hf": load_hf(tokenizer).to(args.device), "tokenizer": tokenizer}
     prompt_ids = [eyas["fp32"].encode(p) for p in prompts]
     eos_ids = set(eyas["fp32"].cfg.eos_token_ids) | {tokenizer.eos_token_id}
 

@@ -31,12 +31,13 @@ from serve_load import start_local  # noqa: E402
 from eyas.experiments.sim import percentile  # noqa: E402
 
 
-def reference_answers(prompts: list[str], max_new_tokens: int, precision: str) -> dict[str, list[int]]:
-    """Greedy target-only tokens of each prompt, in-process, at the served precision."""
+def reference_answers(prompts: list[str], max_new_tokens: int, precision: str, dtype: str = "float32",
+                      device: str = "cpu") -> dict[str, list[int]]:
+    """Greedy target-only tokens of each prompt, in-process, at the served precision, dtype and device."""
     from eyas.protocol.schema import parse_request
     from eyas.runtime import Eyas
 
-    eyas = Eyas(precision=precision)
+    eyas = Eyas(precision=precision, dtype=dtype, device=device)
     return {p: eyas.generate(parse_request(prompt=p, method="target", max_new_tokens=max_new_tokens))[1]["token_ids"]
             for p in prompts}
 
@@ -102,17 +103,28 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=16, help="MT-bench prompts to cycle through")
     ap.add_argument("--methods", nargs="+", default=["eagle3", "target", "eagle1"])
     ap.add_argument("--precision", choices=("fp32", "fp16w", "int8"), default="fp16w")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="compute dtype at precision fp32 (half precision is not exact on a real model)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (precision fp32), the local app's device")
     ap.add_argument("--json", help="write the summary here")
     args = ap.parse_args(argv)
 
     prompts = load_prompts(None, args.limit)
+    from eyas.target.loader import check_device, check_dtype
+
+    try:   # before the (slow) loads, naming the field
+        check_dtype(args.dtype, args.precision)
+        check_device(args.device, args.precision)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"reference answers for {len(prompts)} prompts ({args.precision}, in-process) ...", flush=True)
-    reference = reference_answers(prompts, args.max_new_tokens, args.precision)
+    reference = reference_answers(prompts, args.max_new_tokens, args.precision, args.dtype, args.device)
     stop, address = None, args.server
     if address is None:
         print("starting a local Ray and the Eyas application ...", flush=True)
         address, stop = start_local({"methods": [m for m in ("eagle3", "eagle1") if m in args.methods],
-                                     "precision": args.precision})
+                                     "precision": args.precision, "dtype": args.dtype, "device": args.device})
     tally = Tally()
     try:
         start = time.monotonic()
