@@ -111,7 +111,6 @@ class DrafterEngine:
         self.sessions: dict[str, DraftSession] = {}
         # every live request's draft K/V in one padded store, rows [0, live) (eyas.target.batch_kv)
         self.kv = self.drafter.allocate_store()
-        self._row_owner: list[str] = []     # KV row -> request id
 
     def kv_slots_allocated(self) -> int:
         return sum(s.max_slots for s in self.sessions.values())
@@ -123,23 +122,16 @@ class DrafterEngine:
     def open_session(self, request_id: str, max_slots: int) -> None:
         if request_id in self.sessions:
             raise ValueError(f"request_id: {request_id!r} already has a live draft session")
-        self.kv.reserve(len(self._row_owner) + 1, max_slots)
-        self.sessions[request_id] = DraftSession(request_id, len(self._row_owner), max_slots)
-        self._row_owner.append(request_id)
+        self.sessions[request_id] = DraftSession(request_id, self.kv.open_row(request_id, max_slots), max_slots)
 
     def close_session(self, request_id: str) -> None:
         """Forget a request; the last KV row moves into its place, so live rows stay ``[0, live)``."""
         s = self.sessions.pop(request_id, None)
         if s is None:
             return
-        last = self._row_owner.pop()
-        if last != request_id:
-            moved = self.sessions[last]
-            self.kv.move(moved.kv_row, s.kv_row, moved.max_slots)
-            moved.kv_row = s.kv_row
-            self._row_owner[s.kv_row] = last
-        if not self._row_owner:
-            self.kv.release()
+        moved = self.kv.close_row(s.kv_row)
+        if moved is not None:
+            self.sessions[moved].kv_row = s.kv_row
 
     def _session(self, request_id: str) -> DraftSession:
         if request_id not in self.sessions:

@@ -32,7 +32,8 @@ GRID_WIDTH = 64     # a request feeding more rows than this (a prefill chunk) at
 
 
 class BatchKV:
-    """Padded K/V of an engine's live requests. Owned by one ``TargetEngine``; mutated only by it."""
+    """Padded K/V of an engine's live requests, and which request owns each row. Owned by one engine
+    (a ``TargetEngine`` or a ``DrafterEngine``); mutated only by it."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu"):
@@ -40,6 +41,7 @@ class BatchKV:
         self.dtype, self.device = dtype, torch.device(device)
         self.k = torch.zeros(num_layers, 0, num_kv_heads, 0, head_dim, dtype=dtype, device=self.device)  # [L, B, H_kv, S, hd]
         self.v = torch.zeros_like(self.k)                                                                 # [L, B, H_kv, S, hd]
+        self.owners: list[tuple[str, int]] = []   # KV row -> (its request id, the slots it may use); rows [0, live)
 
     @property
     def row_capacity(self) -> int:
@@ -72,6 +74,26 @@ class BatchKV:
         b, s = self.row_capacity, self.slot_capacity
         k[:, :b, :, :s], v[:, :b, :, :s] = self.k, self.v
         self.k, self.v = k, v
+
+    def open_row(self, owner: str, slots: int) -> int:
+        """Give ``owner`` the next KV row, of ``slots`` slots (growing the store) -> that row."""
+        self.reserve(len(self.owners) + 1, slots)
+        self.owners.append((owner, slots))
+        return len(self.owners) - 1
+
+    def close_row(self, kv_row: int) -> str | None:
+        """Free ``kv_row``: the last row moves into its place with its K/V, so the live rows stay
+        ``[0, live)``; the storage is freed with the last row. -> the owner now at ``kv_row`` (it
+        moved), or None."""
+        last, slots = self.owners.pop()
+        moved = None
+        if kv_row < len(self.owners):
+            self.move(len(self.owners), kv_row, slots)
+            self.owners[kv_row] = (last, slots)
+            moved = last
+        if not self.owners:
+            self.release()
+        return moved
 
     def release(self) -> None:
         """Free the storage (the engine calls this when its last request closes)."""

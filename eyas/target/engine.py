@@ -96,7 +96,6 @@ class TargetEngine:
         self.sessions: dict[str, TargetSession] = {}
         w = model.embed.weight
         self.kv = BatchKV(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, w.dtype, w.device)
-        self._row_owner: list[str] = []  # request id of each KV row [0, live)
         self.last_expert_union: tuple[tuple[int, ...], ...] = ()  # MoE: experts the last verify touched, per layer
         self.last_expert_bytes: int = 0
         self.last_request_expert_bytes: dict[str, int] = {}  # MoE: each request's own rows' union, last verify
@@ -128,24 +127,17 @@ class TargetEngine:
             raise ValueError(f"tree_budget: prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + the "
                              f"tree's {max_tree_rows} rows exceed the context ({self.cfg.max_context}{window}); "
                              "ask for a smaller tree or fewer tokens")
-        self.kv.reserve(len(self._row_owner) + 1, slots)
-        self.sessions[request_id] = TargetSession(request_id, len(self._row_owner), slots, len(prompt_ids),
-                                                  tokens=list(prompt_ids))
-        self._row_owner.append(request_id)
+        self.sessions[request_id] = TargetSession(request_id, self.kv.open_row(request_id, slots), slots,
+                                                  len(prompt_ids), tokens=list(prompt_ids))
 
     def close_session(self, request_id: str) -> None:
         """Forget a request; the last KV row moves into its place, so live rows stay ``[0, live)``."""
         s = self.sessions.pop(request_id, None)
         if s is None:
             return
-        last = self._row_owner.pop()
-        if last != request_id:
-            moved = self.sessions[last]
-            self.kv.move(moved.kv_row, s.kv_row, moved.max_slots)
-            moved.kv_row = s.kv_row
-            self._row_owner[s.kv_row] = last
-        if not self._row_owner:
-            self.kv.release()
+        moved = self.kv.close_row(s.kv_row)
+        if moved is not None:
+            self.sessions[moved].kv_row = s.kv_row
 
     def kv_slots_allocated(self) -> int:
         """KV slots reserved by live sessions (the leak invariant: 0 once every session is closed)."""
