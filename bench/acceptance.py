@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_speed import WARMUP_NEW_TOKENS, fmt_ratio, load_prompts, trim_after_eos  # noqa: E402
+from decode_speed import WARMUP_NEW_TOKENS, fmt_ratio, load_prompts, placement_refused, trim_after_eos  # noqa: E402
 
 from eyas.drafting.manifest import MANIFEST_FILE, WEIGHTS_FILE, read_manifest  # noqa: E402
 from eyas.protocol.schema import parse_request  # noqa: E402
@@ -277,12 +277,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from eyas.target.loader import check_device
-
-    try:
-        check_device(args.device, args.precision)   # before the (slow) load, naming the field
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    if placement_refused(args.device, args.dtype, args.precision):
         return 2
     set_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit)

@@ -63,6 +63,19 @@ WARMUP_NEW_TOKENS = 8
 
 
 # --- prompts ------------------------------------------------------------------------------------
+def placement_refused(device: str, dtype: str = "float32", precision: str = "fp32") -> bool:
+    """Check the bench's ``--device``/``--dtype`` before any (slow) load; a refusal is printed as
+    ``error: <field>: ...`` (the bench then exits 2)."""
+    from eyas.target.loader import check_placement
+
+    try:
+        check_placement(device, dtype, precision)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return True
+    return False
+
+
 def load_prompts(path: str | None, limit: int | None) -> list[str]:
     """``--prompts`` lines are ``{"prompt": ...}``; MT-bench lines give their first turn."""
     source = Path(path) if path else mtbench_path()
@@ -349,12 +362,7 @@ def load_hf(tokenizer):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from eyas.target.loader import check_device
-
-    try:
-        check_device(args.device)   # before the (slow) loads, naming the field
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    if placement_refused(args.device):
         return 2
     # fp32 is always a baseline; fp16w and int8 are CPU modes
     precisions = [p for p in PRECISIONS if p == "fp32" or args.precision in ("all", p) and args.device == "cpu"]

@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_speed import load_prompts  # noqa: E402
+from decode_speed import load_prompts, placement_refused  # noqa: E402
 
 from eyas import compute  # noqa: E402
 from eyas.actors.drafter_worker import DrafterWorker  # noqa: E402
@@ -303,13 +303,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
-    from eyas.target.loader import check_device, check_dtype
-
-    try:   # before the (slow) load, naming the field
-        check_dtype(args.dtype, args.precision)
-        check_device(args.device, args.precision)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    if placement_refused(args.device, args.dtype, args.precision):
         return 2
 
     warnings.filterwarnings("ignore")

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_speed import load_prompts  # noqa: E402
+from decode_speed import load_prompts, placement_refused  # noqa: E402
 from serve_load import start_local  # noqa: E402
 
 from eyas.experiments.sim import percentile  # noqa: E402
@@ -110,13 +110,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     prompts = load_prompts(None, args.limit)
-    from eyas.target.loader import check_device, check_dtype
-
-    try:   # before the (slow) loads, naming the field
-        check_dtype(args.dtype, args.precision)
-        check_device(args.device, args.precision)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    if placement_refused(args.device, args.dtype, args.precision):
         return 2
     print(f"reference answers for {len(prompts)} prompts ({args.precision}, in-process) ...", flush=True)
     reference = reference_answers(prompts, args.max_new_tokens, args.precision, args.dtype, args.device)

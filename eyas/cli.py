@@ -84,10 +84,9 @@ def cmd_generate(args) -> int:
     if args.server:
         return _generate_remote(args, req)
     from eyas.runtime import Eyas, set_threads
-    from eyas.target.loader import check_device, check_dtype
+    from eyas.target.loader import check_placement
 
-    check_dtype(args.dtype, args.precision)  # before the (slow) model load
-    check_device(args.device, args.precision)
+    check_placement(args.device, args.dtype, args.precision)  # before the (slow) model load
     set_threads(args.threads)
     eyas = Eyas(args.target, args.precision, dtype=args.dtype, device=args.device)
     _, report = eyas.generate(req)

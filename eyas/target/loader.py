@@ -45,6 +45,14 @@ def check_device(device: str, precision: str = "fp32", *, here: bool = True) -> 
     return dev
 
 
+def check_placement(device: str = "cpu", dtype: str = "float32", precision: str = "fp32"
+                    ) -> tuple[torch.device, torch.dtype]:
+    """Where and in what a target at ``precision`` computes: :func:`check_dtype`, then
+    :func:`check_device` (this machine's devices); refusals name the field."""
+    torch_dtype = check_dtype(dtype, precision)
+    return check_device(device, precision), torch_dtype
+
+
 def check_dtype(dtype: str, precision: str = "fp32") -> torch.dtype:
     """The torch dtype of ``dtype``; refused, naming the field, when unknown or beside an fbgemm
     precision (fp16w and int8 compute in float32)."""
@@ -294,8 +302,7 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: {precision!r} is not one of {PRECISIONS}")
-    torch_dtype = check_dtype(dtype, precision)
-    device = check_device(str(device), precision)
+    device, torch_dtype = check_placement(str(device), dtype, precision)
     folder = checkpoint_folder(source)
     cfg_dict = json.loads((folder / "config.json").read_text())
     cfg = TargetConfig.from_hf(cfg_dict)
@@ -336,8 +343,7 @@ def load_target_head(source: str | os.PathLike = DEFAULT_TARGET, precision: str 
     """
     if precision not in ("fp32", "fp16w"):
         raise ValueError(f"precision: {precision!r} is not one of ('fp32', 'fp16w') for a target head")
-    torch_dtype = check_dtype(dtype, precision)
-    device = check_device(str(device), precision)
+    device, torch_dtype = check_placement(str(device), dtype, precision)
     folder = checkpoint_folder(source)
     cfg = TargetConfig.from_hf(json.loads((folder / "config.json").read_text()))
     fingerprint = _cached_fingerprint(folder, cfg) or load_target(source, "fp32").fingerprint  # caches it
