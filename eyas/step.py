@@ -28,9 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from eyas.protocol.messages import Refusal
 from eyas.drafting.engine import TreeSpec
-from eyas.protocol.messages import AcceptDecision, Seed
+from eyas.protocol.messages import AcceptDecision, Refusal, Seed
 from eyas.protocol.tree import DraftTree, FlatTree
 from eyas.target.engine import PrefillProgress
 

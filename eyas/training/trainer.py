@@ -36,7 +36,7 @@ from eyas.training.losses import (build_draft_vocab, feature_noise, masked_smoot
                                   topk_distillation)
 from eyas.training.masks import rollout_valid, rollout_visibility
 from eyas.training.rows import dense_row_masks
-from eyas.target.loader import DTYPES, check_device, check_dtype
+from eyas.target.loader import DTYPES, check_device
 
 STATE_FILE = "trainer_state.pt"
 
@@ -70,8 +70,7 @@ class DrafterTrainer:
     def __init__(self, cfg: TrainConfig, target: TargetModel, fingerprint: dict, train: FeatureCache,
                  heldout: FeatureCache, out: str | Path | None = None):
         self.cfg = cfg
-        self.device = check_device(cfg.device)
-        check_dtype(cfg.dtype)
+        self.device = check_device(cfg.device)   # here: the config checked its syntax (dtype: a Literal)
         self.target = target.requires_grad_(False).to(self.device)
         self.fingerprint = fingerprint
         self.out = Path(out or cfg.out)
@@ -140,10 +139,6 @@ class DrafterTrainer:
     @property
     def num_steps(self) -> int:
         return {"eagle1": 1, "hass": self.cfg.hass_steps, "eagle3": self.cfg.ttt_steps}[self.cfg.method]
-
-    def sample_loss(self, fb: FeatureBatch, noise: bool, stats: dict | None = None) -> tuple[torch.Tensor | None, int]:
-        """Loss of one sample (None when it has no supervised row) and its supervised-row count."""
-        return self.pack_loss([fb], noise, stats)
 
     def pack_loss(self, samples: list[FeatureBatch], noise: bool, stats: dict | None = None
                   ) -> tuple[torch.Tensor | None, int]:

@@ -115,13 +115,17 @@ def test_batched_drafting_equals_drafting_each_request_alone(tiny_target):
                           0, 0)
         for e in (alone, batched):
             e.open_session(rid, 128)
-    singles = {rid: alone.propose(rid, seeds[rid], specs[rid]) for rid in specs}
-    together = dict(zip(specs, batched.propose_batch([(rid, seeds[rid], specs[rid]) for rid in specs])))
-    for rid in specs:
-        a, b = singles[rid], together[rid]
-        assert a.num_nodes > 0 and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
-        torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-5)
-        assert alone.sessions[rid].provisional_len == batched.sessions[rid].provisional_len
+    def assert_batched_equals_alone(round_seeds: dict[str, Seed]) -> None:
+        singles = {rid: alone.propose(rid, round_seeds[rid], specs[rid]) for rid in round_seeds}
+        together = dict(zip(round_seeds, batched.propose_batch([(rid, round_seeds[rid], specs[rid])
+                                                                for rid in round_seeds])))
+        for rid in round_seeds:
+            a, b = singles[rid], together[rid]
+            assert a.num_nodes > 0 and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+            torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-5)
+            assert alone.sessions[rid].provisional_len == batched.sessions[rid].provisional_len
+
+    assert_batched_equals_alone(seeds)
     # one store: closing "a" (KV row 0) moves the last row ("c") into its place with its K/V; the
     # next round of "b" and "c" still drafts what each does alone, and the store is freed at the end
     assert [batched.sessions[r].kv_row for r in "abc"] == [0, 1, 2]
@@ -134,12 +138,7 @@ def test_batched_drafting_equals_drafting_each_request_alone(tiny_target):
         n = batched.sessions[rid].committed_len
         nxt[rid] = Seed(torch.randn(2, cfg.hidden_size, generator=g), torch.randint(0, cfg.vocab_size, (2,), generator=g),
                         n, 1)
-    singles = {rid: alone.propose(rid, nxt[rid], specs[rid]) for rid in nxt}
-    together = dict(zip(nxt, batched.propose_batch([(rid, nxt[rid], specs[rid]) for rid in nxt])))
-    for rid in nxt:
-        a, b = singles[rid], together[rid]
-        assert a.num_nodes > 0 and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
-        torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-5)
+    assert_batched_equals_alone(nxt)
     for rid in ("b", "c"):
         batched.close_session(rid)
     assert batched.kv_slots_allocated() == 0 and batched.kv_bytes_allocated() == 0
