@@ -9,8 +9,13 @@ them with :func:`decode_message`, whose error names the field, so the client get
 
 Name it in a Serve config's ``grpc_servicer_functions``:
 ``eyas.protocol.service.add_eyas_servicer_to_server``.
+
+It also makes the proxy's ``GenerateStream`` handler cancel safely (:func:`cancel_safe_stream`).
 """
 from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf import empty_pb2
@@ -38,13 +43,85 @@ _METHODS = {"Generate": (grpc.unary_unary_rpc_method_handler, pb.GenerateRespons
 
 
 def add_eyas_servicer_to_server(servicer, server) -> None:
-    """Register ``eyas.v1.Eyas`` on ``server`` with raw-bytes requests (module docstring)."""
+    """Register ``eyas.v1.Eyas`` on ``server`` with raw-bytes requests (module docstring).
+
+    On Serve's gRPC proxy, whose server replaces every handler with one its
+    ``service_handler_factory`` makes, the streaming handlers it makes for this service are
+    wrapped in :func:`cancel_safe_stream` while this registration runs.
+    """
     handlers = {name: make(getattr(servicer, name), request_deserializer=None,
                            response_serializer=reply.SerializeToString)
                 for name, (make, reply) in _METHODS.items()}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    if hasattr(server, "add_registered_method_handlers"):   # grpcio >= 1.63
-        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    factory = getattr(server, "service_handler_factory", None)   # only Serve's proxy server has one
+    if callable(factory):
+        server.service_handler_factory = _cancel_safe_streams(factory)
+    try:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        if hasattr(server, "add_registered_method_handlers"):   # grpcio >= 1.63
+            server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    finally:
+        if callable(factory):
+            server.service_handler_factory = factory
+
+
+def _cancel_safe_streams(factory):
+    """Serve's handler factory, with this service's server-streaming handlers cancel safe."""
+    def make(*, service_method: str, streaming_type, **kwargs):
+        handler = factory(service_method=service_method, streaming_type=streaming_type, **kwargs)
+        if service_method.startswith(f"/{SERVICE_NAME}/") and getattr(streaming_type, "name", "") == "UNARY_STREAM":
+            return cancel_safe_stream(handler)
+        return handler
+    return make
+
+
+@dataclass(frozen=True)
+class _StreamFailed:
+    """What ended a pumped reply stream with an exception (a queue item)."""
+    error: BaseException
+
+
+_STREAM_END = object()   # queue item: the reply stream ended normally
+
+
+def cancel_safe_stream(stream_handler):
+    """A server-streaming handler that hands a client's cancel to ``stream_handler``'s replies.
+
+    ``stream_handler(request, context)`` is an async generator of replies, as Serve's gRPC proxy
+    makes them. gRPC runs such a handler by awaiting each reply and writing it; when the client
+    cancels, gRPC cancels that task wherever it waits. If it waits in the *write*, the generator
+    is left suspended at its ``yield``, and Serve's proxy cancels its call to the ingress only
+    when the cancel lands inside the generator's wait for the next reply. So a client that closes
+    its stream just after a chunk (while the proxy writes that chunk) left its request running to
+    its natural end.
+
+    Here a second task pulls the replies into a queue. It only ever waits inside the generator
+    (putting into an unbounded queue does not wait), so cancelling it lands there, which is what
+    Serve's proxy needs to cancel the call. This handler writes from the queue, and whenever it
+    ends before the stream has, it cancels the pulling task.
+    """
+    async def handler(request, context) -> None:
+        replies: asyncio.Queue = asyncio.Queue()
+
+        async def pull() -> None:
+            try:
+                async for reply in stream_handler(request, context):
+                    replies.put_nowait(reply)
+            except BaseException as error:   # noqa: BLE001 -- the writer re-raises it
+                replies.put_nowait(_StreamFailed(error=error))
+                raise
+            replies.put_nowait(_STREAM_END)
+
+        pulling = asyncio.ensure_future(pull())
+        pulling.add_done_callback(lambda task: task.cancelled() or task.exception())   # retrieved here
+        try:
+            while (reply := await replies.get()) is not _STREAM_END:
+                if isinstance(reply, _StreamFailed):
+                    raise reply.error
+                await context.write(reply)
+        finally:
+            if not pulling.done():
+                pulling.cancel()
+    return handler
 
 
 def decode_message(cls: type[Message], data: bytes | Message) -> Message:

@@ -79,3 +79,152 @@ def test_the_timeout_metadata_is_milliseconds_and_anything_else_is_named():
     for bad in ("", "0", "-1", "1.5", "1e3", "soon", str(MAX_TIMEOUT_MS + 1)):
         with pytest.raises(ValueError, match=f"^{TIMEOUT_METADATA}: "):
             timeout_from_metadata(((TIMEOUT_METADATA, bad),))
+
+
+class _ProxyStream:
+    """A reply stream shaped like Serve's proxy handler: it waits for each reply from the ingress and
+    records whether a cancel landed in that wait (the only place where the proxy cancels its call)."""
+
+    def __init__(self, num_replies: int):
+        self.num_replies = num_replies
+        self.cancelled_in_wait = False
+        self.next_reply = None   # asyncio.Event, made on the loop
+
+    async def __call__(self, request, context):
+        import asyncio
+
+        for i in range(self.num_replies):
+            self.next_reply = asyncio.Event()
+            asyncio.get_running_loop().call_later(0.01, self.next_reply.set)
+            try:
+                await self.next_reply.wait()
+            except asyncio.CancelledError:
+                self.cancelled_in_wait = True
+                raise
+            yield b"chunk %d" % i
+
+
+class _StuckWriteContext:
+    """A servicer context whose second write never finishes: the client leaves during it."""
+
+    def __init__(self):
+        import asyncio
+
+        self.written = []
+        self.in_second_write = asyncio.Event()
+
+    async def write(self, reply):
+        import asyncio
+
+        self.written.append(reply)
+        if len(self.written) == 2:
+            self.in_second_write.set()
+            await asyncio.Event().wait()
+
+
+async def _leave_during_the_second_write(handler, stream):
+    import asyncio
+
+    context = _StuckWriteContext()
+    task = asyncio.ensure_future(handler(b"", context))
+    await asyncio.wait_for(context.in_second_write.wait(), 10)
+    task.cancel()   # what grpc does when the client cancels
+    await asyncio.wait([task], timeout=10)
+    for _ in range(10):
+        await asyncio.sleep(0)   # let the cancelled tasks unwind
+    return context
+
+
+def test_a_cancel_during_a_write_reaches_the_reply_stream_through_the_cancel_safe_handler():
+    """The race that left a closed stream's request running: the client cancels while a chunk is
+    being written. grpc's own loop (await a reply, write it) leaves the proxy's stream suspended at
+    its yield, so its wait never sees the cancel; the cancel-safe handler's puller is waiting
+    there, and the cancel lands in it."""
+    import asyncio
+
+    from eyas.protocol.service import cancel_safe_stream
+
+    async def grpc_style(request, context, stream):
+        async for reply in stream(request, context):
+            await context.write(reply)
+
+    naive = _ProxyStream(num_replies=50)
+    context = asyncio.run(_leave_during_the_second_write(lambda r, c: grpc_style(r, c, naive), naive))
+    assert context.written == [b"chunk 0", b"chunk 1"] and not naive.cancelled_in_wait
+
+    safe = _ProxyStream(num_replies=50)
+    context = asyncio.run(_leave_during_the_second_write(cancel_safe_stream(safe), safe))
+    assert context.written[:2] == [b"chunk 0", b"chunk 1"] and safe.cancelled_in_wait
+
+
+def test_the_cancel_safe_handler_writes_every_reply_in_order_and_passes_an_error_on():
+    import asyncio
+
+    from eyas.protocol.service import cancel_safe_stream
+
+    class Context:
+        def __init__(self):
+            self.written = []
+
+        async def write(self, reply):
+            self.written.append(reply)
+
+    context = Context()
+    asyncio.run(cancel_safe_stream(_ProxyStream(num_replies=5))(b"", context))
+    assert context.written == [b"chunk %d" % i for i in range(5)]
+
+    async def failing(request, context):
+        yield b"first"
+        raise RuntimeError("the stream broke")
+
+    context = Context()
+    with pytest.raises(RuntimeError, match="the stream broke"):
+        asyncio.run(cancel_safe_stream(failing)(b"", context))
+    assert context.written == [b"first"]
+
+
+def test_on_serves_proxy_server_only_the_streaming_handler_is_wrapped_and_the_factory_restored():
+    """Registered on Serve's own gRPC server class: GenerateStream runs through the cancel-safe
+    handler, the unary methods are the factory's, and the server's factory is left as it was; over
+    a real channel the stream's replies arrive in order."""
+    import asyncio
+
+    from grpc import aio
+    from ray.serve._private.grpc_util import gRPCGenericServer
+
+    made = {}
+
+    def factory(*, service_method, streaming_type):
+        async def unary(request, context):
+            return pb.GenerateResponse(text=service_method).SerializeToString()
+
+        async def stream(request, context):
+            for i in range(3):
+                yield pb.GenerateChunk(text=f"{service_method} {i}").SerializeToString()
+        handler = stream if streaming_type.name == "UNARY_STREAM" else unary
+        made.setdefault((service_method, streaming_type.name), []).append(handler)
+        return handler
+
+    async def run():
+        server = gRPCGenericServer(factory)
+        add_eyas_servicer_to_server(_Echo(), server)
+        assert server.service_handler_factory is factory
+        handlers = server.generic_rpc_handlers[0][0]._method_handlers
+        stream_handler = handlers["/eyas.v1.Eyas/GenerateStream"].unary_stream
+        assert stream_handler not in made[("/eyas.v1.Eyas/GenerateStream", "UNARY_STREAM")]
+        assert stream_handler.__qualname__.startswith("cancel_safe_stream")
+        assert handlers["/eyas.v1.Eyas/Generate"].unary_unary in made[("/eyas.v1.Eyas/Generate", "UNARY_UNARY")]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = eyas_pb2_grpc.EyasStub(channel)
+                chunks = [c.text async for c in stub.GenerateStream(pb.GenerateRequest(prompt="hi"), timeout=10)]
+                reply = await stub.Generate(pb.GenerateRequest(prompt="hi"), timeout=10)
+        finally:
+            await server.stop(0)
+        return chunks, reply.text
+
+    chunks, text = asyncio.run(run())
+    assert chunks == [f"/eyas.v1.Eyas/GenerateStream {i}" for i in range(3)]
+    assert text == "/eyas.v1.Eyas/Generate"
