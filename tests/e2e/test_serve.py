@@ -308,6 +308,25 @@ def test_a_passed_deadline_stops_the_request_in_its_replica(client, no_leaks):
         assert err.value.details().startswith(f"{TIMEOUT_METADATA}: "), err.value.details()
 
 
+def test_a_calls_own_grpc_deadline_also_stops_the_request_in_its_replica(client, no_leaks):
+    """No ``eyas-timeout-ms``, only the call's gRPC deadline (1.5 s on a 400-token answer): the
+    proxy's gRPC server cancels the call at the deadline, and the request stops in its replica,
+    unary and streaming (a "cancelled" finish, no live request, no session left)."""
+    import time
+
+    request = client.request(prompt=COUNT_300["prompt"], method="eagle3", max_new_tokens=400)
+    for call in (client.stub.Generate, lambda r, **kw: list(client.stub.GenerateStream(r, **kw))):
+        before = _cancelled_count(client)
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, metadata=client.metadata, timeout=1.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        started = time.monotonic()
+        assert _wait_for(lambda: _live_requests(client) == 0, 30)
+        assert _wait_for(lambda: _cancelled_count(client) == before + 1, 30)
+        assert time.monotonic() - started < 20   # the rest of the 400 tokens alone take longer here
+        no_leaks(client)
+
+
 def test_a_bad_cancel_gets_invalid_argument_naming_request_id(client):
     for bad in ("", "  ", "r" * 257):
         with pytest.raises(grpc.RpcError) as err:
