@@ -23,8 +23,12 @@ depth and draft row, ``DrafterEngine.measure_cost``), which the tree-work policy
 Every round is ONE target forward that carries the prompts' next prefill chunks (at most
 --max-prefill-rows rows, all requests together) beside the decode and verify rows. Also measured in
 the same run: the forward-bound rate at 16 rows (one request's 16-row verify, and 16 requests' 1-row
-decodes in one batched forward), against which target-only at C=16 is reported (its rate over the
-rounds that prefilled nothing: tokens / those rounds' wall time); and the long-prompt
+decodes in one batched forward, each over the workload's mean context; once before the policies and
+three times after, the medians), against which target-only at C=16 is reported (its rate over the
+rounds that prefilled nothing: tokens / those rounds' wall time, and over those of them in which all
+16 requests decoded); the same 16-request forward at the contexts of one such full round (ragged,
+so the store's one attention call reads every row as far as the longest), against which the full
+rounds are reported too: that ratio is the loop's own overhead; and the long-prompt
 case (a short request sent beside a --long-prompt-token prompt: its rounds and seconds to its first
 token, chunked and with the prompt prefilled whole).
 
@@ -99,22 +103,26 @@ def measure(worker: TargetWorker, taps) -> LatencyCurve:
                                                            taps=taps))
 
 
-def forward_bound(worker: TargetWorker, taps, batch: int = 16, prefix: int = 128, repeats: int = 5) -> dict:
+def forward_bound(worker: TargetWorker, taps, batch: int = 16, prefix: int = 128, repeats: int = 5,
+                  prefixes: list[int] | None = None) -> dict:
     """The forward-bound rates of a ``batch``-row round, measured here: the median ms of (a) one
     request's ``batch``-row verify (the latency curve's point) and (b) ``batch`` requests' 1-row
-    decodes in one batched forward (each over its own ``prefix``-token context: what a target-only
-    round at concurrency ``batch`` computes), and the tokens/s each would give."""
+    decodes in one batched forward (each over its own ``prefix``-token context, or over
+    ``prefixes[i]`` tokens when given: what a target-only round at concurrency ``batch`` computes),
+    and the tokens/s each would give."""
     from eyas.protocol.messages import AcceptDecision
     from eyas.protocol.tree import DraftTree
 
     engine = worker.engine_for(tuple(taps))
     rids = [f"__bound_{i}__" for i in range(batch)]
+    prefixes = prefixes or [prefix] * batch
+    assert len(prefixes) == batch, (len(prefixes), batch)
     try:
         for i, rid in enumerate(rids):
-            ids = [(7 * j + 11 * i + 3) % worker.vocab_size for j in range(prefix)]
+            ids = [(7 * j + 11 * i + 3) % worker.vocab_size for j in range(prefixes[i])]
             engine.open_session(rid, ids, 8, 1)
             v = engine.prefill(rid)
-            engine.publish(rid, v.round, AcceptDecision(torch.arange(prefix), torch.tensor(ids[1:]), 1))
+            engine.publish(rid, v.round, AcceptDecision(torch.arange(len(ids)), torch.tensor(ids[1:]), 1))
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
@@ -127,8 +135,17 @@ def forward_bound(worker: TargetWorker, taps, batch: int = 16, prefix: int = 128
             engine.close_session(rid)
     batch_ms = statistics.median(times[1:])
     one_ms = worker.measure_latency((batch,), repeats=repeats, prefix=prefix, taps=taps)[batch]
-    return {"batch": batch, "prefix": prefix, "one_request_rows_ms": one_ms, "batched_requests_ms": batch_ms,
+    return {"batch": batch, "prefix": round(statistics.fmean(prefixes)), "one_request_rows_ms": one_ms, "batched_requests_ms": batch_ms,
             "one_request_rows_tok_s": 1000 * batch / one_ms, "batched_requests_tok_s": 1000 * batch / batch_ms}
+
+
+def _median_bound(runs: list[dict]) -> dict:
+    """One bound from several ``forward_bound`` runs: the median ms of each kind, and its tokens/s."""
+    out = dict(runs[0])
+    for kind in ("one_request_rows", "batched_requests"):
+        out[f"{kind}_ms"] = statistics.median(r[f"{kind}_ms"] for r in runs)
+        out[f"{kind}_tok_s"] = 1000 * out["batch"] / out[f"{kind}_ms"]
+    return out
 
 
 class _CountingCalls:
@@ -204,9 +221,11 @@ def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], ma
         rounds.setdefault(rec.start_ns, []).append(rec.flat.num_rows if rec.flat is not None else 1)
         if not loop.last_prefill_rows:
             wall = rec.draft_s + rec.pack_s + rec.verify_s + rec.publish_s
-            r = decode_rounds.setdefault(rec.start_ns, [wall, 0, 0])
+            r = decode_rounds.setdefault(rec.start_ns, [wall, 0, 0, []])
             r[1] += rec.decision.num_new_tokens
             r[2] += 1
+            live = loop.live[rec.request_id]
+            r[3].append(len(live.prompt_ids) + len(live.out))   # the context this row decoded over
 
     loop = RoundLoop(target, drafter if speculative else None, info if speculative else {}, pol, curve,
                      on_round=on_round, on_finish=lambda rid, _: finished_at.setdefault(rid, time.perf_counter()),
@@ -243,10 +262,16 @@ def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], ma
     per_tok = [1000 * (finished_at[rid] - first[rid]) / max(len(r.token_ids) - 1, 1) for rid, r in results.items()]
     tokens = sum(len(r.token_ids) for r in results.values())
     batches = list(rounds.values())
-    decode_s = sum(w for w, _, _ in decode_rounds.values())
+    decode_s = sum(w for w, _, _, _ in decode_rounds.values())
+    full = [(w, t, c) for w, t, n, c in decode_rounds.values() if n == concurrency]   # every request decoding
+    full_s = sum(w for w, _, _ in full)
+    # the contexts of the full round whose longest context is the median one (for the bound at them)
+    full_contexts = sorted((c for _, _, c in full), key=max)[len(full) // 2] if full else None
     return {"policy": policy, "decode_rounds": len(decode_rounds),
-            "decode_tok_s": sum(t for _, t, _ in decode_rounds.values()) / decode_s if decode_s else 0.0,
-            "decode_mean_batch": statistics.fmean(n for _, _, n in decode_rounds.values()) if decode_rounds else 0.0, "concurrency": concurrency, "requests": len(results), "wall_s": wall, "tokens": tokens,
+            "full_decode_rounds": len(full), "full_decode_tok_s": sum(t for _, t, _ in full) / full_s if full_s else 0.0,
+            "full_decode_contexts": full_contexts,
+            "decode_tok_s": sum(t for _, t, _, _ in decode_rounds.values()) / decode_s if decode_s else 0.0,
+            "decode_mean_batch": statistics.fmean(n for _, _, n, _ in decode_rounds.values()) if decode_rounds else 0.0, "concurrency": concurrency, "requests": len(results), "wall_s": wall, "tokens": tokens,
             "throughput": tokens / wall, "per_token_ms": per_tok,
             "lengths": [len(r.token_ids) for r in results.values()],
             "per_token_p50_ms": percentile(per_tok, 50), "per_token_p99_ms": percentile(per_tok, 99),
@@ -318,6 +343,7 @@ def main(argv=None) -> int:
     # the forward bound over contexts as long as the workload's: its mean prompt plus half an answer
     context = int(statistics.fmean(len(eyas.encode(p)) for p in workload(32, args.limit))) + args.max_new_tokens // 2
     bound = compute.run(forward_bound, target_worker, (), prefix=context)
+    bounds = [bound]
     print(f"forward bound at 16 rows, {context}-token contexts: one request's 16-row verify {bound['one_request_rows_ms']:.1f} ms "
           f"({bound['one_request_rows_tok_s']:.0f} tok/s); 16 requests' 1-row decodes in one forward "
           f"{bound['batched_requests_ms']:.1f} ms ({bound['batched_requests_tok_s']:.0f} tok/s)", flush=True)
@@ -342,6 +368,18 @@ def main(argv=None) -> int:
             for p in order:
                 rows.append(run_policy(eyas, p, c, prompts, args.max_new_tokens, curve.copy(), workers, bar,
                                        draft_points, args.max_prefill_rows))
+    # the bound three times more after the policies ran, alternating with the same forward at the
+    # contexts of one of target-only's full 16-request decode rounds (ragged, so padded to the
+    # longest in the store's one attention call); the ratios use the medians (this machine's forward
+    # time drifts by a fifth); every measurement is printed and saved
+    own_contexts = next((r["full_decode_contexts"] for r in rows if r["policy"] == "target-only"
+                         and r["concurrency"] == 16 and r["full_decode_contexts"]), None)
+    owns = []
+    for _ in range(3):
+        bounds.append(compute.run(forward_bound, target_worker, (), prefix=context))
+        if own_contexts:
+            owns.append(compute.run(forward_bound, target_worker, (), prefixes=own_contexts))
+    bound, own = _median_bound(bounds), _median_bound(owns) if owns else None
     rows.sort(key=lambda r: (r["concurrency"], POLICIES.index(r["policy"])))
     low = min(c for c, _ in levels)
     slo = args.slo_ms_per_token or 8 * next(r for r in rows if r["concurrency"] == low
@@ -373,16 +411,32 @@ def main(argv=None) -> int:
               f"{ratio(r['goodput_vs_prompt_length'])} {r['per_token_p50_ms']:>9.0f} {r['per_token_p99_ms']:>9.0f} "
               f"{r['mean_batch']:>6.1f} {r['mean_verify_rows']:>6.1f} {r['speculative_rounds']:>7} "
               f"{r['identical_to_target_only']:>2}/{r['requests']}")
-    print(f"\nforward-bound rate at 16 rows: {bound['one_request_rows_tok_s']:.0f} tok/s (one request's 16-row "
-          f"verify), {bound['batched_requests_tok_s']:.0f} tok/s (16 requests in one forward)")
+    print(f"\nforward-bound rate at 16 rows, the median of one run before and three after: {bound['one_request_rows_tok_s']:.0f} tok/s "
+          f"(one request's 16-row verify; " + " and ".join(f"{b['one_request_rows_tok_s']:.0f}" for b in bounds)
+          + f"), {bound['batched_requests_tok_s']:.0f} tok/s (16 requests in one forward; "
+          + " and ".join(f"{b['batched_requests_tok_s']:.0f}" for b in bounds) + ")")
     for r in rows:
         if r["policy"] == "target-only" and r["concurrency"] == 16:
             r["vs_forward_bound"] = {"one_request_rows": r["decode_tok_s"] / bound["one_request_rows_tok_s"],
-                                     "batched_requests": r["decode_tok_s"] / bound["batched_requests_tok_s"]}
+                                     "batched_requests": r["decode_tok_s"] / bound["batched_requests_tok_s"],
+                                     "full_one_request_rows": r["full_decode_tok_s"] / bound["one_request_rows_tok_s"],
+                                     "full_batched_requests": r["full_decode_tok_s"] / bound["batched_requests_tok_s"]}
             print(f"target-only at C=16, rounds that prefilled nothing ({r['decode_rounds']}, mean batch "
                   f"{r['decode_mean_batch']:.1f}): {r['decode_tok_s']:.1f} tok/s = "
                   f"{r['vs_forward_bound']['one_request_rows']:.2f}x and {r['vs_forward_bound']['batched_requests']:.2f}x "
                   f"of them (all rounds, prefills included: {r['throughput']:.1f} tok/s)")
+            print(f"  of those, the {r['full_decode_rounds']} rounds in which all 16 requests decoded: "
+                  f"{r['full_decode_tok_s']:.1f} tok/s = {r['vs_forward_bound']['full_one_request_rows']:.2f}x and "
+                  f"{r['vs_forward_bound']['full_batched_requests']:.2f}x")
+            if own is not None and r["full_decode_contexts"] is own_contexts:
+                # what is left of the gap at the round's own contexts is the loop's
+                r["forward_at_own_contexts"], r["forward_at_own_contexts_runs"] = own, owns
+                r["vs_forward_bound"]["full_at_own_contexts"] = r["full_decode_tok_s"] / own["batched_requests_tok_s"]
+                print(f"  16 requests' decodes in one forward at such a round's contexts ({min(own_contexts)}"
+                      f"-{max(own_contexts)} tokens, mean {own['prefix']}): {own['batched_requests_ms']:.1f} ms, the "
+                      f"median of " + ", ".join(f"{b['batched_requests_ms']:.1f}" for b in owns)
+                      + f" ({own['batched_requests_tok_s']:.0f} tok/s); the full rounds ran at "
+                      f"{r['vs_forward_bound']['full_at_own_contexts']:.2f}x of it")
     long_cases = []
     if args.long_prompt:
         print(f"\nlong-prompt case: a short request beside a {args.long_prompt}-token prompt", flush=True)
@@ -404,6 +458,7 @@ def main(argv=None) -> int:
                                "dtype": args.dtype, "device": args.device,
                                "slo_ms_per_token": slo, "max_new_tokens": args.max_new_tokens,
                                "max_prefill_rows": args.max_prefill_rows, "forward_bound": bound,
+                               "forward_bounds": bounds,
                                "long_prompt": long_cases,
                                "curve_at_start": start_curve, "draft_points_at_start": draft_points, "rows": rows},
                               indent=1))
