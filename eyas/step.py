@@ -110,8 +110,11 @@ class DrafterSide(Protocol):
 
     def close_session(self, request_id: str) -> None: ...
 
-    def propose_batch(self, items: list[tuple[str, Seed, TreeSpec]]) -> tuple[list[DraftTree | Refusal], float]:
-        """-> (per item a tree or a refusal, seconds of drafter compute); raises DrafterUnavailable."""
+    def propose_batch(self, items: list[tuple[str, list[Seed], TreeSpec]]) -> tuple[list[DraftTree | Refusal], float]:
+        """Each item: (request id, its unread seeds in order, its tree). The side joins the seeds
+        (``Seed.join``) on the thread that runs its torch compute, since a concatenation on any
+        other thread of the process would give it a second OpenMP team (``eyas.compute``).
+        -> (per item a tree or a refusal, seconds of drafter compute); raises DrafterUnavailable."""
 
     def publish(self, request_ids: list[str]) -> None:
         """Drop these requests' provisional tree rows (the round was published)."""
@@ -131,11 +134,11 @@ class SessionDrafter:
     def close_session(self, request_id: str) -> None:
         self.drafter.close_session(request_id)
 
-    def propose_batch(self, items: list[tuple[str, Seed, TreeSpec]]) -> tuple[list[DraftTree], float]:
+    def propose_batch(self, items: list[tuple[str, list[Seed], TreeSpec]]) -> tuple[list[DraftTree], float]:
         trees, compute_s = [], 0.0
-        for request_id, seed, tree in items:
+        for request_id, seeds, tree in items:   # on the caller's thread, which runs the drafter too
             t0 = time.perf_counter()
-            out = self.drafter.propose(request_id, seed, tree)
+            out = self.drafter.propose(request_id, Seed.join(seeds), tree)
             tree_, seconds = out if isinstance(out, tuple) else (out, time.perf_counter() - t0)
             trees.append(tree_)
             compute_s += seconds
@@ -233,7 +236,7 @@ def propose(target: TargetSide, drafter: DrafterSide | None, batch: list[tuple[D
     if not drafting:
         return trees, [], 0.0, False
     try:
-        out, compute_s = drafter.propose_batch([(s.request_id, Seed.join(s.unread), tree or CONSUME_SEED_ONLY)
+        out, compute_s = drafter.propose_batch([(s.request_id, list(s.unread), tree or CONSUME_SEED_ONLY)
                                                 for s, tree in drafting])
     except DrafterUnavailable:
         for s, _ in drafting:

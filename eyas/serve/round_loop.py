@@ -136,8 +136,11 @@ class WorkerDrafter:
         self.calls("close_session", request_id)
 
     def propose_batch(self, items):
+        """Each item's unread seeds are joined on the compute thread (``DrafterSide.propose_batch``),
+        then handed on as one ``Seed``, or encoded for a drafter in another process."""
+        seeds = compute.run(lambda: [Seed.join(unread) for _, unread, _ in items])
         return self.calls("propose_batch", [(rid, seed if self.local else wire.seed_to_proto(seed, request_id=rid), tree)
-                                            for rid, seed, tree in items])
+                                            for (rid, _, tree), seed in zip(items, seeds)])
 
     def publish(self, request_ids: list[str]) -> None:
         """Nothing to send: the worker drops a round's tree rows when the request's next seed arrives."""

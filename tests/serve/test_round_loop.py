@@ -354,6 +354,44 @@ def test_plain_rounds_skip_the_drafter_and_its_seeds_catch_up_exactly(tiny_targe
     assert not target.sessions and not drafter.session_method
 
 
+class _TorchCallsOnThisThread:
+    """The torch functions called on the thread that enters it (a torch-function mode is per thread)."""
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+
+        names = self.names = []
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                names.append(getattr(func, "__name__", str(func)))
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+
+
+def test_the_loops_own_thread_joins_no_seeds_so_no_second_openmp_team_slows_the_forwards(tiny_target, workers):
+    """A request planned plain for two rounds drafts from three queued seeds, which are joined into
+    one. On the round loop's thread that concatenation gave the process a second OpenMP team (torch's
+    CPU kernels spin up a team per thread that runs them in parallel), and every forward after it ran
+    up to 2x slower (eyas.compute). The drafter side joins them on the compute thread: the loop's
+    thread runs no torch.cat, and the output is target-only's."""
+    target, drafter = workers
+    calls = _TorchCallsOnThisThread()
+    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
+                     drafter.info(), EveryThirdRoundPolicy(), FLAT.copy())
+    round_ = loop._round
+
+    def watched_round():
+        with calls.mode:
+            round_()
+    loop._round = watched_round
+    jobs = [(p, "eagle1") for p in prompts(3)]
+    results = run_all(loop, jobs, n=24)
+    assert_target_only_output(tiny_target, jobs, results, 24)
+    assert sum(x.tree_nodes > 0 for r in results for x in r.rounds) > 0   # it drafted from joined seeds
+    assert calls.names and "cat" not in calls.names, sorted(set(calls.names))
+
+
 def test_the_loop_starts_from_the_drafters_measured_cost_and_skips_a_drafter_that_does_not_pay(tiny_target,
                                                                                                 workers):
     """The drafter worker's start-up measurement (``measure_costs``) reaches the loop through ``info``:
