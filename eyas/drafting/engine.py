@@ -126,12 +126,7 @@ class DrafterEngine:
 
     def close_session(self, request_id: str) -> None:
         """Forget a request; the last KV row moves into its place, so live rows stay ``[0, live)``."""
-        s = self.sessions.pop(request_id, None)
-        if s is None:
-            return
-        moved = self.kv.close_row(s.kv_row)
-        if moved is not None:
-            self.sessions[moved].kv_row = s.kv_row
+        self.kv.close_session(self.sessions, request_id)
 
     def _session(self, request_id: str) -> DraftSession:
         if request_id not in self.sessions:

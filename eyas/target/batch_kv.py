@@ -95,8 +95,19 @@ class BatchKV:
             self.release()
         return moved
 
+    def close_session(self, sessions: dict, request_id: str) -> None:
+        """An engine's close: drop ``request_id``'s session from ``sessions`` (request id -> a session
+        with a ``kv_row``; a no-op for an unknown id), free its row (:meth:`close_row`), and give the
+        session whose row moved into the place its new row."""
+        s = sessions.pop(request_id, None)
+        if s is None:
+            return
+        moved = self.close_row(s.kv_row)
+        if moved is not None:
+            sessions[moved].kv_row = s.kv_row
+
     def release(self) -> None:
-        """Free the storage (the engine calls this when its last request closes)."""
+        """Free the storage (:meth:`close_row` calls this when the last row closes)."""
         self.k = self.k.new_zeros(self.k.shape[0], 0, self.k.shape[2], 0, self.k.shape[4])
         self.v = torch.zeros_like(self.k)
 
