@@ -137,8 +137,12 @@ class WorkerDrafter:
 
     def propose_batch(self, items):
         """Each item's unread seeds are joined on the compute thread (``DrafterSide.propose_batch``),
-        then handed on as one ``Seed``, or encoded for a drafter in another process."""
-        seeds = compute.run(lambda: [Seed.join(unread) for _, unread, _ in items])
+        then handed on as one ``Seed``, or encoded for a drafter in another process. A round whose
+        items hold one seed each (nothing to join) makes no extra hop to that thread."""
+        if all(len(unread) == 1 for _, unread, _ in items):
+            seeds = [unread[0] for _, unread, _ in items]
+        else:
+            seeds = compute.run(lambda: [Seed.join(unread) for _, unread, _ in items])
         return self.calls("propose_batch", [(rid, seed if self.local else wire.seed_to_proto(seed, request_id=rid), tree)
                                             for (rid, _, tree), seed in zip(items, seeds)])
 
