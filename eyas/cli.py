@@ -177,6 +177,9 @@ def cmd_train(args) -> int:
 
     check_device(cfg.device)   # here, before the (slow) load
     set_threads(cfg.threads)
+    from eyas.compute import keep_freed_memory
+
+    keep_freed_memory()   # a training step's large temporaries reuse freed memory (eyas.compute)
     eyas = Eyas(cfg.target, "fp32", device=cfg.device)   # the frozen target extracts the features there
     train, heldout = prepare_features(cfg, eyas)
     trainer = DrafterTrainer(cfg, eyas.model, eyas.loaded.fingerprint.to_dict(), train, heldout)

@@ -129,6 +129,56 @@ def soft_cross_entropy(
     return -(q * log_p).sum(dim=-1).mean()
 
 
+class _RowSoftCrossEntropy(torch.autograd.Function):
+    """Per-row ``-sum_v q(v) log softmax(z)(v)`` in row chunks, fp32 inside: the forward keeps only
+    the log-partition per row, the backward writes ``(softmax(z) * sum q - q) * grad`` straight into
+    the gradient. Nothing of size ``[R, V]`` is materialised besides that gradient, where autograd
+    through ``log_softmax``, the product and the sum keeps several (each a fresh allocation the size
+    of the vocabulary per row: the costliest elementwise work of a drafter's training step)."""
+
+    CHUNK_ROWS = 64
+
+    @staticmethod
+    def forward(ctx, logits, q):  # logits [R, V] any float; q [R, V] fp32 -> [R] fp32
+        lse = torch.empty(logits.shape[0], dtype=LOSS_DTYPE, device=logits.device)
+        out = torch.empty_like(lse)
+        qsum = torch.empty_like(lse)
+        for a in range(0, logits.shape[0], _RowSoftCrossEntropy.CHUNK_ROWS):
+            z = logits[a:a + _RowSoftCrossEntropy.CHUNK_ROWS].to(LOSS_DTYPE)
+            qc = q[a:a + _RowSoftCrossEntropy.CHUNK_ROWS]
+            lse[a:a + z.shape[0]] = torch.logsumexp(z, dim=-1)
+            qsum[a:a + z.shape[0]] = qc.sum(-1)
+            out[a:a + z.shape[0]] = lse[a:a + z.shape[0]] * qsum[a:a + z.shape[0]] - (qc * z).sum(-1)
+        ctx.save_for_backward(logits, q, lse, qsum)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [R]
+        logits, q, lse, qsum = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for a in range(0, logits.shape[0], _RowSoftCrossEntropy.CHUNK_ROWS):
+            b = min(a + _RowSoftCrossEntropy.CHUNK_ROWS, logits.shape[0])
+            p = torch.exp(logits[a:b].to(LOSS_DTYPE) - lse[a:b, None])
+            grad_logits[a:b] = ((p * qsum[a:b, None] - q[a:b]) * grad[a:b, None]).to(logits.dtype)
+        return grad_logits, None
+
+
+def row_soft_cross_entropy(
+    draft_logits: Tensor,  # [R, V], any float dtype (BF16 under autocast)
+    target_probs: Tensor,  # [R, V] q, no gradient
+) -> Tensor:  # [R] fp32
+    """Each row's ``-sum_v q(v) log p(v)``, ``p = softmax(draft_logits)`` (the summand of
+    :func:`soft_cross_entropy`), with a fused, chunked backward (:class:`_RowSoftCrossEntropy`)."""
+    _check(draft_logits, "draft_logits", 2)
+    _check(target_probs, "target_probs", 2)
+    if draft_logits.shape != target_probs.shape:
+        raise ValueError(f"target_probs: shape {tuple(target_probs.shape)} != draft_logits shape "
+                         f"{tuple(draft_logits.shape)}")
+    if target_probs.requires_grad:
+        raise ValueError("target_probs: the target distribution takes no gradient")
+    return _RowSoftCrossEntropy.apply(draft_logits, target_probs.to(LOSS_DTYPE))
+
+
 def eagle1_loss(
     l_reg: Tensor | float,  # [] L_reg
     l_cls: Tensor | float,  # [] L_cls

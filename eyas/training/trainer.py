@@ -32,8 +32,7 @@ from eyas.drafting.model import Drafter, DrafterConfig, drafter_feature_address,
 from eyas.target.model import FeatureTap, GrowingKV, TargetModel
 from eyas.training.config import TrainConfig
 from eyas.training.features import FeatureBatch, FeatureCache, training_taps
-from eyas.training.losses import (build_draft_vocab, feature_noise, masked_smooth_l1, soft_cross_entropy,
-                                  topk_distillation)
+from eyas.training.losses import build_draft_vocab, feature_noise, row_soft_cross_entropy
 from eyas.training.masks import rollout_valid, rollout_visibility
 from eyas.training.rows import dense_row_masks
 from eyas.target.loader import DTYPES, check_device
@@ -93,7 +92,10 @@ class DrafterTrainer:
             self.drafter.set_draft_vocab(build_draft_vocab(counts, dcfg.out_vocab))
         self.drafter.to(self.device)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        # fused: one kernel per parameter for the whole update (the foreach path makes a pass, and a
+        # fresh head-sized temporary, per arithmetic op)
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                           fused=True)
         self.steps_per_epoch = max(1, len(self.train_data) // cfg.batch_samples)
         self.total_steps = max(1, int(math.ceil(cfg.epochs * self.steps_per_epoch)))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -165,63 +167,107 @@ class DrafterTrainer:
         steps = self.num_steps
         supervised = rollout_valid(valid, seg, loss_mask, steps)                         # [steps, N]
         visible = rollout_visibility(seg, row_valid, steps)                               # [steps, N, steps*N]
+        with torch.no_grad():   # the frozen target's distribution of every row's next token, once a pack
+            q_all = torch.softmax(self._teacher_logits(final, exact=stats is not None), dim=-1)   # [N, V or Vd] fp32
+        # one autocast region for the whole rollout: autocast casts each drafter weight to the compute
+        # dtype once per region (its cast cache), where a region per call recast every weight each call
         with self.autocast():
             if cfg.method == "eagle3":
                 taps = [feats[:, k * d:(k + 1) * d] for k in range(3)]                    # raw low/mid/high
                 taps = [self.target.norm(t) if tap.normed else t for t, tap in zip(taps, self.serve_taps)]
                 state = self.drafter.target_state(torch.cat(taps, dim=-1))               # [N, d]
-                head_draft = self.target.lm_head.weight[self.drafter.d2t]                 # [Vd, d]
             else:
                 state = final + (torch.cat([feature_noise(final[a:a + n][None], cfg.noise, self.noise_gen)[0]
                                             for a, n in zip(starts.tolist(), lengths)]) if noise else 0.0)
-        cache = GrowingKV(1)
-        rows = torch.arange(N, device=dev)
-        total, n_sup = None, int(supervised[0].sum())
-        for s in range(steps):
-            nxt = torch.minimum(rows + s + 1, last)     # token x_{i+s+1} and teacher index f_{i+s+1}, in its sample
-            with self.autocast():
+            cache = GrowingKV(1)
+            rows = torch.arange(N, device=dev)
+            n_sup = int(supervised[0].sum())
+            outs, teacher_rows, weights, step_of_row = [], [], [], []
+            for s in range(steps):
+                nxt = torch.minimum(rows + s + 1, last)  # token x_{i+s+1} and teacher index f_{i+s+1}, in its sample
                 h = self.drafter(state[None], self.target.embed(ids[nxt])[None], (local + s)[None], cache, s * N,
                                  visible[s, :, :(s + 1) * N][None])[0]                   # [N, d]
-            m = supervised[s]
-            if int(m.sum()) == 0:
-                break
-            per_sample = torch.bincount(seg[m], minlength=len(samples)).tolist()         # supervised rows of each
-            target_feature = final[nxt][m]
-            with torch.no_grad():
-                if cfg.method == "eagle3":
-                    q = torch.softmax((target_feature @ head_draft.T).float(), dim=-1)   # draft-vocab q
-                else:
-                    q = torch.softmax(self.target.lm_head(target_feature).float(), dim=-1)
-            with self.autocast():
-                logits = (self.drafter.logits(h[m], self.target.lm_head) if cfg.method == "eagle3"
-                          else self.target.lm_head(h[m])).float()
-            parts = [self._rows_loss(h_k, logits_k, f_k, q_k) for h_k, logits_k, f_k, q_k in
-                     zip(*(x.split(per_sample) for x in (h[m], logits, target_feature, q))) if h_k.shape[0]]
-            weighted = (cfg.ttt_decay ** s if cfg.method == "eagle3" else 1.0) * sum(parts)
-            total = weighted if total is None else total + weighted
-            if stats is not None:
-                top = logits.topk(3, dim=-1).indices
-                tgt = q.argmax(-1, keepdim=True)
-                stats.setdefault("top1", [0] * steps)[s] += int((top[:, :1] == tgt).sum())
-                stats.setdefault("top3", [0] * steps)[s] += int((top == tgt).any(-1).sum())
-                stats.setdefault("rows", [0] * steps)[s] += int(m.sum())
-                stats.setdefault("loss", [0.0] * steps)[s] += sum(float(p) * c for p, c in
-                                                                   zip(parts, [c for c in per_sample if c]))
-            state = h
+                m = supervised[s]
+                if int(m.sum()) == 0:
+                    break
+                # each sample's loss at this step is the mean over its own supervised rows
+                per_sample = torch.bincount(seg[m], minlength=len(samples)).to(torch.float32)  # [K]
+                step_weight = cfg.ttt_decay ** s if cfg.method == "eagle3" else 1.0
+                outs.append(h[m])
+                teacher_rows.append(nxt[m])
+                weights.append(step_weight / per_sample[seg[m]])
+                step_of_row.append(torch.full((int(m.sum()),), s, device=dev))
+                state = h
+            if not outs:
+                return None, n_sup
+            # one head call and one loss for every step's supervised rows (R of them)
+            h_rows = torch.cat(outs)                                                     # [R, d]
+            teacher = torch.cat(teacher_rows)                                            # [R] rows of f_{i+s+1}
+            logits = (self.drafter.head(self.drafter.norm(h_rows)) if cfg.method == "eagle3"
+                      else self._frozen_head(h_rows))                                    # [R, V or Vd]
+        q = q_all[teacher]                                                               # [R, V or Vd] fp32
+        row_loss = self._row_losses(h_rows, logits, final[teacher], q)                  # [R] fp32
+        total = (torch.cat(weights) * row_loss).sum()
+        if stats is not None:
+            step_of_row = torch.cat(step_of_row)
+            top = logits.detach().float().topk(3, dim=-1).indices
+            tgt = q.argmax(-1, keepdim=True)
+            hit1, hit3 = (top[:, :1] == tgt)[:, 0], (top == tgt).any(-1)
+            for s in range(steps):
+                at = step_of_row == s
+                stats.setdefault("top1", [0] * steps)[s] += int(hit1[at].sum())
+                stats.setdefault("top3", [0] * steps)[s] += int(hit3[at].sum())
+                stats.setdefault("rows", [0] * steps)[s] += int(at.sum())
+                stats.setdefault("loss", [0.0] * steps)[s] += float(row_loss[at].sum())
         return total, n_sup
 
-    def _rows_loss(self, h: torch.Tensor, logits: torch.Tensor, target_feature: torch.Tensor, q: torch.Tensor
-                   ) -> torch.Tensor:
-        """One sample's loss at one rollout step (before EAGLE-3's step weight), the mean over its
-        supervised rows (all of these): h [M, d], logits [M, V], target_feature [M, d], q [M, V] -> []."""
+    def _teacher_logits(self, final: torch.Tensor, exact: bool) -> torch.Tensor:
+        """The frozen target's logits of LM-head inputs ``final`` [N, d] -> [N, Vd] over the draft
+        vocabulary (EAGLE-3) or [N, V] (EAGLE-1, HASS), returned as float32. EAGLE-3's head rows are
+        gathered once per draft vocabulary, not once a pack. ``exact``: in float32 (evaluation, whose
+        top-1 is against the target's argmax); else in the training dtype (a soft label's last bits
+        do not move its gradient, and the product is the step's largest one in float32)."""
+        dtype = torch.float32 if exact else DTYPES[self.cfg.dtype]
+        if self.cfg.method != "eagle3":
+            weight = self.target.lm_head.weight
+            if dtype != weight.dtype:
+                weight = self._frozen_head_weight(dtype)
+            return (final.to(dtype) @ weight.T).float()
+        key = self.drafter.d2t.data_ptr(), self.drafter.d2t._version, dtype
+        if getattr(self, "_head_draft_key", None) != key:
+            self._head_draft = self.target.lm_head.weight[self.drafter.d2t].to(dtype).contiguous()   # [Vd, d]
+            self._head_draft_key = key
+        return (final.to(dtype) @ self._head_draft.T).float()
+
+    def _frozen_head_weight(self, dtype: torch.dtype) -> torch.Tensor:  # [V, d]
+        """The frozen target LM head's weight in ``dtype``, cast once."""
+        if getattr(self, "_head_lowp", None) is None or self._head_lowp.dtype != dtype:
+            self._head_lowp = self.target.lm_head.weight.detach().to(dtype)
+        return self._head_lowp
+
+    def _frozen_head(self, h: torch.Tensor) -> torch.Tensor:
+        """The frozen target LM head on drafter outputs h [M, d] -> [M, V] (EAGLE-1, HASS). Under
+        autocast its weight is cast once and kept: autocast recasts only trainable weights once a
+        region, and a frozen one every call."""
+        dtype = DTYPES[self.cfg.dtype]
+        if dtype == torch.float32:
+            return self.target.lm_head(h)
+        return torch.nn.functional.linear(h.to(dtype), self._frozen_head_weight(dtype))
+
+    def _row_losses(self, h: torch.Tensor, logits: torch.Tensor, target_feature: torch.Tensor, q: torch.Tensor
+                    ) -> torch.Tensor:
+        """Each supervised row's loss (before its step weight and its sample's mean): h [R, d],
+        logits [R, V], target_feature [R, d], q [R, V] -> [R] fp32."""
         cfg = self.cfg
-        ones = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+        ce = row_soft_cross_entropy(logits, q)
         if cfg.method == "eagle3":
-            return soft_cross_entropy(logits, q, ones)
-        loss = (cfg.reg_weight * masked_smooth_l1(h.float(), target_feature, ones)
-                + cfg.cls_weight * soft_cross_entropy(logits, q, ones))
+            return ce
+        reg = torch.nn.functional.smooth_l1_loss(h.float(), target_feature.float(), reduction="none").mean(-1)
+        loss = cfg.reg_weight * reg + cfg.cls_weight * ce
         if cfg.method == "hass":
-            loss = loss + cfg.hass_topk_weight * topk_distillation(logits, q, ones, cfg.hass_topk)
+            log_p = torch.log_softmax(logits.float(), dim=-1)
+            q_top, top_ids = q.topk(cfg.hass_topk, dim=-1)
+            loss = loss - cfg.hass_topk_weight * (q_top * log_p.gather(-1, top_ids)).sum(-1)
         return loss
 
     def autocast(self):
