@@ -184,6 +184,13 @@ def cmd_train(args) -> int:
     train, heldout = prepare_features(cfg, eyas)
     trainer = DrafterTrainer(cfg, eyas.model, eyas.loaded.fingerprint.to_dict(), train, heldout)
     summary = trainer.fit()
+    if "stopped_at" in summary:
+        return 1
+    if cfg.schedule == "wsd" and summary["points"]:
+        for tokens, point in summary["points"].items():
+            print(f"point {tokens}: {point['drafter']} (held-out top-1 "
+                  f"{[round(x, 3) for x in point['heldout']['top1']]})")
+        return 0
     path = trainer.export(summary)
     print(f"drafter written to {path} ({summary['steps']} steps, {summary['wall_s']} s)")
     return 0

@@ -25,12 +25,26 @@ class DataConfig(BaseModel):
     # the train cache to read, made for this many samples (None = train_samples); the run trains on
     # its first train_samples, so runs of several data sizes (a learning curve) share one extraction
     cache_samples: int | None = Field(None, ge=1)
+    # beside the target's own answers (regenerate: true), this many ShareGPT conversations whole:
+    # every assistant turn supervised by the target's soft distribution (EAGLE-1's data), no decoding
+    sharegpt_samples: int = Field(0, ge=0)
+    # where the training features come from: "cache" (extracted once to disk, float16, then read)
+    # or "online" (the frozen target runs inside the training step, in feature_dtype; nothing on disk)
+    features: Literal["cache", "online"] = "cache"
+    feature_dtype: Literal["float32", "bfloat16"] = "float32"   # online extraction's compute dtype
 
     @model_validator(mode="after")
     def _cache_holds_the_train_samples(self):
         if self.cache_samples is not None and self.cache_samples < self.train_samples:
             raise ValueError(f"cache_samples ({self.cache_samples}) must be at least train_samples "
                              f"({self.train_samples})")
+        if self.sharegpt_samples and not self.regenerate:
+            raise ValueError("sharegpt_samples: ShareGPT conversations are added beside the target's own "
+                             "answers (regenerate: true); without them train_samples already counts ShareGPT")
+        if self.sharegpt_samples and self.features != "online":
+            raise ValueError("sharegpt_samples: the mix is read online (features: online)")
+        if self.feature_dtype != "float32" and self.features != "online":
+            raise ValueError("feature_dtype: applies to online features (the cache is extracted in float32)")
         return self
 
 
@@ -71,6 +85,14 @@ class TrainConfig(BaseModel):
     # one; "auto": 2048 on a GPU, one by one on the CPU (where packing measured 0.75x at fp32: the
     # attention over a pack grows with its square)
     pack_tokens: int | Literal["auto"] | None = "auto"
+    # learning-rate schedule: "cosine" (warmup, cosine to 10 % over the run) or "wsd" (warmup, then
+    # constant; at each of decay_points -- supervised tokens seen -- a branch continues from the
+    # stable state for decay_fraction of those tokens with the rate falling linearly to 0, and is
+    # exported as a drafter of its own under out/point-<tokens>; the main run goes on from the
+    # stable state, so every point is both a learning-curve point and a shippable drafter)
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_points: list[int] = Field(default_factory=list)
+    decay_fraction: float = Field(0.1, gt=0, le=1)
 
     @model_validator(mode="after")
     def _device_parses(self):
@@ -79,6 +101,10 @@ class TrainConfig(BaseModel):
         check_device(self.device, here=False)
         if isinstance(self.pack_tokens, int) and self.pack_tokens < 16:
             raise ValueError(f"pack_tokens: must be at least 16, got {self.pack_tokens}")
+        if self.decay_points and self.schedule != "wsd":
+            raise ValueError("decay_points: only a wsd schedule branches")
+        if sorted(set(self.decay_points)) != self.decay_points or any(p < 1 for p in self.decay_points):
+            raise ValueError(f"decay_points: supervised-token counts, positive and increasing, got {self.decay_points}")
         return self
 
     def pack_limit(self) -> int | None:

@@ -192,3 +192,58 @@ class StoredFeatureBatch:
     @property
     def features(self) -> torch.Tensor:  # [S, n_taps * d] float16
         return self.shard.rows(self.start, self.start + self.input_ids.numel())
+
+
+class OnlineFeatures:
+    """Features made when a sample is read: the frozen target runs over it inside the training step
+    (SpecForge's online mode) in ``dtype``, so nothing is written to disk and a stream of any length
+    trains in constant space. Each sample costs one target forward per epoch; a cache costs one in
+    all plus about 4.6 KB a token of disk (float16, four taps of 576), so the online source fits a
+    single streaming pass and the cache several epochs.
+
+    ``dtype`` bfloat16 runs a bfloat16 copy of the target (about 3x the float32 rate on a CPU with
+    AVX-512 BF16); its features and soft labels differ from float32 in the last bits
+    (``docs/benchmarks.md`` measures what that does to a drafter)."""
+
+    def __init__(self, model: TargetModel, samples: list[Sample], taps: tuple[FeatureTap, ...],
+                 dtype: torch.dtype = torch.float32):
+        import copy
+
+        assert not any(p.requires_grad for p in model.parameters()), "the target must be frozen"
+        self.model = model if model.embed.weight.dtype == dtype else copy.deepcopy(model).to(dtype)
+        self.taps = taps
+        self.dtype = dtype
+        longest = max((len(s.input_ids) for s in samples), default=0)
+        if longest > model.cfg.max_context:
+            raise ValueError(f"data.max_len: a sample holds {longest} tokens, beyond the target's context "
+                             f"({model.cfg.max_context}); lower data.max_len")
+        self._samples = samples
+
+    def samples(self) -> list["OnlineFeatureBatch"]:
+        return [OnlineFeatureBatch(s.sample_id, s.input_ids, s.loss_mask, s.position_id, self) for s in self._samples]
+
+    @torch.no_grad()   # not inference_mode: the features enter autograd as inputs of the drafter
+    def features(self, input_ids: torch.Tensor, position_id: torch.Tensor) -> torch.Tensor:  # [S, n_taps * d]
+        model = self.model
+        dev = model.embed.weight.device
+        n = input_ids.numel()
+        cache = model.allocate_cache(1, n)
+        mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril().unsqueeze(0)   # [1, n, n]
+        out = model(input_ids[None].to(dev), position_id[None].to(dev), cache, 0, mask, self.taps,
+                    logits_rows="none")
+        return out.features[0]
+
+
+@dataclass(frozen=True)
+class OnlineFeatureBatch:
+    """A :class:`FeatureBatch` whose features the target computes when they are read."""
+
+    sample_id: str
+    input_ids: torch.Tensor    # [S] int64
+    loss_mask: torch.Tensor    # [S] bool
+    position_id: torch.Tensor  # [S] int64
+    source: OnlineFeatures
+
+    @property
+    def features(self) -> torch.Tensor:  # [S, n_taps * d], the source's dtype
+        return self.source.features(self.input_ids, self.position_id)

@@ -1,6 +1,7 @@
 """Build (or resume) the feature caches a training run reads: train and held-out splits."""
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -8,7 +9,8 @@ from tqdm import tqdm
 
 from eyas.training.config import TrainConfig
 from eyas.training.data import Sample, conversations, render
-from eyas.training.features import FeatureCache, training_taps
+from eyas.target.loader import DTYPES
+from eyas.training.features import FeatureCache, OnlineFeatures, training_taps
 
 
 def cache_dirs(cfg: TrainConfig) -> tuple[Path, Path]:
@@ -17,12 +19,19 @@ def cache_dirs(cfg: TrainConfig) -> tuple[Path, Path]:
     return root / f"train-{cfg.data.cache_samples or cfg.data.train_samples}-{tag}", root / f"heldout-{cfg.data.heldout_samples}-{tag}"
 
 
-def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache, FeatureCache]:
+def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache | OnlineFeatures, FeatureCache]:
+    """The train split's features (a cache on disk, or an online source with ``data.features:
+    online``) and the held-out split's cache (always extracted once, in float32: every run is
+    measured against the same labels)."""
     fingerprint = eyas.loaded.fingerprint.to_dict()
     taps = training_taps(eyas.model)
     caches = []
     for (split, count), folder in zip((("train", cfg.data.cache_samples or cfg.data.train_samples), ("heldout", cfg.data.heldout_samples)),
                                       cache_dirs(cfg)):
+        if split == "train" and cfg.data.features == "online":
+            caches.append(OnlineFeatures(eyas.model, train_samples(cfg, eyas.tokenizer, folder), taps,
+                                         DTYPES[cfg.data.feature_dtype]))
+            continue
         cache = FeatureCache(folder)
         if cache.manifest_path.exists() and cache.manifest().get("complete"):
             cache.check(fingerprint, taps)
@@ -39,6 +48,40 @@ def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache, FeatureCache
         cache.extract(eyas.model, fingerprint, samples, taps, info)
         caches.append(cache)
     return caches[0], caches[1]
+
+
+def train_samples(cfg: TrainConfig, tokenizer, folder: Path) -> list[Sample]:
+    """The train split as token ids and masks: the target's own answers (``regenerate``) and, with
+    ``sharegpt_samples``, that many ShareGPT conversations whole (every assistant turn supervised).
+    The rendered conversations are kept beside the caches (``<folder>.sharegpt-<n>.pt``)."""
+    d = cfg.data
+    if not d.regenerate:
+        return sharegpt_samples(tokenizer, d.train_samples, d.max_len, folder.with_name(f"sharegpt-train-{d.train_samples}-len{d.max_len}.pt"))
+    out = regenerated_samples(cfg, tokenizer, "train", d.train_samples, folder)
+    if d.sharegpt_samples:
+        out += sharegpt_samples(tokenizer, d.sharegpt_samples, d.max_len,
+                                folder.with_name(f"sharegpt-train-{d.sharegpt_samples}-len{d.max_len}.pt"))
+    return out
+
+
+def sharegpt_samples(tokenizer, count: int, max_len: int, path: Path) -> list[Sample]:
+    """The first ``count`` ShareGPT train conversations, rendered whole (``eyas.training.data.render``),
+    read from ``path`` when an earlier run rendered them with the same tokenizer."""
+    import torch
+
+    key = {"count": count, "max_len": max_len, "tokenizer": tokenizer.name_or_path,
+           "vocab": len(tokenizer), "template": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()}
+    if path.exists():
+        stored = torch.load(path, weights_only=False)
+        if stored.get("key") == key:
+            return stored["samples"]
+    samples = [s for sid, msgs in tqdm(conversations("train", limit=count), total=count, desc="render sharegpt",
+                                       leave=False)
+               if (s := render(tokenizer, sid, msgs, max_len)) is not None]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": key, "samples": samples}, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
+    return samples
 
 
 def regenerated_samples(cfg: TrainConfig, tokenizer, split: str, count: int, cache_folder: Path) -> list[Sample]:

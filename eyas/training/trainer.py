@@ -31,7 +31,7 @@ from eyas.drafting.manifest import TreeABI, manifest_for, save_drafter
 from eyas.drafting.model import Drafter, DrafterConfig, drafter_feature_address, init_drafter
 from eyas.target.model import FeatureTap, GrowingKV, TargetModel
 from eyas.training.config import TrainConfig
-from eyas.training.features import FeatureBatch, FeatureCache, training_taps
+from eyas.training.features import FeatureBatch, FeatureCache, OnlineFeatures, training_taps
 from eyas.training.losses import build_draft_vocab, feature_noise, row_soft_cross_entropy
 from eyas.training.masks import rollout_valid, rollout_visibility
 from eyas.training.rows import dense_row_masks
@@ -75,7 +75,9 @@ class DrafterTrainer:
         self.out = Path(out or cfg.out)
         self.d = target.cfg.hidden_size
         taps = training_taps(target)
-        self.train_data = self._load(train, fingerprint, taps)[:cfg.data.train_samples]  # a prefix (data.cache_samples)
+        self.train_data = self._load(train, fingerprint, taps)
+        if isinstance(train, FeatureCache):   # a prefix of a larger cache (data.cache_samples)
+            self.train_data = self.train_data[:cfg.data.train_samples]
         self.heldout_data = self._load(heldout, fingerprint, taps)
         method = "eagle3" if cfg.method == "eagle3" else "eagle1"
         dcfg = DrafterConfig.for_target(method, target.cfg,
@@ -101,6 +103,9 @@ class DrafterTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step = 0
         self.noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        # a wsd decay branch in progress: {"tokens", "start", "length"} (None on the main run)
+        self.branch: dict | None = None
+        self._perms: dict[int, list[int]] = {}
 
     def _warm_start(self, folder: Path, method: str, dcfg: DrafterConfig) -> None:
         """Start from a shipped drafter's weights (and its draft vocabulary): fresh optimizer and schedule."""
@@ -118,14 +123,24 @@ class DrafterTrainer:
             self.drafter.set_draft_vocab(source.d2t.clone())
 
     @staticmethod
-    def _load(cache: FeatureCache, fingerprint: dict, taps) -> list[FeatureBatch]:
+    def _load(cache: FeatureCache | OnlineFeatures, fingerprint: dict, taps) -> list[FeatureBatch]:
+        if isinstance(cache, OnlineFeatures):
+            if cache.taps != taps:
+                raise ValueError(f"features.taps: {cache.taps} != the trainer's {taps}")
+            return cache.samples()
         cache.check(fingerprint, taps)
         return cache.samples(stream=True)   # features read from disk per step: a cache of any size fits
 
     def _lr_factor(self, step: int) -> float:
-        """Linear warmup, then cosine decay to 10 %."""
+        """Linear warmup, then cosine decay to 10 % (``cosine``), or constant (``wsd``), falling
+        linearly to 0 over a decay branch: 1 at its first step, 1/length at its last."""
         if step < self.cfg.warmup_steps:
             return (step + 1) / self.cfg.warmup_steps
+        if self.cfg.schedule == "wsd":
+            branch = getattr(self, "branch", None)
+            if branch is None:
+                return 1.0
+            return max(branch["start"] + branch["length"] - step, 0) / branch["length"]
         progress = (step - self.cfg.warmup_steps) / max(1, self.total_steps - self.cfg.warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
@@ -133,9 +148,33 @@ class DrafterTrainer:
     def batch_indices(self, step: int) -> list[int]:
         """The samples of optimizer step ``step``: a seeded permutation per epoch (resumable by step)."""
         epoch, within = divmod(step, self.steps_per_epoch)
-        perm = torch.randperm(len(self.train_data), generator=torch.Generator().manual_seed(self.cfg.seed + epoch))
+        if epoch not in self._perms:
+            self._perms = {epoch: torch.randperm(len(self.train_data),
+                                                 generator=torch.Generator().manual_seed(self.cfg.seed + epoch)).tolist()}
         b = self.cfg.batch_samples
-        return perm[within * b:(within + 1) * b].tolist()
+        return self._perms[epoch][within * b:(within + 1) * b]
+
+    def supervised_tokens_before(self, steps: int) -> list[int]:
+        """Supervised tokens seen before each step ``0..steps`` (``steps + 1`` counts)."""
+        sizes = [int(fb.loss_mask.sum()) for fb in self.train_data]
+        out, seen = [0], 0
+        for step in range(steps):
+            seen += sum(sizes[i] for i in self.batch_indices(step))
+            out.append(seen)
+        return out
+
+    def decay_point_steps(self) -> list[tuple[int, int]]:
+        """(tokens, step) for each ``decay_points`` entry: the first step at which that many supervised
+        tokens have been seen. A point beyond the run's data (``epochs``) is refused, naming it."""
+        seen = self.supervised_tokens_before(self.total_steps)
+        out = []
+        for tokens in self.cfg.decay_points:
+            step = next((k for k, n in enumerate(seen) if n >= tokens), None)
+            if step is None:
+                raise ValueError(f"config.decay_points: {tokens} supervised tokens is past the run's "
+                                 f"{seen[-1]} ({self.total_steps} steps); add data or epochs")
+            out.append((tokens, step))
+        return out
 
     # --- the rollout loss ------------------------------------------------------------------------------
     @property
@@ -316,17 +355,17 @@ class DrafterTrainer:
                 "loss": [x / r for x, r in zip(stats.get("loss", [0.0]), rows)]}
 
     # --- checkpoints -----------------------------------------------------------------------------------
-    def save_state(self) -> None:
+    def save_state(self, name: str = STATE_FILE) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "step": self.step,
-                 "noise_gen": self.noise_gen.get_state(), "method": self.cfg.method}
-        tmp = self.out / (STATE_FILE + ".tmp")
+                 "noise_gen": self.noise_gen.get_state(), "method": self.cfg.method, "branch": self.branch}
+        tmp = self.out / (name + ".tmp")
         torch.save(state, tmp)
-        os.replace(tmp, self.out / STATE_FILE)
+        os.replace(tmp, self.out / name)
 
-    def load_state(self) -> bool:
-        path = self.out / STATE_FILE
+    def load_state(self, name: str = STATE_FILE) -> bool:
+        path = self.out / name
         if not path.exists():
             return False
         state = torch.load(path, map_location=self.device, weights_only=False)
@@ -337,9 +376,10 @@ class DrafterTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self.noise_gen.set_state(state["noise_gen"].cpu())
+        self.branch = state.get("branch")
         return True
 
-    def export(self, summary: dict) -> Path:
+    def export(self, summary: dict, out: Path | None = None) -> Path:
         """Write the servable checkpoint: model.safetensors + manifest.json."""
         default_tree = {"kind": "dynamic", "expand_width": 4, "max_depth": 5, "verify_budget": 16}
         weights = {"reg_weight": self.cfg.reg_weight, "cls_weight": self.cfg.cls_weight}
@@ -355,11 +395,13 @@ class DrafterTrainer:
                                 tree_abi=TreeABI(default_tree=default_tree), loss_weights=weights,
                                 recipe={"trained_as": self.cfg.method, **summary,
                                         "config": json.loads(self.cfg.model_dump_json())})
-        return save_drafter(self.out, self.drafter, manifest)
+        return save_drafter(out or self.out, self.drafter, manifest)
 
     # --- the loop ----------------------------------------------------------------------------------------
     def fit(self, stop_after: int | None = None) -> dict:
         """Train to ``total_steps`` (resuming from a saved state); ``stop_after`` simulates a kill."""
+        if self.cfg.schedule == "wsd":
+            return self.fit_wsd(stop_after)
         resumed = self.load_state()
         t0, last, skipped = time.perf_counter(), None, 0
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.cfg.method}", dynamic_ncols=True)
@@ -404,3 +446,101 @@ class DrafterTrainer:
               f"top-1 {final['top1'][0]:.3f}, top-3 {final['top3'][0]:.3f}; per-step top-1 "
               f"{[round(x, 3) for x in final['top1']]}")
         return summary
+
+    # --- warmup-stable-decay with decay branches -------------------------------------------------------
+    BRANCH_FILE = "branch_state.pt"
+    POINTS_FILE = "points.json"
+    LOG_FILE = "curve.jsonl"
+
+    def _log(self, record: dict) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / self.LOG_FILE, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def _points_done(self) -> dict:
+        path = self.out / self.POINTS_FILE
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def fit_wsd(self, stop_after: int | None = None) -> dict:
+        """The ``wsd`` schedule: warmup, then a constant rate to the last decay point; at each point the
+        stable state is saved and a decay branch trains on from it (the next ``decay_fraction`` of the
+        steps so far, the rate falling linearly to 0), is evaluated on the held-out split and exported
+        to ``out/point-<tokens>``; then the main run resumes from the stable state. Every phase
+        checkpoints; a rerun resumes where it stopped (a branch first). ``stop_after``: stop (saving)
+        once that many optimizer steps have run in this call, as a kill would."""
+        cfg = self.cfg
+        points = self.decay_point_steps() if cfg.decay_points else []
+        end = points[-1][1] if points else self.total_steps
+        seen = self.supervised_tokens_before(end + (math.ceil(cfg.decay_fraction * end) if points else 0))
+        t0, ran = time.perf_counter(), 0
+        resumed = self.load_state(self.BRANCH_FILE) or self.load_state()
+        summaries = self._points_done()
+        print(f"wsd: {len(points)} decay points {[p for p, _ in points]} (steps {[k for _, k in points]}); "
+              f"main run to step {end}; resuming at step {self.step}" + (f" in the branch at {self.branch['tokens']}"
+                                                                         if self.branch else ""), flush=True)
+
+        def run_to(stop: int, phase: str, state_file: str) -> bool:
+            nonlocal ran
+            bar = tqdm(total=stop, initial=self.step, desc=f"{phase} {cfg.method}", dynamic_ncols=True)
+            ema = None
+            while self.step < stop:
+                if stop_after is not None and ran >= stop_after:
+                    self.save_state(state_file)
+                    bar.close()
+                    return False
+                stats = self.train_step()
+                ran += 1
+                bar.update(1)
+                if stats is not None:
+                    ema = stats.loss if ema is None else 0.95 * ema + 0.05 * stats.loss
+                    bar.set_postfix(loss=f"{ema:.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.1e}",
+                                    tokens=f"{seen[min(self.step, len(seen) - 1)] / 1e6:.2f}M")
+                if phase == "main" and self.step % cfg.eval_every == 0:
+                    last = self.evaluate()
+                    self._log({"phase": "stable", "step": self.step, "supervised_tokens": seen[self.step],
+                               "heldout": last, "wall_s": round(time.perf_counter() - t0, 1)})
+                    bar.write(f"step {self.step} ({seen[self.step]} supervised tokens): held-out per-step top1 "
+                              f"{[round(x, 3) for x in last['top1']]}")
+                if self.step % cfg.checkpoint_every == 0:
+                    self.save_state(state_file)
+            bar.close()
+            return True
+
+        for tokens, step in points:
+            if str(tokens) in summaries:
+                continue
+            if self.branch is None:            # the main run up to this point, then its stable state
+                if not run_to(step, "main", STATE_FILE):
+                    return {"stopped_at": self.step}
+                self.save_state()
+                self.branch = {"tokens": tokens, "start": step, "length": max(1, math.ceil(cfg.decay_fraction * step))}
+                self.scheduler.last_epoch = self.step - 1
+                self.scheduler.step()          # the branch's own rate from its first step
+                self.save_state(self.BRANCH_FILE)
+            b = self.branch
+            if not run_to(b["start"] + b["length"], f"decay@{tokens}", self.BRANCH_FILE):
+                return {"stopped_at": self.step}
+            heldout = self.evaluate()
+            summary = {"supervised_tokens": tokens, "stable_steps": b["start"], "decay_steps": b["length"],
+                       "steps": self.step, "supervised_tokens_with_decay": seen[min(self.step, len(seen) - 1)],
+                       "train_samples": len(self.train_data), "schedule": "wsd", "heldout": heldout,
+                       "wall_s": round(time.perf_counter() - t0, 1)}
+            path = self.export(summary, self.out / f"point-{tokens}")
+            self._log({"phase": "decayed", "step": self.step, **summary})
+            summaries[str(tokens)] = {**summary, "drafter": str(path)}
+            tmp = self.out / (self.POINTS_FILE + ".tmp")
+            tmp.write_text(json.dumps(summaries, indent=1))
+            os.replace(tmp, self.out / self.POINTS_FILE)
+            print(f"point {tokens}: held-out per-step top-1 {[round(x, 3) for x in heldout['top1']]}, "
+                  f"top-3 {[round(x, 3) for x in heldout['top3']]} -> {path}", flush=True)
+            (self.out / self.BRANCH_FILE).unlink(missing_ok=True)
+            self.branch = None
+            self.load_state()                  # back to the stable state at this point
+        if not points:
+            if not run_to(end, "main", STATE_FILE):
+                return {"stopped_at": self.step}
+            self.save_state()
+        final = summaries[str(points[-1][0])] if points else {"heldout": self.evaluate()}
+        return {"steps": self.step, "points": summaries, "heldout": final["heldout"], "resumed": resumed,
+                "wall_s": round(time.perf_counter() - t0, 1), "train_samples": len(self.train_data),
+                "schedule": "wsd"}

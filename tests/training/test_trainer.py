@@ -206,3 +206,84 @@ def test_pack_tokens_auto_packs_on_a_gpu_only():
     assert TrainConfig(pack_tokens=512).pack_limit() == 512 and TrainConfig(pack_tokens=None).pack_limit() is None
     with pytest.raises(ValueError, match="pack_tokens: must be at least 16"):
         TrainConfig(pack_tokens=8)
+
+
+def test_wsd_branches_at_each_point_export_drafters_and_a_killed_run_resumes_to_the_same_weights(tiny_setup, tmp_path):
+    """wsd: constant rate after warmup; at each decay point (supervised tokens seen) a branch trains on
+    with the rate falling linearly to 0 and exports out/point-<tokens>; the main run resumes from the
+    stable state (its weights at the point, not the decayed ones). A run killed inside the first
+    branch and inside the main run, then resumed, writes the same drafters as an unbroken one."""
+    from safetensors.torch import load_file
+
+    kwargs = {"method": "eagle3", "epochs": 2, "schedule": "wsd", "decay_fraction": 0.5}
+    probe = make(kwargs, tiny_setup, tmp_path / "probe")
+    seen = probe.supervised_tokens_before(probe.total_steps)
+    points = [seen[4], seen[8]]
+    kwargs["decay_points"] = points
+    unbroken = make(kwargs, tiny_setup, tmp_path / "a")
+    assert unbroken.decay_point_steps() == [(points[0], 4), (points[1], 8)]
+    rates = []
+    real_step = unbroken.train_step
+
+    def recording_step():
+        rates.append((unbroken.step, unbroken.branch is not None, unbroken.optimizer.param_groups[0]["lr"]))
+        return real_step()
+
+    unbroken.train_step = recording_step
+    result = unbroken.fit()
+    assert set(result["points"]) == {str(p) for p in points}
+    lr = unbroken.cfg.lr
+    # warmup (2 steps), constant, then branch 1 (steps 4..5: 1, 1/2), main resumes at 4, branch 2 (8..11)
+    assert rates[:2] == [(0, False, lr / 2), (1, False, lr)]
+    assert [r for r in rates if r[1]] == [(4, True, lr), (5, True, lr / 2),
+                                          (8, True, lr), (9, True, lr * 3 / 4), (10, True, lr / 2), (11, True, lr / 4)]
+    assert [r[0] for r in rates if not r[1]] == list(range(8))
+    for p in points:
+        assert (tmp_path / "a" / f"point-{p}" / "model.safetensors").exists()
+    state = torch.load(tmp_path / "a" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 8 and state["branch"] is None
+
+    broken = make(kwargs, tiny_setup, tmp_path / "b")
+    assert broken.fit(stop_after=5) == {"stopped_at": 5}          # inside the first branch (step 5)
+    resumed = make(kwargs, tiny_setup, tmp_path / "b")
+    assert resumed.fit(stop_after=4) == {"stopped_at": 7}         # branch 1 done, main run 4 -> 7
+    make(kwargs, tiny_setup, tmp_path / "b").fit()
+    for p in points:
+        a = load_file(tmp_path / "a" / f"point-{p}" / "model.safetensors")
+        b = load_file(tmp_path / "b" / f"point-{p}" / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_wsd_refuses_a_decay_point_past_the_data(tiny_setup, tmp_path):
+    trainer = make({"method": "eagle3", "epochs": 1, "schedule": "wsd", "decay_points": [10 ** 9]},
+                   tiny_setup, tmp_path)
+    with pytest.raises(ValueError, match="config.decay_points"):
+        trainer.fit()
+    with pytest.raises(ValueError, match="decay_points"):
+        TrainConfig(decay_points=[100])                               # a cosine schedule does not branch
+
+
+def test_online_features_are_the_caches_and_train_alike(tiny_setup, tmp_path):
+    """The online source (the target run when a sample is read) gives the cached features up to the
+    cache's float16 rounding, and a step's loss on them equals the cached step's; a bfloat16 source
+    runs a bfloat16 copy and leaves the served target as it was."""
+    from eyas.training.features import OnlineFeatures
+
+    model, train, heldout = tiny_setup
+    samples = synthetic_samples(24, 48, 0)
+    online = OnlineFeatures(model, samples, training_taps(model))
+    assert online.model is model
+    cached = train.samples()
+    for fb, ob in zip(cached, online.samples()):
+        assert torch.equal(fb.input_ids, ob.input_ids) and torch.equal(fb.loss_mask, ob.loss_mask)
+        assert torch.allclose(ob.features.float(), fb.features.float(), rtol=2e-3, atol=2e-3)
+    cfg = TrainConfig(method="eagle3", batch_samples=4, draft_vocab_size=32, ttt_steps=3, out=str(tmp_path))
+    a = DrafterTrainer(cfg, model, FINGERPRINT, train, heldout)
+    b = DrafterTrainer(cfg, model, FINGERPRINT, online, heldout)
+    la, _ = a.pack_loss([a.train_data[0]], noise=False)
+    lb, _ = b.pack_loss([b.train_data[0]], noise=False)
+    assert torch.allclose(la, lb, rtol=1e-3)
+    low = OnlineFeatures(model, samples, training_taps(model), torch.bfloat16)
+    assert low.model is not model and low.model.embed.weight.dtype == torch.bfloat16
+    assert model.embed.weight.dtype == torch.float32
+    assert low.samples()[0].features.dtype == torch.bfloat16
