@@ -182,3 +182,57 @@ class ExpertTraffic:
         return {"moe_layers": self.moe_layers, "num_experts": self.num_experts,
                 "experts_per_token": self.experts_per_token, "bytes_per_expert": self.bytes_per_expert,
                 "skew": round(self.skew, 4), "observations": self.observations}
+
+
+def expected_accepted(rank_rates: list[list[float]], shape: TreeShape) -> float:
+    """Expected accepted candidate tokens of one round (the bonus token not counted) on a tree of
+    ``shape`` whose nodes are the ``verify_budget`` most likely ones.
+
+    ``rank_rates[d][r]``: the probability that the target's token at depth ``d + 1`` is the drafter's
+    ``(r + 1)``-th choice there, given that the path to it was accepted (at depth 1, ``r = 0`` is the
+    top-1 accuracy; ``sum_r`` is at most 1). A depth past the list takes the last depth's rates, a
+    rank past a depth's list is never accepted. A node's chance to be accepted is the product of its
+    path's rates; exactly one path is accepted a round, so the expectation is the sum of the chosen
+    nodes' chances. Nodes are chosen best-first (each node's parent is at least as likely, so the
+    choice is a tree), at most ``expand_width`` children a node and ``max_depth`` deep: EAGLE-2's
+    selection when the drafter's confidence orders the nodes as their true chances do (an upper
+    bound otherwise). tau = 1 + this."""
+    import heapq
+
+    if not shape.speculates or not rank_rates:
+        return 0.0
+    for d, rates in enumerate(rank_rates):
+        if any(r < 0 for r in rates) or sum(rates) > 1 + 1e-9:
+            raise ValueError(f"rank_rates[{d}]: {rates} are not probabilities of disjoint events")
+
+    def children(depth: int, chance: float):   # depth: 1-based depth of the children
+        rates = rank_rates[min(depth, len(rank_rates)) - 1]
+        return [(-chance * rates[r], depth) for r in range(min(shape.expand_width, len(rates)))]
+
+    frontier = children(1, 1.0)
+    heapq.heapify(frontier)
+    total = 0.0
+    for _ in range(shape.verify_budget):
+        if not frontier:
+            break
+        neg, depth = heapq.heappop(frontier)
+        total += -neg
+        if depth < shape.max_depth:
+            for child in children(depth + 1, -neg):
+                heapq.heappush(frontier, child)
+    return total
+
+
+def rank_rates_from_topk(topk: list[list[float]]) -> list[list[float]]:
+    """Per-depth rank rates (:func:`expected_accepted`) from cumulative top-k accuracies per depth
+    (``topk[d][k - 1]`` = P(the target's token is among the drafter's k best at depth d + 1)); an
+    accuracy that falls with k (noise) is clipped."""
+    out = []
+    for row in topk:
+        rates, prev = [], 0.0
+        for acc in row:
+            acc = min(max(acc, prev), 1.0)
+            rates.append(acc - prev)
+            prev = acc
+        out.append(rates)
+    return out

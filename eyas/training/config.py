@@ -32,6 +32,13 @@ class DataConfig(BaseModel):
     # or "online" (the frozen target runs inside the training step, in feature_dtype; nothing on disk)
     features: Literal["cache", "online"] = "cache"
     feature_dtype: Literal["float32", "bfloat16"] = "float32"   # online extraction's compute dtype
+    # the held-out split is the target's own answers to held-out first turns (what a drafter drafts
+    # when served); None: as the train split (regenerate)
+    heldout_answers: bool | None = None
+
+    @property
+    def heldout_regenerated(self) -> bool:
+        return self.regenerate if self.heldout_answers is None else self.heldout_answers
 
     @model_validator(mode="after")
     def _cache_holds_the_train_samples(self):

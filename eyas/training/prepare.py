@@ -15,8 +15,12 @@ from eyas.training.features import FeatureCache, OnlineFeatures, training_taps
 
 def cache_dirs(cfg: TrainConfig) -> tuple[Path, Path]:
     root = Path(os.path.expanduser(cfg.data.cache_dir))
-    tag = f"len{cfg.data.max_len}" + (f"-regen{cfg.data.regen_max_new_tokens}" if cfg.data.regenerate else "")
-    return root / f"train-{cfg.data.cache_samples or cfg.data.train_samples}-{tag}", root / f"heldout-{cfg.data.heldout_samples}-{tag}"
+
+    def tag(regenerated: bool) -> str:
+        return f"len{cfg.data.max_len}" + (f"-regen{cfg.data.regen_max_new_tokens}" if regenerated else "")
+
+    return (root / f"train-{cfg.data.cache_samples or cfg.data.train_samples}-{tag(cfg.data.regenerate)}",
+            root / f"heldout-{cfg.data.heldout_samples}-{tag(cfg.data.heldout_regenerated)}")
 
 
 def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache | OnlineFeatures, FeatureCache]:
@@ -37,13 +41,14 @@ def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache | OnlineFeatu
             cache.check(fingerprint, taps)
             caches.append(cache)
             continue
-        if cfg.data.regenerate:
+        regenerated = cfg.data.regenerate if split == "train" else cfg.data.heldout_regenerated
+        if regenerated:
             samples = regenerated_samples(cfg, eyas.tokenizer, split, count, folder)
         else:
             samples = [s for sid, msgs in tqdm(conversations(split, limit=count), total=count, desc=f"render {split}",
                                                leave=False)
                        if (s := render(eyas.tokenizer, sid, msgs, cfg.data.max_len)) is not None]
-        info = {"split": split, "samples": count, "max_len": cfg.data.max_len, "regenerate": cfg.data.regenerate,
+        info = {"split": split, "samples": count, "max_len": cfg.data.max_len, "regenerate": regenerated,
                 "source": "sharegpt-v3"}
         cache.extract(eyas.model, fingerprint, samples, taps, info)
         caches.append(cache)

@@ -38,6 +38,7 @@ from eyas.training.rows import dense_row_masks
 from eyas.target.loader import DTYPES, check_device
 
 STATE_FILE = "trainer_state.pt"
+TOPK_STATS = 8   # evaluation reports top-1..8 accuracy per rollout step (the tree model's rank rates)
 
 
 @dataclass(frozen=True)
@@ -249,13 +250,13 @@ class DrafterTrainer:
         total = (torch.cat(weights) * row_loss).sum()
         if stats is not None:
             step_of_row = torch.cat(step_of_row)
-            top = logits.detach().float().topk(3, dim=-1).indices
-            tgt = q.argmax(-1, keepdim=True)
-            hit1, hit3 = (top[:, :1] == tgt)[:, 0], (top == tgt).any(-1)
+            top = logits.detach().float().topk(min(TOPK_STATS, logits.shape[-1]), dim=-1).indices
+            rank_hit = (top == q.argmax(-1, keepdim=True)).cumsum(-1).bool()           # [R, k]: within the k best
             for s in range(steps):
                 at = step_of_row == s
-                stats.setdefault("top1", [0] * steps)[s] += int(hit1[at].sum())
-                stats.setdefault("top3", [0] * steps)[s] += int(hit3[at].sum())
+                hits = rank_hit[at].sum(0).tolist()
+                topk = stats.setdefault("topk", [[0] * rank_hit.shape[1] for _ in range(steps)])[s]
+                stats["topk"][s] = [a + b for a, b in zip(topk, hits)]
                 stats.setdefault("rows", [0] * steps)[s] += int(at.sum())
                 stats.setdefault("loss", [0.0] * steps)[s] += float(row_loss[at].sum())
         return total, n_sup
@@ -343,16 +344,16 @@ class DrafterTrainer:
 
     @torch.no_grad()
     def evaluate(self, data: list[FeatureBatch] | None = None) -> dict:
-        """Loss and draft top-1/top-3 accuracy against the target argmax, per rollout step, on
-        ``data`` (default: the held-out split)."""
+        """Loss and draft top-k accuracy against the target argmax, per rollout step, on ``data``
+        (default: the held-out split): ``top1``, ``top3`` and ``topk`` ([step][k - 1], k = 1..8)."""
         self.drafter.eval()
         stats: dict = {}
         for group in packs(list(self.heldout_data if data is None else data), self.cfg.pack_limit()):
             self.pack_loss(group, noise=False, stats=stats)
         rows = [max(r, 1) for r in stats.get("rows", [1])]
-        return {"top1": [t / r for t, r in zip(stats.get("top1", [0]), rows)],
-                "top3": [t / r for t, r in zip(stats.get("top3", [0]), rows)],
-                "loss": [x / r for x, r in zip(stats.get("loss", [0.0]), rows)]}
+        topk = [[h / r for h in hits] for hits, r in zip(stats.get("topk", [[0] * 3]), rows)]
+        return {"top1": [t[0] for t in topk], "top3": [t[min(2, len(t) - 1)] for t in topk],
+                "topk": topk, "loss": [x / r for x, r in zip(stats.get("loss", [0.0]), rows)]}
 
     # --- checkpoints -----------------------------------------------------------------------------------
     def save_state(self, name: str = STATE_FILE) -> None:
