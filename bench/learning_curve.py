@@ -34,6 +34,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,128 +84,301 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return a, my - a * mx
 
 
+# --- the old fit: tau as a straight line in log-data (kept, labelled, for comparison) ---------------
 def extrapolate(rows: list[dict], goal: float, regen_tok_s: float, feature_tok_s: float) -> dict:
-    """tau = a * log2(supervised tokens) + b over the points; the tokens and CPU hours for ``goal``."""
+    """tau = a * log2(supervised tokens) + b over the points; the tokens and CPU hours for ``goal``.
+    This is the fit that put tau 2.5 at ~584 M tokens: it treats tau, a convex function of the
+    per-step acceptances, as if it were linear in log-data (see :func:`acceptance_fit`)."""
     xs = [math.log2(r["supervised_tokens"]) for r in rows]
     a, b = fit_line(xs, [r["tau"] for r in rows])
     residuals = [r["tau"] - (a * x + b) for r, x in zip(rows, xs)]
     out = {"tau_per_doubling": a, "intercept": b, "residuals": residuals, "goal_tau": goal}
     if a <= 0:
-        out.update(supervised_tokens_for_goal=None, cpu_hours_for_goal=None)
+        out.update(supervised_tokens_for_goal=None)
         return out
-    need = 2 ** ((goal - b) / a)
-    last = rows[-1]
-    all_per_supervised = last["train_tokens"] / last["supervised_tokens"]   # prompt + template tokens too
-    train_tok_s = last["supervised_tokens"] * last["epochs"] / last["train_wall_s"]
-    hours = {"regenerate": need / regen_tok_s / 3600,
-             "features": need * all_per_supervised / feature_tok_s / 3600,
-             "train": need * last["epochs"] / train_tok_s / 3600}
-    out.update(supervised_tokens_for_goal=need, doublings_past_last=math.log2(need / last["supervised_tokens"]),
-               cpu_hours_for_goal=hours, train_supervised_tok_s=train_tok_s)
+    out["supervised_tokens_for_goal"] = 2 ** ((goal - b) / a)
     return out
 
 
-def cmd_report(args) -> int:
-    finished = [p for p in points() if p["finished"]]
-    if len(finished) < 2:
-        print(f"error: {len(finished)} finished points; train them first (bench/learning_curve.py train)",
-              file=sys.stderr)
-        return 2
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    acceptance_json = RESULTS / "learning_curve-acceptance.json"
-    with tempfile.TemporaryDirectory() as tmp:
-        names = []
-        for p in finished:
-            (Path(tmp) / p["out"].name).symlink_to(p["out"])
-            names.append(p["out"].name)
-        if REFERENCE_DRAFTER.exists():
-            (Path(tmp) / REFERENCE_DRAFTER.name).symlink_to(REFERENCE_DRAFTER)
-        cmd = [sys.executable, str(REPO / "bench" / "acceptance.py"), "--drafters", tmp, "--precision", args.precision,
-               "--max-new-tokens", str(args.max_new_tokens), "--json", str(acceptance_json)]
-        cmd += ["--limit", str(args.limit)] if args.limit else []
-        cmd += ["--threads", str(args.threads)] if args.threads else []
-        if subprocess.run(cmd, cwd=REPO).returncode != 0:
-            print("error: the acceptance run failed", file=sys.stderr)
-            return 1
-    bench = json.loads(acceptance_json.read_text())
+# --- the new fit: per-step acceptance linear in log-data, composed through a tree -------------------
+SHAPES = ((2, 2, 4), (1, 3, 3), (1, 4, 4), (2, 3, 6), (2, 4, 6), (2, 4, 8), (3, 5, 12), (4, 5, 16))
+
+
+def cumulative_topk(point: dict) -> list[dict[int, float]]:
+    """Per rollout step, {k: held-out top-k accuracy} from a point's ``heldout`` (top-1..8 when the
+    run measured them, else top-1 and top-3)."""
+    h = point["heldout"]
+    if h.get("topk"):
+        return [{k + 1: v for k, v in enumerate(row)} for row in h["topk"]]
+    return [{1: t1, 3: t3} for t1, t3 in zip(h["top1"], h["top3"])]
+
+
+def rank_rates(topk: list[dict[int, float]]) -> list[list[float]]:
+    """Rank rates per depth (``eyas.scheduler.cost.expected_accepted``) from cumulative top-k; where
+    only top-1 and top-3 are known, ranks 2 and 3 share the difference evenly."""
+    from eyas.scheduler.cost import rank_rates_from_topk
+
     rows = []
-    for p in finished:
-        recipe = json.loads((p["out"] / "manifest.json").read_text())["recipe"]
-        m = bench["methods"][p["out"].name]
-        rows.append({"name": p["out"].name, "train_samples": recipe["train_samples"],
-                     "supervised_tokens": recipe["train_supervised_tokens"], "train_tokens": recipe["train_tokens"],
-                     "epochs": recipe["epochs"], "steps": recipe["steps"], "train_wall_s": recipe["wall_s"],
-                     "heldout_top1": recipe["heldout"]["top1"], "heldout_top3": recipe["heldout"]["top3"],
-                     "tau": m["tau"], "speedup": m["speedup"], "identical": m["identical"]})
-    reference = bench["methods"].get(REFERENCE_DRAFTER.name)
-    fit = extrapolate(rows, args.goal, args.regen_tok_s, args.feature_tok_s)
-    print_report(rows, reference, fit, bench["config"])
-    out = RESULTS / "learning_curve.json"
-    out.write_text(json.dumps({"points": rows, "reference": reference and {k: reference[k] for k in
-                                                                          ("tau", "speedup", "identical")},
-                               "fit": fit, "bench": bench["config"],
-                               "stage_tok_s": {"regenerate": args.regen_tok_s, "features": args.feature_tok_s}},
-                              indent=1))
-    plot(rows, reference, fit, RESULTS / "learning_curve.png")
-    print(f"wrote {out.relative_to(REPO)}, bench/results/learning_curve.png, {acceptance_json.relative_to(REPO)}")
+    for step in topk:
+        ks = sorted(step)
+        dense = []
+        for k in range(1, ks[-1] + 1):
+            if k in step:
+                dense.append(step[k])
+            else:   # between two known ks: linear in k
+                lo = max(x for x in ks if x < k)
+                hi = min(x for x in ks if x > k)
+                dense.append(step[lo] + (step[hi] - step[lo]) * (k - lo) / (hi - lo))
+        rows.append(dense)
+    return rank_rates_from_topk(rows)
+
+
+def tau_model(topk: list[dict[int, float]], shape: tuple[int, int, int], calibration: float = 1.0) -> float:
+    """1 + expected accepted tokens of a best-first tree of ``shape`` (width, depth, budget) whose rank
+    rates are the held-out ones scaled by ``calibration`` (served prompts are not held-out text, and
+    EAGLE-2 orders nodes by the drafter's own confidence: the factor is fitted to measured tau)."""
+    from eyas.scheduler.cost import TreeShape, expected_accepted
+
+    rates = [[min(calibration * r, 1.0) for r in row] for row in rank_rates(topk)]
+    rates = [[r / max(sum(row), 1.0) for r in row] for row in rates]
+    return 1.0 + expected_accepted(rates, TreeShape(*shape))
+
+
+def fit_calibration(points: list[dict], shape: tuple[int, int, int]) -> float | None:
+    """The factor on held-out rank rates that best reproduces the points' measured tau on ``shape``
+    (least squares, golden-section over [0.2, 1.5]); None without a measured point."""
+    measured = [p for p in points if p.get("tau")]
+    if not measured:
+        return None
+
+    def err(c):
+        return sum((tau_model(cumulative_topk(p), shape, c) - p["tau"]) ** 2 for p in measured)
+
+    lo, hi = 0.2, 1.5
+    g = (math.sqrt(5) - 1) / 2
+    for _ in range(60):
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        if err(a) < err(b):
+            hi = b
+        else:
+            lo = a
+    return (lo + hi) / 2
+
+
+def acceptance_fit(points: list[dict]) -> dict:
+    """Per rollout step and k, held-out top-k = slope * log2(supervised tokens) + intercept, over the
+    points (k where every point measured it)."""
+    xs = [math.log2(p["supervised_tokens"]) for p in points]
+    tops = [cumulative_topk(p) for p in points]
+    steps = min(len(t) for t in tops)
+    ks = sorted(set.intersection(*[set(t[s]) for t in tops for s in range(steps)]))
+    lines = [{k: fit_line(xs, [t[s][k] for t in tops]) for k in ks} for s in range(steps)]
+    residuals = [[round(t[s][1] - (lines[s][1][0] * x + lines[s][1][1]), 4) for t, x in zip(tops, xs)]
+                 for s in range(steps)]
+    return {"lines": lines, "ks": ks, "steps": steps, "top1_residuals": residuals}
+
+
+def predict_topk(fit: dict, tokens: float) -> list[dict[int, float]]:
+    x = math.log2(tokens)
+    out = []
+    for line in fit["lines"]:
+        row, prev = {}, 0.0
+        for k in sorted(line):
+            a, b = line[k]
+            prev = row[k] = min(max(a * x + b, prev), 0.99)
+        out.append(row)
+    return out
+
+
+def prediction(points: list[dict], tokens: list[int], shape: tuple[int, int, int], basis: str) -> dict:
+    """What the acceptance fit over ``points`` says at each of ``tokens``: top-1 per step and tau on
+    every shape of :data:`SHAPES` (calibrated on the points' measured tau on ``shape``)."""
+    fit = acceptance_fit(points)
+    c = fit_calibration(points, shape) or 1.0
+    out = {"made": time.strftime("%Y-%m-%d %H:%M"), "basis": basis, "points": [p["name"] for p in points],
+           "calibration": c, "bench_shape": list(shape), "at": {}}
+    for t in tokens:
+        topk = predict_topk(fit, t)
+        out["at"][str(t)] = {"top1": [round(r[1], 4) for r in topk],
+                             "tau": {"/".join(map(str, sh)): round(tau_model(topk, sh, c), 3) for sh in SHAPES}}
+    return out
+
+
+def old_curve_points() -> list[dict]:
+    """The first learning curve (bench/results/learning_curve.json, committed): 2 epochs over the
+    first N of the target's own answers, float32, 32 held-out answers, tau on 20 prompts x 64 tokens."""
+    path = RESULTS / "learning_curve.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    rows = data.get("old_curve", data)["points"]
+    return [{"name": r["name"], "family": "old", "supervised_tokens": r["supervised_tokens"], "epochs": r["epochs"],
+             "heldout": {"top1": r["heldout_top1"], "top3": r["heldout_top3"], **({"topk": r["heldout_topk"]}
+                                                                                 if r.get("heldout_topk") else {})},
+             "tau": r["tau"], "speedup": r["speedup"], "identical": r["identical"]} for r in rows]
+
+
+def stream_points(run: Path) -> list[dict]:
+    """The decay points of a wsd run (``out/points.json``), smallest first."""
+    path = run / "points.json"
+    if not path.exists():
+        return []
+    done = json.loads(path.read_text())
+    return sorted(({"name": f"{run.name}@{k}", "family": run.name, "supervised_tokens": int(k), "epochs": 1.0,
+                    "heldout": v["heldout"], "drafter": v["drafter"], "wall_s": v.get("wall_s")}
+                   for k, v in done.items()), key=lambda p: p["supervised_tokens"])
+
+
+def cmd_predict(args) -> int:
+    """Record what the fit over the measured points predicts for data sizes not yet trained."""
+    points = old_curve_points() if args.family == "old" else stream_points(Path(args.family))
+    if len(points) < 2:
+        print(f"error: --family {args.family}: {len(points)} points; a fit needs two", file=sys.stderr)
+        return 2
+    shape = tuple(args.shape)
+    pred = prediction(points, args.tokens, shape, args.family)
+    path = RESULTS / "learning_curve-predictions.json"
+    stored = json.loads(path.read_text()) if path.exists() else []
+    stored.append(pred)
+    path.write_text(json.dumps(stored, indent=1))
+    print_prediction(pred)
+    print(f"appended to {path.relative_to(REPO)}")
     return 0
 
 
-def print_report(rows: list[dict], reference: dict | None, fit: dict, bench: dict) -> None:
-    steps = len(rows[0]["heldout_top1"])
-    print(f"\nEAGLE-3 learning curve: {bench['num_prompts']} MT-bench first turns, {bench['max_new_tokens']} new "
-          f"tokens, greedy, {bench['precision']}; speedup against target-only in the same run\n")
-    head = f"{'point':<12} {'samples':>7} {'sup. tokens':>11} {'steps':>5} " + " ".join(
-        f"{'top1@' + str(s + 1):>7}" for s in range(steps)) + f" {'tau':>5} {'speedup':>7} {'identical':>9}"
-    print(head)
-    for r in rows:
-        print(f"{r['name']:<12} {r['train_samples']:>7} {r['supervised_tokens']:>11,} {r['steps']:>5} "
-              + " ".join(f"{x:>7.3f}" for x in r["heldout_top1"])
-              + f" {r['tau']:>5.2f} {r['speedup']:>6.2f}x {r['identical']:>9}")
+def print_prediction(pred: dict) -> None:
+    print(f"prediction of {pred['made']} from {pred['basis']} ({len(pred['points'])} points), calibration "
+          f"{pred['calibration']:.3f} on the {'/'.join(map(str, pred['bench_shape']))} tree")
+    shapes = list(next(iter(pred["at"].values()))["tau"])
+    print(f"{'tokens':>10} {'top-1 by step':<32} " + " ".join(f"{s:>7}" for s in shapes))
+    for t, v in pred["at"].items():
+        print(f"{int(t):>10,} {str(v['top1']):<32} " + " ".join(f"{v['tau'][s]:>7.2f}" for s in shapes))
+
+
+def cmd_report(args) -> int:
+    run = Path(args.run)
+    new = stream_points(run)
+    old = old_curve_points()
+    if not new:
+        print(f"error: --run {run}: no decay point has finished yet", file=sys.stderr)
+        return 2
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    acceptance_json = RESULTS / f"learning_curve-{run.name}-acceptance.json"
+    if not args.skip_bench:
+        with tempfile.TemporaryDirectory() as tmp:
+            for p in new:
+                (Path(tmp) / p["name"].replace("@", "-")).symlink_to(Path(p["drafter"]).resolve())
+            if REFERENCE_DRAFTER.exists():
+                (Path(tmp) / REFERENCE_DRAFTER.name).symlink_to(REFERENCE_DRAFTER)
+            cmd = [sys.executable, str(REPO / "bench" / "acceptance.py"), "--drafters", tmp, "--precision",
+                   args.precision, "--max-new-tokens", str(args.max_new_tokens), "--json", str(acceptance_json)]
+            cmd += ["--limit", str(args.limit)] if args.limit else []
+            cmd += ["--threads", str(args.threads)] if args.threads else []
+            for flag, value in (("--tree-width", args.tree_width), ("--tree-depth", args.tree_depth),
+                                ("--tree-budget", args.tree_budget)):
+                cmd += [flag, str(value)] if value else []
+            if subprocess.run(cmd, cwd=REPO).returncode != 0:
+                print("error: the acceptance run failed", file=sys.stderr)
+                return 1
+    bench = json.loads(acceptance_json.read_text())
+    for p in new:
+        m = bench["methods"].get(p["name"].replace("@", "-"))
+        if m:
+            p.update(tau=m["tau"], speedup=m["speedup"], identical=m["identical"],
+                     accept_by_depth=m["accept_by_depth"])
+    reference = bench["methods"].get(REFERENCE_DRAFTER.name)
+    any_spec = next(m for k, m in bench["methods"].items() if k != "target")
+    tree = any_spec["tree"]
+    shape = (tree["expand_width"], tree["max_depth"], tree["verify_budget"])
+    preds_path = RESULTS / "learning_curve-predictions.json"
+    preds = json.loads(preds_path.read_text()) if preds_path.exists() else []
+
+    print(f"\nEAGLE-3 learning curve, {run.name}: {bench['config']['num_prompts']} MT-bench first turns, "
+          f"{bench['config']['max_new_tokens']} new tokens, greedy, {bench['config']['precision']}, tree "
+          f"{'/'.join(map(str, shape))}; speedup against target-only in the same run\n")
+    steps = len(new[-1]["heldout"]["top1"])
+    print(f"{'point':<22} {'sup. tokens':>11} " + " ".join(f"{'top1@' + str(s + 1):>7}" for s in range(steps))
+          + f" {'tau':>5} {'speedup':>7} {'identical':>9}   predicted before (top-1@1, tau)")
+    for p in new:
+        before = [q for q in preds if str(p["supervised_tokens"]) in q["at"] and p["name"] not in q["points"]]
+        guess = before[-1]["at"][str(p["supervised_tokens"])] if before else None
+        key = "/".join(map(str, shape))
+        said = (f"{guess['top1'][0]:.3f}, {guess['tau'].get(key, float('nan')):.2f} ({before[-1]['basis']}, "
+                f"{before[-1]['made']})" if guess else "-")
+        print(f"{p['name']:<22} {p['supervised_tokens']:>11,} " + " ".join(f"{x:>7.3f}" for x in p["heldout"]["top1"])
+              + f" {p.get('tau') or float('nan'):>5.2f} {p.get('speedup') or float('nan'):>6.2f}x "
+                f"{p.get('identical', '-'):>9}   {said}")
     if reference:
-        print(f"{'shipped':<12} (drafters/{REFERENCE_DRAFTER.name}, another recipe) tau {reference['tau']:.2f}, "
-              f"{reference['speedup']:.2f}x")
-    print(f"\nfit: tau = {fit['tau_per_doubling']:.3f} * log2(supervised tokens) + {fit['intercept']:.2f}; "
-          f"residuals {[round(x, 3) for x in fit['residuals']]}")
-    if fit.get("supervised_tokens_for_goal"):
-        h = fit["cpu_hours_for_goal"]
-        print(f"tau {fit['goal_tau']} needs about {fit['supervised_tokens_for_goal']:,.0f} supervised tokens "
-              f"({fit['doublings_past_last']:.1f} doublings past the largest point): CPU hours at the measured "
-              f"rates: regenerate {h['regenerate']:.0f}, features {h['features']:.0f}, train {h['train']:.0f} "
-              f"(total {sum(h.values()):.0f})")
-    else:
-        print(f"tau does not rise with data over these points: no data size reaches {fit['goal_tau']}")
+        print(f"{'shipped':<22} (drafters/{REFERENCE_DRAFTER.name}) tau {reference['tau']:.2f}, "
+              f"{reference['speedup']:.2f}x, identical {reference['identical']}")
+
+    fits = {}
+    for name, pts in (("old curve (2 epochs, float32, 32 held-out)", old), (run.name, new)):
+        if len(pts) < 2:
+            continue
+        fit = acceptance_fit(pts)
+        slopes = [round(line[1][0], 4) for line in fit["lines"]]
+        print(f"\nacceptance fit, {name}: held-out top-1 per doubling by step {slopes}; residuals "
+              f"{fit['top1_residuals']}")
+        fits[name] = {"top1_per_doubling": slopes, "residuals": fit["top1_residuals"]}
+        if all(p.get("tau") for p in pts):
+            line = extrapolate([{"supervised_tokens": p["supervised_tokens"], "tau": p["tau"]} for p in pts],
+                               args.goal, 0, 0)
+            fits[name]["old_tau_line"] = line
+            print(f"old fit (tau linear in log2 tokens, the one that said ~584 M): tau = "
+                  f"{line['tau_per_doubling']:.3f} * log2 T + {line['intercept']:.2f}; tau {args.goal} at "
+                  f"{line['supervised_tokens_for_goal'] or float('nan'):,.0f} tokens")
+    if len(new) >= 2:
+        last = new[-1]["supervised_tokens"]
+        pred = prediction(new, [last * 2, last * 4, last * 8], shape, run.name)
+        print()
+        print_prediction(pred)
+        fits["next"] = pred
+        if args.record:
+            preds.append(pred)
+            preds_path.write_text(json.dumps(preds, indent=1))
+            print(f"(recorded in {preds_path.relative_to(REPO)})")
+    out = RESULTS / f"learning_curve-{run.name}.json"
+    out.write_text(json.dumps({"points": new, "old_points": old, "reference": reference and {
+        k: reference[k] for k in ("tau", "speedup", "identical")}, "fits": fits, "bench": bench["config"]},
+        indent=1, default=str))
+    plot(new, old, reference, preds, shape, RESULTS / f"learning_curve-{run.name}.png")
+    print(f"wrote {out.relative_to(REPO)} and its .png, {acceptance_json.relative_to(REPO)}")
+    return 0
 
 
-def plot(rows: list[dict], reference: dict | None, fit: dict, path: Path) -> None:
+def plot(new: list[dict], old: list[dict], reference: dict | None, preds: list[dict], shape, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    xs = [r["supervised_tokens"] for r in rows]
-    for s in range(len(rows[0]["heldout_top1"])):
-        ax1.plot(xs, [r["heldout_top1"][s] for r in rows], "o-", label=f"TTT step {s + 1}")
-    ax1.set_xscale("log", base=2)
-    ax1.set_xlabel("supervised tokens (per epoch)")
+    for pts, style, label in ((old, "s--", "old curve"), (new, "o-", new[0]["family"])):
+        if not pts:
+            continue
+        xs = [p["supervised_tokens"] for p in pts]
+        for s in range(len(pts[0]["heldout"]["top1"])):
+            ax1.plot(xs, [p["heldout"]["top1"][s] for p in pts], style, label=f"{label}, step {s + 1}",
+                     alpha=0.5 if pts is old else 1.0)
+        ax2.plot(xs, [p.get("tau") or float("nan") for p in pts], style, label=f"{label} (measured)")
+    key = "/".join(map(str, shape))
+    if preds:
+        last = preds[-1]
+        xs = sorted(int(t) for t in last["at"])
+        ax2.plot(xs, [last["at"][str(t)]["tau"].get(key, float("nan")) for t in xs], "x:",
+                 label=f"predicted ({last['basis']}, {last['made']})")
+    if reference:
+        ax2.axhline(reference["tau"], color="tab:red", linestyle="-.", alpha=0.6, label="shipped before")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("supervised tokens seen")
     ax1.set_ylabel("held-out top-1")
     ax1.set_title("held-out top-1 by training-time-test step")
-    ax1.legend()
-    ax2.plot(xs, [r["tau"] for r in rows], "o", label="points")
-    if fit["tau_per_doubling"] > 0:
-        end = max(fit.get("supervised_tokens_for_goal") or xs[-1], xs[-1])
-        line_x = [xs[0], end]
-        ax2.plot(line_x, [fit["tau_per_doubling"] * math.log2(x) + fit["intercept"] for x in line_x], "--",
-                 label=f"fit: {fit['tau_per_doubling']:.3f} per doubling")
-    ax2.axhline(fit["goal_tau"], color="grey", linestyle=":", label=f"goal tau {fit['goal_tau']}")
-    if reference:
-        ax2.axhline(reference["tau"], color="tab:red", linestyle="-.", alpha=0.6, label="shipped drafter")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xlabel("supervised tokens (per epoch)")
-    ax2.set_ylabel("tau on MT-bench")
-    ax2.set_title("tau (greedy) against data")
-    ax2.legend(fontsize=8)
+    ax1.legend(fontsize=6)
+    ax2.set_ylabel(f"tau on MT-bench ({key} tree)")
+    ax2.set_title("tau against data")
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -213,18 +387,26 @@ def plot(rows: list[dict], reference: dict | None, fit: dict, path: Path) -> Non
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="stage", required=True)
-    t = sub.add_parser("train", help="train every unfinished point (resumable)")
+    t = sub.add_parser("train", help="train every unfinished point of the old curve (configs/curve; resumable)")
     t.add_argument("--threads", type=int, help="torch CPU threads per training run (default: the config's)")
-    r = sub.add_parser("report", help="bench the finished points in one run; table, fit, plot")
-    r.add_argument("--limit", type=int, default=20, help="MT-bench first turns (default 20; 0 = all 80)")
-    r.add_argument("--max-new-tokens", type=int, default=64)
+    r = sub.add_parser("report", help="bench a wsd run's decay points in one run; table, fits, predictions, plot")
+    r.add_argument("--run", default="runs/stream-eagle3", help="the wsd run's folder (its points.json)")
+    r.add_argument("--limit", type=int, default=0, help="MT-bench first turns (default all 80)")
+    r.add_argument("--max-new-tokens", type=int, default=40)
     r.add_argument("--precision", default="fp16w")
     r.add_argument("--threads", type=int)
+    r.add_argument("--tree-width", type=int)
+    r.add_argument("--tree-depth", type=int)
+    r.add_argument("--tree-budget", type=int)
     r.add_argument("--goal", type=float, default=GOAL_TAU)
-    r.add_argument("--regen-tok-s", type=float, default=REGEN_TOK_S, help="regeneration tokens/s for the costing")
-    r.add_argument("--feature-tok-s", type=float, default=FEATURE_TOK_S, help="extraction tokens/s for the costing")
+    r.add_argument("--skip-bench", action="store_true", help="reuse the last acceptance JSON of this run")
+    r.add_argument("--record", action="store_true", help="record the fit's prediction for the next doublings")
+    q = sub.add_parser("predict", help="record what a fit predicts for data sizes not yet trained")
+    q.add_argument("--family", default="old", help="'old' (the committed first curve) or a wsd run's folder")
+    q.add_argument("--tokens", type=int, nargs="+", required=True)
+    q.add_argument("--shape", type=int, nargs=3, default=[2, 2, 4], help="the bench tree: width depth budget")
     args = p.parse_args(argv)
-    return cmd_train(args) if args.stage == "train" else cmd_report(args)
+    return {"train": cmd_train, "report": cmd_report, "predict": cmd_predict}[args.stage](args)
 
 
 if __name__ == "__main__":

@@ -188,40 +188,88 @@ def _write_materialized(gguf: Path, folder: Path) -> None:
     tmp.rename(folder)
 
 
-def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(str(f)))
-        return sd
-    bins = sorted(folder.glob("pytorch_model*.bin"))
-    if not bins:
-        raise FileNotFoundError(f"checkpoint: no *.safetensors or pytorch_model*.bin in {folder}")
-    sd = {}
-    for f in bins:
-        sd.update(torch.load(f, map_location="cpu", weights_only=True))
-    return sd
-
-
 def _read_tensors(folder: Path, names: set[str]) -> dict[str, torch.Tensor]:
-    """Only the tensors ``names`` of the checkpoint in ``folder`` (safetensors are read lazily, by name)."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        return {k: v for k, v in _read_state_dict(folder).items() if k in names}
-    from safetensors import safe_open
+    """Only the tensors ``names`` (memory-layout names) of the checkpoint in ``folder``, read by name."""
+    from eyas.target.checkpoint import CheckpointTensors
 
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in names & set(handle.keys()):
-                out[name] = handle.get_tensor(name)
-    missing = sorted(names - set(out))
+    reader = CheckpointTensors(folder, json.loads((folder / "config.json").read_text()).get("model_type", ""))
+    missing = sorted(names - set(reader))
     if missing:
         raise ValueError(f"checkpoint: missing tensor {missing[0]!r}")
-    return out
+    return {name: reader[name] for name in names}
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for a target on ``device``: the host's MemAvailable, or the GPU's free memory
+    (None where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def build_target(folder: Path, cfg: TargetConfig, device: torch.device, dtype: torch.dtype,
+                 digest: bool) -> tuple[TargetModel, str | None]:
+    """The target of the checkpoint in ``folder``, built without allocating its weights (accelerate's
+    ``init_empty_weights``: parameters on the meta device) and filled parameter by parameter from the
+    files (``eyas.target.checkpoint``: any layout transformers converts), each converted to ``dtype``
+    and placed on ``device`` as it is read; host memory holds the model at ``dtype`` plus one
+    parameter's sources. Refused before any read, naming both sizes, when the model at ``dtype`` does
+    not fit the memory free on ``device``. ``digest``: also the weight digest of the fingerprint,
+    over each parameter's float32 value as read (``TargetModel.weight_digest``'s bytes and order).
+    -> (the model, in eval mode; the digest or None)."""
+    import hashlib
+
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+
+    from eyas.target.checkpoint import CheckpointTensors
+    from eyas.target.model import checked_shape
+
+    with init_empty_weights(include_buffers=False):   # rotary tables are computed, on the host
+        model = TargetModel(cfg)
+    need = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
+    free = available_memory(device)
+    if free is not None and need > free:
+        raise ValueError(f"checkpoint: the target needs {_gb(need)} at {str(dtype).removeprefix('torch.')} on "
+                         f"{device}, and {_gb(free)} is free there")
+    reader = CheckpointTensors(folder, json.loads((folder / "config.json").read_text()).get("model_type", ""))
+    sources = model.hf_parameter_sources(reader)
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    h = hashlib.sha256() if digest else None
+    tied = cfg.tie_word_embeddings
+    with torch.no_grad():
+        for name in sorted(shapes):             # the digest's order: every state-dict entry, sorted
+            if tied and name == "lm_head.weight":
+                if h is not None:               # the embedding again, as weight_digest sees it
+                    value = sources["embed.weight"]()
+                    h.update(name.encode())
+                    h.update(str(tuple(value.shape)).encode())
+                    h.update(value.float().contiguous().numpy().tobytes())
+                continue
+            value = checked_shape(name, sources[name](), shapes[name])
+            if h is not None:
+                h.update(name.encode())
+                h.update(str(tuple(value.shape)).encode())
+                h.update(value.float().contiguous().numpy().tobytes())
+            set_module_tensor_to_device(model, name, device, value=value, dtype=dtype)
+            del value
+    if tied:
+        model.lm_head.weight = model.embed.weight
+    model.requires_grad_(False)
+    model.to(device=device, dtype=dtype)        # the rotary tables (parameters are there already)
+    return model.eval(), (h.hexdigest() if h is not None else None)
 
 
 def _cached_fingerprint(folder: Path, cfg: TargetConfig) -> TargetFingerprint | None:
@@ -309,13 +357,11 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = TargetModel(cfg)
-    model.load_hf_state_dict(_read_state_dict(folder))
-    model.eval()
-
     fingerprint = _cached_fingerprint(folder, cfg)
+    # fp16w and int8 quantize a float32 model on the host
+    model, weight_digest = build_target(folder, cfg, device, torch_dtype, digest=fingerprint is None)
     if fingerprint is None:
-        fingerprint = TargetFingerprint(cfg.digest(), model.weight_digest(), tokenizer_digest(tokenizer))
+        fingerprint = TargetFingerprint(cfg.digest(), weight_digest, tokenizer_digest(tokenizer))
         meta_path = folder / FINGERPRINT_FILE
         try:  # atomically: a replica starting beside this one may read it at any moment
             tmp = meta_path.with_name(f"{meta_path.name}.tmp{os.getpid()}")
@@ -323,7 +369,6 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
             os.replace(tmp, meta_path)
         except OSError:
             pass  # read-only checkpoint folder: recompute next time
-    model.to(device=device, dtype=torch_dtype)
     if precision == "fp16w":
         quantize_fp16_weights(model)
     elif precision == "int8":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import hashlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, asdict
 
 import torch
@@ -610,6 +611,13 @@ class ForwardOut:
     features: torch.Tensor       # [B, T, n_taps * d]
 
 
+def checked_shape(name: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``value`` for parameter ``name``, refused (naming it) when its shape is not the config's."""
+    if value.shape != shape:
+        raise ValueError(f"checkpoint: {name} has shape {tuple(value.shape)}, the config says {tuple(shape)}")
+    return value
+
+
 class TargetModel(nn.Module):
     """Llama-family decoder over weights we own; frozen (no parameter requires grad)."""
 
@@ -701,56 +709,81 @@ class TargetModel(nn.Module):
         return ForwardOut(logits, features)
 
     # --- weights ---------------------------------------------------------------------------
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Fill from a transformers state dict of a supported kind (``model.layers.N.self_attn.q_proj.weight``
-        ...), and refuse one that holds a tensor this target did not consume: an ignored tensor (a bias,
-        a norm, a shared expert) would otherwise give silently wrong logits. Rotary ``inv_freq`` buffers
-        (recomputed here) and a tied ``lm_head.weight`` (the embedding) are the only tensors skipped."""
+        ...; the memory layout, ``eyas.target.checkpoint``), refusing one that holds a tensor this target
+        does not consume (:meth:`hf_parameter_sources`)."""
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for name, source in self.hf_parameter_sources(sd).items():
+                params[name].copy_(checked_shape(name, source(), params[name].shape))
+
+    def hf_parameter_sources(self, sd: Mapping[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
+        """For each parameter, a function that reads its value from ``sd`` (a transformers state dict in
+        the memory layout, or a :class:`~eyas.target.checkpoint.CheckpointTensors` that reads it from
+        disk on demand): q/k/v are fused into ``wqkv``, gate and up into ``w_gate_up``; nothing is read
+        before a function is called, so a loader can fill the parameters one at a time.
+
+        Refuses, naming the tensor, a state dict that lacks one, or that holds a tensor this target
+        does not consume: an ignored tensor (a bias, a norm, a shared expert) would otherwise give
+        silently wrong logits. Rotary ``inv_freq`` buffers (recomputed here) and a tied
+        ``lm_head.weight`` (the embedding) are the only tensors skipped."""
         c = self.cfg
         used: set[str] = set()
+        out: dict[str, Callable[[], torch.Tensor]] = {}
 
-        def get(name):
-            if name not in sd:
-                raise ValueError(f"checkpoint: missing tensor {name!r}")
-            used.add(name)
-            return sd[name]
+        def name(n):
+            if n not in sd:
+                raise ValueError(f"checkpoint: missing tensor {n!r}")
+            used.add(n)
+            return n
 
-        def gated_mlp(p, mlp: MLP):  # an HF SiLU-gated MLP (gate_proj, up_proj, down_proj) under prefix p
-            mlp.w_gate_up.weight.copy_(torch.cat([get(p + "gate_proj.weight"), get(p + "up_proj.weight")], 0))
-            mlp.w_down.weight.copy_(get(p + "down_proj.weight"))
+        def one(param: str, n: str):
+            n = name(n)
+            out[param] = lambda: sd[n]
 
-        with torch.no_grad():
-            self.embed.weight.copy_(get("model.embed_tokens.weight"))
-            for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                qkv = [p + f"self_attn.{x}_proj." for x in "qkv"]
-                layer.attn.wqkv.weight.copy_(torch.cat([get(x + "weight") for x in qkv], 0))
-                if c.qkv_bias:
-                    layer.attn.wqkv.bias.copy_(torch.cat([get(x + "bias") for x in qkv], 0))  # [(H + 2 H_kv) hd]
-                layer.attn.wo.weight.copy_(get(p + "self_attn.o_proj.weight"))
-                if c.qk_norm:
-                    layer.attn.q_norm.weight.copy_(get(p + "self_attn.q_norm.weight"))
-                    layer.attn.k_norm.weight.copy_(get(p + "self_attn.k_norm.weight"))
-                if isinstance(layer.mlp, MoE):  # transformers' fused experts: gate_up [E, 2f, d], down [E, d, f]
-                    layer.mlp.router.weight.copy_(get(p + "mlp.gate.weight"))
-                    layer.mlp.gate_up.copy_(get(p + "mlp.experts.gate_up_proj"))
-                    layer.mlp.down.copy_(get(p + "mlp.experts.down_proj"))
-                    if layer.mlp.shared is not None:
-                        gated_mlp(p + "mlp.shared_expert.", layer.mlp.shared)
-                        layer.mlp.shared_gate.weight.copy_(get(p + "mlp.shared_expert_gate.weight"))
-                else:
-                    gated_mlp(p + "mlp.", layer.mlp)
-                layer.attn_norm.weight.copy_(get(p + "input_layernorm.weight"))
-                layer.mlp_norm.weight.copy_(get(p + "post_attention_layernorm.weight"))
-            self.norm.weight.copy_(get("model.norm.weight"))
-            if not c.tie_word_embeddings:
-                self.lm_head.weight.copy_(get("lm_head.weight"))
+        def cat(param: str, names: list[str]):
+            names = [name(n) for n in names]
+            out[param] = lambda: torch.cat([sd[n] for n in names], 0)
+
+        def gated_mlp(p, prefix: str):  # an HF SiLU-gated MLP (gate_proj, up_proj, down_proj) under prefix p
+            cat(prefix + "w_gate_up.weight", [p + "gate_proj.weight", p + "up_proj.weight"])
+            one(prefix + "w_down.weight", p + "down_proj.weight")
+
+        one("embed.weight", "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            p, q = f"model.layers.{i}.", f"layers.{i}."
+            qkv = [p + f"self_attn.{x}_proj." for x in "qkv"]
+            cat(q + "attn.wqkv.weight", [x + "weight" for x in qkv])
+            if c.qkv_bias:
+                cat(q + "attn.wqkv.bias", [x + "bias" for x in qkv])                   # [(H + 2 H_kv) hd]
+            one(q + "attn.wo.weight", p + "self_attn.o_proj.weight")
+            if c.qk_norm:
+                one(q + "attn.q_norm.weight", p + "self_attn.q_norm.weight")
+                one(q + "attn.k_norm.weight", p + "self_attn.k_norm.weight")
+            if isinstance(layer.mlp, MoE):  # transformers' fused experts: gate_up [E, 2f, d], down [E, d, f]
+                one(q + "mlp.router.weight", p + "mlp.gate.weight")
+                one(q + "mlp.gate_up", p + "mlp.experts.gate_up_proj")
+                one(q + "mlp.down", p + "mlp.experts.down_proj")
+                if layer.mlp.shared is not None:
+                    gated_mlp(p + "mlp.shared_expert.", q + "mlp.shared.")
+                    one(q + "mlp.shared_gate.weight", p + "mlp.shared_expert_gate.weight")
+            else:
+                gated_mlp(p + "mlp.", q + "mlp.")
+            one(q + "attn_norm.weight", p + "input_layernorm.weight")
+            one(q + "mlp_norm.weight", p + "post_attention_layernorm.weight")
+        one("norm.weight", "model.norm.weight")
+        if not c.tie_word_embeddings:
+            one("lm_head.weight", "lm_head.weight")
         skipped = {"lm_head.weight"} if c.tie_word_embeddings else set()
         unused = [k for k in sd if k not in used and k not in skipped and k.rsplit(".", 1)[-1] != "inv_freq"]
         if unused:
             raise ValueError(f"checkpoint: tensor {unused[0]!r} is not used by this target"
                              + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
                              + "; its config and weights disagree, or the architecture is not supported")
+        missing = set(dict(self.named_parameters())) - set(out) - skipped
+        assert not missing, f"parameters without a source: {sorted(missing)}"
+        return out
 
     def weight_digest(self) -> str:
         """sha256 over every parameter's name, shape and fp32 bytes (the fingerprint's weight part)."""
