@@ -92,12 +92,26 @@ class CheckpointTensors(Mapping):
         return out
 
     def _read(self, disk: str) -> torch.Tensor:
-        file = self.folder / self._files[disk]
-        if file.suffix == ".safetensors":
-            from safetensors import safe_open
+        return self._read_many([disk])[disk]
 
-            with safe_open(str(file), framework="pt") as handle:
-                return handle.get_tensor(disk)
+    def _read_many(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The disk tensors ``names``, each file opened once and closed after: a file kept open would
+        keep every page read from it mapped (resident memory beside the copies made)."""
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self._files[n], []).append(n)
+        out = {}
+        for file, group in by_file.items():
+            if file.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(str(self.folder / file), framework="pt") as handle:
+                    out.update({n: handle.get_tensor(n) for n in group})
+            else:
+                out.update({n: self._read_bin(n) for n in group})
+        return out
+
+    def _read_bin(self, disk: str) -> torch.Tensor:
         if self._eager is None:
             self._eager = {}
             for f in sorted({self._files[k] for k in self._files}):
@@ -111,7 +125,8 @@ class CheckpointTensors(Mapping):
         if name not in self._merged:
             raise KeyError(name)
         converter, by_pattern = self._merged[name]
-        tensors: dict[str, list[torch.Tensor]] = {p: [self._read(k) for k in keys] for p, keys in by_pattern.items()}
+        read = self._read_many([k for keys in by_pattern.values() for k in keys])
+        tensors: dict[str, list[torch.Tensor]] = {p: [read.pop(k) for k in keys] for p, keys in by_pattern.items()}
         for op in converter.operations:   # e.g. MergeModulelist(dim=0), then Concatenate(dim=1)
             tensors = op.convert(tensors, source_patterns=converter.source_patterns,
                                  target_patterns=converter.target_patterns, full_layer_name=name)
