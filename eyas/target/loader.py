@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.target.model import TargetConfig, TargetModel, quantize_fp16_weights, quantize_int8
+from eyas.target.model import TargetConfig, TargetModel, make_batch_invariant, quantize_fp16_weights, quantize_int8
 
 DEFAULT_TARGET = "smollm2-135m"
 FINGERPRINT_FILE = "eyas_fingerprint.json"  # beside the checkpoint: the fingerprint, computed once
@@ -369,6 +369,8 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
             os.replace(tmp, meta_path)
         except OSError:
             pass  # read-only checkpoint folder: recompute next time
+    if torch_dtype != torch.float32:   # half precision: a verify row computes what its decode does
+        make_batch_invariant(model)
     if precision == "fp16w":
         quantize_fp16_weights(model)
     elif precision == "int8":
