@@ -89,8 +89,24 @@ def find_drafters(root: Path = REPO_DRAFTERS) -> tuple[list[tuple[Path, object]]
     return found, notes
 
 
-def build_methods(eyas: Eyas, tree_overrides: dict, root: Path = REPO_DRAFTERS) -> tuple[list[Method], list[str]]:
-    """target, then each drafter on a dynamic tree (and eagle1-architecture ones on a chain too)."""
+def parse_trees(text: str | None) -> list[dict]:
+    """``--trees 2/2/4,1/4/4``: width/depth/budget triples -> tree override dicts ([] when not given)."""
+    if not text:
+        return []
+    out = []
+    for item in text.split(","):
+        parts = item.strip().split("/")
+        if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(f"--trees: {item!r} is not width/depth/budget (positive integers)")
+        w, d, b = map(int, parts)
+        out.append({"tree_width": w, "tree_depth": d, "tree_budget": b})
+    return out
+
+
+def build_methods(eyas: Eyas, tree_overrides: dict, root: Path = REPO_DRAFTERS,
+                  trees: list[dict] | None = None) -> tuple[list[Method], list[str]]:
+    """target, then each drafter on a dynamic tree (and eagle1-architecture ones on a chain too);
+    with ``trees``, each drafter once per tree, named ``<drafter>@w/d/b`` (one baseline for all)."""
     methods = [Method("target", {"method": "target"})]
     drafters, notes = find_drafters(root)
     entries = [(f.name, f.resolve(), m.method, m.recipe.get("trained_as", m.method)) for f, m in drafters]
@@ -104,6 +120,12 @@ def build_methods(eyas: Eyas, tree_overrides: dict, root: Path = REPO_DRAFTERS) 
             continue
         depth = tree_overrides.get("tree_depth", handle.default_tree.max_depth)
         common = {"method": method, "drafter": str(path) if path else None}
+        for tree in trees or []:
+            label = f"{tree['tree_width']}/{tree['tree_depth']}/{tree['tree_budget']}"
+            methods.append(Method(f"{name}@{label}", {**common, "tree_kind": "dynamic", **tree},
+                                  handle.source, trained_as, tree["tree_depth"]))
+        if trees:
+            continue
         methods.append(Method(name, {**common, "tree_kind": "dynamic", **tree_overrides},
                               handle.source, trained_as, depth))
         if method == "eagle1":
@@ -269,6 +291,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-width", type=int, help="dynamic tree: nodes expanded per depth (default: the manifest's)")
     p.add_argument("--tree-depth", type=int, help="dynamic tree and chain depth (default: the manifest's)")
     p.add_argument("--tree-budget", type=int, help="dynamic tree: candidate rows verified (default: the manifest's)")
+    p.add_argument("--trees", help="dynamic trees width/depth/budget, comma-separated (e.g. 2/2/4,2/4/8): each "
+                   "drafter runs on each, against one target-only baseline")
     p.add_argument("--drafters", help="the folder of drafter folders to bench (default: the repository's drafters/)")
     p.add_argument("--methods", help="comma-separated method names to run (default: all; target always runs), "
                                      "e.g. smollm2-135m-eagle3,smollm2-135m-eagle1-chain")
@@ -278,6 +302,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if placement_refused(args.device, args.dtype, args.precision):
+        return 2
+    try:
+        trees = parse_trees(args.trees)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     set_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit)
@@ -290,7 +319,8 @@ def main(argv=None) -> int:
     eos_ids = set(eyas.cfg.eos_token_ids) | {eyas.tokenizer.eos_token_id}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="no trained .* drafter")  # reported as "random-init"
-        methods, notes = build_methods(eyas, tree_overrides, Path(args.drafters) if args.drafters else REPO_DRAFTERS)
+        methods, notes = build_methods(eyas, tree_overrides, Path(args.drafters) if args.drafters else REPO_DRAFTERS,
+                                       trees)
         if args.methods:
             wanted = {n.strip() for n in args.methods.split(",") if n.strip()}
             unknown = wanted - {m.name for m in methods}
@@ -322,6 +352,7 @@ def main(argv=None) -> int:
               "max_new_tokens": args.max_new_tokens, "precision": args.precision, "dtype": args.dtype,
               "device": args.device, "greedy": True,
               "threads": torch.get_num_threads(), "tree_overrides": tree_overrides or None,
+              "trees": args.trees,
               "warmup_new_tokens": WARMUP_NEW_TOKENS, "torch": torch.__version__,
               "python": platform.python_version(), "machine": platform.machine(),
               "order": [m.name for m in methods]}

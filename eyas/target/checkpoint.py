@@ -105,8 +105,11 @@ class CheckpointTensors(Mapping):
             if file.endswith(".safetensors"):
                 from safetensors import safe_open
 
+                # copied out of the file's mapping: a tensor left on it would keep the whole mapping
+                # alive, and with it every page read from the file since (resident twice, as a copy
+                # where q/k/v or the experts are fused, and as the file's page)
                 with safe_open(str(self.folder / file), framework="pt") as handle:
-                    out.update({n: handle.get_tensor(n) for n in group})
+                    out.update({n: handle.get_tensor(n).clone() for n in group})
             else:
                 out.update({n: self._read_bin(n) for n in group})
         return out

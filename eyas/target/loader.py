@@ -219,6 +219,16 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def _digest_update(h, name: str, value: torch.Tensor, chunk: int = 1 << 22) -> None:
+    """``TargetModel.weight_digest``'s bytes for one tensor (its name, shape and float32 values), fed
+    a few MB at a time: a whole embedding's float32 copy is hundreds of MB at load time."""
+    h.update(name.encode())
+    h.update(str(tuple(value.shape)).encode())
+    flat = value.reshape(-1)
+    for start in range(0, flat.numel(), chunk):
+        h.update(flat[start:start + chunk].float().numpy().tobytes())
+
+
 def build_target(folder: Path, cfg: TargetConfig, device: torch.device, dtype: torch.dtype,
                  digest: bool) -> tuple[TargetModel, str | None]:
     """The target of the checkpoint in ``folder``, built without allocating its weights (accelerate's
@@ -244,6 +254,9 @@ def build_target(folder: Path, cfg: TargetConfig, device: torch.device, dtype: t
     if free is not None and need > free:
         raise ValueError(f"checkpoint: the target needs {_gb(need)} at {str(dtype).removeprefix('torch.')} on "
                          f"{device}, and {_gb(free)} is free there")
+    from eyas.compute import return_freed_memory
+
+    return_freed_memory()   # the parameters' transient copies go back to the kernel, not to a heap
     reader = CheckpointTensors(folder, json.loads((folder / "config.json").read_text()).get("model_type", ""))
     sources = model.hf_parameter_sources(reader)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
@@ -253,16 +266,11 @@ def build_target(folder: Path, cfg: TargetConfig, device: torch.device, dtype: t
         for name in sorted(shapes):             # the digest's order: every state-dict entry, sorted
             if tied and name == "lm_head.weight":
                 if h is not None:               # the embedding again, as weight_digest sees it
-                    value = sources["embed.weight"]()
-                    h.update(name.encode())
-                    h.update(str(tuple(value.shape)).encode())
-                    h.update(value.float().contiguous().numpy().tobytes())
+                    _digest_update(h, name, sources["embed.weight"]())
                 continue
             value = checked_shape(name, sources[name](), shapes[name])
             if h is not None:
-                h.update(name.encode())
-                h.update(str(tuple(value.shape)).encode())
-                h.update(value.float().contiguous().numpy().tobytes())
+                _digest_update(h, name, value)
             set_module_tensor_to_device(model, name, device, value=value, dtype=dtype)
             del value
     if tied:
