@@ -15,7 +15,7 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 # bit-for-bit the HF model but speculation loses there (docs/benchmarks.md). DEMO_PRECISION=fp32 for it.
 DEMO_PRECISION ?= fp16w
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -33,7 +33,12 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/eyas demo --prompt "$(PROMPT)" --precision $(DEMO_PRECISION)
 
-test: setup
+# ruff (pyproject.toml [tool.ruff]): the lint and the format, before the tests
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: setup lint
 	$(PY) -m pytest -q
 
 bench: setup

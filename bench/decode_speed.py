@@ -51,8 +51,8 @@ import torch
 
 from eyas.protocol.schema import parse_request
 from eyas.runtime import Eyas, set_threads
-from eyas.target.model import eagle3_feature_address
 from eyas.target.loader import PRECISIONS
+from eyas.target.model import eagle3_feature_address
 from eyas.training.data import mtbench_path
 
 LATENCY_ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -278,8 +278,9 @@ def print_table(methods: list[Method], summary: dict[str, dict]) -> None:
                      "-" if s["tau"] is None else f"{s['tau']:.2f}", fmt_ratio(s["ratio_vs_hf-generate"]),
                      fmt_ratio(s["ratio_vs_eyas-target-fp32"]), same, s["drafter"] or "-"])
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    line = lambda r: "  ".join(c.ljust(w) if i in (0, 1, 8, 9) else c.rjust(w) for i, (c, w) in
-                               enumerate(zip(r, widths))).rstrip()
+    def line(r):
+        return "  ".join(c.ljust(w) if i in (0, 1, 8, 9) else c.rjust(w) for i, (c, w) in
+                         enumerate(zip(r, widths))).rstrip()
     print(line(head))
     print("  ".join("-" * w for w in widths))
     for r in rows:

@@ -41,9 +41,9 @@ def _median_ms(values) -> float:
 def drive(target, drafter_calls, info, ids, tree, requests: int, max_new_tokens: int, label: str, bar) -> dict:
     """Run ``requests`` greedy requests through one RoundLoop; per-round medians of the later ones
     (the first warms up the path)."""
-    from eyas.serve.round_loop import RoundLoop, WorkerCalls
     from eyas.scheduler.latency import LatencyCurve
     from eyas.scheduler.policy import Budgets, PromptLengthPolicy
+    from eyas.serve.round_loop import RoundLoop, WorkerCalls
     from eyas.verification.sampling import SamplingParams
 
     curve = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0})  # the fixed-tree policy ignores it
@@ -80,9 +80,9 @@ def main(argv=None) -> int:
 
     from eyas.actors.drafter_worker import DrafterWorker
     from eyas.actors.target_worker import TargetWorker
+    from eyas.drafting.engine import TreeSpec
     from eyas.serve.deployments import _Locked
     from eyas.serve.round_loop import WorkerCalls
-    from eyas.drafting.engine import TreeSpec
     from eyas.target.loader import encode_prompt, load_tokenizer
 
     torch.set_num_threads(1)  # as the deployments run (torch_threads: 1)
@@ -97,8 +97,8 @@ def main(argv=None) -> int:
     import ray.cloudpickle as cloudpickle
     from ray import serve
 
-    from eyas.serve.deployments import EyasDrafter, ServeCalls
     from eyas.experiments.experiment import free_port
+    from eyas.serve.deployments import EyasDrafter, ServeCalls
 
     rows = {}
     with tqdm(total=2 * args.requests + args.calls, desc="hop", unit="call") as bar:

@@ -150,7 +150,7 @@ def train_rate(device: str, dtype: str, tiny: bool, steps: int, batch_samples: i
             trainer.train_step()   # warm-up
             tokens = sum(trainer.train_data[i].input_ids.numel() for k in range(1, steps + 1)
                          for i in trainer.batch_indices(k))
-            _, seconds = timed(lambda: [trainer.train_step() for _ in range(steps)])
+            _, seconds = timed(lambda trainer=trainer: [trainer.train_step() for _ in range(steps)])
             rates[name] = tokens / seconds
     extracted = sum(x.input_ids.numel() for x in samples)
     return {"tokens_s": {k: round(v, 1) for k, v in rates.items()},
@@ -207,10 +207,8 @@ def main(argv=None) -> int:
             from transformers import AutoModelForCausalLM
 
             from eyas.runtime import Eyas
-            from eyas.target.loader import checkpoint_folder
+            from eyas.target.loader import checkpoint_folder, load_target
             from eyas.training.data import mtbench_questions
-
-            from eyas.target.loader import load_target
 
             eyas = Eyas(loaded=load_target(device=args.device, dtype=args.dtype))
             model = eyas.model

@@ -61,9 +61,10 @@ def child(folder: str, method: str, dtype: str) -> None:
 
     t0 = time.perf_counter()
     if method == "baseline":     # the imports alone: what any load pays before its first tensor
-        import eyas.target.loader  # noqa: F401
         import safetensors.torch  # noqa: F401
         import transformers  # noqa: F401
+
+        import eyas.target.loader  # noqa: F401
 
         params = 0
     elif method == "streamed":

@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import load_prompts  # noqa: E402
+
 from eyas.experiments.sim import percentile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -205,8 +205,8 @@ def cmd_serve(args) -> int:
     import time
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local: `serve status/deploy` need no token
-    from eyas.serve.app import GRPC_SERVICER_FUNCTIONS, build_app, parse_config
     from eyas.experiments.experiment import load_serve_file
+    from eyas.serve.app import GRPC_SERVICER_FUNCTIONS, build_app, parse_config
 
     # A file without an `eyas` application is an error, not a silent fall-back to the defaults.
     app_args, file_endpoints = load_serve_file(args.config) if args.config else ({}, {})

@@ -17,7 +17,8 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _thread: threading.Thread | None = None

@@ -16,8 +16,8 @@ loop (:func:`is_finished`, :func:`finish`) and the records they keep.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

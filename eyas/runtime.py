@@ -21,8 +21,14 @@ from eyas.drafting.model import DrafterConfig, drafter_feature_address, init_dra
 from eyas.generate import GenerationResult, generate
 from eyas.protocol.schema import GenerateRequest
 from eyas.target.engine import TargetEngine
-from eyas.target.loader import (DEFAULT_TARGET, LoadedTarget, TargetFingerprint, encode_prompt, load_target,
-                               request_prompt_ids)
+from eyas.target.loader import (
+    DEFAULT_TARGET,
+    LoadedTarget,
+    TargetFingerprint,
+    encode_prompt,
+    load_target,
+    request_prompt_ids,
+)
 from eyas.target.model import FeatureTap, TargetConfig, quantize_fp16_weights
 from eyas.verification.sampling import SamplingParams
 
@@ -64,7 +70,7 @@ def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: 
         taps, source = manifest.taps(), str(folder)
         default_tree = TreeSpec(**manifest.tree_abi.default_tree)
     else:
-        warnings.warn(f"no trained {method} drafter at {folder}; using an untrained (random) one")
+        warnings.warn(f"no trained {method} drafter at {folder}; using an untrained (random) one", stacklevel=2)
         arch = ARCHITECTURE[method]
         drafter = init_drafter(DrafterConfig.for_target(arch, cfg))
         taps = drafter_feature_address(drafter.cfg, cfg)

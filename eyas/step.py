@@ -24,6 +24,7 @@ decides every one.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -32,6 +33,8 @@ from eyas.drafting.engine import TreeSpec
 from eyas.protocol.messages import AcceptDecision, Refusal, Seed
 from eyas.protocol.tree import DraftTree, FlatTree
 from eyas.target.engine import PrefillProgress
+
+log = logging.getLogger("eyas.step")
 
 # The one reseed rule of every decode loop: a request reseeds its draft session from the target's
 # committed state (seed 0x05D) at most this many times before it goes on target-only: once for a
@@ -180,7 +183,7 @@ def round_step(target: TargetSide, drafter: DrafterSide | None, batch: list[tupl
     acks = target.publish([v for _, v in decided]) if decided else []                                 # publish
     if drafted:
         drafter.publish(drafted)
-    for (s, v), ack in zip(decided, acks):
+    for (s, _), ack in zip(decided, acks):
         if isinstance(ack, Published):
             lost |= _advance(s, ack.seed, drafter, first=s.seed is None)
     return Round(trees=trees, prefills=prefills, verdicts=verdicts,
@@ -264,8 +267,8 @@ def reseed(target: TargetSide, drafter: DrafterSide, s: DraftState) -> bool:
             drafter.close_session(s.request_id)
         except DrafterUnavailable:
             raise
-        except Exception:  # noqa: BLE001 - a session already gone is what a reseed expects
-            pass
+        except Exception as err:  # noqa: BLE001 - logged; a session already gone is what a reseed expects
+            log.debug("reseed %s: close_session: %s", s.request_id, err)
         drafter.open_session(s)
         s.seed = target.reseed(s.request_id)
         s.unread = [s.seed]

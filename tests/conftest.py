@@ -12,7 +12,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", message=".*quantiz.*")
 
 
-from tests.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import ours_from_hf, tiny_hf_llama  # noqa: E402 - after the warning filters
 
 
 @pytest.fixture(scope="session")

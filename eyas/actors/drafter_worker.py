@@ -13,11 +13,10 @@ import time
 
 import torch
 
-from eyas.protocol.messages import Refusal
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
-from eyas.protocol.messages import Seed
+from eyas.protocol.messages import Refusal, Seed
 from eyas.protocol.tree import DraftTree
 
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.verification.accept import decide
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import AcceptDecision, PublishAck, Refusal, Seed
@@ -39,6 +38,7 @@ from eyas.protocol.tree import DraftTree, FlatTree
 from eyas.step import Decided, Published
 from eyas.target.engine import PrefillProgress, TargetEngine
 from eyas.target.model import FeatureTap, TargetModel
+from eyas.verification.accept import decide
 from eyas.verification.sampling import SamplingParams
 
 RPC_METHODS = {"OpenSession": "open_session", "Prefill": "prefill", "Verify": "verify", "Publish": "publish",

@@ -21,10 +21,9 @@ import torch
 import torch.nn as nn
 
 from eyas.drafting.model import Drafter
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
-from eyas.drafting.tree import (DEFAULT_STATIC_CHOICES, DynamicTreeBuilder,
-                                StaticTreeBuilder, chain_choices)
+from eyas.drafting.tree import DEFAULT_STATIC_CHOICES, DynamicTreeBuilder, StaticTreeBuilder, chain_choices
 from eyas.protocol.messages import Seed
+from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.target.batch_kv import RowGroup
 from eyas.target.model import FeatureTap
 

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.drafting.manifest import (MANIFEST_FILE, WEIGHTS_FILE, DrafterManifest, FingerprintSpec, TapSpec,
-                                    read_manifest)
+from eyas.drafting.manifest import MANIFEST_FILE, WEIGHTS_FILE, DrafterManifest, FingerprintSpec, TapSpec, read_manifest
 from eyas.drafting.model import EYAS_V1, REFERENCE, SAFEAILAB_ROPE_THETA, DrafterConfig
 from eyas.target.model import TargetConfig
 

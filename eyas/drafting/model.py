@@ -24,14 +24,24 @@ The frozen target embedding and LM head are passed in; the drafter owns neither 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 
 from eyas.target.batch_kv import BatchKV, BatchRows, RowGroup
-from eyas.target.model import (MLP, Attention, FeatureTap, KVCache, RMSNorm, RotaryTable, TargetConfig,
-                               eagle1_feature_address, eagle3_feature_address, head_rows)
+from eyas.target.model import (
+    MLP,
+    Attention,
+    FeatureTap,
+    KVCache,
+    RMSNorm,
+    RotaryTable,
+    TargetConfig,
+    eagle1_feature_address,
+    eagle3_feature_address,
+    head_rows,
+)
 
 METHODS = ("eagle1", "eagle3")
 REFERENCE, EYAS_V1 = "reference", "eyas-v1"
@@ -78,7 +88,7 @@ class DrafterConfig:
 
     @classmethod
     def for_target(cls, method: str, target: TargetConfig, draft_vocab_size: int | None = None,
-                   layout: str = REFERENCE, fc_norm: bool = False) -> "DrafterConfig":
+                   layout: str = REFERENCE, fc_norm: bool = False) -> DrafterConfig:
         if draft_vocab_size is None:
             draft_vocab_size = min(8192, target.vocab_size) if method == "eagle3" else FULL_VOCAB
         return cls(method=method, hidden_size=target.hidden_size, num_heads=target.num_heads,

@@ -42,8 +42,18 @@ import yaml
 
 from eyas.autoscale.policy import ReplicaMetrics, ScalingState, TargetScalingConfig, decide_target_replicas
 from eyas.experiments import sim
-from eyas.experiments.workload import (BURST_START, Arrival, Sample, Timeline, Workload, arrivals, percentile, phase_spans,
-                                   plot_timeline, summary)
+from eyas.experiments.workload import (
+    BURST_START,
+    Arrival,
+    Sample,
+    Timeline,
+    Workload,
+    arrivals,
+    percentile,
+    phase_spans,
+    plot_timeline,
+    summary,
+)
 
 log = logging.getLogger("eyas.experiment")
 CLOSE_GRACE_S = 30.0  # Replay.close: how long requests still running at the end get to stop once cancelled
@@ -254,7 +264,7 @@ class Replay:
                                  "draft_ms": chunk.stats.draft_ms, "hop_ms": chunk.stats.hop_ms}
                     if chunk.finish_reason == "error":
                         rec.error = chunk.text
-        except Exception as err:  # recorded: the experiment reports it, it does not stop
+        except Exception as err:  # noqa: BLE001 - recorded in the log's record: the experiment reports it, it does not stop
             rec.error = f"{type(err).__name__}: {err}"
         rec.done_t = self.now()
         if self.on_done is not None:
@@ -277,7 +287,7 @@ class Replay:
             if canceller is not None and not math.isnan(rec.sent_t):
                 try:
                     canceller.cancel(rec.request_id)
-                except Exception as err:  # the app may be gone: the wait below still bounds the close
+                except Exception as err:  # noqa: BLE001 - logged; the app may be gone: the wait below still bounds the close
                     log.warning("Cancel(%s) failed: %s", rec.request_id, err)
         _, running = concurrent.futures.wait(list(self.futures), timeout=grace_s)
         self.pool.shutdown(wait=not running, cancel_futures=True)

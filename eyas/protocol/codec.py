@@ -68,7 +68,7 @@ def decode_tensor(b: bytes, *, name: str, dtype: torch.dtype | None = None,
         raise ValueError(f"{name}: missing (empty bytes, not an encoded tensor)")
     try:
         obj = msgpack.unpackb(bytes(b), raw=False, strict_map_key=True, use_list=True)
-    except Exception as err:  # msgpack raises several types (ExtraData, FormatError, ...)
+    except Exception as err:  # noqa: BLE001 - re-raised named: msgpack raises several types (ExtraData, FormatError, ...)
         raise ValueError(f"{name}: not a msgpack-encoded tensor ({type(err).__name__}: {err})") from None
     if not isinstance(obj, dict) or set(obj) != KEYS:
         keys = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__

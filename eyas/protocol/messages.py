@@ -138,7 +138,7 @@ class Refusal:
     not_found: bool = False
 
     @classmethod
-    def of(cls, err: Exception) -> "Refusal":
+    def of(cls, err: Exception) -> Refusal:
         if isinstance(err, LookupError):   # an unknown request id (the worker's SessionNotFound)
             return cls(str(err.args[0]), True)
         return cls(str(err))

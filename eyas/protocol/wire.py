@@ -14,19 +14,26 @@ token) are keyword arguments the receiver passes; the converters themselves stay
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol.codec import ANY_DIM, DEFAULT_MAX_NUMEL, decode_tensor, encode_tensor
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
-from eyas.protocol.schema import (CancelRequest, GenerateRequest, parse_cancel, parse_request,
-                                  request_id_problem)
-from eyas.protocol.tree import (PARENT_IS_SEED, ROW_IS_ROOT, DraftTree, FlatTree, flatten_tree,
-                                retrieve_from_parents, tree_mask_from_parents, validate_flat_tree)
+from eyas.protocol.schema import CancelRequest, GenerateRequest, parse_cancel, parse_request, request_id_problem
+from eyas.protocol.tree import (
+    PARENT_IS_SEED,
+    ROW_IS_ROOT,
+    DraftTree,
+    FlatTree,
+    flatten_tree,
+    retrieve_from_parents,
+    tree_mask_from_parents,
+    validate_flat_tree,
+)
 
 NO_LIMIT = None  # a converter argument meaning "this check is not requested"
 

@@ -20,16 +20,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import grpc
 
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import GenerationResult, RoundRecord, RoundStats, finish, is_finished
 from eyas.protocol import eyas_pb2 as pb
-from eyas.protocol import eyas_pb2_grpc
-from eyas.protocol import wire
+from eyas.protocol import eyas_pb2_grpc, wire
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.remote.verifier_server import GRPC_OPTIONS

@@ -15,9 +15,9 @@ touches the committed state. One lock serializes every worker call (the worker h
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
 EMA_WEIGHT = 0.2
@@ -146,7 +146,7 @@ class DraftCost:
             self.per_depth_ms = self.prior_ms_per_depth
 
     @classmethod
-    def from_points(cls, points: list[tuple[int, int, float]]) -> "DraftCost":
+    def from_points(cls, points: list[tuple[int, int, float]]) -> DraftCost:
         """A cost measured at start-up (:meth:`DrafterEngine.measure_cost`: ``(depth, draft rows, ms)``).
 
         ``per_row_ms`` is the least-squares slope of ms over rows among points of the same depth

@@ -19,13 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 
 from eyas.protocol import eyas_pb2 as pb
-from eyas.protocol import eyas_pb2_grpc
-from eyas.protocol import wire
+from eyas.protocol import eyas_pb2_grpc, wire
 from eyas.protocol.schema import parse_request
 from eyas.protocol.service import TIMEOUT_METADATA
 
@@ -88,7 +87,7 @@ class EyasClient:
             if not ended:
                 try:
                     self.cancel(fields["request_id"])
-                except Exception as err:  # best effort: the call's own cancel went out already
+                except Exception as err:  # noqa: BLE001 - logged; best effort: the call's own cancel went out already
                     log.warning("Cancel(%s) failed: %s", fields["request_id"], err)
 
     def cancel(self, request_id: str) -> None:

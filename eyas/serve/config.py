@@ -102,7 +102,7 @@ class ServeConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _dtype_needs_fp32(self) -> "ServeConfig":
+    def _dtype_needs_fp32(self) -> ServeConfig:
         check_dtype(self.dtype, self.precision)
         if self.device is not None:   # its syntax and precision here; whether it exists, on the replica
             check_device(self.device, self.precision, here=False)

@@ -36,13 +36,13 @@ import uuid
 
 import ray
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from eyas import compute
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import TargetWorker
-from eyas.protocol.messages import Refusal
 from eyas.drafting.engine import TreeSpec
-from eyas.step import DrafterUnavailable
+from eyas.protocol.messages import Refusal
 from eyas.protocol.schema import GenerateRequest
 from eyas.runtime import StopStrings, build_report, tree_for
 from eyas.scheduler.cost import ExpertTraffic
@@ -51,6 +51,7 @@ from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
 from eyas.serve.registry import Reporter, app_name, cancels_due, get_registry
 from eyas.serve.round_loop import RoundLoop, WorkerCalls
 from eyas.serve.telemetry import Telemetry
+from eyas.step import DrafterUnavailable
 from eyas.target.loader import load_tokenizer
 from eyas.verification.sampling import SamplingParams
 
@@ -112,14 +113,15 @@ class ServeCalls:
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside Serve (unit tests)
+    except RayServeException:  # outside a Serve replica (unit tests)
         return uuid.uuid4().hex[:8]
 
 
 def _actor_name() -> str | None:
     try:
         return ray.get_runtime_context().get_actor_name()
-    except Exception:
+    except Exception as err:  # noqa: BLE001 - logged; a name is only a label in the replica's stats
+        log.debug("no actor name: %s", err)
         return None
 
 
@@ -178,15 +180,16 @@ class EyasTarget:
         registry has one, else measured here. Either way live rounds keep it up to date."""
         try:
             known = ray.get(get_registry(self.app_name).get_curve.remote(self.curve_key), timeout=10)
-        except Exception:
+        except Exception as err:  # noqa: BLE001 - logged; without a sibling's curve the replica measures its own
+            log.info("no latency curve from the registry (%s): measuring one", err)
             known = None
         if known:
             return LatencyCurve(list(known["rows"]), list(known["ms"]))
         curve = LatencyCurve.from_points(self.locked.measure_latency(CURVE_ROWS, self.cfg.curve_repeats))
         try:
             get_registry(self.app_name).put_curve.remote(self.curve_key, curve.to_dict())
-        except Exception:
-            pass
+        except Exception as err:  # noqa: BLE001 - logged; siblings then measure their own curve
+            log.info("latency curve not shared with the registry: %s", err)
         return curve
 
     def _drafter_info(self) -> dict:
@@ -308,8 +311,8 @@ class EyasTarget:
         for stop in (lambda: self.loop.close(), lambda: self.reporter.stop()):
             try:
                 stop()
-            except Exception:
-                pass
+            except Exception as err:  # noqa: BLE001 - logged; a replica being torn down has nothing left to serve
+                log.debug("replica teardown: %s", err)
 
 
 @serve.deployment(name="EyasDrafter", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64,
@@ -403,8 +406,8 @@ class EyasDrafter:
     def __del__(self):
         try:
             self.reporter.stop()
-        except Exception:
-            pass
+        except Exception as err:  # noqa: BLE001 - logged; a replica being torn down has nothing left to serve
+            log.debug("replica teardown: %s", err)
 
 
 def _device_kind(device: str, threads: int) -> str:

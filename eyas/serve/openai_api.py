@@ -128,7 +128,6 @@ class OpenAIRequest:
 def _pydantic_error(err: ValidationError) -> OpenAIError:
     first = err.errors()[0]
     loc = [str(p) for p in first["loc"]]
-    param = loc[0] if loc else None
     if first["type"] == "extra_forbidden":
         where = ".".join(loc)
         return OpenAIError(f"{where}: is not a parameter Eyas supports", param=where, code="unsupported_parameter")

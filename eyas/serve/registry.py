@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import ray
 
@@ -102,10 +102,11 @@ class Registry:
 def app_name() -> str:
     """The Serve application of the calling replica ("eyas" outside a replica, e.g. in unit tests)."""
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     try:
         return serve.get_replica_context().app_name
-    except Exception:
+    except RayServeException:  # outside a Serve replica (unit tests)
         return "eyas"
 
 
@@ -157,5 +158,5 @@ class Reporter:
         self.thread.join(timeout=5)
         try:
             ray.get(get_registry(self.app_name).forget.remote(self.replica_id), timeout=5)
-        except Exception:
-            pass
+        except Exception as err:  # noqa: BLE001 - logged; the registry forgets a replica that stops reporting
+            log.debug("registry forget(%s): %s", self.replica_id, err)

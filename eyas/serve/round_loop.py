@@ -35,20 +35,19 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from eyas import compute
-from eyas.protocol.messages import Refusal
-from eyas.target.engine import PrefillProgress
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import FINISH_CANCELLED, FINISH_ERROR, GenerationResult, RoundRecord, RoundStats, finish, is_finished
 from eyas.protocol import wire
-from eyas.protocol.messages import Seed
+from eyas.protocol.messages import Refusal, Seed
 from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK, PLAIN, ExpertTraffic, TreeShape
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
 from eyas.step import Decided, DrafterUnavailable, DraftState, Published, round_step
+from eyas.target.engine import PrefillProgress
 from eyas.verification.sampling import SamplingParams
 
 log = logging.getLogger("eyas.round_loop")
@@ -313,7 +312,7 @@ class RoundLoop:
                                 taps)
         try:
             live.eos = self.target("open", spec)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - handed to the request's caller, which maps it
             live.future.set_exception(_as_value_error(err))
             return False
         return True
@@ -447,8 +446,8 @@ class RoundLoop:
             except DrafterUnavailable:
                 time.sleep(DRAFTER_PROBE_S)
                 continue
-            except Exception:  # noqa: BLE001 - an answer that is a refusal still means it is up
-                pass
+            except Exception as err:  # noqa: BLE001 - logged; an answer that is a refusal still means it is up
+                log.debug("drafter info refused (%s): it answers", err)
             log.info("the drafter answers again: reseeding the draft sessions")
             self.drafter_down.clear()
 
@@ -470,8 +469,8 @@ class RoundLoop:
         if live.drafter_open and self.drafter is not None:
             try:
                 self.drafter("close_session", live.request_id)
-            except Exception:
-                pass
+            except Exception as err:  # noqa: BLE001 - logged; a lost drafter's sessions went with it
+                log.debug("drafter close_session %s: %s", live.request_id, err)
         if err is not None and reason == FINISH_ERROR and not live.out:
             live.future.set_exception(_as_value_error(err))
             return

@@ -33,9 +33,10 @@ replicas' texts with a ``replica`` label (:func:`merge_prometheus`).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from opentelemetry import trace
 from opentelemetry.metrics import Observation
@@ -43,10 +44,11 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import (ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter,
-                                            SpanExportResult)
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter, SpanExportResult
 
 from eyas.generate import RoundRecord
+
+log = logging.getLogger("eyas.telemetry")
 
 # seconds: rounds on a CPU take tens to hundreds of ms, requests up to minutes
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -149,7 +151,8 @@ class Telemetry:
         for source in self._queue_sources:
             try:
                 total += int(source())
-            except Exception:  # an unreachable loop must not break metric collection
+            except Exception as err:  # noqa: BLE001 - logged; an unreachable loop must not break metric collection
+                log.debug("queue metric source failed: %s", err)
                 continue
         return [Observation(total)]
 
@@ -159,7 +162,8 @@ class Telemetry:
             try:
                 for side, n in source().items():
                     totals[side] = totals.get(side, 0) + int(n)
-            except Exception:  # an unreachable worker must not break metric collection
+            except Exception as err:  # noqa: BLE001 - logged; an unreachable worker must not break metric collection
+                log.debug("kv metric source failed: %s", err)
                 continue
         return [Observation(n, {"side": side}) for side, n in totals.items()]
 

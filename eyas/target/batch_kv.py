@@ -229,7 +229,7 @@ class BatchRows:
         return max([self.grid.key_len if self.grid else 0] + [w.start + w.hi - w.lo for w in self.wide])
 
     @classmethod
-    def build(cls, groups: list[RowGroup], device: str | torch.device = "cpu") -> "BatchRows":
+    def build(cls, groups: list[RowGroup], device: str | torch.device = "cpu") -> BatchRows:
         assert groups, "groups: at least one"
         kv_rows_seen = [g.kv_row for g in groups]
         assert len(set(kv_rows_seen)) == len(kv_rows_seen), "groups: a KV row appears twice"

@@ -22,8 +22,8 @@ import torch
 
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
-from eyas.target.experts import expert_bytes, expert_union
 from eyas.target.batch_kv import BatchKV, BatchRows, RowGroup
+from eyas.target.experts import expert_bytes, expert_union
 from eyas.target.model import FeatureTap, MoE, TargetModel
 
 PREFILL_ROUND = 0  # the round number of the prompt's prefill; speculation rounds count from 1

@@ -13,7 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch

@@ -15,10 +15,10 @@ This module owns no state between calls: the KV cache is passed in and is owned 
 """
 from __future__ import annotations
 
-import json
 import hashlib
+import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
@@ -59,7 +59,7 @@ class TargetConfig:
     qk_norm_per_head: bool = False      # the q/k RMSNorms act on each head's head_dim (Qwen3), not all heads (OLMoE)
 
     @classmethod
-    def from_hf(cls, hf_config) -> "TargetConfig":
+    def from_hf(cls, hf_config) -> TargetConfig:
         """Read a transformers config (or a dict of one) of a supported kind: Llama (Llama-3.x rope
         scaling included), Mistral, Qwen2 and Qwen3 (dense), Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE."""
         cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
@@ -315,7 +315,7 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, batch: int, num_kv_heads: int, max_slots: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KVCache":
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> KVCache:
         shape = (num_layers, batch, num_kv_heads, max_slots, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
@@ -448,7 +448,7 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, T, self.heads * hd))
 
 
-    def forward_batch(self, x, cos, sin, kv: "BatchKV", plan: "BatchRows", layer: int):
+    def forward_batch(self, x, cos, sin, kv: BatchKV, plan: BatchRows, layer: int):
         """Packed rows of every request in the round, x [1, N, d], over the engine's one K/V store.
 
         The projections run once over all N rows; the new K/V are written at each row's (KV row,
@@ -475,7 +475,7 @@ class Attention(nn.Module):
                            else self._attend_grid(q[g.rows], keys, values, g))
         return self.wo(out[None])                                                         # [1, N, d]
 
-    def _attend_grid(self, q, keys, values, g: "Grid"):
+    def _attend_grid(self, q, keys, values, g: Grid):
         """q [M, H, hd] of the grid's rows over keys/values [B, H_kv, S, hd] -> [M, H*hd]: one call.
         One query row per request (plain decoding) runs as two batched matmuls grouped by KV head
         (no K/V expanded or copied; on a CPU faster than the fused kernel at one row); more run
@@ -494,7 +494,7 @@ class Attention(nn.Module):
                                              attn_mask=g.mask, enable_gqa=H != Hkv)       # [B, H, W, hd]
         return out.transpose(1, 2).reshape(B * W, H * hd)[g.cells]
 
-    def _attend_rows_alone(self, q, keys, values, g: "Grid"):
+    def _attend_rows_alone(self, q, keys, values, g: Grid):
         """int8's row-stable attention (see :meth:`_attend`) for the grid's rows: each row alone,
         over only the keys its mask shows, in slot order. q [M, H, hd] -> [M, H*hd]."""
         gqa = self.heads != self.kv_heads
@@ -632,7 +632,7 @@ class RowInvariantLinear(nn.Linear):
         return row_invariant_linear(x, self.weight, self.bias)
 
 
-def make_batch_invariant(model: "TargetModel") -> "TargetModel":
+def make_batch_invariant(model: TargetModel) -> TargetModel:
     """In place, for half-precision compute: every op whose result for a row depends on the number of
     rows in the call is made not to, so that a verify row computes exactly what a one-row decode of
     the same token computes (the idea of vLLM's and SGLang's deterministic modes):
@@ -710,8 +710,8 @@ class TargetModel(nn.Module):
         return self._run(self.embed(tokens), taps, logits_rows,
                          lambda i, layer, x: layer(x, cos, sin, cache, i, start, mask))
 
-    def forward_batch(self, kv: "BatchKV", plan: "BatchRows", taps: tuple[FeatureTap, ...],
-                      logits_rows: "str | torch.Tensor" = "all") -> ForwardOut:
+    def forward_batch(self, kv: BatchKV, plan: BatchRows, taps: tuple[FeatureTap, ...],
+                      logits_rows: str | torch.Tensor = "all") -> ForwardOut:
         """Every request's rows of one round in one forward over the engine's K/V store: one
         attention call per layer (``eyas.target.batch_kv``). -> logits [1, N or n, V] and features
         [1, N, F] in packed order; ``logits_rows``: "all", "none", or packed-row indices [n]."""
@@ -895,7 +895,7 @@ class RowStableInt8Linear(nn.Module):
 
 
 @torch.inference_mode()
-def calibrate_activation_absmax(model: "TargetModel", calibration_ids: list[int]) -> dict[str, torch.Tensor]:
+def calibrate_activation_absmax(model: TargetModel, calibration_ids: list[int]) -> dict[str, torch.Tensor]:
     """Per-input-channel max |x| of every Linear over one causal forward of ``calibration_ids``."""
     amax: dict[str, torch.Tensor] = {}
     hooks = []

@@ -219,7 +219,7 @@ class OnlineFeatures:
                              f"({model.cfg.max_context}); lower data.max_len")
         self._samples = samples
 
-    def samples(self) -> list["OnlineFeatureBatch"]:
+    def samples(self) -> list[OnlineFeatureBatch]:
         return [OnlineFeatureBatch(s.sample_id, s.input_ids, s.loss_mask, s.position_id, self) for s in self._samples]
 
     @torch.no_grad()   # not inference_mode: the features enter autograd as inputs of the drafter

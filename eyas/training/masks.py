@@ -30,8 +30,6 @@ from torch import Tensor
 from eyas.protocol.checks import check_tensor as _check
 
 
-
-
 def _check_steps(steps: object) -> int:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps: must be an int >= 1, got {steps!r}")

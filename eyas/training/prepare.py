@@ -7,9 +7,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from eyas.target.loader import DTYPES
 from eyas.training.config import TrainConfig
 from eyas.training.data import Sample, conversations, render
-from eyas.target.loader import DTYPES
 from eyas.training.features import FeatureCache, OnlineFeatures, training_taps
 
 

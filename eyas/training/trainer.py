@@ -29,13 +29,13 @@ from tqdm import tqdm
 
 from eyas.drafting.manifest import TreeABI, manifest_for, save_drafter
 from eyas.drafting.model import Drafter, DrafterConfig, drafter_feature_address, init_drafter
+from eyas.target.loader import DTYPES, check_device
 from eyas.target.model import FeatureTap, GrowingKV, TargetModel
 from eyas.training.config import TrainConfig
 from eyas.training.features import FeatureBatch, FeatureCache, OnlineFeatures, training_taps
 from eyas.training.losses import build_draft_vocab, feature_noise, row_soft_cross_entropy
 from eyas.training.masks import rollout_valid, rollout_visibility
 from eyas.training.rows import dense_row_masks
-from eyas.target.loader import DTYPES, check_device
 
 STATE_FILE = "trainer_state.pt"
 TOPK_STATS = 8   # evaluation reports top-1..8 accuracy per rollout step (the tree model's rank rates)

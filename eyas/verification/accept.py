@@ -23,10 +23,9 @@ probability prod_{j<i}(1 - r_j(c_j)) * r_i(c_i) = p(c_i), and any other token x 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
-
-from typing import TYPE_CHECKING
 
 from eyas.protocol.messages import ROOT_ROW, AcceptDecision
 from eyas.protocol.tree import RETRIEVE_PAD, FlatTree

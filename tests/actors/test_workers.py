@@ -14,9 +14,9 @@ from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import TargetWorker
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.generate import generate
-from eyas.step import DrafterUnavailable
-from eyas.remote.verifier_client import LocalTransport, RemoteVerifier, generate_remote
 from eyas.protocol import eyas_pb2 as pb
+from eyas.remote.verifier_client import LocalTransport, RemoteVerifier, generate_remote
+from eyas.step import DrafterUnavailable
 from eyas.target.engine import TargetEngine
 from tests.testing import tiny_eagle1_engine
 
@@ -198,8 +198,8 @@ def test_bad_seeds_and_unknown_methods_are_refused_naming_the_field(tiny_target,
 def test_a_batched_prefill_answers_a_retry_with_the_same_decision_and_refuses_alone(worker):
     """prefill_batch: a request prefilled before gets its earlier decision again; an unknown or repeated
     request gets a Refusal naming the field; the valid ones are decided as single prefills would be."""
-    from eyas.protocol.messages import Refusal
     from eyas.protocol import wire
+    from eyas.protocol.messages import Refusal
 
     for rid, prompt in (("x", PROMPT), ("y", PROMPT[:3])):
         worker.open_session(wire.session_spec_to_proto(wire.SessionSpec(rid, tuple(prompt), 8, 1)))

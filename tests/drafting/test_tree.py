@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.drafting.tree import (
     CONFIDENCE_FLOOR,
     DEFAULT_STATIC_CHOICES,
@@ -18,6 +17,7 @@ from eyas.drafting.tree import (
     StaticTreeBuilder,
     chain_choices,
 )
+from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 
 Proposal = Callable[[int | None, int], tuple[list[int], list[float]]]
 # (parent token, or None for the seed; k) -> (k tokens, k descending confidences)

@@ -9,9 +9,9 @@ import time
 import grpc
 import pytest
 
+from eyas.protocol import eyas_pb2 as pb
 from eyas.serve.client import ServerRejected
 from tests.e2e.conftest import E2E_MAX_INFLIGHT
-from eyas.protocol import eyas_pb2 as pb
 
 PROMPTS = ("Name three planets of the solar system.", "Write a haiku about autumn.")
 N = 32
@@ -299,7 +299,7 @@ def test_a_passed_deadline_stops_the_request_in_its_replica(client, no_leaks):
         assert err.value.details().startswith("deadline: "), err.value.details()
         assert time.monotonic() - started < 30   # the 400 tokens alone take longer here
         assert _wait_for(lambda: _live_requests(client) == 0, 30)
-        assert _wait_for(lambda: _cancelled_count(client) == before + 1, 30)
+        assert _wait_for(lambda before=before: _cancelled_count(client) == before + 1, 30)
         no_leaks(client)
     for bad in ("soon", "0", "-5", "1.5", str(10 ** 12)):
         with pytest.raises(grpc.RpcError) as err:
@@ -322,7 +322,7 @@ def test_a_calls_own_grpc_deadline_also_stops_the_request_in_its_replica(client,
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
         started = time.monotonic()
         assert _wait_for(lambda: _live_requests(client) == 0, 30)
-        assert _wait_for(lambda: _cancelled_count(client) == before + 1, 30)
+        assert _wait_for(lambda before=before: _cancelled_count(client) == before + 1, 30)
         assert time.monotonic() - started < 20   # the rest of the 400 tokens alone take longer here
         no_leaks(client)
 

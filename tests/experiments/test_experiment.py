@@ -76,9 +76,9 @@ def test_the_cluster_configs_pass_rays_cluster_schema(name):
 def test_the_autoscale_app_config_is_valid_and_asks_for_those_node_types():
     from ray.serve.config import AutoscalingConfig
 
-    from eyas.serve.config import parse_config
-    from eyas.experiments.experiment import load_serve_config
     from eyas.autoscale.serve_policy import DrafterTreeWorkPolicy, TargetTreeWorkPolicy
+    from eyas.experiments.experiment import load_serve_config
+    from eyas.serve.config import parse_config
 
     cfg = parse_config(load_serve_config(CONFIGS / "autoscale.yaml"))
     assert cfg.target_resources == {"target_host": 1} and cfg.drafter_resources == {"drafter_host": 1}

@@ -9,8 +9,17 @@ import math
 
 import pytest
 
-from eyas.experiments.sim import (Arrivals, Autoscaling, ClusterModel, Curve, ReplicaModel, ScalingState, Workload,
-                              percentile, simulate)
+from eyas.experiments.sim import (
+    Arrivals,
+    Autoscaling,
+    ClusterModel,
+    Curve,
+    ReplicaModel,
+    ScalingState,
+    Workload,
+    percentile,
+    simulate,
+)
 
 MS = 1e-3  # seconds per millisecond
 

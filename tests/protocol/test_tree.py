@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from eyas.protocol.tree import (
     PARENT_IS_SEED,
-    DraftTree,
     RETRIEVE_PAD,
     ROW_IS_ROOT,
+    DraftTree,
     FlatTree,
     flatten_tree,
     validate_flat_tree,

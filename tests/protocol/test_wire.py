@@ -9,7 +9,8 @@ from eyas.protocol import wire
 from eyas.protocol.codec import encode_tensor
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.schema import parse_request
-from eyas.protocol.tree import PARENT_IS_SEED, ROW_IS_ROOT as ROOT, DraftTree, flatten_tree
+from eyas.protocol.tree import PARENT_IS_SEED, DraftTree, flatten_tree
+from eyas.protocol.tree import ROW_IS_ROOT as ROOT
 from eyas.protocol.wire import WireError
 
 VOCAB, BASE, FRONTIER, ROUND, MAX_ROWS = 32, 10, 3, 4, 8

@@ -14,7 +14,8 @@ from eyas.generate import generate
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.codec import encode_tensor
-from eyas.protocol.tree import PARENT_IS_SEED, ROW_IS_ROOT as ROOT, DraftTree, flatten_tree
+from eyas.protocol.tree import PARENT_IS_SEED, DraftTree, flatten_tree
+from eyas.protocol.tree import ROW_IS_ROOT as ROOT
 from eyas.remote.verifier_client import RemoteRejected, RemoteVerifier, generate_remote
 from eyas.remote.verifier_server import serve_verifier
 from eyas.target.engine import TargetEngine
@@ -158,10 +159,11 @@ def test_malformed_messages_are_refused_and_touch_nothing(tiny_target, server, c
     ]
     before = committed_state(server, rid)
     for label, msg, field in bad_trees:
-        expect_rejection(lambda: client.transport.stub.Verify(msg, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, field, label)
+        expect_rejection(lambda msg=msg: client.transport.stub.Verify(msg, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, field, label)
         assert_same_state(before, committed_state(server, rid))
     for bad_round in (rnd - 2, rnd + 5, rnd):  # stale, future, and the undecided next round
-        expect_rejection(lambda: client.transport.stub.Publish(pb.PublishRequest(request_id=rid, round=bad_round), timeout=30),
+        expect_rejection(lambda bad_round=bad_round: client.transport.stub.Publish(
+            pb.PublishRequest(request_id=rid, round=bad_round), timeout=30),
                          grpc.StatusCode.INVALID_ARGUMENT, "round")
         assert_same_state(before, committed_state(server, rid))
     expect_rejection(lambda: client.transport.stub.Verify(flat_msg(request_id="nobody"), timeout=30),

@@ -5,8 +5,7 @@ import pytest
 
 from eyas.scheduler.cost import PLAIN, ExpertTraffic, TreeShape, batch_work, round_work
 from eyas.scheduler.latency import DraftCost, LatencyCurve, measure_curve
-from eyas.scheduler.policy import (AcceptanceEstimate, Budgets, Candidate, PromptLengthPolicy,
-                                   TreeWorkPolicy)
+from eyas.scheduler.policy import AcceptanceEstimate, Budgets, Candidate, PromptLengthPolicy, TreeWorkPolicy
 
 FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 128: 120.0})     # rows nearly free (GPU-like)
 STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 16: 700.0, 64: 2000.0})   # each row costs a forward

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError
 
-from eyas.serve import app
 from eyas.protocol.schema import parse_request
+from eyas.serve import app
 from eyas.target.loader import load_tokenizer
 
 

@@ -8,15 +8,15 @@ import torch
 
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import TargetWorker
-from eyas.serve.round_loop import RoundLoop, WorkerCalls
-from eyas.step import DrafterUnavailable
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import generate
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
+from eyas.serve.round_loop import RoundLoop, WorkerCalls
+from eyas.step import DrafterUnavailable
 from eyas.target.engine import TargetEngine
-from tests.testing import EveryThirdRoundPolicy, tiny_eagle1_engine
 from eyas.verification.sampling import SamplingParams
+from tests.testing import EveryThirdRoundPolicy, tiny_eagle1_engine
 
 FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 256: 200.0})
 STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 64: 3200.0})
@@ -183,9 +183,9 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
     import concurrent.futures
     import time
 
-    from eyas.serve.round_loop import Live
     from eyas.generate import RoundStats
     from eyas.scheduler.policy import AcceptanceEstimate
+    from eyas.serve.round_loop import Live
 
     target, drafter = workers
     loop = RoundLoop(WorkerCalls(target, 30, local=True), None, {}, TreeWorkPolicy(Budgets()), FLAT.copy())

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from eyas.serve.telemetry import Telemetry, acceptance_by, confidence_bucket
 from eyas.generate import RoundRecord
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import PARENT_IS_SEED, DraftTree, flatten_tree
+from eyas.serve.telemetry import Telemetry, acceptance_by, confidence_bucket
 
 
 def one_round() -> RoundRecord:

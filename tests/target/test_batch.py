@@ -6,9 +6,9 @@ import torch
 
 from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.target.engine import TargetEngine
-from tests.testing import branch_tokens
 from eyas.target.model import eagle1_feature_address
 from eyas.verification.accept import greedy_accept
+from tests.testing import branch_tokens
 
 PROMPTS = {"a": [1, 2, 3], "b": [7, 7, 7, 7, 7, 9, 30, 11], "c": [5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3]}
 

@@ -12,8 +12,17 @@ import torch
 from eyas.generate import generate
 from eyas.target.engine import TargetEngine
 from eyas.target.loader import load_target, load_tokenizer
-from tests.testing import (ours_from_hf, tiny_hf_llama, tiny_hf_mistral, tiny_hf_mixtral, tiny_hf_olmoe,
-                           tiny_hf_qwen2, tiny_hf_qwen2_moe, tiny_hf_qwen3, tiny_hf_qwen3_moe)
+from tests.testing import (
+    ours_from_hf,
+    tiny_hf_llama,
+    tiny_hf_mistral,
+    tiny_hf_mixtral,
+    tiny_hf_olmoe,
+    tiny_hf_qwen2,
+    tiny_hf_qwen2_moe,
+    tiny_hf_qwen3,
+    tiny_hf_qwen3_moe,
+)
 
 KINDS = {"llama": tiny_hf_llama, "mistral": lambda: tiny_hf_mistral(sliding_window=64),  # within its window
          "qwen2": tiny_hf_qwen2, "qwen3": tiny_hf_qwen3,

@@ -4,9 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eyas.target.model import (
+    FeatureTap,
+    TargetConfig,
+    TargetModel,
+    eagle1_feature_address,
+    eagle3_feature_address,
+    head_rows,
+    quantize_fp16_weights,
+    quantize_int8,
+)
 from tests.testing import ours_from_hf, tiny_hf_llama, tiny_hf_mistral, tiny_hf_qwen2
-from eyas.target.model import (FeatureTap, TargetConfig, TargetModel, eagle1_feature_address, eagle3_feature_address,
-                               head_rows, quantize_fp16_weights, quantize_int8)
 
 TOL = 1e-4
 
@@ -178,7 +186,7 @@ def test_kv_commit_by_index_equals_fresh_prefill(tiny_target):
     """KV rollback: keep rows [0, 2] of a 4-row tree, then the next forward equals a fresh prefill."""
     m = tiny_target
     prefix = [3, 4, 5, 6]
-    rows, parents = [10, 11, 12, 13], [-1, 0, 0, 2]   # r, a, b (child of r), d (child of b)
+    rows = [10, 11, 12, 13]   # r, a, b (child of r), d (child of b): parents -1, 0, 0, 2
     n, R = len(prefix), len(rows)
     cache = m.allocate_cache(1, n + R + 1)
     m(torch.tensor([prefix]), torch.arange(n)[None], cache, 0, causal(n), ())

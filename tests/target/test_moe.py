@@ -10,8 +10,14 @@ from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.experts import expert_bytes, expert_union
 from eyas.target.model import MoE, TargetConfig
-from tests.testing import (branch_tokens, ours_from_hf, tiny_hf_mixtral, tiny_hf_olmoe, tiny_hf_qwen2_moe,
-                          tiny_hf_qwen3_moe)
+from tests.testing import (
+    branch_tokens,
+    ours_from_hf,
+    tiny_hf_mixtral,
+    tiny_hf_olmoe,
+    tiny_hf_qwen2_moe,
+    tiny_hf_qwen3_moe,
+)
 
 MOE_KINDS = {
     "mixtral": tiny_hf_mixtral,
@@ -88,9 +94,9 @@ def test_a_verify_records_the_union_of_experts_its_rows_route_to(moe_pair):
 
 
 def test_a_dense_config_keeps_its_fingerprint_digest(tiny_target):
-    from dataclasses import asdict
     import hashlib
     import json
+    from dataclasses import asdict
 
     legacy = {k: v for k, v in asdict(tiny_target.cfg).items()   # the fields before MoE, OLMoE and Qwen2 support
               if k not in ("num_experts", "experts_per_token", "norm_topk_prob", "qk_norm", "clip_qkv", "qkv_bias",

@@ -23,7 +23,7 @@ SCALED = {  # rope_parameters (rope_theta aside) as the checkpoints write them
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 96},
 }
-KINDS = {**{f"llama-{k}": (lambda k=k: tiny_hf_llama_scaled(v)) for k, v in SCALED.items()},
+KINDS = {**{f"llama-{k}": (lambda v=v: tiny_hf_llama_scaled(v)) for k, v in SCALED.items()},
          "qwen3": tiny_hf_qwen3, "qwen3-tied": lambda: tiny_hf_qwen3(tie=True, seed=2),
          "qwen3_moe": tiny_hf_qwen3_moe,
          # decoder_sparse_step 2 over 4 layers: dense, sparse, dense, sparse; top-k weights not renormalised

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.testing import ours_from_hf, tiny_hf_llama
 from eyas.training.data import Sample
 from eyas.training.features import FeatureCache, training_taps
+from tests.testing import ours_from_hf, tiny_hf_llama
 
 FP = {"config_digest": "c", "weight_digest": "w", "tokenizer_digest": "t"}
 
@@ -72,8 +72,8 @@ def test_other_data_config_is_refused(tmp_path):
 def test_a_streamed_cache_reads_the_same_features_from_disk(tmp_path):
     """samples(stream=True): ids and masks in memory, each sample's features read from its shard on
     access -- bit-identical to the in-memory read, across shard boundaries."""
-    from tests.testing import ours_from_hf, tiny_hf_llama
     from eyas.training.features import StoredFeatureBatch
+    from tests.testing import ours_from_hf, tiny_hf_llama
     from tests.training.test_trainer import FINGERPRINT, synthetic_samples
 
     model = ours_from_hf(tiny_hf_llama(vocab=48, hidden=32, layers=4, seed=11))

@@ -269,7 +269,7 @@ def test_rollout_valid_property(slots, steps):
     ancestors (a supervised (s, i) implies (s', i) is valid for all s' < s)."""
     segment = [s for s, _, _ in slots]
     valid = [v for _, v, _ in slots]
-    supervise = [l for _, _, l in slots]
+    supervise = [sup for _, _, sup in slots]
     seq = len(slots)
     out = rollout_valid(bool_t(valid), long_t(segment), bool_t(supervise), steps)
     for s in range(steps):

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from tests.testing import tiny_hf_llama
 from eyas.training.regen import first_turn_prompts, read_regenerated, regenerate_batched, regenerate_in_chunks
+from tests.testing import tiny_hf_llama
 
 
 @pytest.fixture(scope="module")

@@ -319,7 +319,7 @@ def test_plan_matches_brute_force(slots):
     """Random (segment, valid, supervise) rows: the plan equals an explicit per-t enumeration."""
     segment = long_t([[s for s, _, _ in slots]])
     valid = bool_t([[v for _, v, _ in slots]])
-    supervise = bool_t([[l for _, _, l in slots]])
+    supervise = bool_t([[sup for _, _, sup in slots]])
     seq = len(slots)
     plan = compile_soft_rows(valid, segment, supervise, positions_for(segment))
 

@@ -6,11 +6,11 @@ import torch
 
 from eyas.drafting.manifest import load_drafter
 from eyas.target.loader import TargetFingerprint
-from tests.testing import ours_from_hf, tiny_hf_llama
 from eyas.training.config import TrainConfig
 from eyas.training.data import Sample
 from eyas.training.features import FeatureBatch, FeatureCache, training_taps
 from eyas.training.trainer import DrafterTrainer
+from tests.testing import ours_from_hf, tiny_hf_llama
 
 FINGERPRINT = {"config_digest": "cfg-a", "weight_digest": "w-a", "tokenizer_digest": "tok-a"}
 
