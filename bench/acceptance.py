@@ -34,6 +34,7 @@ Prints a table, a ready-to-paste Markdown table and a summary line; ``--json OUT
 number; the plot (tau and speedup bars, acceptance-by-depth lines) goes to ``--plot``, by default next
 to the JSON or bench/out/acceptance.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,8 @@ from eyas.protocol.schema import parse_request  # noqa: E402
 from eyas.runtime import REPO_DRAFTERS, Eyas, set_threads  # noqa: E402
 from eyas.target.loader import PRECISIONS  # noqa: E402
 
-TABLE_DEPTHS = 5       # accept@1..5 in the printed table (the JSON holds every depth)
-MARKDOWN_DEPTHS = 3    # accept@1..3 in the Markdown table
+TABLE_DEPTHS = 5  # accept@1..5 in the printed table (the JSON holds every depth)
+MARKDOWN_DEPTHS = 3  # accept@1..3 in the Markdown table
 DEFAULT_PLOT = Path(__file__).resolve().parent / "out" / "acceptance.png"
 
 
@@ -64,10 +65,10 @@ DEFAULT_PLOT = Path(__file__).resolve().parent / "out" / "acceptance.png"
 @dataclass
 class Method:
     name: str
-    request: dict = field(default_factory=dict)   # parse_request fields (method, drafter, tree_*)
-    drafter: str | None = None                     # checkpoint folder, "random-init", None for target
-    trained_as: str | None = None                  # the manifest's recipe.trained_as
-    depth: int = 0                                 # the tree's max depth (0 for target)
+    request: dict = field(default_factory=dict)  # parse_request fields (method, drafter, tree_*)
+    drafter: str | None = None  # checkpoint folder, "random-init", None for target
+    trained_as: str | None = None  # the manifest's recipe.trained_as
+    depth: int = 0  # the tree's max depth (0 for target)
 
     @property
     def is_speculative(self) -> bool:
@@ -81,7 +82,7 @@ def find_drafters(root: Path = REPO_DRAFTERS) -> tuple[list[tuple[Path, object]]
         return found, notes
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         if not (folder / MANIFEST_FILE).exists() or not (folder / WEIGHTS_FILE).exists():
-            continue   # e.g. a training run that has not exported yet
+            continue  # e.g. a training run that has not exported yet
         try:
             found.append((folder, read_manifest(folder)))
         except (ValueError, OSError) as err:
@@ -103,8 +104,9 @@ def parse_trees(text: str | None) -> list[dict]:
     return out
 
 
-def build_methods(eyas: Eyas, tree_overrides: dict, root: Path = REPO_DRAFTERS,
-                  trees: list[dict] | None = None) -> tuple[list[Method], list[str]]:
+def build_methods(
+    eyas: Eyas, tree_overrides: dict, root: Path = REPO_DRAFTERS, trees: list[dict] | None = None
+) -> tuple[list[Method], list[str]]:
     """target, then each drafter on a dynamic tree (and eagle1-architecture ones on a chain too);
     with ``trees``, each drafter once per tree, named ``<drafter>@w/d/b`` (one baseline for all)."""
     methods = [Method("target", {"method": "target"})]
@@ -114,7 +116,7 @@ def build_methods(eyas: Eyas, tree_overrides: dict, root: Path = REPO_DRAFTERS,
         entries = [(f"random-init-{m}", None, m, None) for m in ("eagle1", "eagle3")]
     for name, path, method, trained_as in entries:
         try:
-            handle = eyas.drafter(method, str(path) if path else None)   # loads it now: errors surface here
+            handle = eyas.drafter(method, str(path) if path else None)  # loads it now: errors surface here
         except (ValueError, OSError) as err:
             notes.append(f"skipped {path}: {err}")
             continue
@@ -122,15 +124,30 @@ def build_methods(eyas: Eyas, tree_overrides: dict, root: Path = REPO_DRAFTERS,
         common = {"method": method, "drafter": str(path) if path else None}
         for tree in trees or []:
             label = f"{tree['tree_width']}/{tree['tree_depth']}/{tree['tree_budget']}"
-            methods.append(Method(f"{name}@{label}", {**common, "tree_kind": "dynamic", **tree},
-                                  handle.source, trained_as, tree["tree_depth"]))
+            methods.append(
+                Method(
+                    f"{name}@{label}",
+                    {**common, "tree_kind": "dynamic", **tree},
+                    handle.source,
+                    trained_as,
+                    tree["tree_depth"],
+                )
+            )
         if trees:
             continue
-        methods.append(Method(name, {**common, "tree_kind": "dynamic", **tree_overrides},
-                              handle.source, trained_as, depth))
+        methods.append(
+            Method(name, {**common, "tree_kind": "dynamic", **tree_overrides}, handle.source, trained_as, depth)
+        )
         if method == "eagle1":
-            methods.append(Method(f"{name}-chain", {**common, "tree_kind": "chain", "tree_depth": depth},
-                                  handle.source, trained_as, depth))
+            methods.append(
+                Method(
+                    f"{name}-chain",
+                    {**common, "tree_kind": "chain", "tree_depth": depth},
+                    handle.source,
+                    trained_as,
+                    depth,
+                )
+            )
     return methods, notes
 
 
@@ -139,26 +156,32 @@ def run(eyas: Eyas, m: Method, ids: list[int], max_new_tokens: int) -> dict:
     req = parse_request(prompt_ids=ids, max_new_tokens=max_new_tokens, **m.request)
     t0 = time.perf_counter()
     result, report = eyas.generate(req)
-    wall = time.perf_counter() - t0   # as decode_speed.py: prefill and session set-up included
-    return {"token_ids": list(result.token_ids), "new_tokens": len(result.token_ids), "wall_s": wall,
-            "target_forwards": result.target_forwards, "tree": report["tree"],
-            "accept_lengths": [r.accept_length for r in result.rounds],
-            "round_new_tokens": [r.new_tokens for r in result.rounds]}
+    wall = time.perf_counter() - t0  # as decode_speed.py: prefill and session set-up included
+    return {
+        "token_ids": list(result.token_ids),
+        "new_tokens": len(result.token_ids),
+        "wall_s": wall,
+        "target_forwards": result.target_forwards,
+        "tree": report["tree"],
+        "accept_lengths": [r.accept_length for r in result.rounds],
+        "round_new_tokens": [r.new_tokens for r in result.rounds],
+    }
 
 
 def bench(eyas: Eyas, methods: list[Method], prompt_ids: list[list[int]], max_new_tokens: int) -> list[dict]:
     from tqdm import tqdm
 
-    for m in methods:   # warm-up, not timed
+    for m in methods:  # warm-up, not timed
         run(eyas, m, prompt_ids[0], WARMUP_NEW_TOKENS)
     records = []
     bar = tqdm(total=len(prompt_ids) * len(methods), desc="acceptance", unit="gen", file=sys.stderr)
     for p, ids in enumerate(prompt_ids):
-        shift = p % len(methods)   # rotate the order so no method always runs first or last
+        shift = p % len(methods)  # rotate the order so no method always runs first or last
         for m in methods[shift:] + methods[:shift]:
             bar.set_postfix_str(f"prompt {p} {m.name}")
-            records.append({"prompt": p, "method": m.name, "prompt_tokens": len(ids),
-                            **run(eyas, m, ids, max_new_tokens)})
+            records.append(
+                {"prompt": p, "method": m.name, "prompt_tokens": len(ids), **run(eyas, m, ids, max_new_tokens)}
+            )
             bar.update()
     bar.close()
     return records
@@ -177,14 +200,18 @@ def summarize(methods: list[Method], records: list[dict], eos_ids: set[int]) -> 
         rounds = len(accepts)
         round_tokens = sum(n for r in rows for n in r["round_new_tokens"])
         for p in prompts:
-            by[(m.name, p)]["identical"] = (trim_after_eos(by[(m.name, p)]["token_ids"], eos_ids)
-                                            == trim_after_eos(by[("target", p)]["token_ids"], eos_ids))
+            by[(m.name, p)]["identical"] = trim_after_eos(by[(m.name, p)]["token_ids"], eos_ids) == trim_after_eos(
+                by[("target", p)]["token_ids"], eos_ids
+            )
         same = sum(by[(m.name, p)]["identical"] for p in prompts)
         out[m.name] = {
             "tau": round_tokens / rounds if rounds else None,
-            "speedup": None,   # filled in below
-            "accept_by_depth": ([sum(a >= k for a in accepts) / rounds if rounds else 0.0
-                                 for k in range(1, m.depth + 1)] if m.is_speculative else []),
+            "speedup": None,  # filled in below
+            "accept_by_depth": (
+                [sum(a >= k for a in accepts) / rounds if rounds else 0.0 for k in range(1, m.depth + 1)]
+                if m.is_speculative
+                else []
+            ),
             "tokens_per_s": tokens / wall if wall else 0.0,
             "identical": f"{same}/{len(prompts)}",
             "identical_count": same,
@@ -193,7 +220,10 @@ def summarize(methods: list[Method], records: list[dict], eos_ids: set[int]) -> 
             "method": m.request["method"],
             "request": {k: v for k, v in m.request.items() if k != "method"},
             "tree": rows[0]["tree"] if rows else None,
-            "new_tokens": tokens, "wall_s": wall, "rounds": rounds, "round_new_tokens": round_tokens,
+            "new_tokens": tokens,
+            "wall_s": wall,
+            "rounds": rounds,
+            "round_new_tokens": round_tokens,
             "target_forwards": sum(r["target_forwards"] for r in rows),
             "accept_length_mean": sum(accepts) / rounds if rounds else None,
             "prompts": len(prompts),
@@ -210,18 +240,29 @@ def pct(fracs: list[float], k: int) -> str:
 
 
 def print_table(methods: list[Method], summary: dict[str, dict]) -> None:
-    head = ["method", "trained_as", "tau", "speedup", "tok/s", "identical"] + \
-           [f"acc@{k}" for k in range(1, TABLE_DEPTHS + 1)]
+    head = ["method", "trained_as", "tau", "speedup", "tok/s", "identical"] + [
+        f"acc@{k}" for k in range(1, TABLE_DEPTHS + 1)
+    ]
     rows = []
     for m in methods:
         s = summary[m.name]
         trained = "-" if not m.is_speculative else (s["trained_as"] or m.drafter or "-")
-        rows.append([m.name, trained, "-" if s["tau"] is None else f"{s['tau']:.2f}", fmt_ratio(s["speedup"]),
-                     f"{s['tokens_per_s']:.1f}", "ref" if m.name == "target" else s["identical"]]
-                    + [pct(s["accept_by_depth"], k) for k in range(1, TABLE_DEPTHS + 1)])
+        rows.append(
+            [
+                m.name,
+                trained,
+                "-" if s["tau"] is None else f"{s['tau']:.2f}",
+                fmt_ratio(s["speedup"]),
+                f"{s['tokens_per_s']:.1f}",
+                "ref" if m.name == "target" else s["identical"],
+            ]
+            + [pct(s["accept_by_depth"], k) for k in range(1, TABLE_DEPTHS + 1)]
+        )
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    line = lambda r: "  ".join(c.ljust(w) if i in (0, 1) else c.rjust(w)  # noqa: E731
-                               for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i in (0, 1) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
     print(line(head))
     print("  ".join("-" * w for w in widths))
     for r in rows:
@@ -240,6 +281,7 @@ def print_markdown(methods: list[Method], summary: dict[str, dict]) -> None:
 
 def plot(methods: list[Method], summary: dict[str, dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -260,8 +302,13 @@ def plot(methods: list[Method], summary: dict[str, dict], path: Path) -> None:
     for m in methods:
         fracs = summary[m.name]["accept_by_depth"]
         if fracs:
-            ax2.plot(range(1, len(fracs) + 1), [100 * f for f in fracs], marker="o",
-                     ls="--" if m.request.get("tree_kind") == "chain" else "-", label=m.name)
+            ax2.plot(
+                range(1, len(fracs) + 1),
+                [100 * f for f in fracs],
+                marker="o",
+                ls="--" if m.request.get("tree_kind") == "chain" else "-",
+                label=m.name,
+            )
     depth = max((len(summary[m.name]["accept_by_depth"]) for m in methods), default=0)
     ax2.set_xticks(list(range(1, depth + 1)))
     ax2.set_xlabel("depth k")
@@ -282,8 +329,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="compute dtype at precision fp32 (target and drafters)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="compute dtype at precision fp32 (target and drafters)",
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (precision fp32; target and drafters)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: EYAS_THREADS or all cores)")
     p.add_argument("--json", help="write every number to this .json file")
@@ -291,11 +342,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-width", type=int, help="dynamic tree: nodes expanded per depth (default: the manifest's)")
     p.add_argument("--tree-depth", type=int, help="dynamic tree and chain depth (default: the manifest's)")
     p.add_argument("--tree-budget", type=int, help="dynamic tree: candidate rows verified (default: the manifest's)")
-    p.add_argument("--trees", help="dynamic trees width/depth/budget, comma-separated (e.g. 2/2/4,2/4/8): each "
-                   "drafter runs on each, against one target-only baseline")
+    p.add_argument(
+        "--trees",
+        help="dynamic trees width/depth/budget, comma-separated (e.g. 2/2/4,2/4/8): each "
+        "drafter runs on each, against one target-only baseline",
+    )
     p.add_argument("--drafters", help="the folder of drafter folders to bench (default: the repository's drafters/)")
-    p.add_argument("--methods", help="comma-separated method names to run (default: all; target always runs), "
-                                     "e.g. smollm2-135m-eagle3,smollm2-135m-eagle1-chain")
+    p.add_argument(
+        "--methods",
+        help="comma-separated method names to run (default: all; target always runs), "
+        "e.g. smollm2-135m-eagle3,smollm2-135m-eagle1-chain",
+    )
     return p.parse_args(argv)
 
 
@@ -310,8 +367,15 @@ def main(argv=None) -> int:
         return 2
     set_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit)
-    tree_overrides = {k: v for k, v in (("tree_width", args.tree_width), ("tree_depth", args.tree_depth),
-                                        ("tree_budget", args.tree_budget)) if v is not None}
+    tree_overrides = {
+        k: v
+        for k, v in (
+            ("tree_width", args.tree_width),
+            ("tree_depth", args.tree_depth),
+            ("tree_budget", args.tree_budget),
+        )
+        if v is not None
+    }
 
     print(f"loading the target ({args.precision}) and the drafters ...", file=sys.stderr, flush=True)
     eyas = Eyas(precision=args.precision, dtype=args.dtype, device=args.device)
@@ -319,49 +383,66 @@ def main(argv=None) -> int:
     eos_ids = set(eyas.cfg.eos_token_ids) | {eyas.tokenizer.eos_token_id}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="no trained .* drafter")  # reported as "random-init"
-        methods, notes = build_methods(eyas, tree_overrides, Path(args.drafters) if args.drafters else REPO_DRAFTERS,
-                                       trees)
+        methods, notes = build_methods(
+            eyas, tree_overrides, Path(args.drafters) if args.drafters else REPO_DRAFTERS, trees
+        )
         if args.methods:
             wanted = {n.strip() for n in args.methods.split(",") if n.strip()}
             unknown = wanted - {m.name for m in methods}
             if unknown:
-                print(f"error: --methods: unknown {sorted(unknown)}; available {[m.name for m in methods]}",
-                      file=sys.stderr)
+                print(
+                    f"error: --methods: unknown {sorted(unknown)}; available {[m.name for m in methods]}",
+                    file=sys.stderr,
+                )
                 return 2
             methods = [m for m in methods if m.name == "target" or m.name in wanted]
         records = bench(eyas, methods, prompt_ids, args.max_new_tokens)
     summary = summarize(methods, records, eos_ids)
 
-    print(f"\n{len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, greedy, {args.precision}, "
-          f"{torch.get_num_threads()} torch threads; speedup = tok/s / target-only tok/s in this same run\n")
+    print(
+        f"\n{len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, greedy, {args.precision}, "
+        f"{torch.get_num_threads()} torch threads; speedup = tok/s / target-only tok/s in this same run\n"
+    )
     print_table(methods, summary)
     for m in methods:
         if m.is_speculative and not m.name.endswith("-chain"):
             tree = summary[m.name]["tree"]
-            print(f"  {m.name}: drafter {m.drafter}; tree {tree['kind']} width {tree['expand_width']} "
-                  f"depth {tree['max_depth']} budget {tree['verify_budget']}")
+            print(
+                f"  {m.name}: drafter {m.drafter}; tree {tree['kind']} width {tree['expand_width']} "
+                f"depth {tree['max_depth']} budget {tree['verify_budget']}"
+            )
     for note in notes:
         print(f"note: {note}")
     if any(m.drafter == "random-init" for m in methods):
-        print("note: no trained drafter under drafters/ yet: the random-init drafters are untrained, so their "
-              "tau, acceptance and speed say nothing about a trained one")
+        print(
+            "note: no trained drafter under drafters/ yet: the random-init drafters are untrained, so their "
+            "tau, acceptance and speed say nothing about a trained one"
+        )
     print("\nMarkdown:\n")
     print_markdown(methods, summary)
 
-    config = {"prompts": args.prompts or "mt-bench first turns", "num_prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "precision": args.precision, "dtype": args.dtype,
-              "device": args.device, "greedy": True,
-              "threads": torch.get_num_threads(), "tree_overrides": tree_overrides or None,
-              "trees": args.trees,
-              "warmup_new_tokens": WARMUP_NEW_TOKENS, "torch": torch.__version__,
-              "python": platform.python_version(), "machine": platform.machine(),
-              "order": [m.name for m in methods]}
+    config = {
+        "prompts": args.prompts or "mt-bench first turns",
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "precision": args.precision,
+        "dtype": args.dtype,
+        "device": args.device,
+        "greedy": True,
+        "threads": torch.get_num_threads(),
+        "tree_overrides": tree_overrides or None,
+        "trees": args.trees,
+        "warmup_new_tokens": WARMUP_NEW_TOKENS,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "order": [m.name for m in methods],
+    }
     written = []
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"methods": summary, "config": config, "notes": notes,
-                                   "records": records}, indent=1))
+        out.write_text(json.dumps({"methods": summary, "config": config, "notes": notes, "records": records}, indent=1))
         written.append(str(out))
     plot_path = Path(args.plot) if args.plot else (Path(args.json).with_suffix(".png") if args.json else DEFAULT_PLOT)
     plot_path.parent.mkdir(parents=True, exist_ok=True)
@@ -374,14 +455,18 @@ def main(argv=None) -> int:
         best_tau = max(spec, key=lambda m: summary[m.name]["tau"] or 0.0)
         best_speed = max(spec, key=lambda m: summary[m.name]["speedup"] or 0.0)
         bt, bs = summary[best_tau.name], summary[best_speed.name]
-        head = (f"highest tau {best_tau.name} ({bt['trained_as'] or best_tau.drafter}) "
-                f"{bt['tau'] or 0:.2f} (accept@1 {pct(bt['accept_by_depth'], 1)}); fastest {best_speed.name} "
-                f"{bs['tokens_per_s']:.1f} tok/s = {fmt_ratio(bs['speedup'])} target-only "
-                f"({summary['target']['tokens_per_s']:.1f} tok/s)")
+        head = (
+            f"highest tau {best_tau.name} ({bt['trained_as'] or best_tau.drafter}) "
+            f"{bt['tau'] or 0:.2f} (accept@1 {pct(bt['accept_by_depth'], 1)}); fastest {best_speed.name} "
+            f"{bs['tokens_per_s']:.1f} tok/s = {fmt_ratio(bs['speedup'])} target-only "
+            f"({summary['target']['tokens_per_s']:.1f} tok/s)"
+        )
     else:
         head = "no drafter could be loaded: target-only only"
-    print(f"\nsummary: {len(prompts)} prompts, {head}; greedy outputs "
-          f"{'all identical to' if exact else 'NOT all identical to'} target-only; wrote {', '.join(written)}")
+    print(
+        f"\nsummary: {len(prompts)} prompts, {head}; greedy outputs "
+        f"{'all identical to' if exact else 'NOT all identical to'} target-only; wrote {', '.join(written)}"
+    )
     return 0
 
 

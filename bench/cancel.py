@@ -22,6 +22,7 @@ Run:
 
 Writes bench/results/cancel.json and .png (free time per trial and mode).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,8 +92,7 @@ def plot(trials: list[dict], wait_s: float, path: Path) -> None:
         ts = [t for t in trials if t["mode"] == mode]
         ys = [t["freed_s"] if t["freed_s"] is not None else wait_s for t in ts]  # lost: drawn at wait_s
         jitter = [0.3 * (k / max(len(ts) - 1, 1) - 0.5) for k in range(len(ts))]  # spread the points
-        ax.scatter([i + j for j in jitter], ys,
-                   c=["tab:red" if t["lost"] else "tab:blue" for t in ts], s=18)
+        ax.scatter([i + j for j in jitter], ys, c=["tab:red" if t["lost"] else "tab:blue" for t in ts], s=18)
     ax.set_xticks(range(len(MODES)), MODES)
     ax.set_yscale("log")
     ax.set_ylabel("seconds until sessions are free")
@@ -105,8 +105,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=20, help="trials per mode (alternating)")
     ap.add_argument("--busy", type=int, default=1, help="busy-loop processes beside the server")
-    ap.add_argument("--wait-s", type=float, default=20.0,
-                    help="a request not finished this long after its client left counts as lost")
+    ap.add_argument(
+        "--wait-s",
+        type=float,
+        default=20.0,
+        help="a request not finished this long after its client left counts as lost",
+    )
     ap.add_argument("--json", default=str(RESULTS / "cancel.json"))
     args = ap.parse_args(argv)
 
@@ -119,11 +123,13 @@ def main(argv=None) -> int:
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     trials = []
     try:
-        with EyasClient(address, timeout_s=600) as client, \
-                tqdm(total=2 * args.trials, desc="trials", unit="trial") as bar:
+        with (
+            EyasClient(address, timeout_s=600) as client,
+            tqdm(total=2 * args.trials, desc="trials", unit="trial") as bar,
+        ):
             client.generate(prompt="Hi!", method="eagle3", max_new_tokens=4)  # warm-up
             for i in range(args.trials):
-                for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+                for mode in MODES if i % 2 == 0 else MODES[::-1]:
                     trials.append(one_trial(client, mode, args.wait_s))
                     bar.update()
     finally:
@@ -134,25 +140,45 @@ def main(argv=None) -> int:
     for mode in MODES:
         ts = [t for t in trials if t["mode"] == mode]
         freed = [t["freed_s"] for t in ts if t["freed_s"] is not None]
-        rows.append({"mode": mode, "trials": len(ts), "lost": sum(t["lost"] for t in ts),
-                     "freed_p50_s": statistics.median(freed) if freed else None,
-                     "freed_max_s": max(freed) if freed else None,
-                     "never_freed": len(ts) - len(freed)})
+        rows.append(
+            {
+                "mode": mode,
+                "trials": len(ts),
+                "lost": sum(t["lost"] for t in ts),
+                "freed_p50_s": statistics.median(freed) if freed else None,
+                "freed_max_s": max(freed) if freed else None,
+                "never_freed": len(ts) - len(freed),
+            }
+        )
     base = rows[0]
     print(f"\n{'mode':<13} {'trials':>6} {'lost':>5} {'free p50 s':>10} {'free max s':>10} {'p50 vs close':>12}")
     for r in rows:
         ratio = (r["freed_p50_s"] / base["freed_p50_s"]) if r["freed_p50_s"] and base["freed_p50_s"] else float("nan")
         r["p50_vs_close"] = ratio
-        print(f"{r['mode']:<13} {r['trials']:>6} {r['lost']:>5} {r['freed_p50_s'] or float('nan'):>10.2f} "
-              f"{r['freed_max_s'] or float('nan'):>10.2f} {ratio:>11.2f}x")
+        print(
+            f"{r['mode']:<13} {r['trials']:>6} {r['lost']:>5} {r['freed_p50_s'] or float('nan'):>10.2f} "
+            f"{r['freed_max_s'] or float('nan'):>10.2f} {ratio:>11.2f}x"
+        )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "busy": args.busy,
-                               "wait_s": args.wait_s,
-                               "rows": rows, "trials": trials}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": platform.platform(),
+                "cpus": os.cpu_count(),
+                "busy": args.busy,
+                "wait_s": args.wait_s,
+                "rows": rows,
+                "trials": trials,
+            },
+            indent=1,
+        )
+    )
     plot(trials, args.wait_s, out.with_suffix(".png"))
-    print(f"\nsummary: {rows[0]['lost']}/{rows[0]['trials']} bare closes and {rows[1]['lost']}/{rows[1]['trials']} "
-          f"close+Cancel lost their cancel (not stopped within --wait-s); wrote {out} and {out.with_suffix('.png')}")
+    print(
+        f"\nsummary: {rows[0]['lost']}/{rows[0]['trials']} bare closes and {rows[1]['lost']}/{rows[1]['trials']} "
+        f"close+Cancel lost their cancel (not stopped within --wait-s); wrote {out} and {out.with_suffix('.png')}"
+    )
     return 0
 
 

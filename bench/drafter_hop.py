@@ -18,6 +18,7 @@ Run:
 
 Writes bench/results/drafter_hop.json and .png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,15 +52,22 @@ def drive(target, drafter_calls, info, ids, tree, requests: int, max_new_tokens:
     results = []
     try:
         for i in range(requests):
-            results.append(loop.submit(f"{label}-{i}", ids, max_new_tokens, "eagle3", tree, SamplingParams(), 0)
-                           .result(timeout=600))
+            results.append(
+                loop.submit(f"{label}-{i}", ids, max_new_tokens, "eagle3", tree, SamplingParams(), 0).result(
+                    timeout=600
+                )
+            )
             bar.update(1)
     finally:
         loop.close()
     rounds = [s for r in results[1:] for s in r.rounds if s.tree_nodes]
-    return {"rounds": len(rounds), "propose_ms": _median_ms([s.draft_s for s in rounds]),
-            "verify_ms": _median_ms([s.verify_s for s in rounds]), "hop_ms": _median_ms([s.hop_s for s in rounds]),
-            "tokens": [r.token_ids for r in results]}
+    return {
+        "rounds": len(rounds),
+        "propose_ms": _median_ms([s.draft_s for s in rounds]),
+        "verify_ms": _median_ms([s.verify_s for s in rounds]),
+        "hop_ms": _median_ms([s.hop_s for s in rounds]),
+        "tokens": [r.token_ids for r in results],
+    }
 
 
 def main(argv=None) -> int:
@@ -103,15 +111,20 @@ def main(argv=None) -> int:
     rows = {}
     with tqdm(total=2 * args.requests + args.calls, desc="hop", unit="call") as bar:
         local_calls = WorkerCalls(_Locked(local, threading.Lock()), 120, local=True, drafter=True)
-        rows["local"] = drive(target, local_calls, local.info(), ids, tree, args.requests, args.max_new_tokens,
-                              "local", bar)
+        rows["local"] = drive(
+            target, local_calls, local.info(), ids, tree, args.requests, args.max_new_tokens, "local", bar
+        )
         bar.set_postfix_str("starting Ray and the drafter replica")
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=160 * 1024 ** 2)
+        ray.init(
+            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=160 * 1024**2
+        )
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-            handle = serve.run(EyasDrafter.bind({"methods": ["eagle3"], "precision": args.precision,
-                                                 "torch_threads": 1}), name="hop", route_prefix=None)
+            handle = serve.run(
+                EyasDrafter.bind({"methods": ["eagle3"], "precision": args.precision, "torch_threads": 1}),
+                name="hop",
+                route_prefix=None,
+            )
             remote = ServeCalls(handle, "bench", 120)
             captured = []
 
@@ -122,8 +135,9 @@ def main(argv=None) -> int:
                 return out
 
             bar.set_postfix_str("")
-            rows["serve"] = drive(target, capturing, remote("info"), ids, tree, args.requests,
-                                  args.max_new_tokens, "serve", bar)
+            rows["serve"] = drive(
+                target, capturing, remote("info"), ids, tree, args.requests, args.max_new_tokens, "serve", bar
+            )
             bare = []
             for _ in range(args.calls):
                 t0 = time.perf_counter()
@@ -147,23 +161,36 @@ def main(argv=None) -> int:
     print(f"\n{'path':<6} {'rounds':>6} {'propose ms':>10} {'verify ms':>9} {'hop ms':>7}")
     for name, r in rows.items():
         print(f"{name:<6} {r['rounds']:>6} {r['propose_ms']:>10.1f} {r['verify_ms']:>9.1f} {r['hop_ms']:>7.1f}")
-    print(f"serve/local: propose {se['propose_ms'] / max(lo['propose_ms'], 1e-9):.2f}x, "
-          f"verify {se['verify_ms'] / max(lo['verify_ms'], 1e-9):.2f}x")
-    print(f"bare Serve call p50 {_median_ms(bare):.1f} ms; cloudpickle round trip: seeds "
-          f"{pickle_ms['seeds']['ms']:.2f} ms ({pickle_ms['seeds']['bytes']} B), trees "
-          f"{pickle_ms['trees']['ms']:.2f} ms ({pickle_ms['trees']['bytes']} B)")
+    print(
+        f"serve/local: propose {se['propose_ms'] / max(lo['propose_ms'], 1e-9):.2f}x, "
+        f"verify {se['verify_ms'] / max(lo['verify_ms'], 1e-9):.2f}x"
+    )
+    print(
+        f"bare Serve call p50 {_median_ms(bare):.1f} ms; cloudpickle round trip: seeds "
+        f"{pickle_ms['seeds']['ms']:.2f} ms ({pickle_ms['seeds']['bytes']} B), trees "
+        f"{pickle_ms['trees']['ms']:.2f} ms ({pickle_ms['trees']['bytes']} B)"
+    )
     out_path = Path(args.json)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"precision": args.precision, "tree": args.tree, "requests": args.requests,
-           "max_new_tokens": args.max_new_tokens, "same_tokens": same, "bare_serve_call_ms": _median_ms(bare),
-           "pickle": pickle_ms, "paths": {k: {x: v for x, v in r.items() if x != "tokens"} for k, r in rows.items()}}
+    doc = {
+        "precision": args.precision,
+        "tree": args.tree,
+        "requests": args.requests,
+        "max_new_tokens": args.max_new_tokens,
+        "same_tokens": same,
+        "bare_serve_call_ms": _median_ms(bare),
+        "pickle": pickle_ms,
+        "paths": {k: {x: v for x, v in r.items() if x != "tokens"} for k, r in rows.items()},
+    }
     out_path.write_text(json.dumps(doc, indent=1))
     plot(doc, out_path.with_suffix(".png"))
     unexplained = se["hop_ms"] - _median_ms(bare) - pickle_ms["seeds"]["ms"] - pickle_ms["trees"]["ms"]
-    print(f"\nsummary: the Serve hop costs {se['hop_ms']:.1f} ms a speculative round (local {lo['hop_ms']:.1f}): "
-          f"bare call {_median_ms(bare):.1f} + pickling {pickle_ms['seeds']['ms'] + pickle_ms['trees']['ms']:.1f} "
-          f"+ {unexplained:.1f} ms other; tokens {'identical' if same else 'DIFFERENT'}; wrote {out_path} and "
-          f"{out_path.with_suffix('.png')}")
+    print(
+        f"\nsummary: the Serve hop costs {se['hop_ms']:.1f} ms a speculative round (local {lo['hop_ms']:.1f}): "
+        f"bare call {_median_ms(bare):.1f} + pickling {pickle_ms['seeds']['ms'] + pickle_ms['trees']['ms']:.1f} "
+        f"+ {unexplained:.1f} ms other; tokens {'identical' if same else 'DIFFERENT'}; wrote {out_path} and "
+        f"{out_path.with_suffix('.png')}"
+    )
     return 0 if same else 1
 
 
@@ -177,8 +204,12 @@ def plot(doc: dict, path: Path) -> None:
     names = list(doc["paths"])
     parts = ("propose_ms", "verify_ms", "hop_ms")
     for i, part in enumerate(parts):
-        ax.bar([x + 0.27 * (i - 1) for x in range(len(names))], [doc["paths"][n][part] for n in names], 0.27,
-               label=part.removesuffix("_ms"))
+        ax.bar(
+            [x + 0.27 * (i - 1) for x in range(len(names))],
+            [doc["paths"][n][part] for n in names],
+            0.27,
+            label=part.removesuffix("_ms"),
+        )
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("ms per speculative round (median)")
     ax.set_title(f"drafter hop, {doc['precision']}, tree {'/'.join(map(str, doc['tree']))}")

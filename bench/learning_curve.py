@@ -26,6 +26,7 @@ Run:
     nice -n 10 .venv/bin/python bench/learning_curve.py train --threads 1
     .venv/bin/python bench/learning_curve.py report --limit 20 --max-new-tokens 64 --precision fp16w
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,8 @@ RESULTS = REPO / "bench" / "results"
 REFERENCE_DRAFTER = REPO / "drafters" / "smollm2-135m-eagle3"
 GOAL_TAU = 2.5
 # Measured stage throughputs on the 2-core CPU (docs/benchmarks.md), used unless given:
-REGEN_TOK_S = 80.0       # the target's own answers, HF generate over batches of 64, one thread (56-106)
-FEATURE_TOK_S = 454.0    # frozen-target feature extraction (every token of a sample)
+REGEN_TOK_S = 80.0  # the target's own answers, HF generate over batches of 64, one thread (56-106)
+FEATURE_TOK_S = 454.0  # frozen-target feature extraction (every token of a sample)
 
 
 def points(folder: Path = CONFIGS) -> list[dict]:
@@ -55,8 +56,15 @@ def points(folder: Path = CONFIGS) -> list[dict]:
     for path in sorted(folder.glob("*.yaml")):
         cfg = load_config(path)
         run = REPO / cfg.out
-        out.append({"config": path, "out": run, "train_samples": cfg.data.train_samples, "epochs": cfg.epochs,
-                    "finished": (run / "manifest.json").exists() and (run / "model.safetensors").exists()})
+        out.append(
+            {
+                "config": path,
+                "out": run,
+                "train_samples": cfg.data.train_samples,
+                "epochs": cfg.epochs,
+                "finished": (run / "manifest.json").exists() and (run / "model.safetensors").exists(),
+            }
+        )
     return sorted(out, key=lambda p: p["train_samples"])
 
 
@@ -125,7 +133,7 @@ def rank_rates(topk: list[dict[int, float]]) -> list[list[float]]:
         for k in range(1, ks[-1] + 1):
             if k in step:
                 dense.append(step[k])
-            else:   # between two known ks: linear in k
+            else:  # between two known ks: linear in k
                 lo = max(x for x in ks if x < k)
                 hi = min(x for x in ks if x > k)
                 dense.append(step[lo] + (step[hi] - step[lo]) * (k - lo) / (hi - lo))
@@ -173,8 +181,9 @@ def acceptance_fit(points: list[dict]) -> dict:
     steps = min(len(t) for t in tops)
     ks = sorted(set.intersection(*[set(t[s]) for t in tops for s in range(steps)]))
     lines = [{k: fit_line(xs, [t[s][k] for t in tops]) for k in ks} for s in range(steps)]
-    residuals = [[round(t[s][1] - (lines[s][1][0] * x + lines[s][1][1]), 4) for t, x in zip(tops, xs)]
-                 for s in range(steps)]
+    residuals = [
+        [round(t[s][1] - (lines[s][1][0] * x + lines[s][1][1]), 4) for t, x in zip(tops, xs)] for s in range(steps)
+    ]
     return {"lines": lines, "ks": ks, "steps": steps, "top1_residuals": residuals}
 
 
@@ -195,12 +204,20 @@ def prediction(points: list[dict], tokens: list[int], shape: tuple[int, int, int
     every shape of :data:`SHAPES` (calibrated on the points' measured tau on ``shape``)."""
     fit = acceptance_fit(points)
     c = fit_calibration(points, shape) or 1.0
-    out = {"made": time.strftime("%Y-%m-%d %H:%M"), "basis": basis, "points": [p["name"] for p in points],
-           "calibration": c, "bench_shape": list(shape), "at": {}}
+    out = {
+        "made": time.strftime("%Y-%m-%d %H:%M"),
+        "basis": basis,
+        "points": [p["name"] for p in points],
+        "calibration": c,
+        "bench_shape": list(shape),
+        "at": {},
+    }
     for t in tokens:
         topk = predict_topk(fit, t)
-        out["at"][str(t)] = {"top1": [round(r[1], 4) for r in topk],
-                             "tau": {"/".join(map(str, sh)): round(tau_model(topk, sh, c), 3) for sh in SHAPES}}
+        out["at"][str(t)] = {
+            "top1": [round(r[1], 4) for r in topk],
+            "tau": {"/".join(map(str, sh)): round(tau_model(topk, sh, c), 3) for sh in SHAPES},
+        }
     return out
 
 
@@ -216,11 +233,24 @@ def old_curve_points() -> list[dict]:
     data = json.loads(path.read_text())
     rows = data.get("old_curve", data)["points"]
     # x is supervised tokens *seen* (2 epochs over N answers saw 2N), the unit of a one-pass stream
-    return [{"name": r["name"], "family": "old", "supervised_tokens": int(r["supervised_tokens"] * r["epochs"]),
-             "unique_supervised_tokens": r["supervised_tokens"], "epochs": r["epochs"],
-             "heldout": {"top1": r["heldout_top1"], "top3": r["heldout_top3"], **({"topk": r["heldout_topk"]}
-                                                                                 if r.get("heldout_topk") else {})},
-             "tau": r["tau"], "speedup": r["speedup"], "identical": r["identical"]} for r in rows]
+    return [
+        {
+            "name": r["name"],
+            "family": "old",
+            "supervised_tokens": int(r["supervised_tokens"] * r["epochs"]),
+            "unique_supervised_tokens": r["supervised_tokens"],
+            "epochs": r["epochs"],
+            "heldout": {
+                "top1": r["heldout_top1"],
+                "top3": r["heldout_top3"],
+                **({"topk": r["heldout_topk"]} if r.get("heldout_topk") else {}),
+            },
+            "tau": r["tau"],
+            "speedup": r["speedup"],
+            "identical": r["identical"],
+        }
+        for r in rows
+    ]
 
 
 def stream_points(run: Path) -> list[dict]:
@@ -229,9 +259,21 @@ def stream_points(run: Path) -> list[dict]:
     if not path.exists():
         return []
     done = json.loads(path.read_text())
-    return sorted(({"name": f"{run.name}@{k}", "family": run.name, "supervised_tokens": int(k), "epochs": 1.0,
-                    "heldout": v["heldout"], "drafter": v["drafter"], "wall_s": v.get("wall_s")}
-                   for k, v in done.items()), key=lambda p: p["supervised_tokens"])
+    return sorted(
+        (
+            {
+                "name": f"{run.name}@{k}",
+                "family": run.name,
+                "supervised_tokens": int(k),
+                "epochs": 1.0,
+                "heldout": v["heldout"],
+                "drafter": v["drafter"],
+                "wall_s": v.get("wall_s"),
+            }
+            for k, v in done.items()
+        ),
+        key=lambda p: p["supervised_tokens"],
+    )
 
 
 def cmd_predict(args) -> int:
@@ -252,8 +294,10 @@ def cmd_predict(args) -> int:
 
 
 def print_prediction(pred: dict) -> None:
-    print(f"prediction of {pred['made']} from {pred['basis']} ({len(pred['points'])} points), calibration "
-          f"{pred['calibration']:.3f} on the {'/'.join(map(str, pred['bench_shape']))} tree")
+    print(
+        f"prediction of {pred['made']} from {pred['basis']} ({len(pred['points'])} points), calibration "
+        f"{pred['calibration']:.3f} on the {'/'.join(map(str, pred['bench_shape']))} tree"
+    )
     shapes = list(next(iter(pred["at"].values()))["tau"])
     print(f"{'tokens':>10} {'top-1 by step':<32} " + " ".join(f"{s:>7}" for s in shapes))
     for t, v in pred["at"].items():
@@ -275,12 +319,25 @@ def cmd_report(args) -> int:
                 (Path(tmp) / p["name"].replace("@", "-")).symlink_to(Path(p["drafter"]).resolve())
             if REFERENCE_DRAFTER.exists():
                 (Path(tmp) / REFERENCE_DRAFTER.name).symlink_to(REFERENCE_DRAFTER)
-            cmd = [sys.executable, str(REPO / "bench" / "acceptance.py"), "--drafters", tmp, "--precision",
-                   args.precision, "--max-new-tokens", str(args.max_new_tokens), "--json", str(acceptance_json)]
+            cmd = [
+                sys.executable,
+                str(REPO / "bench" / "acceptance.py"),
+                "--drafters",
+                tmp,
+                "--precision",
+                args.precision,
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--json",
+                str(acceptance_json),
+            ]
             cmd += ["--limit", str(args.limit)] if args.limit else []
             cmd += ["--threads", str(args.threads)] if args.threads else []
-            for flag, value in (("--tree-width", args.tree_width), ("--tree-depth", args.tree_depth),
-                                ("--tree-budget", args.tree_budget)):
+            for flag, value in (
+                ("--tree-width", args.tree_width),
+                ("--tree-depth", args.tree_depth),
+                ("--tree-budget", args.tree_budget),
+            ):
                 cmd += [flag, str(value)] if value else []
             if subprocess.run(cmd, cwd=REPO).returncode != 0:
                 print("error: the acceptance run failed", file=sys.stderr)
@@ -289,8 +346,7 @@ def cmd_report(args) -> int:
     for p in new:
         m = bench["methods"].get(p["name"].replace("@", "-"))
         if m:
-            p.update(tau=m["tau"], speedup=m["speedup"], identical=m["identical"],
-                     accept_by_depth=m["accept_by_depth"])
+            p.update(tau=m["tau"], speedup=m["speedup"], identical=m["identical"], accept_by_depth=m["accept_by_depth"])
     reference = bench["methods"].get(REFERENCE_DRAFTER.name)
     any_spec = next(m for k, m in bench["methods"].items() if k != "target")
     tree = any_spec["tree"]
@@ -298,24 +354,38 @@ def cmd_report(args) -> int:
     preds_path = RESULTS / "learning_curve-predictions.json"
     preds = json.loads(preds_path.read_text()) if preds_path.exists() else []
 
-    print(f"\nEAGLE-3 learning curve, {run.name}: {bench['config']['num_prompts']} MT-bench first turns, "
-          f"{bench['config']['max_new_tokens']} new tokens, greedy, {bench['config']['precision']}, tree "
-          f"{'/'.join(map(str, shape))}; speedup against target-only in the same run\n")
+    print(
+        f"\nEAGLE-3 learning curve, {run.name}: {bench['config']['num_prompts']} MT-bench first turns, "
+        f"{bench['config']['max_new_tokens']} new tokens, greedy, {bench['config']['precision']}, tree "
+        f"{'/'.join(map(str, shape))}; speedup against target-only in the same run\n"
+    )
     steps = len(new[-1]["heldout"]["top1"])
-    print(f"{'point':<22} {'sup. tokens':>11} " + " ".join(f"{'top1@' + str(s + 1):>7}" for s in range(steps))
-          + f" {'tau':>5} {'speedup':>7} {'identical':>9}   predicted before (top-1@1, tau)")
+    print(
+        f"{'point':<22} {'sup. tokens':>11} "
+        + " ".join(f"{'top1@' + str(s + 1):>7}" for s in range(steps))
+        + f" {'tau':>5} {'speedup':>7} {'identical':>9}   predicted before (top-1@1, tau)"
+    )
     for p in new:
         before = [q for q in preds if str(p["supervised_tokens"]) in q["at"] and p["name"] not in q["points"]]
         guess = before[-1]["at"][str(p["supervised_tokens"])] if before else None
         key = "/".join(map(str, shape))
-        said = (f"{guess['top1'][0]:.3f}, {guess['tau'].get(key, float('nan')):.2f} ({before[-1]['basis']}, "
-                f"{before[-1]['made']})" if guess else "-")
-        print(f"{p['name']:<22} {p['supervised_tokens']:>11,} " + " ".join(f"{x:>7.3f}" for x in p["heldout"]["top1"])
-              + f" {p.get('tau') or float('nan'):>5.2f} {p.get('speedup') or float('nan'):>6.2f}x "
-                f"{p.get('identical', '-'):>9}   {said}")
+        said = (
+            f"{guess['top1'][0]:.3f}, {guess['tau'].get(key, float('nan')):.2f} ({before[-1]['basis']}, "
+            f"{before[-1]['made']})"
+            if guess
+            else "-"
+        )
+        print(
+            f"{p['name']:<22} {p['supervised_tokens']:>11,} "
+            + " ".join(f"{x:>7.3f}" for x in p["heldout"]["top1"])
+            + f" {p.get('tau') or float('nan'):>5.2f} {p.get('speedup') or float('nan'):>6.2f}x "
+            f"{p.get('identical', '-'):>9}   {said}"
+        )
     if reference:
-        print(f"{'shipped':<22} (drafters/{REFERENCE_DRAFTER.name}) tau {reference['tau']:.2f}, "
-              f"{reference['speedup']:.2f}x, identical {reference['identical']}")
+        print(
+            f"{'shipped':<22} (drafters/{REFERENCE_DRAFTER.name}) tau {reference['tau']:.2f}, "
+            f"{reference['speedup']:.2f}x, identical {reference['identical']}"
+        )
 
     fits = {}
     for name, pts in (("old curve (2 epochs, float32, 32 held-out)", old), (run.name, new)):
@@ -323,16 +393,20 @@ def cmd_report(args) -> int:
             continue
         fit = acceptance_fit(pts)
         slopes = [round(line[1][0], 4) for line in fit["lines"]]
-        print(f"\nacceptance fit, {name}: held-out top-1 per doubling by step {slopes}; residuals "
-              f"{fit['top1_residuals']}")
+        print(
+            f"\nacceptance fit, {name}: held-out top-1 per doubling by step {slopes}; residuals {fit['top1_residuals']}"
+        )
         fits[name] = {"top1_per_doubling": slopes, "residuals": fit["top1_residuals"]}
         if all(p.get("tau") for p in pts):
-            line = extrapolate([{"supervised_tokens": p["supervised_tokens"], "tau": p["tau"]} for p in pts],
-                               args.goal, 0, 0)
+            line = extrapolate(
+                [{"supervised_tokens": p["supervised_tokens"], "tau": p["tau"]} for p in pts], args.goal, 0, 0
+            )
             fits[name]["old_tau_line"] = line
-            print(f"old fit (tau linear in log2 tokens, the one that said ~584 M): tau = "
-                  f"{line['tau_per_doubling']:.3f} * log2 T + {line['intercept']:.2f}; tau {args.goal} at "
-                  f"{line['supervised_tokens_for_goal'] or float('nan'):,.0f} tokens")
+            print(
+                f"old fit (tau linear in log2 tokens, the one that said ~584 M): tau = "
+                f"{line['tau_per_doubling']:.3f} * log2 T + {line['intercept']:.2f}; tau {args.goal} at "
+                f"{line['supervised_tokens_for_goal'] or float('nan'):,.0f} tokens"
+            )
     if len(new) >= 2:
         last = new[-1]["supervised_tokens"]
         pred = prediction(new, [last * 2, last * 4, last * 8], shape, run.name)
@@ -344,9 +418,19 @@ def cmd_report(args) -> int:
             preds_path.write_text(json.dumps(preds, indent=1))
             print(f"(recorded in {preds_path.relative_to(REPO)})")
     out = RESULTS / f"learning_curve-{run.name}.json"
-    out.write_text(json.dumps({"points": new, "old_points": old, "reference": reference and {
-        k: reference[k] for k in ("tau", "speedup", "identical")}, "fits": fits, "bench": bench["config"]},
-        indent=1, default=str))
+    out.write_text(
+        json.dumps(
+            {
+                "points": new,
+                "old_points": old,
+                "reference": reference and {k: reference[k] for k in ("tau", "speedup", "identical")},
+                "fits": fits,
+                "bench": bench["config"],
+            },
+            indent=1,
+            default=str,
+        )
+    )
     plot(new, old, reference, preds, shape, RESULTS / f"learning_curve-{run.name}.png")
     print(f"wrote {out.relative_to(REPO)} and its .png, {acceptance_json.relative_to(REPO)}")
     return 0
@@ -364,15 +448,24 @@ def plot(new: list[dict], old: list[dict], reference: dict | None, preds: list[d
             continue
         xs = [p["supervised_tokens"] for p in pts]
         for s in range(len(pts[0]["heldout"]["top1"])):
-            ax1.plot(xs, [p["heldout"]["top1"][s] for p in pts], style, label=f"{label}, step {s + 1}",
-                     alpha=0.5 if pts is old else 1.0)
+            ax1.plot(
+                xs,
+                [p["heldout"]["top1"][s] for p in pts],
+                style,
+                label=f"{label}, step {s + 1}",
+                alpha=0.5 if pts is old else 1.0,
+            )
         ax2.plot(xs, [p.get("tau") or float("nan") for p in pts], style, label=f"{label} (measured)")
     key = "/".join(map(str, shape))
     if preds:
         last = preds[-1]
         xs = sorted(int(t) for t in last["at"])
-        ax2.plot(xs, [last["at"][str(t)]["tau"].get(key, float("nan")) for t in xs], "x:",
-                 label=f"predicted ({last['basis']}, {last['made']})")
+        ax2.plot(
+            xs,
+            [last["at"][str(t)]["tau"].get(key, float("nan")) for t in xs],
+            "x:",
+            label=f"predicted ({last['basis']}, {last['made']})",
+        )
     if reference:
         ax2.axhline(reference["tau"], color="tab:red", linestyle="-.", alpha=0.6, label="shipped before")
     for ax in (ax1, ax2):
@@ -401,10 +494,24 @@ def heldout_of(drafter: Path, heldout_samples: int = 128, threads: int | None = 
     set_threads(threads)
     manifest = read_manifest(drafter)
     dcfg = manifest.drafter_config
-    cfg = validated({"method": "eagle3", "layout": dcfg.get("layout", "eyas-v1"), "fc_norm": dcfg.get("fc_norm", False),
-                     "init_from": str(drafter), "draft_vocab_size": dcfg["draft_vocab_size"], "out": "/dev/null", "ttt_steps": 4,
-                     "data": {"train_samples": 1, "heldout_samples": heldout_samples, "regenerate": True,
-                              "answers_dir": "data/regen", "features": "online"}})
+    cfg = validated(
+        {
+            "method": "eagle3",
+            "layout": dcfg.get("layout", "eyas-v1"),
+            "fc_norm": dcfg.get("fc_norm", False),
+            "init_from": str(drafter),
+            "draft_vocab_size": dcfg["draft_vocab_size"],
+            "out": "/dev/null",
+            "ttt_steps": 4,
+            "data": {
+                "train_samples": 1,
+                "heldout_samples": heldout_samples,
+                "regenerate": True,
+                "answers_dir": "data/regen",
+                "features": "online",
+            },
+        }
+    )
     eyas = Eyas(cfg.target, "fp32")
     train, heldout = prepare_features(cfg, eyas)
     trainer = DrafterTrainer(cfg, eyas.model, eyas.loaded.fingerprint.to_dict(), train, heldout)
@@ -414,8 +521,10 @@ def heldout_of(drafter: Path, heldout_samples: int = 128, threads: int | None = 
 def cmd_heldout(args) -> int:
     out = heldout_of(Path(args.drafter), args.heldout_samples, args.threads)
     print(json.dumps({"drafter": args.drafter, "heldout_samples": args.heldout_samples, "heldout": out}))
-    print(f"{args.drafter}: held-out top-1 by step {[round(x, 3) for x in out['top1']]}, "
-          f"top-3 {[round(x, 3) for x in out['top3']]}")
+    print(
+        f"{args.drafter}: held-out top-1 by step {[round(x, 3) for x in out['top1']]}, "
+        f"top-3 {[round(x, 3) for x in out['top3']]}"
+    )
     return 0
 
 

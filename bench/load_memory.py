@@ -15,6 +15,7 @@ Each peak is reported against the checkpoint's size on disk. Prints a table, wri
 Run:
     .venv/bin/python bench/load_memory.py --params 1.0e9 --json bench/results/load_memory.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,17 +39,28 @@ def build_checkpoint(folder: Path, params: float) -> None:
     hidden, ffn, vocab = 2048, 5632, 49152
     per_layer = 4 * hidden * hidden + 3 * hidden * ffn
     layers = max(1, round((params - 2 * vocab * hidden) / per_layer))
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-                      num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048,
-                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)   # bf16 from the start: never 4 bytes a weight
+    model = model.to_empty(device="cpu").to(torch.bfloat16)  # bf16 from the start: never 4 bytes a weight
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02) if p.ndim > 1
-                    else torch.ones(p.shape))
+            p.copy_(
+                torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02)
+                if p.ndim > 1
+                else torch.ones(p.shape)
+            )
     model.save_pretrained(folder, max_shard_size="500MB")
     load_tokenizer().save_pretrained(folder)
 
@@ -60,7 +72,7 @@ def child(folder: str, method: str, dtype: str) -> None:
     import torch
 
     t0 = time.perf_counter()
-    if method == "baseline":     # the imports alone: what any load pays before its first tensor
+    if method == "baseline":  # the imports alone: what any load pays before its first tensor
         import safetensors.torch  # noqa: F401
         import transformers  # noqa: F401
 
@@ -88,8 +100,17 @@ def child(folder: str, method: str, dtype: str) -> None:
         params = sum(p.numel() for p in model.parameters())
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"method": method, "peak_rss": peak, "wall_s": wall, "params": params,
-                      "torch_threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "method": method,
+                "peak_rss": peak,
+                "wall_s": wall,
+                "params": params,
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 def main(argv=None) -> int:
@@ -111,16 +132,22 @@ def main(argv=None) -> int:
     rows = []
     for method in ("baseline", "streamed", "whole"):
         print(f"loading with {method} ...", flush=True)
-        out = subprocess.run([sys.executable, __file__, "--child", str(folder), method, "--dtype", args.dtype],
-                             cwd=REPO, capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", str(folder), method, "--dtype", args.dtype],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
         if out.returncode != 0:
             print(out.stderr[-2000:], file=sys.stderr)
             return 1
         row = json.loads(out.stdout.strip().splitlines()[-1])
         row["peak_over_disk"] = row["peak_rss"] / disk
         rows.append(row)
-    print(f"\ncheckpoint: {rows[1]['params'] / 1e9:.2f} B parameters, bf16 on disk {disk / 1e9:.2f} GB; "
-          f"loaded at {args.dtype}\n")
+    print(
+        f"\ncheckpoint: {rows[1]['params'] / 1e9:.2f} B parameters, bf16 on disk {disk / 1e9:.2f} GB; "
+        f"loaded at {args.dtype}\n"
+    )
     print(f"{'method':<10} {'peak RSS (GB)':>14} {'peak / disk':>12} {'wall (s)':>9}")
     for r in rows:
         print(f"{r['method']:<10} {r['peak_rss'] / 1e9:>14.2f} {r['peak_over_disk']:>11.2f}x {r['wall_s']:>9.1f}")

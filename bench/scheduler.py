@@ -44,6 +44,7 @@ Run:
 
 Writes bench/results/scheduler.json and .png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,23 +89,34 @@ REPETITIVE = [
 
 def workload(n: int, limit: int) -> list[str]:
     chatty = load_prompts(None, limit)
-    long_ctx = [p + "\n\nContext: " + " ".join(chatty[(i + 3) % len(chatty)].split()[:150]) for i, p in enumerate(chatty)]
+    long_ctx = [
+        p + "\n\nContext: " + " ".join(chatty[(i + 3) % len(chatty)].split()[:150]) for i, p in enumerate(chatty)
+    ]
     mix = []
     for i in range(n):
         kind = i % 4
-        mix.append(chatty[i % len(chatty)] if kind == 0 else REPETITIVE[i % len(REPETITIVE)] if kind == 1
-                   else long_ctx[i % len(long_ctx)] if kind == 2 else REPETITIVE[(i + 1) % len(REPETITIVE)])
+        mix.append(
+            chatty[i % len(chatty)]
+            if kind == 0
+            else REPETITIVE[i % len(REPETITIVE)]
+            if kind == 1
+            else long_ctx[i % len(long_ctx)]
+            if kind == 2
+            else REPETITIVE[(i + 1) % len(REPETITIVE)]
+        )
     return mix
 
 
 def measure(worker: TargetWorker, taps) -> LatencyCurve:
     """Verify latency against total rows, at a 128-token committed prefix, on this machine."""
-    return LatencyCurve.from_points(worker.measure_latency((1, 2, 4, 8, 16, 32, 64, 128), repeats=3, prefix=128,
-                                                           taps=taps))
+    return LatencyCurve.from_points(
+        worker.measure_latency((1, 2, 4, 8, 16, 32, 64, 128), repeats=3, prefix=128, taps=taps)
+    )
 
 
-def forward_bound(worker: TargetWorker, taps, batch: int = 16, prefix: int = 128, repeats: int = 5,
-                  prefixes: list[int] | None = None) -> dict:
+def forward_bound(
+    worker: TargetWorker, taps, batch: int = 16, prefix: int = 128, repeats: int = 5, prefixes: list[int] | None = None
+) -> dict:
     """The forward-bound rates of a ``batch``-row round, measured here: the median ms of (a) one
     request's ``batch``-row verify (the latency curve's point) and (b) ``batch`` requests' 1-row
     decodes in one batched forward (each over its own ``prefix``-token context, or over
@@ -129,14 +141,20 @@ def forward_bound(worker: TargetWorker, taps, batch: int = 16, prefix: int = 128
             engine.verify_batch([(rid, DraftTree.empty()) for rid in rids])
             times.append(1000 * (time.perf_counter() - t0))
             for rid in rids:
-                engine.sessions[rid].pending = None   # measured only: nothing is published
+                engine.sessions[rid].pending = None  # measured only: nothing is published
     finally:
         for rid in rids:
             engine.close_session(rid)
     batch_ms = statistics.median(times[1:])
     one_ms = worker.measure_latency((batch,), repeats=repeats, prefix=prefix, taps=taps)[batch]
-    return {"batch": batch, "prefix": round(statistics.fmean(prefixes)), "one_request_rows_ms": one_ms, "batched_requests_ms": batch_ms,
-            "one_request_rows_tok_s": 1000 * batch / one_ms, "batched_requests_tok_s": 1000 * batch / batch_ms}
+    return {
+        "batch": batch,
+        "prefix": round(statistics.fmean(prefixes)),
+        "one_request_rows_ms": one_ms,
+        "batched_requests_ms": batch_ms,
+        "one_request_rows_tok_s": 1000 * batch / one_ms,
+        "batched_requests_tok_s": 1000 * batch / batch_ms,
+    }
 
 
 def _median_bound(runs: list[dict]) -> dict:
@@ -155,7 +173,7 @@ class _CountingCalls:
         self.calls, self.hook, self.rounds = calls, hook, 0
 
     def __call__(self, method: str, *args):
-        if method == "step":   # the round's one target call (TargetWorker.step)
+        if method == "step":  # the round's one target call (TargetWorker.step)
             self.rounds += 1
             self.hook(self.rounds)
         return self.calls(method, *args)
@@ -176,46 +194,76 @@ def long_prompt_case(eyas: Eyas, target: WorkerCalls, long_tokens: int, chunk: i
             if tokens and rid not in seen:
                 seen[rid] = (time.perf_counter(), counting.rounds)
             return False
+
         return on_tokens
 
     def arrive(call):
         if call == 1 and "short" not in state:
-            state["short"] = (time.perf_counter(), call, loop.submit(
-                "short", short_ids, max_new_tokens, "target", TreeSpec(), SamplingParams(), 0, first("short")))
+            state["short"] = (
+                time.perf_counter(),
+                call,
+                loop.submit(
+                    "short", short_ids, max_new_tokens, "target", TreeSpec(), SamplingParams(), 0, first("short")
+                ),
+            )
 
     counting = _CountingCalls(target, arrive)
-    loop = RoundLoop(counting, None, {}, TreeWorkPolicy(Budgets(), speculate=False), LatencyCurve.from_points({1: 1.0}),
-                     max_prefill_rows=chunk)
+    loop = RoundLoop(
+        counting,
+        None,
+        {},
+        TreeWorkPolicy(Budgets(), speculate=False),
+        LatencyCurve.from_points({1: 1.0}),
+        max_prefill_rows=chunk,
+    )
     try:
         t0 = time.perf_counter()
-        long_out = loop.submit("long", long_ids, max_new_tokens, "target", TreeSpec(), SamplingParams(), 0,
-                               first("long")).result(timeout=1200)
+        long_out = loop.submit(
+            "long", long_ids, max_new_tokens, "target", TreeSpec(), SamplingParams(), 0, first("long")
+        ).result(timeout=1200)
         sent, call, fut = state["short"]
         short_out = fut.result(timeout=1200)
     finally:
         loop.close()
-    return {"long_tokens": len(long_ids), "max_prefill_rows": chunk,
-            "short_first_token_rounds": seen["short"][1] - call + 1, "short_ttft_s": seen["short"][0] - sent,
-            "long_ttft_s": seen["long"][0] - t0, "long_tokens_out": len(long_out.token_ids),
-            "short_tokens_out": short_out.token_ids}
+    return {
+        "long_tokens": len(long_ids),
+        "max_prefill_rows": chunk,
+        "short_first_token_rounds": seen["short"][1] - call + 1,
+        "short_ttft_s": seen["short"][0] - sent,
+        "long_ttft_s": seen["long"][0] - t0,
+        "long_tokens_out": len(long_out.token_ids),
+        "short_tokens_out": short_out.token_ids,
+    }
 
 
-def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], max_new_tokens: int, curve,
-               workers: tuple, bar, draft_points: list, max_prefill_rows: int | None = DEFAULT_PREFILL_CHUNK) -> dict:
+def run_policy(
+    eyas: Eyas,
+    policy: str,
+    concurrency: int,
+    prompts: list[str],
+    max_new_tokens: int,
+    curve,
+    workers: tuple,
+    bar,
+    draft_points: list,
+    max_prefill_rows: int | None = DEFAULT_PREFILL_CHUNK,
+) -> dict:
     """One (policy, concurrency) level through the serving loop (``RoundLoop``) over in-process workers."""
     target, drafter, info = workers
     budgets = Budgets(max_batch=max(concurrency, 1), max_verify_rows=256)
-    pol = {"target-only": lambda: TreeWorkPolicy(budgets, speculate=False),
-           "prompt-length": lambda: PromptLengthPolicy(budgets),
-           "tree-work": lambda: TreeWorkPolicy(budgets)}[policy]()
+    pol = {
+        "target-only": lambda: TreeWorkPolicy(budgets, speculate=False),
+        "prompt-length": lambda: PromptLengthPolicy(budgets),
+        "tree-work": lambda: TreeWorkPolicy(budgets),
+    }[policy]()
     speculative = policy != "target-only"
     method = "eagle3" if speculative else "target"
-    tree = info["eagle3"]["default_tree"] if speculative else TreeSpec()   # what serving gives a request
-    rounds: dict[int, list[int]] = {}       # round start -> each published request's verify rows
+    tree = info["eagle3"]["default_tree"] if speculative else TreeSpec()  # what serving gives a request
+    rounds: dict[int, list[int]] = {}  # round start -> each published request's verify rows
     first: dict[str, float] = {}
     finished_at: dict[str, float] = {}
 
-    decode_rounds: dict[int, list] = {}     # rounds that prefilled nothing: start -> [wall s, tokens, requests]
+    decode_rounds: dict[int, list] = {}  # rounds that prefilled nothing: start -> [wall s, tokens, requests]
 
     def on_round(rec) -> None:
         rounds.setdefault(rec.start_ns, []).append(rec.flat.num_rows if rec.flat is not None else 1)
@@ -225,12 +273,19 @@ def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], ma
             r[1] += rec.decision.num_new_tokens
             r[2] += 1
             live = loop.live[rec.request_id]
-            r[3].append(len(live.prompt_ids) + len(live.out))   # the context this row decoded over
+            r[3].append(len(live.prompt_ids) + len(live.out))  # the context this row decoded over
 
-    loop = RoundLoop(target, drafter if speculative else None, info if speculative else {}, pol, curve,
-                     on_round=on_round, on_finish=lambda rid, _: finished_at.setdefault(rid, time.perf_counter()),
-                     draft_cost=DraftCost.from_points(draft_points) if policy == "tree-work" else DraftCost(),
-                     max_prefill_rows=max_prefill_rows)
+    loop = RoundLoop(
+        target,
+        drafter if speculative else None,
+        info if speculative else {},
+        pol,
+        curve,
+        on_round=on_round,
+        on_finish=lambda rid, _: finished_at.setdefault(rid, time.perf_counter()),
+        draft_cost=DraftCost.from_points(draft_points) if policy == "tree-work" else DraftCost(),
+        max_prefill_rows=max_prefill_rows,
+    )
     queue = [(f"{policy}-{concurrency}-{i}", eyas.encode(p)) for i, p in enumerate(prompts)]
     futures: dict[concurrent.futures.Future, str] = {}
     results = {}
@@ -263,24 +318,36 @@ def run_policy(eyas: Eyas, policy: str, concurrency: int, prompts: list[str], ma
     tokens = sum(len(r.token_ids) for r in results.values())
     batches = list(rounds.values())
     decode_s = sum(w for w, _, _, _ in decode_rounds.values())
-    full = [(w, t, c) for w, t, n, c in decode_rounds.values() if n == concurrency]   # every request decoding
+    full = [(w, t, c) for w, t, n, c in decode_rounds.values() if n == concurrency]  # every request decoding
     full_s = sum(w for w, _, _ in full)
     # the contexts of the full round whose longest context is the median one (for the bound at them)
     full_contexts = sorted((c for _, _, c in full), key=max)[len(full) // 2] if full else None
-    return {"policy": policy, "decode_rounds": len(decode_rounds),
-            "full_decode_rounds": len(full), "full_decode_tok_s": sum(t for _, t, _ in full) / full_s if full_s else 0.0,
-            "full_decode_contexts": full_contexts,
-            "decode_tok_s": sum(t for _, t, _, _ in decode_rounds.values()) / decode_s if decode_s else 0.0,
-            "decode_mean_batch": statistics.fmean(n for _, _, n, _ in decode_rounds.values()) if decode_rounds else 0.0, "concurrency": concurrency, "requests": len(results), "wall_s": wall, "tokens": tokens,
-            "throughput": tokens / wall, "per_token_ms": per_tok,
-            "lengths": [len(r.token_ids) for r in results.values()],
-            "per_token_p50_ms": percentile(per_tok, 50), "per_token_p99_ms": percentile(per_tok, 99),
-            "rounds": len(batches), "mean_batch": statistics.fmean(len(b) for b in batches),
-            "mean_verify_rows": statistics.fmean(sum(b) for b in batches),
-            "speculative_rounds": sum(1 for r in results.values() for x in r.rounds if x.tree_nodes),
-            "tree": [tree.expand_width, tree.max_depth, tree.verify_budget] if speculative else None,
-            "curve_end": loop.curve.to_dict(), "draft_cost_end": loop.draft_cost.to_dict(),
-            "outputs": {rid.split("-")[-1]: r.token_ids for rid, r in results.items()}}
+    return {
+        "policy": policy,
+        "decode_rounds": len(decode_rounds),
+        "full_decode_rounds": len(full),
+        "full_decode_tok_s": sum(t for _, t, _ in full) / full_s if full_s else 0.0,
+        "full_decode_contexts": full_contexts,
+        "decode_tok_s": sum(t for _, t, _, _ in decode_rounds.values()) / decode_s if decode_s else 0.0,
+        "decode_mean_batch": statistics.fmean(n for _, _, n, _ in decode_rounds.values()) if decode_rounds else 0.0,
+        "concurrency": concurrency,
+        "requests": len(results),
+        "wall_s": wall,
+        "tokens": tokens,
+        "throughput": tokens / wall,
+        "per_token_ms": per_tok,
+        "lengths": [len(r.token_ids) for r in results.values()],
+        "per_token_p50_ms": percentile(per_tok, 50),
+        "per_token_p99_ms": percentile(per_tok, 99),
+        "rounds": len(batches),
+        "mean_batch": statistics.fmean(len(b) for b in batches),
+        "mean_verify_rows": statistics.fmean(sum(b) for b in batches),
+        "speculative_rounds": sum(1 for r in results.values() for x in r.rounds if x.tree_nodes),
+        "tree": [tree.expand_width, tree.max_depth, tree.verify_budget] if speculative else None,
+        "curve_end": loop.curve.to_dict(),
+        "draft_cost_end": loop.draft_cost.to_dict(),
+        "outputs": {rid.split("-")[-1]: r.token_ids for rid, r in results.items()},
+    }
 
 
 def plot(rows: list[dict], curve: dict, path: Path) -> None:
@@ -310,20 +377,37 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, help="requests per level (default: 2 x concurrency, at least 4)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--limit", type=int, default=24, help="MT-bench prompts in the mix")
-    ap.add_argument("--slo-ms-per-token", type=float,
-                    help="the latency target of goodput: mean ms per output token after the first "
-                         "(default: 8x the target-only p50 at the lowest concurrency of this run)")
-    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
-                    help="a subset to run (target-only always runs: it is the baseline)")
+    ap.add_argument(
+        "--slo-ms-per-token",
+        type=float,
+        help="the latency target of goodput: mean ms per output token after the first "
+        "(default: 8x the target-only p50 at the lowest concurrency of this run)",
+    )
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        choices=POLICIES,
+        default=list(POLICIES),
+        help="a subset to run (target-only always runs: it is the baseline)",
+    )
     ap.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                    help="compute dtype at precision fp32")
+    ap.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype at precision fp32"
+    )
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (precision fp32)")
     ap.add_argument("--threads", type=int)
-    ap.add_argument("--max-prefill-rows", type=int, default=DEFAULT_PREFILL_CHUNK,
-                    help="prompt rows a round prefills, all requests together (chunked prefill)")
-    ap.add_argument("--long-prompt", type=int, default=2000,
-                    help="the long-prompt case: a short request beside a prompt this long (0: skip)")
+    ap.add_argument(
+        "--max-prefill-rows",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        help="prompt rows a round prefills, all requests together (chunked prefill)",
+    )
+    ap.add_argument(
+        "--long-prompt",
+        type=int,
+        default=2000,
+        help="the long-prompt case: a short request beside a prompt this long (0: skip)",
+    )
     ap.add_argument("--json", default=str(RESULTS / "scheduler.json"))
     args = ap.parse_args(argv)
     from tqdm import tqdm
@@ -344,36 +428,65 @@ def main(argv=None) -> int:
     context = int(statistics.fmean(len(eyas.encode(p)) for p in workload(32, args.limit))) + args.max_new_tokens // 2
     bound = compute.run(forward_bound, target_worker, (), prefix=context)
     bounds = [bound]
-    print(f"forward bound at 16 rows, {context}-token contexts: one request's 16-row verify {bound['one_request_rows_ms']:.1f} ms "
-          f"({bound['one_request_rows_tok_s']:.0f} tok/s); 16 requests' 1-row decodes in one forward "
-          f"{bound['batched_requests_ms']:.1f} ms ({bound['batched_requests_tok_s']:.0f} tok/s)", flush=True)
+    print(
+        f"forward bound at 16 rows, {context}-token contexts: one request's 16-row verify {bound['one_request_rows_ms']:.1f} ms "
+        f"({bound['one_request_rows_tok_s']:.0f} tok/s); 16 requests' 1-row decodes in one forward "
+        f"{bound['batched_requests_ms']:.1f} ms ({bound['batched_requests_tok_s']:.0f} tok/s)",
+        flush=True,
+    )
     start_curve = curve.to_dict()
     print("measuring the draft cost ...", flush=True)
     draft_points = compute.run(handle.engine.measure_cost, handle.default_tree, depths=(1, 2, 3, 4, 5), batch=8)
     start_draft = DraftCost.from_points(draft_points)
-    print("draft cost (depth, draft rows: ms): " + ", ".join(f"({d}, {r}): {m:.0f}" for d, r, m in draft_points)
-          + f"; fit {start_draft.to_dict()}", flush=True)
-    drafter_worker = DrafterWorker({"eagle3": handle.engine}, eyas.model.cfg.vocab_size, {"eagle3": handle.source},
-                                   {"eagle3": handle.default_tree})
+    print(
+        "draft cost (depth, draft rows: ms): "
+        + ", ".join(f"({d}, {r}): {m:.0f}" for d, r, m in draft_points)
+        + f"; fit {start_draft.to_dict()}",
+        flush=True,
+    )
+    drafter_worker = DrafterWorker(
+        {"eagle3": handle.engine}, eyas.model.cfg.vocab_size, {"eagle3": handle.source}, {"eagle3": handle.default_tree}
+    )
     drafter_worker.draft_points["eagle3"] = draft_points
-    workers = (WorkerCalls(target_worker, 600, local=True), WorkerCalls(drafter_worker, 600, local=True, drafter=True),
-               drafter_worker.info())
+    workers = (
+        WorkerCalls(target_worker, 600, local=True),
+        WorkerCalls(drafter_worker, 600, local=True, drafter=True),
+        drafter_worker.info(),
+    )
     policies = [p for p in POLICIES if p == "target-only" or p in args.policies]
     levels = [(c, args.requests or max(4, 2 * c)) for c in args.concurrency]
     rows = []
     with tqdm(total=len(policies) * sum(n for _, n in levels), desc="requests", unit="req") as bar:
         for i, (c, n) in enumerate(levels):
             prompts = workload(n, args.limit)
-            order = policies[i % len(policies):] + policies[:i % len(policies)]
+            order = policies[i % len(policies) :] + policies[: i % len(policies)]
             for p in order:
-                rows.append(run_policy(eyas, p, c, prompts, args.max_new_tokens, curve.copy(), workers, bar,
-                                       draft_points, args.max_prefill_rows))
+                rows.append(
+                    run_policy(
+                        eyas,
+                        p,
+                        c,
+                        prompts,
+                        args.max_new_tokens,
+                        curve.copy(),
+                        workers,
+                        bar,
+                        draft_points,
+                        args.max_prefill_rows,
+                    )
+                )
     # the bound three times more after the policies ran, alternating with the same forward at the
     # contexts of one of target-only's full 16-request decode rounds (ragged, so padded to the
     # longest in the store's one attention call); the ratios use the medians (this machine's forward
     # time drifts by a fifth); every measurement is printed and saved
-    own_contexts = next((r["full_decode_contexts"] for r in rows if r["policy"] == "target-only"
-                         and r["concurrency"] == 16 and r["full_decode_contexts"]), None)
+    own_contexts = next(
+        (
+            r["full_decode_contexts"]
+            for r in rows
+            if r["policy"] == "target-only" and r["concurrency"] == 16 and r["full_decode_contexts"]
+        ),
+        None,
+    )
     owns = []
     for _ in range(3):
         bounds.append(compute.run(forward_bound, target_worker, (), prefix=context))
@@ -382,8 +495,10 @@ def main(argv=None) -> int:
     bound, own = _median_bound(bounds), _median_bound(owns) if owns else None
     rows.sort(key=lambda r: (r["concurrency"], POLICIES.index(r["policy"])))
     low = min(c for c, _ in levels)
-    slo = args.slo_ms_per_token or 8 * next(r for r in rows if r["concurrency"] == low
-                                            and r["policy"] == "target-only")["per_token_p50_ms"]
+    slo = (
+        args.slo_ms_per_token
+        or 8 * next(r for r in rows if r["concurrency"] == low and r["policy"] == "target-only")["per_token_p50_ms"]
+    )
     for r in rows:  # goodput: tokens/s of the requests that met the latency target
         met = [n for n, ms in zip(r["lengths"], r["per_token_ms"]) if ms <= slo]
         r["goodput"], r["slo_met"] = sum(met) / r["wall_s"], len(met)
@@ -396,83 +511,124 @@ def main(argv=None) -> int:
                 to = next(x for x in rows if x["concurrency"] == c and x["policy"] == "target-only")
                 r["throughput_vs_target_only"] = r["throughput"] / to["throughput"]
                 pl = next((x for x in rows if x["concurrency"] == c and x["policy"] == "prompt-length"), None)
-                r["goodput_vs_prompt_length"] = (None if pl is None else r["goodput"] / pl["goodput"]
-                                                 if pl["goodput"] else float("inf"))
+                r["goodput_vs_prompt_length"] = (
+                    None if pl is None else r["goodput"] / pl["goodput"] if pl["goodput"] else float("inf")
+                )
                 r["throughput_vs_prompt_length"] = None if pl is None else r["throughput"] / pl["throughput"]
         identical[c] = all(r["identical_to_target_only"] == r["requests"] for r in rows if r["concurrency"] == c)
+
     def ratio(x):
         return "     -" if x is None else f"{x:>5.2f}x"
 
-    print(f"\n{'policy':<14} {'C':>3} {'req':>4} {'tok/s':>7} {'vs TO':>6} {'vs PL':>6} {'goodput':>8} {'vs PL':>6} "
-          f"{'p50 ms/t':>9} {'p99 ms/t':>9} {'batch':>6} {'rows':>6} {'spec rd':>7} {'same':>5}")
+    print(
+        f"\n{'policy':<14} {'C':>3} {'req':>4} {'tok/s':>7} {'vs TO':>6} {'vs PL':>6} {'goodput':>8} {'vs PL':>6} "
+        f"{'p50 ms/t':>9} {'p99 ms/t':>9} {'batch':>6} {'rows':>6} {'spec rd':>7} {'same':>5}"
+    )
     for r in rows:
-        print(f"{r['policy']:<14} {r['concurrency']:>3} {r['requests']:>4} {r['throughput']:>7.1f} "
-              f"{ratio(r['throughput_vs_target_only'])} {ratio(r['throughput_vs_prompt_length'])} {r['goodput']:>8.1f} "
-              f"{ratio(r['goodput_vs_prompt_length'])} {r['per_token_p50_ms']:>9.0f} {r['per_token_p99_ms']:>9.0f} "
-              f"{r['mean_batch']:>6.1f} {r['mean_verify_rows']:>6.1f} {r['speculative_rounds']:>7} "
-              f"{r['identical_to_target_only']:>2}/{r['requests']}")
-    print(f"\nforward-bound rate at 16 rows, the median of one run before and three after: {bound['one_request_rows_tok_s']:.0f} tok/s "
-          f"(one request's 16-row verify; " + " and ".join(f"{b['one_request_rows_tok_s']:.0f}" for b in bounds)
-          + f"), {bound['batched_requests_tok_s']:.0f} tok/s (16 requests in one forward; "
-          + " and ".join(f"{b['batched_requests_tok_s']:.0f}" for b in bounds) + ")")
+        print(
+            f"{r['policy']:<14} {r['concurrency']:>3} {r['requests']:>4} {r['throughput']:>7.1f} "
+            f"{ratio(r['throughput_vs_target_only'])} {ratio(r['throughput_vs_prompt_length'])} {r['goodput']:>8.1f} "
+            f"{ratio(r['goodput_vs_prompt_length'])} {r['per_token_p50_ms']:>9.0f} {r['per_token_p99_ms']:>9.0f} "
+            f"{r['mean_batch']:>6.1f} {r['mean_verify_rows']:>6.1f} {r['speculative_rounds']:>7} "
+            f"{r['identical_to_target_only']:>2}/{r['requests']}"
+        )
+    print(
+        f"\nforward-bound rate at 16 rows, the median of one run before and three after: {bound['one_request_rows_tok_s']:.0f} tok/s "
+        f"(one request's 16-row verify; "
+        + " and ".join(f"{b['one_request_rows_tok_s']:.0f}" for b in bounds)
+        + f"), {bound['batched_requests_tok_s']:.0f} tok/s (16 requests in one forward; "
+        + " and ".join(f"{b['batched_requests_tok_s']:.0f}" for b in bounds)
+        + ")"
+    )
     for r in rows:
         if r["policy"] == "target-only" and r["concurrency"] == 16:
-            r["vs_forward_bound"] = {"one_request_rows": r["decode_tok_s"] / bound["one_request_rows_tok_s"],
-                                     "batched_requests": r["decode_tok_s"] / bound["batched_requests_tok_s"],
-                                     "full_one_request_rows": r["full_decode_tok_s"] / bound["one_request_rows_tok_s"],
-                                     "full_batched_requests": r["full_decode_tok_s"] / bound["batched_requests_tok_s"]}
-            print(f"target-only at C=16, rounds that prefilled nothing ({r['decode_rounds']}, mean batch "
-                  f"{r['decode_mean_batch']:.1f}): {r['decode_tok_s']:.1f} tok/s = "
-                  f"{r['vs_forward_bound']['one_request_rows']:.2f}x and {r['vs_forward_bound']['batched_requests']:.2f}x "
-                  f"of them (all rounds, prefills included: {r['throughput']:.1f} tok/s)")
-            print(f"  of those, the {r['full_decode_rounds']} rounds in which all 16 requests decoded: "
-                  f"{r['full_decode_tok_s']:.1f} tok/s = {r['vs_forward_bound']['full_one_request_rows']:.2f}x and "
-                  f"{r['vs_forward_bound']['full_batched_requests']:.2f}x")
+            r["vs_forward_bound"] = {
+                "one_request_rows": r["decode_tok_s"] / bound["one_request_rows_tok_s"],
+                "batched_requests": r["decode_tok_s"] / bound["batched_requests_tok_s"],
+                "full_one_request_rows": r["full_decode_tok_s"] / bound["one_request_rows_tok_s"],
+                "full_batched_requests": r["full_decode_tok_s"] / bound["batched_requests_tok_s"],
+            }
+            print(
+                f"target-only at C=16, rounds that prefilled nothing ({r['decode_rounds']}, mean batch "
+                f"{r['decode_mean_batch']:.1f}): {r['decode_tok_s']:.1f} tok/s = "
+                f"{r['vs_forward_bound']['one_request_rows']:.2f}x and {r['vs_forward_bound']['batched_requests']:.2f}x "
+                f"of them (all rounds, prefills included: {r['throughput']:.1f} tok/s)"
+            )
+            print(
+                f"  of those, the {r['full_decode_rounds']} rounds in which all 16 requests decoded: "
+                f"{r['full_decode_tok_s']:.1f} tok/s = {r['vs_forward_bound']['full_one_request_rows']:.2f}x and "
+                f"{r['vs_forward_bound']['full_batched_requests']:.2f}x"
+            )
             if own is not None and r["full_decode_contexts"] is own_contexts:
                 # what is left of the gap at the round's own contexts is the loop's
                 r["forward_at_own_contexts"], r["forward_at_own_contexts_runs"] = own, owns
                 r["vs_forward_bound"]["full_at_own_contexts"] = r["full_decode_tok_s"] / own["batched_requests_tok_s"]
-                print(f"  16 requests' decodes in one forward at such a round's contexts ({min(own_contexts)}"
-                      f"-{max(own_contexts)} tokens, mean {own['prefix']}): {own['batched_requests_ms']:.1f} ms, the "
-                      f"median of " + ", ".join(f"{b['batched_requests_ms']:.1f}" for b in owns)
-                      + f" ({own['batched_requests_tok_s']:.0f} tok/s); the full rounds ran at "
-                      f"{r['vs_forward_bound']['full_at_own_contexts']:.2f}x of it")
+                print(
+                    f"  16 requests' decodes in one forward at such a round's contexts ({min(own_contexts)}"
+                    f"-{max(own_contexts)} tokens, mean {own['prefix']}): {own['batched_requests_ms']:.1f} ms, the "
+                    f"median of "
+                    + ", ".join(f"{b['batched_requests_ms']:.1f}" for b in owns)
+                    + f" ({own['batched_requests_tok_s']:.0f} tok/s); the full rounds ran at "
+                    f"{r['vs_forward_bound']['full_at_own_contexts']:.2f}x of it"
+                )
     long_cases = []
     if args.long_prompt:
         print(f"\nlong-prompt case: a short request beside a {args.long_prompt}-token prompt", flush=True)
         for chunk in (args.max_prefill_rows, None):
             case = long_prompt_case(eyas, workers[0], args.long_prompt, chunk, args.max_new_tokens)
-            base = compute.run(generate, eyas.target_engine(()), eyas.encode(REPETITIVE[1]),
-                               max_new_tokens=args.max_new_tokens)
+            base = compute.run(
+                generate, eyas.target_engine(()), eyas.encode(REPETITIVE[1]), max_new_tokens=args.max_new_tokens
+            )
             case["short_identical_to_target_only"] = case.pop("short_tokens_out") == base.token_ids
             long_cases.append(case)
-            print(f"  max_prefill_rows {str(chunk):>5}: the short request's first token after "
-                  f"{case['short_first_token_rounds']} of its rounds, {case['short_ttft_s']:.2f} s "
-                  f"(the long prompt's first token at {case['long_ttft_s']:.1f} s); identical to target-only: "
-                  f"{case['short_identical_to_target_only']}", flush=True)
+            print(
+                f"  max_prefill_rows {str(chunk):>5}: the short request's first token after "
+                f"{case['short_first_token_rounds']} of its rounds, {case['short_ttft_s']:.2f} s "
+                f"(the long prompt's first token at {case['long_ttft_s']:.1f} s); identical to target-only: "
+                f"{case['short_identical_to_target_only']}",
+                flush=True,
+            )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     for r in rows:
         r.pop("outputs")
-    out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "precision": args.precision,
-                               "dtype": args.dtype, "device": args.device,
-                               "slo_ms_per_token": slo, "max_new_tokens": args.max_new_tokens,
-                               "max_prefill_rows": args.max_prefill_rows, "forward_bound": bound,
-                               "forward_bounds": bounds,
-                               "long_prompt": long_cases,
-                               "curve_at_start": start_curve, "draft_points_at_start": draft_points, "rows": rows},
-                              indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": platform.platform(),
+                "cpus": os.cpu_count(),
+                "precision": args.precision,
+                "dtype": args.dtype,
+                "device": args.device,
+                "slo_ms_per_token": slo,
+                "max_new_tokens": args.max_new_tokens,
+                "max_prefill_rows": args.max_prefill_rows,
+                "forward_bound": bound,
+                "forward_bounds": bounds,
+                "long_prompt": long_cases,
+                "curve_at_start": start_curve,
+                "draft_points_at_start": draft_points,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     plot(rows, curve.to_dict(), out.with_suffix(".png"))
     print(f"goodput latency target: {slo:.0f} ms per output token")
     parts = []
     for c, _ in levels:
         tw = next((r for r in rows if r["concurrency"] == c and r["policy"] == "tree-work"), None)
         if tw is not None:
-            vs_pl = ("" if tw["goodput_vs_prompt_length"] is None else
-                     f", goodput {tw['goodput_vs_prompt_length']:.2f}x prompt-length's")
+            vs_pl = (
+                ""
+                if tw["goodput_vs_prompt_length"] is None
+                else f", goodput {tw['goodput_vs_prompt_length']:.2f}x prompt-length's"
+            )
             parts.append(f"C={c}: tree-work throughput {tw['throughput_vs_target_only']:.2f}x target-only's{vs_pl}")
-    print(f"\nsummary: {'; '.join(parts) or 'tree-work not run'}; greedy outputs identical to target-only at "
-          f"every level: {all(identical.values())}; wrote {out}")
+    print(
+        f"\nsummary: {'; '.join(parts) or 'tree-work not run'}; greedy outputs identical to target-only at "
+        f"every level: {all(identical.values())}; wrote {out}"
+    )
     return 0
 
 

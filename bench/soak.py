@@ -15,6 +15,7 @@ Run:
     .venv/bin/python bench/soak.py --clients 16 --duration 60 --precision fp32
     .venv/bin/python bench/soak.py --server 127.0.0.1:9000           # a running `eyas serve`
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,15 +32,18 @@ from serve_load import start_local  # noqa: E402
 from eyas.experiments.sim import percentile  # noqa: E402
 
 
-def reference_answers(prompts: list[str], max_new_tokens: int, precision: str, dtype: str = "float32",
-                      device: str = "cpu") -> dict[str, list[int]]:
+def reference_answers(
+    prompts: list[str], max_new_tokens: int, precision: str, dtype: str = "float32", device: str = "cpu"
+) -> dict[str, list[int]]:
     """Greedy target-only tokens of each prompt, in-process, at the served precision, dtype and device."""
     from eyas.protocol.schema import parse_request
     from eyas.runtime import Eyas
 
     eyas = Eyas(precision=precision, dtype=dtype, device=device)
-    return {p: eyas.generate(parse_request(prompt=p, method="target", max_new_tokens=max_new_tokens))[1]["token_ids"]
-            for p in prompts}
+    return {
+        p: eyas.generate(parse_request(prompt=p, method="target", max_new_tokens=max_new_tokens))[1]["token_ids"]
+        for p in prompts
+    }
 
 
 class Tally:
@@ -65,13 +69,23 @@ class Tally:
     def line(self, elapsed: float) -> str:
         with self.lock:
             lat = sorted(self.latencies)
-            return (f"{elapsed:6.0f} s: {self.done} requests, {len(self.errors)} errors, {len(self.mismatches)} "
-                    f"mismatches, {self.tokens / max(elapsed, 1e-9):.1f} tok/s, latency p50 "
-                    f"{percentile(lat, 50):.1f} s p99 {percentile(lat, 99):.1f} s")
+            return (
+                f"{elapsed:6.0f} s: {self.done} requests, {len(self.errors)} errors, {len(self.mismatches)} "
+                f"mismatches, {self.tokens / max(elapsed, 1e-9):.1f} tok/s, latency p50 "
+                f"{percentile(lat, 50):.1f} s p99 {percentile(lat, 99):.1f} s"
+            )
 
 
-def client_loop(address: str, index: int, prompts: list[str], methods: list[str], reference: dict, n: int,
-                deadline: float, tally: Tally) -> None:
+def client_loop(
+    address: str,
+    index: int,
+    prompts: list[str],
+    methods: list[str],
+    reference: dict,
+    n: int,
+    deadline: float,
+    tally: Tally,
+) -> None:
     from eyas.serve.client import EyasClient
 
     k = index
@@ -103,8 +117,12 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=16, help="MT-bench prompts to cycle through")
     ap.add_argument("--methods", nargs="+", default=["eagle3", "target", "eagle1"])
     ap.add_argument("--precision", choices=("fp32", "fp16w", "int8"), default="fp16w")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                    help="compute dtype at precision fp32 (half precision is not exact on a real model)")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="compute dtype at precision fp32 (half precision is not exact on a real model)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (precision fp32), the local app's device")
     ap.add_argument("--json", help="write the summary here")
     args = ap.parse_args(argv)
@@ -117,15 +135,26 @@ def main(argv=None) -> int:
     stop, address = None, args.server
     if address is None:
         print("starting a local Ray and the Eyas application ...", flush=True)
-        address, stop = start_local({"methods": [m for m in ("eagle3", "eagle1") if m in args.methods],
-                                     "precision": args.precision, "dtype": args.dtype, "device": args.device})
+        address, stop = start_local(
+            {
+                "methods": [m for m in ("eagle3", "eagle1") if m in args.methods],
+                "precision": args.precision,
+                "dtype": args.dtype,
+                "device": args.device,
+            }
+        )
     tally = Tally()
     try:
         start = time.monotonic()
         deadline = start + args.duration
-        threads = [threading.Thread(target=client_loop, daemon=True,
-                                    args=(address, i, prompts, args.methods, reference, args.max_new_tokens,
-                                          deadline, tally)) for i in range(args.clients)]
+        threads = [
+            threading.Thread(
+                target=client_loop,
+                daemon=True,
+                args=(address, i, prompts, args.methods, reference, args.max_new_tokens, deadline, tally),
+            )
+            for i in range(args.clients)
+        ]
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
@@ -151,12 +180,21 @@ def main(argv=None) -> int:
     for msg in tally.errors[:5] + tally.mismatches[:5]:
         print(f"  {msg}")
     print(f"leak invariant: {'held' if not leaks else f'{len(leaks)} workers hold sessions'}")
-    summary = {"clients": args.clients, "duration_s": args.duration, "precision": args.precision,
-               "methods": args.methods, "requests": tally.done, "errors": len(tally.errors),
-               "mismatches": len(tally.mismatches), "tokens_per_s": tally.tokens / max(elapsed, 1e-9),
-               "p50_latency_s": percentile(sorted(tally.latencies), 50),
-               "p99_latency_s": percentile(sorted(tally.latencies), 99), "leaks": len(leaks),
-               "first_errors": tally.errors[:5], "first_mismatches": tally.mismatches[:5]}
+    summary = {
+        "clients": args.clients,
+        "duration_s": args.duration,
+        "precision": args.precision,
+        "methods": args.methods,
+        "requests": tally.done,
+        "errors": len(tally.errors),
+        "mismatches": len(tally.mismatches),
+        "tokens_per_s": tally.tokens / max(elapsed, 1e-9),
+        "p50_latency_s": percentile(sorted(tally.latencies), 50),
+        "p99_latency_s": percentile(sorted(tally.latencies), 99),
+        "leaks": len(leaks),
+        "first_errors": tally.errors[:5],
+        "first_mismatches": tally.mismatches[:5],
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     return 0 if not tally.errors and not tally.mismatches and not leaks else 1

@@ -17,6 +17,7 @@
 
 Bad input exits with status 2 and one line ``error: <field>: <why>``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,11 @@ import warnings
 def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="the user message (wrapped in the chat template unless --raw)")
     p.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
-    p.add_argument("--messages", help='a conversation instead of --prompt: a JSON list of {"role", "content"} '
-                                      "turns (system, user, assistant; the last the user's), or @FILE holding one")
+    p.add_argument(
+        "--messages",
+        help='a conversation instead of --prompt: a JSON list of {"role", "content"} '
+        "turns (system, user, assistant; the last the user's), or @FILE holding one",
+    )
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--method", default="eagle3", help="target | eagle1 | hass | eagle3 (default eagle3)")
     p.add_argument("--drafter", help="a drafter checkpoint folder (default: the one shipped for the method)")
@@ -43,14 +47,22 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-depth", type=int)
     p.add_argument("--tree-width", type=int)
     p.add_argument("--tree-budget", type=int)
-    p.add_argument("--precision", default="fp32", help="served precision of the target: fp32 | fp16w (fp16 weights, fp32 compute) | int8")
-    p.add_argument("--dtype", default="float32",
-                   help="compute dtype at precision fp32: float32 | bfloat16 | float16 (the drafter follows)")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        help="served precision of the target: fp32 | fp16w (fp16 weights, fp32 compute) | int8",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="compute dtype at precision fp32: float32 | bfloat16 | float16 (the drafter follows)",
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (precision fp32; not yet run on a GPU)")
     p.add_argument("--target", default="smollm2-135m", help="smollm2-135m, a .gguf file, or an HF checkpoint dir")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
-    p.add_argument("--request-id",
-                   help="name the request (so that `eyas cancel` can stop it); default: the server names it")
+    p.add_argument(
+        "--request-id", help="name the request (so that `eyas cancel` can stop it); default: the server names it"
+    )
 
 
 def _request(args, method: str | None = None):
@@ -72,11 +84,24 @@ def _request(args, method: str | None = None):
             messages = json.loads(raw)
         except json.JSONDecodeError as err:
             raise ValueError(f"messages: not valid JSON ({err.msg})") from None
-    return parse_request(prompt=args.prompt, prompt_ids=ids, messages=messages, raw=args.raw, method=method or args.method,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                         top_k=args.top_k, seed=args.seed, drafter=args.drafter, tree_kind=args.tree_kind,
-                         tree_depth=args.tree_depth, tree_width=args.tree_width, tree_budget=args.tree_budget,
-                         request_id=args.request_id)
+    return parse_request(
+        prompt=args.prompt,
+        prompt_ids=ids,
+        messages=messages,
+        raw=args.raw,
+        method=method or args.method,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        drafter=args.drafter,
+        tree_kind=args.tree_kind,
+        tree_depth=args.tree_depth,
+        tree_width=args.tree_width,
+        tree_budget=args.tree_budget,
+        request_id=args.request_id,
+    )
 
 
 def cmd_generate(args) -> int:
@@ -115,9 +140,11 @@ def _generate_remote(args, req) -> int:
                 stats = chunk.stats if chunk.finish_reason else stats
         print()
         if stats is not None:
-            print(f"[{req.method}] {stats.new_tokens} tokens in {stats.wall_ms / 1000:.2f} s, {stats.rounds} target "
-                  f"forwards, tau = {stats.tau:.2f}{' (drafter fallback)' if stats.drafter_fallback else ''}",
-                  file=sys.stderr)
+            print(
+                f"[{req.method}] {stats.new_tokens} tokens in {stats.wall_ms / 1000:.2f} s, {stats.rounds} target "
+                f"forwards, tau = {stats.tau:.2f}{' (drafter fallback)' if stats.drafter_fallback else ''}",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -130,9 +157,12 @@ def _client_key() -> str | None:
 
 def _print_report(report: dict) -> None:
     print(report["text"])
-    print(f"\n[{report['method']}] {report['new_tokens']} tokens in {report['wall_s']:.2f} s "
-              f"({report['tokens_per_s']:.1f} tok/s), {report['target_forwards']} target forwards, "
-              f"tau = {report['accept_length_mean']:.2f}", file=sys.stderr)
+    print(
+        f"\n[{report['method']}] {report['new_tokens']} tokens in {report['wall_s']:.2f} s "
+        f"({report['tokens_per_s']:.1f} tok/s), {report['target_forwards']} target forwards, "
+        f"tau = {report['accept_length_mean']:.2f}",
+        file=sys.stderr,
+    )
 
 
 def cmd_demo(args) -> int:
@@ -149,11 +179,15 @@ def cmd_demo(args) -> int:
     print("\n" + spec["text"] + "\n")
     print(f"{'method':<10} {'tokens':>6} {'wall s':>7} {'tok/s':>7} {'tau':>5}")
     for r in (base, spec):
-        print(f"{r['method']:<10} {r['new_tokens']:>6} {r['wall_s']:>7.2f} {r['tokens_per_s']:>7.1f} "
-              f"{r['accept_length_mean']:>5.2f}")
+        print(
+            f"{r['method']:<10} {r['new_tokens']:>6} {r['wall_s']:>7.2f} {r['tokens_per_s']:>7.1f} "
+            f"{r['accept_length_mean']:>5.2f}"
+        )
     same = "identical" if base["token_ids"] == spec["token_ids"] else "DIFFERENT"
-    print(f"speedup {spec['tokens_per_s'] / max(base['tokens_per_s'], 1e-9):.2f}x over target-only "
-          f"(greedy outputs {same}; drafter: {spec['drafter']})")
+    print(
+        f"speedup {spec['tokens_per_s'] / max(base['tokens_per_s'], 1e-9):.2f}x over target-only "
+        f"(greedy outputs {same}; drafter: {spec['drafter']})"
+    )
     return 0
 
 
@@ -172,15 +206,15 @@ def cmd_train(args) -> int:
         cfg = cfg.model_copy(update={"threads": args.threads})
     overrides = {key: getattr(args, key) for key in ("device", "dtype") if getattr(args, key)}
     if overrides:
-        cfg = validated({**cfg.model_dump(), **overrides})   # checked, naming the field
+        cfg = validated({**cfg.model_dump(), **overrides})  # checked, naming the field
     from eyas.target.loader import check_device
 
-    check_device(cfg.device)   # here, before the (slow) load
+    check_device(cfg.device)  # here, before the (slow) load
     set_threads(cfg.threads)
     from eyas.compute import keep_freed_memory
 
-    keep_freed_memory()   # a training step's large temporaries reuse freed memory (eyas.compute)
-    eyas = Eyas(cfg.target, "fp32", device=cfg.device)   # the frozen target extracts the features there
+    keep_freed_memory()  # a training step's large temporaries reuse freed memory (eyas.compute)
+    eyas = Eyas(cfg.target, "fp32", device=cfg.device)  # the frozen target extracts the features there
     train, heldout = prepare_features(cfg, eyas)
     trainer = DrafterTrainer(cfg, eyas.model, eyas.loaded.fingerprint.to_dict(), train, heldout)
     summary = trainer.fit()
@@ -188,8 +222,9 @@ def cmd_train(args) -> int:
         return 1
     if cfg.schedule == "wsd" and summary["points"]:
         for tokens, point in summary["points"].items():
-            print(f"point {tokens}: {point['drafter']} (held-out top-1 "
-                  f"{[round(x, 3) for x in point['heldout']['top1']]})")
+            print(
+                f"point {tokens}: {point['drafter']} (held-out top-1 {[round(x, 3) for x in point['heldout']['top1']]})"
+            )
         return 0
     path = trainer.export(summary)
     print(f"drafter written to {path} ({summary['steps']} steps, {summary['wall_s']} s)")
@@ -214,7 +249,7 @@ def cmd_serve(args) -> int:
     if api_key:
         app_args = {**app_args, "api_key": api_key}
     app_args = {**app_args, **{k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None}}
-    config = parse_config(app_args)   # a bad config fails here, naming the field, before Ray starts
+    config = parse_config(app_args)  # a bad config fails here, naming the field, before Ray starts
     config_warnings = config.warnings()
     flags = {"host": args.host, "http_port": args.http_port, "grpc_port": args.grpc_port}
     # addresses: a flag, else the file's http_options / grpc_options, else the defaults
@@ -222,23 +257,38 @@ def cmd_serve(args) -> int:
     if args.check_config:  # (a real start warns through build_app's log, once)
         for warning in config_warnings:
             print(f"warning: config.{warning}", file=sys.stderr)
-        shown = {**app_args, **({"api_key": "<set>"} if app_args.get("api_key") else {})}   # never print the key
-        print(json.dumps({"endpoints": endpoints, "args": shown,
-                          "devices": {kind: config.device_for(kind) for kind in ("target", "drafter")},
-                          **({"warnings": [f"config.{w}" for w in config_warnings]} if config_warnings else {})}))
+        shown = {**app_args, **({"api_key": "<set>"} if app_args.get("api_key") else {})}  # never print the key
+        print(
+            json.dumps(
+                {
+                    "endpoints": endpoints,
+                    "args": shown,
+                    "devices": {kind: config.device_for(kind) for kind in ("target", "drafter")},
+                    **({"warnings": [f"config.{w}" for w in config_warnings]} if config_warnings else {}),
+                }
+            )
+        )
         return 0
     import ray
     from ray import serve
 
     host, http_port, grpc_port = endpoints["host"], endpoints["http_port"], endpoints["grpc_port"]
-    ray.init(address=args.address, include_dashboard=False,
-             **({"num_cpus": args.num_cpus} if args.num_cpus and not args.address else {}))
-    serve.start(http_options={"host": host, "port": http_port},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+    ray.init(
+        address=args.address,
+        include_dashboard=False,
+        **({"num_cpus": args.num_cpus} if args.num_cpus and not args.address else {}),
+    )
+    serve.start(
+        http_options={"host": host, "port": http_port},
+        grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
+    )
     serve.run(build_app(app_args), name="eyas", route_prefix="/")
-    print(f"eyas serving: gRPC {host}:{grpc_port} (eyas.v1.Eyas), HTTP http://{host}:{http_port}/ "
-          f"(OpenAI API under /v1{', API key required' if app_args.get('api_key') else ''})"
-          f"  -- try: eyas generate --server 127.0.0.1:{grpc_port} --prompt 'Hello'", flush=True)
+    print(
+        f"eyas serving: gRPC {host}:{grpc_port} (eyas.v1.Eyas), HTTP http://{host}:{http_port}/ "
+        f"(OpenAI API under /v1{', API key required' if app_args.get('api_key') else ''})"
+        f"  -- try: eyas generate --server 127.0.0.1:{grpc_port} --prompt 'Hello'",
+        flush=True,
+    )
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
@@ -274,8 +324,15 @@ def cmd_experiment(args) -> int:
 
     workload = load_workload(args.workload)
     out = args.out or f"bench/results/autoscale-{workload.name}"
-    doc = run_autoscale(workload, out, serve_config=args.serve_config, cluster_config=args.cluster_config,
-                        address=args.address, check=not args.no_check, plan_rates=tuple(args.plan_rates))
+    doc = run_autoscale(
+        workload,
+        out,
+        serve_config=args.serve_config,
+        cluster_config=args.cluster_config,
+        address=args.address,
+        check=not args.no_check,
+        plan_rates=tuple(args.plan_rates),
+    )
     print_experiment_summary(doc, out)
     return 0 if doc["errors"] == 0 and doc["incorrect"] == 0 else 1
 
@@ -289,17 +346,25 @@ def print_experiment_summary(doc: dict, out: str) -> None:
         return "-" if x is None else f"{x:.2f} {unit}".strip()
 
     caps = doc.get("time_to_added_capacity_s", {})
-    print(f"\nrequests {doc['requests']}: {doc['errors']} errors, {doc['incorrect']} incorrect "
-          f"(checked against target-only: {doc['checked']})")
-    print(f"p50 / p99 latency: {f(doc['p50_latency_s'])} / {f(doc['p99_latency_s'])}; "
-          f"p99 steady {f(doc.get('p99_steady_s'))}, in the burst {f(doc.get('p99_burst_s'))}")
+    print(
+        f"\nrequests {doc['requests']}: {doc['errors']} errors, {doc['incorrect']} incorrect "
+        f"(checked against target-only: {doc['checked']})"
+    )
+    print(
+        f"p50 / p99 latency: {f(doc['p50_latency_s'])} / {f(doc['p99_latency_s'])}; "
+        f"p99 steady {f(doc.get('p99_steady_s'))}, in the burst {f(doc.get('p99_burst_s'))}"
+    )
     for name, t in (caps.get("replicas") or {}).items():
         if name != "EyasServer":
             print(f"burst -> added {name} replica: {f(t)}")
-    print(f"burst -> added node: {f(caps.get('nodes'))}; a target replica from asked to running: "
-          f"{f(doc.get('target_replica_startup_s'))}")
-    print(f"target replicas: start {doc['initial_target_replicas']}, peak {doc['peak_target_replicas']}, "
-          f"end {doc['final_target_replicas']}; nodes peak {doc.get('peak_nodes')}, end {doc.get('final_nodes')}")
+    print(
+        f"burst -> added node: {f(caps.get('nodes'))}; a target replica from asked to running: "
+        f"{f(doc.get('target_replica_startup_s'))}"
+    )
+    print(
+        f"target replicas: start {doc['initial_target_replicas']}, peak {doc['peak_target_replicas']}, "
+        f"end {doc['final_target_replicas']}; nodes peak {doc.get('peak_nodes')}, end {doc.get('final_nodes')}"
+    )
     sim = doc.get("simulator", {})
     if sim:
         print(f"\n{'simulator vs measured':<22} {'predicted':>10} {'measured':>10} {'error':>8}")
@@ -310,8 +375,10 @@ def print_experiment_summary(doc: dict, out: str) -> None:
         if sim.get("plan"):
             print(f"\n{'plan: rate/s':<14} {'replicas':>9} {'nodes':>6} {'p50 s':>7} {'p99 s':>7} {'tok/s':>9}")
             for row in sim["plan"]:
-                print(f"{row['rate_per_s']:<14g} {row['peak_replicas']:>9} {row['peak_nodes']:>6} "
-                      f"{row['p50_latency_s']:>7.2f} {row['p99_latency_s']:>7.2f} {row['tokens_per_s']:>9.0f}")
+                print(
+                    f"{row['rate_per_s']:<14g} {row['peak_replicas']:>9} {row['peak_nodes']:>6} "
+                    f"{row['p50_latency_s']:>7.2f} {row['p99_latency_s']:>7.2f} {row['tokens_per_s']:>9.0f}"
+                )
     print(f"\nwritten: {out}/timeline.json, {out}/timeline.png, {out}/requests.jsonl")
 
 
@@ -321,7 +388,7 @@ def cmd_export(args) -> int:
     from eyas.target.loader import load_target_head
 
     embed = None
-    if args.format == "eagle":   # SafeAILab's checkpoint holds the target's embedding
+    if args.format == "eagle":  # SafeAILab's checkpoint holds the target's embedding
         head = load_target_head(args.target)
         check_compatible(read_manifest(args.drafter), head.fingerprint)
         embed = head.embed.weight
@@ -336,8 +403,10 @@ def cmd_import(args) -> int:
 
     head = load_target_head(args.target)
     done = import_drafter(args.from_dir, head.cfg, head.fingerprint.to_dict(), args.out, fmt=args.format)
-    print(f"imported a {done.format} {done.method} drafter to {done.folder} for {args.target} "
-          f"(taps {[layer for layer, _ in done.taps]}); use it with --drafter {done.folder}")
+    print(
+        f"imported a {done.format} {done.method} drafter to {done.folder} for {args.target} "
+        f"(taps {[layer for layer, _ in done.taps]}); use it with --drafter {done.folder}"
+    )
     return 0
 
 
@@ -367,13 +436,24 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", help="HTTP proxy host (default: the config's http_options.host, else 127.0.0.1)")
     s.add_argument("--grpc-port", type=int, help="gRPC port (default: the config's grpc_options.port, else 9000)")
     s.add_argument("--http-port", type=int, help="HTTP port (default: the config's http_options.port, else 8000)")
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on HTTP and gRPC (default: "
-                   "$EYAS_API_KEY, else the config's api_key, else none)")
-    s.add_argument("--device", help="where the replicas compute: cpu | cuda | cuda:N (overrides the config's "
-                   "device; default: the GPU Ray assigns a replica that reserves one, else cpu; not yet run on a GPU)")
-    s.add_argument("--dtype", help="compute dtype at precision fp32: float32 | bfloat16 | float16 (overrides the config's)")
-    s.add_argument("--check-config", action="store_true",
-                   help="validate the config, print the addresses and app args it resolves to as JSON, and exit")
+    s.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on HTTP and gRPC (default: "
+        "$EYAS_API_KEY, else the config's api_key, else none)",
+    )
+    s.add_argument(
+        "--device",
+        help="where the replicas compute: cpu | cuda | cuda:N (overrides the config's "
+        "device; default: the GPU Ray assigns a replica that reserves one, else cpu; not yet run on a GPU)",
+    )
+    s.add_argument(
+        "--dtype", help="compute dtype at precision fp32: float32 | bfloat16 | float16 (overrides the config's)"
+    )
+    s.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate the config, print the addresses and app args it resolves to as JSON, and exit",
+    )
     s.set_defaults(func=cmd_serve)
     st = sub.add_parser("stats", help="telemetry of a running server")
     st.add_argument("--server", default="127.0.0.1:9000")
@@ -387,11 +467,16 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--drafter", required=True, help="an Eyas drafter folder (manifest.json + model.safetensors)")
     e.add_argument("--format", required=True, choices=fmts)
     e.add_argument("--out", required=True, help="the folder to write (config.json + weights)")
-    e.add_argument("--target", default="smollm2-135m", help="the verifier the export names (and, for eagle, "
-                   "whose embedding it holds)")
+    e.add_argument(
+        "--target",
+        default="smollm2-135m",
+        help="the verifier the export names (and, for eagle, whose embedding it holds)",
+    )
     e.set_defaults(func=cmd_export)
     im = sub.add_parser("import", help="bind an ecosystem EAGLE checkpoint to the target as an Eyas drafter")
-    im.add_argument("--from", dest="from_dir", required=True, help="a speculators, SGLang/SpecForge or SafeAILab folder")
+    im.add_argument(
+        "--from", dest="from_dir", required=True, help="a speculators, SGLang/SpecForge or SafeAILab folder"
+    )
     im.add_argument("--format", choices=fmts, help="default: detected from its config.json")
     im.add_argument("--out", required=True, help="the Eyas drafter folder to write")
     im.add_argument("--target", default="smollm2-135m", help="the target it is checked against and bound to")
@@ -401,12 +486,19 @@ def main(argv: list[str] | None = None) -> int:
     a = exs.add_parser("autoscale", help="replay a workload against the autoscaling app; record a timeline")
     a.add_argument("--workload", required=True, help="a workload YAML (ray_configs/workloads/)")
     a.add_argument("--out", help="output folder (default bench/results/autoscale-<workload>)")
-    a.add_argument("--serve-config", help="Serve config whose eyas app is deployed (default ray_configs/autoscale.yaml)")
+    a.add_argument(
+        "--serve-config", help="Serve config whose eyas app is deployed (default ray_configs/autoscale.yaml)"
+    )
     a.add_argument("--cluster-config", help="fake multi-node cluster config (default ray_configs/fake_cluster.yaml)")
     a.add_argument("--address", help="run on this running Ray cluster instead of starting the fake one")
     a.add_argument("--no-check", action="store_true", help="skip the target-only exactness check of every answer")
-    a.add_argument("--plan-rates", type=float, nargs="*", default=[100.0, 1000.0],
-                   help="arrival rates (req/s) the calibrated simulator plans for after the run")
+    a.add_argument(
+        "--plan-rates",
+        type=float,
+        nargs="*",
+        default=[100.0, 1000.0],
+        help="arrival rates (req/s) the calibrated simulator plans for after the run",
+    )
     a.set_defaults(func=cmd_experiment)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")

@@ -12,6 +12,7 @@ process's compute thread and returns its result (or raises its exception). A cal
 compute thread itself runs inline. ``WorkerCalls`` sends every local worker call here, and the
 benches load and measure here too.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -58,7 +59,7 @@ def run(fn: Callable[..., Any], *args, **kwargs) -> Any:
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024   # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 
 
 _keeping_freed_memory = False
@@ -98,6 +99,7 @@ def keep_freed_memory() -> bool:
     (``docs/benchmarks.md``). This serves allocations up to glibc's 32 MB ceiling from the heap and
     never trims it. -> False where the C library is not glibc (nothing is changed)."""
     global _keeping_freed_memory
-    _keeping_freed_memory = _mallopt(((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2 ** 31 - 1),
-                                      (_M_TOP_PAD, 1 << 30)))
+    _keeping_freed_memory = _mallopt(
+        ((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 1 << 30))
+    )
     return _keeping_freed_memory

@@ -13,6 +13,7 @@ this process (:class:`EngineTarget`, ``eyas.step.SessionDrafter``); the remote c
 loop drive the same step over other sides. This module also holds the one finish rule of every
 loop (:func:`is_finished`, :func:`finish`) and the records they keep.
 """
+
 from __future__ import annotations
 
 import time
@@ -39,38 +40,38 @@ class RoundRecord:
 
     request_id: str
     round: int
-    flat: FlatTree | None          # the verified rows (None: target-only, one root row)
+    flat: FlatTree | None  # the verified rows (None: target-only, one root row)
     decision: AcceptDecision
     start_ns: int
-    draft_s: float                 # the propose call
-    pack_s: float                  # flattening + encoding the tree
-    verify_s: float                # the Verify call, pack excluded (the forward and the decision inside)
-    accept_s: float                # the target's decision, inside verify_s
-    publish_s: float               # the Publish call
-    fallback: bool                 # the drafter was given up before this round
-    expert_bytes: int = 0          # MoE target: expert weights this request's own verify rows routed to
-    batch_expert_bytes: int = 0    # MoE target: the union over the whole batched verify (seed 0x09A)
+    draft_s: float  # the propose call
+    pack_s: float  # flattening + encoding the tree
+    verify_s: float  # the Verify call, pack excluded (the forward and the decision inside)
+    accept_s: float  # the target's decision, inside verify_s
+    publish_s: float  # the Publish call
+    fallback: bool  # the drafter was given up before this round
+    expert_bytes: int = 0  # MoE target: expert weights this request's own verify rows routed to
+    batch_expert_bytes: int = 0  # MoE target: the union over the whole batched verify (seed 0x09A)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RoundStats:
-    accept_length: int   # candidate tokens accepted (the frontier excluded)
-    new_tokens: int      # tokens this round emitted: accepted candidates + the new frontier
-    tree_nodes: int      # candidate rows verified (the root excluded)
+    accept_length: int  # candidate tokens accepted (the frontier excluded)
+    new_tokens: int  # tokens this round emitted: accepted candidates + the new frontier
+    tree_nodes: int  # candidate rows verified (the root excluded)
     draft_s: float
     verify_s: float
-    hop_s: float = 0.0   # remote loops: round wall time outside the workers' own compute
+    hop_s: float = 0.0  # remote loops: round wall time outside the workers' own compute
 
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationResult:
-    token_ids: list[int]         # generated ids only (a stop token included, if one was emitted)
-    finish_reason: str           # "stop" | "length" | "cancelled"
+    token_ids: list[int]  # generated ids only (a stop token included, if one was emitted)
+    finish_reason: str  # "stop" | "length" | "cancelled"
     prefill_s: float
     wall_s: float
     rounds: tuple[RoundStats, ...] = field(default_factory=tuple)
-    drafter_fallback: bool = False   # the drafter failed and the rest of the request ran target-only
-    drafter_reseeds: int = 0         # times the drafter was reseeded from the target's committed state
+    drafter_fallback: bool = False  # the drafter failed and the rest of the request ran target-only
+    drafter_reseeds: int = 0  # times the drafter was reseeded from the target's committed state
 
     @property
     def target_forwards(self) -> int:
@@ -107,20 +108,22 @@ class EngineTarget:
         self.samplers[request_id] = (list(prompt_ids), sampling, generator)
 
     def step(self, prefilling, verifies, max_prefill_rows):
-        pre, ver = self.engine.step([s.request_id for s in prefilling], [(s.request_id, t) for s, t in verifies],
-                                    max_prefill_rows)
+        pre, ver = self.engine.step(
+            [s.request_id for s in prefilling], [(s.request_id, t) for s, t in verifies], max_prefill_rows
+        )
         return [self._decided(v) for v in pre], [self._decided(v) for v in ver]
 
     def _decided(self, v: Verified | PrefillProgress | ValueError) -> Decided | PrefillProgress:
-        if isinstance(v, ValueError):   # a request in this process: its error is the caller's
+        if isinstance(v, ValueError):  # a request in this process: its error is the caller's
             raise v
         if isinstance(v, PrefillProgress):
             return v
         prompt_ids, sampling, generator = self.samplers[v.request_id]
         t0 = time.perf_counter()
-        decision = decide(v, prompt_ids, sampling, generator)                                   # accept
-        return Decided(request_id=v.request_id, round=v.round, decision=decision, flat=v.flat,
-                       accept_s=time.perf_counter() - t0)
+        decision = decide(v, prompt_ids, sampling, generator)  # accept
+        return Decided(
+            request_id=v.request_id, round=v.round, decision=decision, flat=v.flat, accept_s=time.perf_counter() - t0
+        )
 
     def publish(self, decided: list[Decided]) -> list[Published]:
         out = []
@@ -133,11 +136,19 @@ class EngineTarget:
         return self.engine.committed_seed(request_id)
 
 
-def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int,
-             sampling: SamplingParams = SamplingParams(), drafter: DrafterEngine | None = None,
-             tree: TreeSpec = TreeSpec(), seed: int = 0, request_id: str = "local",
-             stop_ids: tuple[int, ...] | None = None,
-             on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
+def generate(
+    target: TargetEngine,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    drafter: DrafterEngine | None = None,
+    tree: TreeSpec = TreeSpec(),
+    seed: int = 0,
+    request_id: str = "local",
+    stop_ids: tuple[int, ...] | None = None,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
+) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``; speculative when ``drafter`` is given.
 
     on_tokens: called with each publish's new tokens; returning True stops (finish reason "stop")."""
@@ -146,32 +157,42 @@ def generate(target: TargetEngine, prompt_ids: list[int], *, max_new_tokens: int
     stop_ids = tuple(target.cfg.eos_token_ids if stop_ids is None else stop_ids)
     sides = EngineTarget(target), SessionDrafter(drafter) if drafter is not None else None
     sides[0].add(request_id, prompt_ids, sampling, torch.Generator().manual_seed(seed))
-    state = DraftState(request_id=request_id, method="target" if drafter is None else "drafter",
-                       draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens))
+    state = DraftState(
+        request_id=request_id,
+        method="target" if drafter is None else "drafter",
+        draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens),
+    )
     target.open_session(request_id, prompt_ids, max_new_tokens, tree.max_candidates + 1 if drafter is not None else 1)
     try:
         t_start = time.perf_counter()
-        emitted = round_step(*sides, [], [state]).published[request_id].tokens                  # the prefill: round 0
+        emitted = round_step(*sides, [], [state]).published[request_id].tokens  # the prefill: round 0
         out = list(emitted)
         stopped = bool(on_tokens and on_tokens(list(emitted)))
         prefill_s = time.perf_counter() - t_start
         rounds: list[RoundStats] = []
         while not is_finished(out, max_new_tokens, stop_ids, emitted, stopped):
-            r = round_step(*sides, [(state, tree if drafter is not None else None)])               # one round
+            r = round_step(*sides, [(state, tree if drafter is not None else None)])  # one round
             decision, emitted = r.verdicts[0].decision, r.published[request_id].tokens
             out.extend(emitted)
             stopped = bool(on_tokens and on_tokens(list(emitted)))
-            rounds.append(RoundStats(accept_length=decision.accept_length, new_tokens=decision.num_new_tokens,
-                                     tree_nodes=r.trees[request_id].num_nodes, draft_s=r.draft_s,
-                                     verify_s=r.verify_s))
+            rounds.append(
+                RoundStats(
+                    accept_length=decision.accept_length,
+                    new_tokens=decision.num_new_tokens,
+                    tree_nodes=r.trees[request_id].num_nodes,
+                    draft_s=r.draft_s,
+                    verify_s=r.verify_s,
+                )
+            )
         wall_s = time.perf_counter() - t_start
     finally:
         target.close_session(request_id)
         if drafter is not None:
             drafter.close_session(request_id)
     token_ids, reason = finish(out, max_new_tokens, stop_ids, stopped=stopped)
-    return GenerationResult(token_ids=token_ids, finish_reason=reason, prefill_s=prefill_s, wall_s=wall_s,
-                            rounds=tuple(rounds))
+    return GenerationResult(
+        token_ids=token_ids, finish_reason=reason, prefill_s=prefill_s, wall_s=wall_s, rounds=tuple(rounds)
+    )
 
 
 def is_finished(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], emitted, stopped: bool) -> bool:
@@ -180,8 +201,9 @@ def is_finished(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], 
     return stopped or len(out) >= max_new_tokens or any(t in stop_ids for t in emitted)
 
 
-def finish(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], *, stopped: bool = False,
-           cancelled: bool = False) -> tuple[list[int], str]:
+def finish(
+    out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], *, stopped: bool = False, cancelled: bool = False
+) -> tuple[list[int], str]:
     """The answer and its finish reason: cut by :func:`finish_tokens`, then "cancelled" for a
     cancelled request, or "stop" for one the caller stopped (a stop string) within its length."""
     tokens, reason = finish_tokens(out, max_new_tokens, stop_ids)
@@ -196,5 +218,5 @@ def finish_tokens(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]
     """Cut at the first stop token (kept) or at ``max_new_tokens``."""
     for i, tok in enumerate(out[:max_new_tokens]):
         if tok in stop_ids:
-            return out[:i + 1], FINISH_STOP
+            return out[: i + 1], FINISH_STOP
     return out[:max_new_tokens], FINISH_LENGTH

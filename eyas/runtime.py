@@ -3,6 +3,7 @@
 This is what the CLI, the benches and the tests call. The Ray actors (``eyas.actors``) wrap the same
 engines; nothing here holds state that the engines do not own.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,13 +49,20 @@ FP16W_DEFAULT_TREE = TreeSpec(kind="dynamic", expand_width=2, max_depth=2, verif
 class DrafterHandle:
     engine: DrafterEngine
     taps: tuple[FeatureTap, ...]
-    source: str       # checkpoint folder, or "random-init" (untrained)
+    source: str  # checkpoint folder, or "random-init" (untrained)
     default_tree: TreeSpec
 
 
-def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: TargetFingerprint,
-                 embed: nn.Embedding, lm_head: nn.Module, precision: str,
-                 dtype: torch.dtype = torch.float32) -> DrafterHandle:
+def make_drafter(
+    method: str,
+    path: str | None,
+    cfg: TargetConfig,
+    fingerprint: TargetFingerprint,
+    embed: nn.Embedding,
+    lm_head: nn.Module,
+    precision: str,
+    dtype: torch.dtype = torch.float32,
+) -> DrafterHandle:
     """The drafter of ``method`` for the target with ``cfg``/``fingerprint``: the checkpoint at
     ``path`` (default: the shipped one; refused if trained for another target), or a random one with
     a warning when none is shipped. ``embed``/``lm_head`` are the target's own (not owned here); at
@@ -79,16 +87,20 @@ def make_drafter(method: str, path: str | None, cfg: TargetConfig, fingerprint: 
         quantize_fp16_weights(drafter)  # drafting precision moves acceptance only, never the output
         default_tree = smaller_tree(default_tree, FP16W_DEFAULT_TREE)
     drafter = drafter.to(device=embed.weight.device, dtype=dtype)
-    int8_head = dtype == torch.float32 and embed.weight.device.type == "cpu"   # fbgemm: a CPU-only path
-    return DrafterHandle(DrafterEngine(drafter, embed, lm_head, int8_head=int8_head, taps=taps), taps,
-                         source, default_tree)
+    int8_head = dtype == torch.float32 and embed.weight.device.type == "cpu"  # fbgemm: a CPU-only path
+    return DrafterHandle(
+        DrafterEngine(drafter, embed, lm_head, int8_head=int8_head, taps=taps), taps, source, default_tree
+    )
 
 
 def smaller_tree(tree: TreeSpec, cap: TreeSpec) -> TreeSpec:
     """``tree`` with each EAGLE-2 knob (width, depth, budget) at most ``cap``'s."""
-    return replace(tree, expand_width=min(tree.expand_width, cap.expand_width),
-                   max_depth=min(tree.max_depth, cap.max_depth),
-                   verify_budget=min(tree.verify_budget, cap.verify_budget))
+    return replace(
+        tree,
+        expand_width=min(tree.expand_width, cap.expand_width),
+        max_depth=min(tree.max_depth, cap.max_depth),
+        verify_budget=min(tree.verify_budget, cap.verify_budget),
+    )
 
 
 def set_threads(threads: int | None = None) -> None:
@@ -99,8 +111,14 @@ def set_threads(threads: int | None = None) -> None:
 
 
 class Eyas:
-    def __init__(self, target: str = DEFAULT_TARGET, precision: str = "fp32", loaded: LoadedTarget | None = None,
-                 dtype: str = "float32", device: str = "cpu"):
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        precision: str = "fp32",
+        loaded: LoadedTarget | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ):
         """``dtype``: the compute dtype at precision fp32 (float32, bfloat16, float16); ``device``:
         where the target and its drafters compute (cpu, cuda, cuda:N; not yet run on a GPU)."""
         self.loaded = loaded or load_target(target, precision, device=device, dtype=dtype)
@@ -127,8 +145,16 @@ class Eyas:
         key = (method, path)
         if key in self._drafters:
             return self._drafters[key]
-        handle = make_drafter(method, path, self.cfg, self.loaded.fingerprint, self.model.embed,
-                              self.model.lm_head, self.loaded.precision, self.model.embed.weight.dtype)
+        handle = make_drafter(
+            method,
+            path,
+            self.cfg,
+            self.loaded.fingerprint,
+            self.model.embed,
+            self.model.lm_head,
+            self.loaded.precision,
+            self.model.embed.weight.dtype,
+        )
         self._drafters[key] = handle
         return handle
 
@@ -146,23 +172,38 @@ class Eyas:
         tree = self.tree_for(req, handle)
         engine = self.target_engine(handle.taps if handle else ())
         stops = StopStrings(self.tokenizer, req.stop)
-        result = generate(engine, ids, max_new_tokens=req.max_new_tokens, sampling=sampling,
-                          drafter=handle.engine if handle else None, tree=tree, seed=req.seed,
-                          request_id=req.request_id or uuid.uuid4().hex, on_tokens=stops.on_tokens)
+        result = generate(
+            engine,
+            ids,
+            max_new_tokens=req.max_new_tokens,
+            sampling=sampling,
+            drafter=handle.engine if handle else None,
+            tree=tree,
+            seed=req.seed,
+            request_id=req.request_id or uuid.uuid4().hex,
+            on_tokens=stops.on_tokens,
+        )
         return result, self.report(req, result, handle, tree)
 
-    def report(self, req: GenerateRequest, r: GenerationResult, handle: DrafterHandle | None,
-               tree: TreeSpec) -> dict:
-        return build_report(req, r, StopStrings(self.tokenizer, req.stop).text(r.token_ids), self.loaded.precision,
-                            handle.source if handle else None, tree)
+    def report(self, req: GenerateRequest, r: GenerationResult, handle: DrafterHandle | None, tree: TreeSpec) -> dict:
+        return build_report(
+            req,
+            r,
+            StopStrings(self.tokenizer, req.stop).text(r.token_ids),
+            self.loaded.precision,
+            handle.source if handle else None,
+            tree,
+        )
 
 
 def tree_for(req: GenerateRequest, base: TreeSpec) -> TreeSpec:
     """The request's tree: its own knobs where given, else the drafter's defaults ``base``."""
-    return TreeSpec(kind=req.tree_kind,
-                    expand_width=req.tree_width if req.tree_width is not None else base.expand_width,
-                    max_depth=req.tree_depth if req.tree_depth is not None else base.max_depth,
-                    verify_budget=req.tree_budget if req.tree_budget is not None else base.verify_budget)
+    return TreeSpec(
+        kind=req.tree_kind,
+        expand_width=req.tree_width if req.tree_width is not None else base.expand_width,
+        max_depth=req.tree_depth if req.tree_depth is not None else base.max_depth,
+        verify_budget=req.tree_budget if req.tree_budget is not None else base.verify_budget,
+    )
 
 
 class StopStrings:
@@ -184,11 +225,12 @@ class StopStrings:
     def text(self, ids: list[int]) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         cuts = [text.index(x) for x in self.stop if x in text]
-        return text[:min(cuts)] if cuts else text
+        return text[: min(cuts)] if cuts else text
 
 
-def build_report(req: GenerateRequest, r: GenerationResult, text: str, precision: str, drafter: str | None,
-                 tree: TreeSpec | None) -> dict:
+def build_report(
+    req: GenerateRequest, r: GenerationResult, text: str, precision: str, drafter: str | None, tree: TreeSpec | None
+) -> dict:
     """The machine-readable output of ``eyas generate --json`` (in-process and over ``--server``)."""
     return {
         "method": req.method,
@@ -208,9 +250,22 @@ def build_report(req: GenerateRequest, r: GenerationResult, text: str, precision
         "drafter_reseeds": r.drafter_reseeds,
         "precision": precision,
         "drafter": drafter if req.method != "target" else None,
-        "tree": None if req.method == "target" or tree is None else {
-            "kind": tree.kind, "expand_width": tree.expand_width, "max_depth": tree.max_depth,
-            "verify_budget": tree.verify_budget},
-        "rounds": [{"accept_length": x.accept_length, "new_tokens": x.new_tokens, "tree_nodes": x.tree_nodes,
-                    "draft_ms": 1000 * x.draft_s, "verify_ms": 1000 * x.verify_s} for x in r.rounds],
+        "tree": None
+        if req.method == "target" or tree is None
+        else {
+            "kind": tree.kind,
+            "expand_width": tree.expand_width,
+            "max_depth": tree.max_depth,
+            "verify_budget": tree.verify_budget,
+        },
+        "rounds": [
+            {
+                "accept_length": x.accept_length,
+                "new_tokens": x.new_tokens,
+                "tree_nodes": x.tree_nodes,
+                "draft_ms": 1000 * x.draft_s,
+                "verify_ms": 1000 * x.verify_s,
+            }
+            for x in r.rounds
+        ],
     }

@@ -22,6 +22,7 @@ drafts again). *Reseeding* rebuilds a lost draft session from the target's commi
 goes on target-only after that (*fallback*). Greedy tokens never depend on the drafter: the target
 decides every one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,9 +60,9 @@ class DraftState:
     :func:`round_step` (and by no one else)."""
 
     request_id: str
-    method: str                       # "target" | "eagle1" | "hass" | "eagle3"
-    draft_slots: int = 0              # draft KV slots its session opens with
-    seed: Seed | None = None          # the last publish's seed (None until its prompt is prefilled)
+    method: str  # "target" | "eagle1" | "hass" | "eagle3"
+    draft_slots: int = 0  # draft KV slots its session opens with
+    seed: Seed | None = None  # the last publish's seed (None until its prompt is prefilled)
     unread: list[Seed] = field(default_factory=list)  # seeds the drafter has not read yet, in order
     drafter_open: bool = False
     needs_reseed: bool = False
@@ -80,12 +81,12 @@ class Decided:
     request_id: str
     round: int
     decision: AcceptDecision
-    flat: FlatTree | None = None   # the verified rows (None for a prefill)
-    compute_s: float = 0.0         # the target's forward and decision
-    accept_s: float = 0.0          # of which the decision
-    pack_s: float = 0.0            # flattening and encoding the rows, where a side does it
-    expert_bytes: int = 0          # MoE: expert weights this request's rows routed to
-    batch_expert_bytes: int = 0    # MoE: the union over the whole forward (seed 0x09A)
+    flat: FlatTree | None = None  # the verified rows (None for a prefill)
+    compute_s: float = 0.0  # the target's forward and decision
+    accept_s: float = 0.0  # of which the decision
+    pack_s: float = 0.0  # flattening and encoding the rows, where a side does it
+    expert_bytes: int = 0  # MoE: expert weights this request's rows routed to
+    batch_expert_bytes: int = 0  # MoE: the union over the whole forward (seed 0x09A)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,8 +99,9 @@ class Published:
 
 
 class TargetSide(Protocol):
-    def step(self, prefilling: list[DraftState], verifies: list[tuple[DraftState, DraftTree]],
-             max_prefill_rows: int | None) -> tuple[list[Decided | PrefillProgress | Refusal], list[Decided | Refusal]]:
+    def step(
+        self, prefilling: list[DraftState], verifies: list[tuple[DraftState, DraftTree]], max_prefill_rows: int | None
+    ) -> tuple[list[Decided | PrefillProgress | Refusal], list[Decided | Refusal]]:
         """The prompts' next chunks and the verifies, in one forward, each decided."""
 
     def publish(self, decided: list[Decided]) -> list[Published | Refusal]: ...
@@ -139,7 +141,7 @@ class SessionDrafter:
 
     def propose_batch(self, items: list[tuple[str, list[Seed], TreeSpec]]) -> tuple[list[DraftTree], float]:
         trees, compute_s = [], 0.0
-        for request_id, seeds, tree in items:   # on the caller's thread, which runs the drafter too
+        for request_id, seeds, tree in items:  # on the caller's thread, which runs the drafter too
             t0 = time.perf_counter()
             out = self.drafter.propose(request_id, Seed.join(seeds), tree)
             tree_, seconds = out if isinstance(out, tuple) else (out, time.perf_counter() - t0)
@@ -156,40 +158,53 @@ class SessionDrafter:
 class Round:
     """What one :func:`round_step` did, for the loop's records."""
 
-    trees: dict[str, DraftTree]        # request id -> the tree it verified (empty: a plain round)
+    trees: dict[str, DraftTree]  # request id -> the tree it verified (empty: a plain round)
     prefills: list[Decided | PrefillProgress | Refusal]
     verdicts: list[Decided | Refusal]  # one per batch item, in order
     published: dict[str, Published | Refusal]  # request id -> its publish (finished prefills and decided verifies)
-    draft_compute_s: float             # the drafter's own compute in the propose call
-    drafter_lost: bool                 # a drafter call raised DrafterUnavailable this round
-    draft_s: float                     # propose (reseeds included)
-    verify_s: float                    # the target call: forward and decisions
+    draft_compute_s: float  # the drafter's own compute in the propose call
+    drafter_lost: bool  # a drafter call raised DrafterUnavailable this round
+    draft_s: float  # propose (reseeds included)
+    verify_s: float  # the target call: forward and decisions
     publish_s: float
 
 
-def round_step(target: TargetSide, drafter: DrafterSide | None, batch: list[tuple[DraftState, TreeSpec | None]],
-               prefilling: list[DraftState] = (), max_prefill_rows: int | None = None) -> Round:
+def round_step(
+    target: TargetSide,
+    drafter: DrafterSide | None,
+    batch: list[tuple[DraftState, TreeSpec | None]],
+    prefilling: list[DraftState] = (),
+    max_prefill_rows: int | None = None,
+) -> Round:
     """One round for ``batch`` (each decoding request with this round's tree; None: a plain round)
     and the ``prefilling`` prompts. ``drafter``: None while there is none (or it is down): every
     round is plain and reseeds wait."""
     t0 = time.perf_counter()
-    trees, drafted, draft_compute_s, lost = propose(target, drafter, batch)                           # propose
+    trees, drafted, draft_compute_s, lost = propose(target, drafter, batch)  # propose
     t1 = time.perf_counter()
-    prefills, verdicts = target.step(list(prefilling), [(s, trees[s.request_id]) for s, _ in batch],
-                                     max_prefill_rows)                                                 # verify + accept
+    prefills, verdicts = target.step(
+        list(prefilling), [(s, trees[s.request_id]) for s, _ in batch], max_prefill_rows
+    )  # verify + accept
     t2 = time.perf_counter()
     states = [*prefilling, *(s for s, _ in batch)]
     decided = [(s, v) for s, v in zip(states, [*prefills, *verdicts]) if isinstance(v, Decided)]
-    acks = target.publish([v for _, v in decided]) if decided else []                                 # publish
+    acks = target.publish([v for _, v in decided]) if decided else []  # publish
     if drafted:
         drafter.publish(drafted)
     for (s, _), ack in zip(decided, acks):
         if isinstance(ack, Published):
             lost |= _advance(s, ack.seed, drafter, first=s.seed is None)
-    return Round(trees=trees, prefills=prefills, verdicts=verdicts,
-                 published={s.request_id: ack for (s, _), ack in zip(decided, acks)},
-                 draft_compute_s=draft_compute_s, drafter_lost=lost, draft_s=t1 - t0, verify_s=t2 - t1,
-                 publish_s=time.perf_counter() - t2)
+    return Round(
+        trees=trees,
+        prefills=prefills,
+        verdicts=verdicts,
+        published={s.request_id: ack for (s, _), ack in zip(decided, acks)},
+        draft_compute_s=draft_compute_s,
+        drafter_lost=lost,
+        draft_s=t1 - t0,
+        verify_s=t2 - t1,
+        publish_s=time.perf_counter() - t2,
+    )
 
 
 def _advance(s: DraftState, seed: Seed, drafter: DrafterSide | None, first: bool) -> bool:
@@ -199,7 +214,7 @@ def _advance(s: DraftState, seed: Seed, drafter: DrafterSide | None, first: bool
     if first:
         s.unread = [seed]
         return open_draft(s, drafter)
-    s.unread = s.unread + [seed] if s.speculative else [seed]   # joined once, when read
+    s.unread = s.unread + [seed] if s.speculative else [seed]  # joined once, when read
     return False
 
 
@@ -209,7 +224,7 @@ def open_draft(s: DraftState, drafter: DrafterSide | None) -> bool:
     if not s.speculative:
         return False
     if drafter is None:
-        s.needs_reseed = True   # opened and seeded from the committed state once the drafter answers
+        s.needs_reseed = True  # opened and seeded from the committed state once the drafter answers
         return False
     try:
         drafter.open_session(s)
@@ -220,8 +235,9 @@ def open_draft(s: DraftState, drafter: DrafterSide | None) -> bool:
         return True
 
 
-def propose(target: TargetSide, drafter: DrafterSide | None, batch: list[tuple[DraftState, TreeSpec | None]]
-            ) -> tuple[dict[str, DraftTree], list[str], float, bool]:
+def propose(
+    target: TargetSide, drafter: DrafterSide | None, batch: list[tuple[DraftState, TreeSpec | None]]
+) -> tuple[dict[str, DraftTree], list[str], float, bool]:
     """Every batch item's tree (empty unless its request drafts this round), after the reseeds due.
 
     Who calls the drafter: requests with a tree this round, and those whose draft session must be
@@ -239,8 +255,9 @@ def propose(target: TargetSide, drafter: DrafterSide | None, batch: list[tuple[D
     if not drafting:
         return trees, [], 0.0, False
     try:
-        out, compute_s = drafter.propose_batch([(s.request_id, list(s.unread), tree or CONSUME_SEED_ONLY)
-                                                for s, tree in drafting])
+        out, compute_s = drafter.propose_batch(
+            [(s.request_id, list(s.unread), tree or CONSUME_SEED_ONLY) for s, tree in drafting]
+        )
     except DrafterUnavailable:
         for s, _ in drafting:
             s.needs_reseed, s.drafter_open = True, False

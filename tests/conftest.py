@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random-weight Llama targets (with their HF twins) and the real default target."""
+
 from __future__ import annotations
 
 import os

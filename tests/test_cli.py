@@ -1,4 +1,5 @@
 """The eyas command line: machine-readable output and clear errors naming the field."""
+
 from __future__ import annotations
 
 import json
@@ -10,24 +11,35 @@ from eyas.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
-JSON_KEYS = {"method", "token_ids", "text", "new_tokens", "target_forwards", "accept_length_mean", "wall_s",
-             "tokens_per_s"}
+JSON_KEYS = {
+    "method",
+    "token_ids",
+    "text",
+    "new_tokens",
+    "target_forwards",
+    "accept_length_mean",
+    "wall_s",
+    "tokens_per_s",
+}
 
 
-@pytest.mark.parametrize("argv,field", [
-    (["--prompt", ""], "prompt"),
-    (["--prompt", "   "], "prompt"),
-    (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
-    (["--prompt", "hi", "--top-p", "0"], "top_p"),
-    (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
-    (["--prompt", "hi", "--top-k", "-1"], "top_k"),
-    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
-    (["--prompt", "hi", "--method", "medusa"], "method"),
-    (["--prompt", "hi", "--tree-width", "0"], "tree_width"),
-    (["--prompt-ids", "1,x,3"], "prompt_ids"),
-    (["--prompt-ids", "1,-4"], "prompt_ids"),
-    (["--prompt", "hi", "--request-id", " "], "request_id"),
-])
+@pytest.mark.parametrize(
+    "argv,field",
+    [
+        (["--prompt", ""], "prompt"),
+        (["--prompt", "   "], "prompt"),
+        (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
+        (["--prompt", "hi", "--top-p", "0"], "top_p"),
+        (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+        (["--prompt", "hi", "--top-k", "-1"], "top_k"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["--prompt", "hi", "--method", "medusa"], "method"),
+        (["--prompt", "hi", "--tree-width", "0"], "tree_width"),
+        (["--prompt-ids", "1,x,3"], "prompt_ids"),
+        (["--prompt-ids", "1,-4"], "prompt_ids"),
+        (["--prompt", "hi", "--request-id", " "], "request_id"),
+    ],
+)
 def test_bad_input_names_the_field(capsys, argv, field):
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -47,15 +59,18 @@ def test_bad_training_config_names_the_field(tmp_path, capsys):
     assert "config.ttt_steps" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text, message", [
-    ("applications: [{name: other, args: {}}]", "applications: no application named 'eyas'"),
-    ("applications: {eyas: 1}", "applications: must be a list of mappings"),
-    ("- just\n- a list", "a Serve config is a mapping"),
-    ("applications: [{name: eyas, args: [1]}]", "applications[eyas].args: must be a mapping"),
-    ("applications: [{name: eyas, args: {target_replicas: 0}}]", "target_replicas"),
-    ("applications: [{name: eyas, args: {nonsense_key: 1}}]", "nonsense_key"),
-    ("applications: [name: eyas", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("applications: [{name: other, args: {}}]", "applications: no application named 'eyas'"),
+        ("applications: {eyas: 1}", "applications: must be a list of mappings"),
+        ("- just\n- a list", "a Serve config is a mapping"),
+        ("applications: [{name: eyas, args: [1]}]", "applications[eyas].args: must be a mapping"),
+        ("applications: [{name: eyas, args: {target_replicas: 0}}]", "target_replicas"),
+        ("applications: [{name: eyas, args: {nonsense_key: 1}}]", "nonsense_key"),
+        ("applications: [name: eyas", "not valid YAML"),
+    ],
+)
 def test_serve_refuses_a_bad_config_before_starting_ray(tmp_path, capsys, text, message):
     """`eyas serve --config` fails with exit code 2 and a message naming the field; before this, a file
     whose application was not named `eyas` silently served the defaults. No Ray is started (a started
@@ -75,16 +90,20 @@ def test_serve_takes_its_addresses_from_the_config_unless_a_flag_says_otherwise(
     import ray
 
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text("http_options: {host: 0.0.0.0, port: 8123}\ngrpc_options: {port: 9123}\n"
-                   "applications: [{name: eyas, args: {target_replicas: 2}}]\n")
+    cfg.write_text(
+        "http_options: {host: 0.0.0.0, port: 8123}\ngrpc_options: {port: 9123}\n"
+        "applications: [{name: eyas, args: {target_replicas: 2}}]\n"
+    )
 
     def check(*argv):
         assert main(["serve", "--check-config", *argv]) == 0
         return json.loads(capsys.readouterr().out)
 
-    assert check("--config", str(cfg)) == {"endpoints": {"host": "0.0.0.0", "http_port": 8123, "grpc_port": 9123},
-                                           "args": {"target_replicas": 2},
-                                           "devices": {"target": "cpu", "drafter": "cpu"}}
+    assert check("--config", str(cfg)) == {
+        "endpoints": {"host": "0.0.0.0", "http_port": 8123, "grpc_port": 9123},
+        "args": {"target_replicas": 2},
+        "devices": {"target": "cpu", "drafter": "cpu"},
+    }
     assert check("--config", str(cfg), "--grpc-port", "7000")["endpoints"]["grpc_port"] == 7000
     assert check()["endpoints"] == {"host": "127.0.0.1", "http_port": 8000, "grpc_port": 9000}
     shipped = check("--config", str(REPO / "ray_configs" / "serve.yaml"))
@@ -121,8 +140,12 @@ def test_a_gpu_reservation_sets_the_replicas_device_and_a_contradiction_is_refus
     assert out["devices"] == {"target": "cuda:1", "drafter": "cuda:1"}
     assert out["warnings"][0].startswith("config.device: cuda:1 for target replicas that reserve no GPU")
     rc, out, err = check("target_num_gpus: 1, precision: fp16w")
-    assert rc == 2 and "config.precision: fp16w (fbgemm kernels) runs on the CPU only, not on the GPU that " \
-        "target_num_gpus reserves" in err
+    assert (
+        rc == 2
+        and "config.precision: fp16w (fbgemm kernels) runs on the CPU only, not on the GPU that "
+        "target_num_gpus reserves"
+        in err
+    )
     rc, out, err = check("target_num_gpus: 1, precision: fp16w, device: cpu")
     assert rc == 0 and out["devices"]["target"] == "cpu"
     rc, out, err = check("device: tpu")

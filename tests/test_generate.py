@@ -1,4 +1,5 @@
 """The decode loop: greedy identity, the oracle proposer, and stochastic exactness."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,12 @@ from eyas.verification.sampling import SamplingParams, sample, target_probs
 from tests.testing import ours_from_hf, tiny_hf_llama
 
 P_THRESHOLD = 1e-3  # chi-square: fail below this p-value (a 0.1 % false-alarm rate for a fair sampler)
-TREES = [TreeSpec(), TreeSpec(kind="chain", max_depth=4), TreeSpec(kind="static"),
-         TreeSpec(expand_width=2, max_depth=6, verify_budget=8)]
+TREES = [
+    TreeSpec(),
+    TreeSpec(kind="chain", max_depth=4),
+    TreeSpec(kind="static"),
+    TreeSpec(expand_width=2, max_depth=6, verify_budget=8),
+]
 
 
 def engines(model, method: str, seed: int = 0):
@@ -71,8 +76,13 @@ def test_greedy_identity_tiny(tiny_target, method, tree):
 def test_oracle_chain_accepts_depth_plus_one_every_round(tiny_target, depth):
     prompt = [4, 8, 15, 16, 23, 42]
     base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=30)
-    spec = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=30,
-                    drafter=TargetChainOracle(tiny_target, prompt), tree=TreeSpec(kind="chain", max_depth=depth))
+    spec = generate(
+        TargetEngine(tiny_target, ()),
+        prompt,
+        max_new_tokens=30,
+        drafter=TargetChainOracle(tiny_target, prompt),
+        tree=TreeSpec(kind="chain", max_depth=depth),
+    )
     assert spec.token_ids == base.token_ids
     assert [r.new_tokens for r in spec.rounds] == [depth + 1] * len(spec.rounds)
     assert spec.target_forwards == -(-(30 - 1) // (depth + 1))
@@ -88,9 +98,15 @@ def test_stop_token_inside_a_round_ends_generation(tiny_target):
     base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=30, stop_ids=())
     stop = base.token_ids[7]
     first = base.token_ids.index(stop)
-    spec = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=30, stop_ids=(stop,),
-                    drafter=TargetChainOracle(tiny_target, prompt), tree=TreeSpec(kind="chain", max_depth=4))
-    assert spec.token_ids == base.token_ids[:first + 1] and spec.finish_reason == "stop"
+    spec = generate(
+        TargetEngine(tiny_target, ()),
+        prompt,
+        max_new_tokens=30,
+        stop_ids=(stop,),
+        drafter=TargetChainOracle(tiny_target, prompt),
+        tree=TreeSpec(kind="chain", max_depth=4),
+    )
+    assert spec.token_ids == base.token_ids[: first + 1] and spec.finish_reason == "stop"
     assert spec.target_forwards == -(-first // 5)
 
 
@@ -137,10 +153,13 @@ def test_greedy_identity_at_a_half_precision_compute_dtype(method, dtype):
             assert generate(target, prompt, max_new_tokens=24, drafter=drafter, tree=tree).token_ids == base
     assert target.kv.k.dtype == dtype or target.kv.row_capacity == 0
     worker = TargetWorker(model)
-    loop = RoundLoop(WorkerCalls(worker, 30, local=True),
-                     WorkerCalls(DrafterWorker({method: drafter}, model.cfg.vocab_size), 30, local=True, drafter=True),
-                     DrafterWorker({method: drafter}, model.cfg.vocab_size).info(),
-                     PromptLengthPolicy(Budgets()), LatencyCurve.from_points({1: 1.0, 64: 2.0}))
+    loop = RoundLoop(
+        WorkerCalls(worker, 30, local=True),
+        WorkerCalls(DrafterWorker({method: drafter}, model.cfg.vocab_size), 30, local=True, drafter=True),
+        DrafterWorker({method: drafter}, model.cfg.vocab_size).info(),
+        PromptLengthPolicy(Budgets()),
+        LatencyCurve.from_points({1: 1.0, 64: 2.0}),
+    )
     seen = {}
     original = worker.step
 
@@ -282,8 +301,9 @@ def test_full_loop_sampling_matches_target_joint(small_vocab):
     V = model.cfg.vocab_size
     counts = torch.zeros(V, V)
     for i in range(1500):
-        r = generate(target, PROMPT, max_new_tokens=2, sampling=SAMPLING, drafter=drafter, tree=TREE, seed=i,
-                     stop_ids=())
+        r = generate(
+            target, PROMPT, max_new_tokens=2, sampling=SAMPLING, drafter=drafter, tree=TREE, seed=i, stop_ids=()
+        )
         counts[r.token_ids[0], r.token_ids[1]] += 1
     assert chi_square_p(counts, exact_joint(model)) > P_THRESHOLD
 
@@ -291,15 +311,24 @@ def test_full_loop_sampling_matches_target_joint(small_vocab):
 # ---------------------------------------------------------------------------------------------
 # the real default model
 # ---------------------------------------------------------------------------------------------
-PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves.",
-           "List three uses of a paperclip."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about autumn leaves.",
+    "List three uses of a paperclip.",
+]
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("method,tree", [("eagle1", TreeSpec()), ("eagle3", TreeSpec()),
-                                         ("eagle1", TreeSpec(kind="chain", max_depth=4)),
-                                         ("eagle3", TreeSpec(kind="static"))],
-                         ids=["eagle1-dynamic", "eagle3-dynamic", "eagle1-chain", "eagle3-static"])
+@pytest.mark.parametrize(
+    "method,tree",
+    [
+        ("eagle1", TreeSpec()),
+        ("eagle3", TreeSpec()),
+        ("eagle1", TreeSpec(kind="chain", max_depth=4)),
+        ("eagle3", TreeSpec(kind="static")),
+    ],
+    ids=["eagle1-dynamic", "eagle3-dynamic", "eagle1-chain", "eagle3-static"],
+)
 def test_greedy_identity_real_model(real_eyas, method, tree):
     """An untrained drafter on the real target: the output is token-identical to target-only."""
     target, drafter = engines(real_eyas.model, method)
@@ -325,10 +354,15 @@ def test_every_shipped_drafter_loads_for_the_default_target_fits_25_mb_and_keeps
     for folder in folders:
         assert sum(f.stat().st_size for f in folder.iterdir()) <= 25 * 2**20, folder.name
         handle = real_eyas.drafter(read_manifest(folder).method, str(folder))
-        spec = generate(real_eyas.target_engine(handle.taps), ids, max_new_tokens=12, drafter=handle.engine,
-                        tree=handle.default_tree)
+        spec = generate(
+            real_eyas.target_engine(handle.taps),
+            ids,
+            max_new_tokens=12,
+            drafter=handle.engine,
+            tree=handle.default_tree,
+        )
         assert spec.token_ids == base.token_ids, folder.name
-        assert spec.target_forwards < len(base.token_ids), folder.name   # a trained drafter is accepted sometimes
+        assert spec.target_forwards < len(base.token_ids), folder.name  # a trained drafter is accepted sometimes
 
 
 @pytest.mark.real_model
@@ -389,18 +423,28 @@ def test_int8_verify_rows_equal_one_row_decodes_bit_for_bit(real_int8):
 
     def prefilled():
         cache = m.allocate_cache(1, P + 16)
-        m(torch.tensor([ids]), torch.arange(P)[None], cache, 0, torch.ones(P, P, dtype=torch.bool).tril()[None], (),
-          logits_rows="all")
+        m(
+            torch.tensor([ids]),
+            torch.arange(P)[None],
+            cache,
+            0,
+            torch.ones(P, P, dtype=torch.bool).tril()[None],
+            (),
+            logits_rows="all",
+        )
         return cache
 
     with torch.inference_mode():
         mask = torch.ones(M, P + M, dtype=torch.bool)
         mask[:, P:] = torch.ones(M, M, dtype=torch.bool).tril()
-        verified = m(torch.tensor([chain]), torch.arange(P, P + M)[None], prefilled(), P, mask[None], (),
-                     logits_rows="all").logits[0]
+        verified = m(
+            torch.tensor([chain]), torch.arange(P, P + M)[None], prefilled(), P, mask[None], (), logits_rows="all"
+        ).logits[0]
         cache = prefilled()
         for i, t in enumerate(chain):
-            one = m(torch.tensor([[t]]), torch.tensor([[P + i]]), cache, P + i, None, (), logits_rows="all").logits[0, 0]
+            one = m(torch.tensor([[t]]), torch.tensor([[P + i]]), cache, P + i, None, (), logits_rows="all").logits[
+                0, 0
+            ]
             assert torch.equal(verified[i], one), f"row {i}"
 
 

@@ -1,4 +1,5 @@
 """The runtime's tree defaults (eyas/runtime.py)."""
+
 from __future__ import annotations
 
 from eyas.drafting.engine import TreeSpec

@@ -1,4 +1,5 @@
 """Tiny random-weight models for tests and examples (no downloads, milliseconds per forward)."""
+
 from __future__ import annotations
 
 import torch
@@ -6,16 +7,35 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 
-def tiny_hf_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                  seed: int = 0, init_std: float = 0.2, tie: bool = False):
+def tiny_hf_llama(
+    vocab: int = 64,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    init_std: float = 0.2,
+    tie: bool = False,
+):
     """A random-weight HF LlamaForCausalLM; ``init_std`` large enough for peaked distributions."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                      rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=init_std,
-                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        initializer_range=init_std,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     cfg.rope_theta = 10000.0
     model = LlamaForCausalLM(cfg).eval()
     return _spread(model, init_std)
@@ -45,144 +65,322 @@ def ours_from_hf(hf):
     return model.eval()
 
 
-def tiny_hf_mixtral(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                    experts: int = 8, top_k: int = 2, seed: int = 0, init_std: float = 0.2):
+def tiny_hf_mixtral(
+    vocab: int = 64,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    experts: int = 8,
+    top_k: int = 2,
+    seed: int = 0,
+    init_std: float = 0.2,
+):
     """A random-weight HF MixtralForCausalLM (a mixture-of-experts target of the Mixtral kind)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
-    cfg = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                        num_local_experts=experts, num_experts_per_tok=top_k, rms_norm_eps=1e-5,
-                        initializer_range=init_std, tie_word_embeddings=False, sliding_window=None,
-                        eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        rms_norm_eps=1e-5,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     cfg.rope_theta = 10000.0
     model = MixtralForCausalLM(cfg).eval()
     # fused expert tensors are not touched by init_std in every version
     return _spread(model, init_std, normal_names=("experts",))
 
 
-def tiny_hf_olmoe(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                  experts: int = 8, top_k: int = 2, seed: int = 0, init_std: float = 0.2,
-                  clip_qkv: float | None = None):
+def tiny_hf_olmoe(
+    vocab: int = 64,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    experts: int = 8,
+    top_k: int = 2,
+    seed: int = 0,
+    init_std: float = 0.2,
+    clip_qkv: float | None = None,
+):
     """A random-weight HF OlmoeForCausalLM (the OLMoE kind: q/k norms, top-k weights not renormalised)."""
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = OlmoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                      num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=False, clip_qkv=clip_qkv,
-                      rms_norm_eps=1e-5, initializer_range=init_std, tie_word_embeddings=False,
-                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = OlmoeConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=False,
+        clip_qkv=clip_qkv,
+        rms_norm_eps=1e-5,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     model = OlmoeForCausalLM(cfg).eval()
     # fused experts and the router start at zero/untouched
     return _spread(model, init_std, normal_names=("experts", "gate"))
 
 
-def tiny_hf_mistral(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                    seed: int = 0, init_std: float = 0.2, sliding_window: int | None = 8):
+def tiny_hf_mistral(
+    vocab: int = 64,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    init_std: float = 0.2,
+    sliding_window: int | None = 8,
+):
     """A random-weight HF MistralForCausalLM whose attention window is ``sliding_window`` tokens."""
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(seed)
-    cfg = MistralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=init_std,
-                        sliding_window=sliding_window, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = MistralConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        initializer_range=init_std,
+        sliding_window=sliding_window,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     cfg.rope_theta = 10000.0
     model = MistralForCausalLM(cfg).eval()
     return _spread(model, init_std)
 
 
-def tiny_hf_qwen2(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                  seed: int = 0, init_std: float = 0.2, tie: bool = False):
+def tiny_hf_qwen2(
+    vocab: int = 64,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    init_std: float = 0.2,
+    tie: bool = False,
+):
     """A random-weight HF Qwen2ForCausalLM (dense; q/k/v projections carry biases, o_proj none)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                      rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=init_std,
-                      use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        initializer_range=init_std,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     model = Qwen2ForCausalLM(cfg).eval()
     # HF starts biases at zero, which would hide a bias never loaded
     return _spread(model, init_std, bias_std=2 * init_std)
 
 
-def tiny_hf_qwen2_moe(vocab: int = 64, hidden: int = 32, layers: int = 3, heads: int = 4, kv_heads: int = 2,
-                      experts: int = 8, top_k: int = 2, seed: int = 0, init_std: float = 0.2,
-                      norm_topk_prob: bool = False, mlp_only_layers: tuple[int, ...] = (1,),
-                      decoder_sparse_step: int = 1):
+def tiny_hf_qwen2_moe(
+    vocab: int = 64,
+    hidden: int = 32,
+    layers: int = 3,
+    heads: int = 4,
+    kv_heads: int = 2,
+    experts: int = 8,
+    top_k: int = 2,
+    seed: int = 0,
+    init_std: float = 0.2,
+    norm_topk_prob: bool = False,
+    mlp_only_layers: tuple[int, ...] = (1,),
+    decoder_sparse_step: int = 1,
+):
     """A random-weight HF Qwen2MoeForCausalLM (the Qwen2-MoE kind: q/k/v biases, routed experts of width
     ``hidden // 2``, a sigmoid-gated shared expert of width ``3 * hidden // 2``, dense MLPs of width
     ``2 * hidden`` in ``mlp_only_layers`` and in layers off ``decoder_sparse_step``)."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=3 * hidden // 2,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=256, num_experts=experts, num_experts_per_tok=top_k,
-                         norm_topk_prob=norm_topk_prob, mlp_only_layers=list(mlp_only_layers),
-                         decoder_sparse_step=decoder_sparse_step, rms_norm_eps=1e-5, initializer_range=init_std,
-                         tie_word_embeddings=False, use_sliding_window=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = Qwen2MoeConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=3 * hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=list(mlp_only_layers),
+        decoder_sparse_step=decoder_sparse_step,
+        rms_norm_eps=1e-5,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     model = Qwen2MoeForCausalLM(cfg).eval()
     # biases start at zero; fused experts, router and shared-expert gate at zero or untouched by init_std
     return _spread(model, init_std, normal_names=("experts", "gate"), bias_std=2 * init_std)
 
 
-def tiny_hf_llama_scaled(rope: dict, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4,
-                         kv_heads: int = 2, seed: int = 0, init_std: float = 0.2, max_positions: int = 256):
+def tiny_hf_llama_scaled(
+    rope: dict,
+    vocab: int = 64,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    init_std: float = 0.2,
+    max_positions: int = 256,
+):
     """A random-weight HF LlamaForCausalLM with a scaled RoPE: ``rope`` is its ``rope_parameters``
     without ``rope_theta`` (for example Llama-3.1's ``{"rope_type": "llama3", "factor": 8.0, ...}``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=init_std,
-                      rope_parameters={**rope, "rope_theta": 10000.0},
-                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        initializer_range=init_std,
+        rope_parameters={**rope, "rope_theta": 10000.0},
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return _spread(LlamaForCausalLM(cfg).eval(), init_std)
 
 
-def tiny_hf_qwen3(vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                  head_dim: int = 16, seed: int = 0, init_std: float = 0.2, tie: bool = False):
+def tiny_hf_qwen3(
+    vocab: int = 64,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    seed: int = 0,
+    init_std: float = 0.2,
+    tie: bool = False,
+):
     """A random-weight HF Qwen3ForCausalLM (dense): per-head q/k RMSNorms, and ``head_dim`` set apart
     from hidden / heads (16 here against 32 / 4 = 8)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                      max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=tie,
-                      initializer_range=init_std, use_sliding_window=False,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        initializer_range=init_std,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return _spread(Qwen3ForCausalLM(cfg).eval(), init_std)
 
 
-def tiny_hf_qwen3_moe(vocab: int = 64, hidden: int = 32, layers: int = 3, heads: int = 4, kv_heads: int = 2,
-                      head_dim: int = 16, experts: int = 8, top_k: int = 2, seed: int = 0, init_std: float = 0.2,
-                      norm_topk_prob: bool = True, mlp_only_layers: tuple[int, ...] = (1,),
-                      decoder_sparse_step: int = 1):
+def tiny_hf_qwen3_moe(
+    vocab: int = 64,
+    hidden: int = 32,
+    layers: int = 3,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    experts: int = 8,
+    top_k: int = 2,
+    seed: int = 0,
+    init_std: float = 0.2,
+    norm_topk_prob: bool = True,
+    mlp_only_layers: tuple[int, ...] = (1,),
+    decoder_sparse_step: int = 1,
+):
     """A random-weight HF Qwen3MoeForCausalLM (the Qwen3-MoE kind: per-head q/k norms, no q/k/v
     biases, routed experts of width ``hidden // 2`` with no shared expert, dense MLPs of width
     ``2 * hidden`` in ``mlp_only_layers`` and in layers off ``decoder_sparse_step``)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=256,
-                         num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
-                         mlp_only_layers=list(mlp_only_layers), decoder_sparse_step=decoder_sparse_step,
-                         rms_norm_eps=1e-5, initializer_range=init_std, tie_word_embeddings=False,
-                         use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=256,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=list(mlp_only_layers),
+        decoder_sparse_step=decoder_sparse_step,
+        rms_norm_eps=1e-5,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return _spread(Qwen3MoeForCausalLM(cfg).eval(), init_std, normal_names=("experts", "gate"))
 
 
@@ -198,8 +396,12 @@ def tiny_eagle1_engine(target, layout: str = "eyas-v1"):
     from eyas.target.model import eagle1_feature_address
 
     cfg = target.cfg
-    return DrafterEngine(init_drafter(DrafterConfig.for_target("eagle1", cfg, layout=layout)), target.embed,
-                         target.lm_head, taps=eagle1_feature_address(cfg))
+    return DrafterEngine(
+        init_drafter(DrafterConfig.for_target("eagle1", cfg, layout=layout)),
+        target.embed,
+        target.lm_head,
+        taps=eagle1_feature_address(cfg),
+    )
 
 
 def branch_tokens(flat, row: int) -> list[int]:

@@ -7,6 +7,7 @@ grows the next tree (seed 0x05B, 0x06B). The seed arrives as the wire message (`
 validated before use. A drafter that lost a session is reseeded with a seed that covers every
 committed row from position 0 (seed 0x05D); it never builds context on an unverified feature.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,14 @@ from eyas.protocol.tree import DraftTree
 
 
 class DrafterWorker:
-    def __init__(self, engines: dict[str, DrafterEngine], vocab_size: int, sources: dict[str, str] | None = None,
-                 default_trees: dict[str, TreeSpec] | None = None, name: str = "drafter"):
+    def __init__(
+        self,
+        engines: dict[str, DrafterEngine],
+        vocab_size: int,
+        sources: dict[str, str] | None = None,
+        default_trees: dict[str, TreeSpec] | None = None,
+        name: str = "drafter",
+    ):
         if not engines:
             raise ValueError("methods: a drafter worker needs at least one drafting method")
         self.engines = engines
@@ -30,13 +37,20 @@ class DrafterWorker:
         self.sources = sources or {m: "in-memory" for m in engines}
         self.default_trees = default_trees or {m: TreeSpec() for m in engines}
         self.name = name
-        self.session_method: dict[str, str] = {}   # request id -> method
+        self.session_method: dict[str, str] = {}  # request id -> method
         self.draft_points: dict[str, list[tuple[int, int, float]]] = {}  # method -> (depth, rows, ms) (measure_costs)
 
     @classmethod
-    def load(cls, target: str, methods: tuple[str, ...] = ("eagle3",), drafter_dirs: dict[str, str] | None = None,
-             threads: int | None = None, precision: str = "fp32", dtype: str = "float32",
-             device: str = "cpu") -> DrafterWorker:
+    def load(
+        cls,
+        target: str,
+        methods: tuple[str, ...] = ("eagle3",),
+        drafter_dirs: dict[str, str] | None = None,
+        threads: int | None = None,
+        precision: str = "fp32",
+        dtype: str = "float32",
+        device: str = "cpu",
+    ) -> DrafterWorker:
         """Load the target's embedding and LM head (and no decoder layer: :func:`load_target_head`) plus a
         drafter per method (shipped ones by default).
         ``precision``: the served target precision; at ``fp16w`` the drafters and the target head they
@@ -50,18 +64,39 @@ class DrafterWorker:
         from eyas.target.loader import DTYPES
 
         head = load_target_head(target, "fp16w" if precision == "fp16w" else "fp32", device=device, dtype=dtype)
-        handles = {m: make_drafter(m, (drafter_dirs or {}).get(m), head.cfg, head.fingerprint, head.embed,
-                                   head.lm_head, head.precision, DTYPES[dtype]) for m in methods}
-        return cls({m: h.engine for m, h in handles.items()}, head.cfg.vocab_size,
-                   {m: h.source for m, h in handles.items()}, {m: h.default_tree for m, h in handles.items()},
-                   name=f"{target}/{'+'.join(methods)}")
+        handles = {
+            m: make_drafter(
+                m,
+                (drafter_dirs or {}).get(m),
+                head.cfg,
+                head.fingerprint,
+                head.embed,
+                head.lm_head,
+                head.precision,
+                DTYPES[dtype],
+            )
+            for m in methods
+        }
+        return cls(
+            {m: h.engine for m, h in handles.items()},
+            head.cfg.vocab_size,
+            {m: h.source for m, h in handles.items()},
+            {m: h.default_tree for m, h in handles.items()},
+            name=f"{target}/{'+'.join(methods)}",
+        )
 
     def info(self) -> dict:
         """Per method: the feature address a target must tap, the checkpoint, the default tree, and
         the start-up draft cost (``(depth, draft rows, ms)`` points; empty until :meth:`measure_costs`)."""
-        return {m: {"taps": [(t.layers_applied, t.normed) for t in e.taps], "source": self.sources[m],
-                    "default_tree": self.default_trees[m], "draft_points": list(self.draft_points.get(m, []))}
-                for m, e in self.engines.items()}
+        return {
+            m: {
+                "taps": [(t.layers_applied, t.normed) for t in e.taps],
+                "source": self.sources[m],
+                "default_tree": self.default_trees[m],
+                "draft_points": list(self.draft_points.get(m, [])),
+            }
+            for m, e in self.engines.items()
+        }
 
     def measure_costs(self, repeats: int = 3) -> dict[str, list[tuple[int, int, float]]]:
         """Time each method's drafting at depths 1, 3 and its default depth on this device
@@ -105,8 +140,9 @@ class DrafterWorker:
                 if s.provisional_len:
                     engine.publish(rid)  # a new seed: the previous round was published
                 if seed.start_position != s.committed_len:
-                    raise ValueError(f"seed.start_position: {seed.start_position} != draft context length "
-                                     f"{s.committed_len}")
+                    raise ValueError(
+                        f"seed.start_position: {seed.start_position} != draft context length {s.committed_len}"
+                    )
                 groups.setdefault(self.session_method[rid], []).append((i, rid, seed, tree))
             except ValueError as err:
                 out[i] = Refusal.of(err)
@@ -129,10 +165,14 @@ class DrafterWorker:
         engine_ids = {rid for e in self.engines.values() for rid in e.sessions}
         allocated = sum(e.kv_slots_allocated() for e in self.engines.values())
         nbytes = sum(e.kv_bytes_allocated() for e in self.engines.values())
-        return {"worker": self.name, "live_sessions": len(self.session_method), "kv_slots_allocated": allocated,
-                "kv_bytes_allocated": nbytes,
-                "orphans": sorted(engine_ids ^ set(self.session_method)),
-                "ok": engine_ids == set(self.session_method) and (allocated == 0) == (not self.session_method)}
+        return {
+            "worker": self.name,
+            "live_sessions": len(self.session_method),
+            "kv_slots_allocated": allocated,
+            "kv_bytes_allocated": nbytes,
+            "orphans": sorted(engine_ids ^ set(self.session_method)),
+            "ok": engine_ids == set(self.session_method) and (allocated == 0) == (not self.session_method),
+        }
 
     def _engine(self, request_id: str) -> DrafterEngine:
         if request_id not in self.session_method:

@@ -24,6 +24,7 @@ Errors: ``ValueError`` (``WireError`` included) names the field; ``SessionNotFou
 request id. Calls are serialized by the caller (one lock in the gRPC server; a Ray actor runs one
 call at a time).
 """
+
 from __future__ import annotations
 
 import time
@@ -41,8 +42,14 @@ from eyas.target.model import FeatureTap, TargetModel
 from eyas.verification.accept import decide
 from eyas.verification.sampling import SamplingParams
 
-RPC_METHODS = {"OpenSession": "open_session", "Prefill": "prefill", "Verify": "verify", "Publish": "publish",
-               "CloseSession": "close_session", "Reseed": "reseed"}  # Verifier rpc -> TargetWorker method
+RPC_METHODS = {
+    "OpenSession": "open_session",
+    "Prefill": "prefill",
+    "Verify": "verify",
+    "Publish": "publish",
+    "CloseSession": "close_session",
+    "Reseed": "reseed",
+}  # Verifier rpc -> TargetWorker method
 FLAT_FIELDS = ("tokens", "positions", "parents", "depths", "tree_mask", "retrieve", "draft_probs")
 
 
@@ -54,7 +61,7 @@ class SessionNotFound(LookupError):
 class Verdict:
     """One decided round, kept until it is published (and after, to answer a duplicate publish)."""
 
-    decided: Decided                      # the round, its rows (None for the prefill) and decision
+    decided: Decided  # the round, its rows (None for the prefill) and decision
     reply: pb.AcceptDecision | None = None  # its message, encoded once when a caller speaks protobuf
 
     @property
@@ -74,13 +81,13 @@ class Verdict:
 class WorkerSession:
     """The worker's per-request state beside the engine's ``TargetSession``."""
 
-    engine: TargetEngine           # the engine of this session's feature address
+    engine: TargetEngine  # the engine of this session's feature address
     prompt_ids: list[int]
     max_tree_rows: int
     sampling: SamplingParams
     generator: torch.Generator
-    pending: Verdict | None = None     # decided, not yet published
-    published: Verdict | None = None   # the last published round
+    pending: Verdict | None = None  # decided, not yet published
+    published: Verdict | None = None  # the last published round
     published_result: tuple[Published, PublishAck] | None = None  # its result, returned again to a duplicate
     published_reply: pb.PublishAck | None = None  # the same as a message, once a caller asked for one
 
@@ -101,8 +108,14 @@ class TargetWorker:
         self.sessions: dict[str, WorkerSession] = {}
 
     @classmethod
-    def load(cls, target: str, precision: str = "fp32", threads: int | None = None,
-             dtype: str = "float32", device: str = "cpu") -> TargetWorker:
+    def load(
+        cls,
+        target: str,
+        precision: str = "fp32",
+        threads: int | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ) -> TargetWorker:
         """Load ``target`` (see ``eyas.target.loader.load_target``); ``threads``: torch CPU threads;
         ``dtype``: the compute dtype at precision fp32; ``device``: where it computes."""
         from eyas.target.loader import load_target
@@ -110,8 +123,9 @@ class TargetWorker:
         if threads:
             torch.set_num_threads(threads)
         suffix = "" if dtype == "float32" else f"/{dtype}"
-        return cls(load_target(target, precision, device=device, dtype=dtype).model,
-                   name=f"{target}/{precision}{suffix}")
+        return cls(
+            load_target(target, precision, device=device, dtype=dtype).model, name=f"{target}/{precision}{suffix}"
+        )
 
     def engine_for(self, taps: tuple[FeatureTap, ...]) -> TargetEngine:
         for tap in taps:
@@ -126,9 +140,13 @@ class TargetWorker:
         spec = wire.session_spec_from_proto(request, vocab_size=self.vocab_size)
         self.open(spec)
         engine = self.sessions[spec.request_id].engine
-        return pb.OpenSessionResponse(request_id=spec.request_id, vocab_size=self.vocab_size,
-                                      feature_dim=len(engine.taps) * self.cfg.hidden_size,
-                                      max_tree_rows=spec.max_tree_rows, eos_token_ids=list(self.cfg.eos_token_ids))
+        return pb.OpenSessionResponse(
+            request_id=spec.request_id,
+            vocab_size=self.vocab_size,
+            feature_dim=len(engine.taps) * self.cfg.hidden_size,
+            max_tree_rows=spec.max_tree_rows,
+            eos_token_ids=list(self.cfg.eos_token_ids),
+        )
 
     def open(self, spec: wire.SessionSpec) -> tuple[int, ...]:
         """:meth:`open_session` for a ``SessionSpec`` object (checked as the message is) -> the
@@ -139,8 +157,9 @@ class TargetWorker:
             raise ValueError(f"request_id: {spec.request_id!r} already has a live session")
         engine = self.engine_for(tuple(FeatureTap(layer, normed) for layer, normed in spec.taps))
         engine.open_session(spec.request_id, list(spec.prompt_ids), spec.max_new_tokens, spec.max_tree_rows)
-        self.sessions[spec.request_id] = WorkerSession(engine, list(spec.prompt_ids), spec.max_tree_rows, sampling,
-                                                       torch.Generator().manual_seed(spec.seed))
+        self.sessions[spec.request_id] = WorkerSession(
+            engine, list(spec.prompt_ids), spec.max_tree_rows, sampling, torch.Generator().manual_seed(spec.seed)
+        )
         return tuple(self.cfg.eos_token_ids)
 
     def prefill(self, request: pb.PrefillRequest) -> pb.AcceptDecision:
@@ -165,7 +184,7 @@ class TargetWorker:
     def publish(self, request: pb.PublishRequest) -> pb.PublishAck:
         s = self._session(request.request_id)
         self.publish_round(request.request_id, request.round)
-        if s.published_reply is None:   # encoded once; a duplicate publish gets the same message
+        if s.published_reply is None:  # encoded once; a duplicate publish gets the same message
             published, ack = s.published_result
             s.published_reply = wire.ack_to_proto(ack, published.seed)
             s.published_reply.compute_ms = 1000 * published.compute_s
@@ -179,8 +198,10 @@ class TargetWorker:
         verdict = next((v for v in (s.pending, s.published) if v is not None and v.round == round), None)
         if verdict is None:
             last = s.published.round if s.published is not None else "none"
-            raise ValueError(f"round: {round} is stale, undecided or from the future "
-                             f"(last published {last}, decided {s.pending.round if s.pending else 'none'})")
+            raise ValueError(
+                f"round: {round} is stale, undecided or from the future "
+                f"(last published {last}, decided {s.pending.round if s.pending else 'none'})"
+            )
         if verdict is s.published and s.published_result is not None:
             return s.published_result[0]  # applied twice: a no-op with the same result
         t0 = time.perf_counter()
@@ -206,14 +227,15 @@ class TargetWorker:
         (:meth:`round_batch` without prefills)."""
         return self.round_batch([], requests)[1]
 
-    def prefill_batch(self, requests: list[pb.PrefillRequest], max_prefill_rows: int | None = None
-                      ) -> list[pb.AcceptDecision | PrefillProgress | Refusal]:
+    def prefill_batch(
+        self, requests: list[pb.PrefillRequest], max_prefill_rows: int | None = None
+    ) -> list[pb.AcceptDecision | PrefillProgress | Refusal]:
         """Prefill and decide several newly opened requests (:meth:`round_batch` without verifies)."""
         return self.round_batch(requests, [], max_prefill_rows)[0]
 
-    def round_batch(self, prefills: list[pb.PrefillRequest], verifies: list[pb.FlatTree],
-                    max_prefill_rows: int | None = None
-                    ) -> tuple[list[pb.AcceptDecision | PrefillProgress | Refusal], list[pb.AcceptDecision | Refusal]]:
+    def round_batch(
+        self, prefills: list[pb.PrefillRequest], verifies: list[pb.FlatTree], max_prefill_rows: int | None = None
+    ) -> tuple[list[pb.AcceptDecision | PrefillProgress | Refusal], list[pb.AcceptDecision | Refusal]]:
         """:meth:`step` for protobuf messages: each FlatTree is validated against its session
         (round, committed length, frontier, vocabulary, row budget) and decoded first; a message
         refused there gets its :class:`Refusal` and touches nothing."""
@@ -226,15 +248,18 @@ class TargetWorker:
                 trees.append(wire.draft_tree_from_flat(self._inbound_flat(s, request)))
             except (ValueError, SessionNotFound) as err:
                 trees.append(Refusal.of(err))
-        pre, ver = self.step([p.request_id for p in prefills], [(r.request_id, t) for r, t in zip(verifies, trees)],
-                             max_prefill_rows)
-        encode = lambda x: x if isinstance(x, (Refusal, PrefillProgress)) else self._reply(  # noqa: E731
-            self.sessions[x.request_id].pending)
+        pre, ver = self.step(
+            [p.request_id for p in prefills], [(r.request_id, t) for r, t in zip(verifies, trees)], max_prefill_rows
+        )
+
+        def encode(x):
+            return x if isinstance(x, (Refusal, PrefillProgress)) else self._reply(self.sessions[x.request_id].pending)
+
         return [encode(x) for x in pre], [encode(x) for x in ver]
 
-    def step(self, prefills: list[str], verifies: list[tuple[str, DraftTree | Refusal]],
-             max_prefill_rows: int | None = None
-             ) -> tuple[list[Decided | PrefillProgress | Refusal], list[Decided | Refusal]]:
+    def step(
+        self, prefills: list[str], verifies: list[tuple[str, DraftTree | Refusal]], max_prefill_rows: int | None = None
+    ) -> tuple[list[Decided | PrefillProgress | Refusal], list[Decided | Refusal]]:
         """One round's target work in ONE forward per feature address (``TargetEngine.step``): the
         next prompt chunk of each of ``prefills`` (at most ``max_prefill_rows`` prompt rows in all,
         shortest remaining prompt first; None: no bound) and the frontier + tree of each of
@@ -264,7 +289,7 @@ class TargetWorker:
                 pre_out[i] = Refusal.of(err)
         for i, (request_id, tree) in enumerate(verifies):
             try:
-                if isinstance(tree, Refusal):   # refused while decoding (round_batch)
+                if isinstance(tree, Refusal):  # refused while decoding (round_batch)
                     ver_out[i] = tree
                     continue
                 if request_id in seen:
@@ -280,22 +305,28 @@ class TargetWorker:
                 ver_out[i] = Refusal.of(err)
         share = self._prefill_shares(prefills, groups, max_prefill_rows)
         for key, (engine, pre, ver) in groups.items():
-            pre_done, ver_done = engine.step([prefills[i] for i, _ in pre],
-                                             [(verifies[i][0], tree) for i, _, tree in ver], share[key])
+            pre_done, ver_done = engine.step(
+                [prefills[i] for i, _ in pre], [(verifies[i][0], tree) for i, _, tree in ver], share[key]
+            )
             for (i, s), v in zip(pre, pre_done):
-                pre_out[i] = (Refusal.of(v) if isinstance(v, ValueError) else v if isinstance(v, PrefillProgress)
-                              else self._decide(s, v, t0).decided)
+                pre_out[i] = (
+                    Refusal.of(v)
+                    if isinstance(v, ValueError)
+                    else v
+                    if isinstance(v, PrefillProgress)
+                    else self._decide(s, v, t0).decided
+                )
             for (i, s, _), v in zip(ver, ver_done):
                 ver_out[i] = Refusal.of(v) if isinstance(v, ValueError) else self._decide(s, v, t0).decided
         return pre_out, ver_out
 
     @staticmethod
-    def _prefill_shares(prefills: list[str], groups: dict, max_prefill_rows: int | None
-                        ) -> dict[int, int | None]:
+    def _prefill_shares(prefills: list[str], groups: dict, max_prefill_rows: int | None) -> dict[int, int | None]:
         """The round's prefill rows, shortest remaining prompt first across every engine (so a short
         prompt is not stuck behind a long one of another feature address): sorts each engine's
         prefill members into that order and returns each engine's share of the rows (None: no bound).
         Each engine's own shortest-first fill of its share then gives every prompt its rows."""
+
         def left(member) -> int:
             t = member[1].engine.sessions[prefills[member[0]]]
             return t.prompt_len - t.prefilled
@@ -305,8 +336,9 @@ class TargetWorker:
         if max_prefill_rows is None:
             return {key: None for key in groups}
         share, budget = dict.fromkeys(groups, 0), max_prefill_rows
-        for key, member in sorted(((k, m) for k, (_, pre, _) in groups.items() for m in pre),
-                                  key=lambda km: left(km[1])):
+        for key, member in sorted(
+            ((k, m) for k, (_, pre, _) in groups.items() for m in pre), key=lambda km: left(km[1])
+        ):
             rows = min(left(member), budget)
             share[key], budget = share[key] + rows, budget - rows
         return share
@@ -340,8 +372,13 @@ class TargetWorker:
         return self._session(request_id).engine.committed_seed(request_id)
 
     @torch.inference_mode()
-    def measure_latency(self, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3,
-                        prefix: int = 64, taps: tuple[FeatureTap, ...] = ()) -> dict[int, float]:
+    def measure_latency(
+        self,
+        rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+        repeats: int = 3,
+        prefix: int = 64,
+        taps: tuple[FeatureTap, ...] = (),
+    ) -> dict[int, float]:
         """The verify latency curve on this worker's device: ms of a verify of R rows after a
         ``prefix``-token committed context (the median of ``repeats``), for each R in ``rows``,
         tapping ``taps`` as a drafter's sessions would."""
@@ -358,8 +395,13 @@ class TargetWorker:
                 v = engine.prefill(rid)
                 engine.publish(rid, v.round, AcceptDecision(torch.arange(prefix), torch.tensor(ids[1:]), 1))
                 n = r - 1
-                tree = DraftTree(torch.full((n,), 2), torch.arange(-1, n - 1), torch.arange(1, n + 1),
-                                 torch.full((n,), .5)) if n else DraftTree.empty()
+                tree = (
+                    DraftTree(
+                        torch.full((n,), 2), torch.arange(-1, n - 1), torch.arange(1, n + 1), torch.full((n,), 0.5)
+                    )
+                    if n
+                    else DraftTree.empty()
+                )
                 t0 = time.perf_counter()
                 engine.verify(rid, tree)
                 return time.perf_counter() - t0
@@ -374,13 +416,17 @@ class TargetWorker:
         """KV slots allocated == the sum over live sessions; no engine session without a worker one."""
         engine_ids = {rid for e in self.engines.values() for rid in e.sessions}
         allocated = sum(e.kv_slots_allocated() for e in self.engines.values())
-        expected = sum(s.engine.sessions[rid].max_slots for rid, s in self.sessions.items()
-                       if rid in s.engine.sessions)
-        return {"worker": self.name, "live_sessions": len(self.sessions), "kv_slots_allocated": allocated,
-                "kv_slots_live": expected, "kv_bytes_allocated": sum(e.kv_bytes_allocated() for e in self.engines.values()),
-                "orphans": sorted(engine_ids ^ set(self.sessions)),
-                "last_expert_bytes": sum(e.last_expert_bytes for e in self.engines.values()),  # MoE (seed 0x09A)
-                "ok": allocated == expected and engine_ids == set(self.sessions)}
+        expected = sum(s.engine.sessions[rid].max_slots for rid, s in self.sessions.items() if rid in s.engine.sessions)
+        return {
+            "worker": self.name,
+            "live_sessions": len(self.sessions),
+            "kv_slots_allocated": allocated,
+            "kv_slots_live": expected,
+            "kv_bytes_allocated": sum(e.kv_bytes_allocated() for e in self.engines.values()),
+            "orphans": sorted(engine_ids ^ set(self.sessions)),
+            "last_expert_bytes": sum(e.last_expert_bytes for e in self.engines.values()),  # MoE (seed 0x09A)
+            "ok": allocated == expected and engine_ids == set(self.sessions),
+        }
 
     # --- internals -------------------------------------------------------------------------------
     def _session(self, request_id: str) -> WorkerSession:
@@ -395,20 +441,33 @@ class TargetWorker:
         t = s.engine.sessions[request.request_id]
         if t.frontier_token is None:
             raise ValueError("round: the session has no frontier token yet (prefill and publish round 0 first)")
-        return wire.flat_tree_from_proto(request, vocab_size=self.vocab_size, max_rows=s.max_tree_rows,
-                                         base_position=t.committed_len, round=t.round + 1,
-                                         frontier_token=t.frontier_token)
+        return wire.flat_tree_from_proto(
+            request,
+            vocab_size=self.vocab_size,
+            max_rows=s.max_tree_rows,
+            base_position=t.committed_len,
+            round=t.round + 1,
+            frontier_token=t.frontier_token,
+        )
 
     def _decide(self, s: WorkerSession, verified, t0: float) -> Verdict:
         """Decide a verified round under the session's sampler; it is the session's pending verdict."""
         t1 = time.perf_counter()
         decision = decide(verified, s.prompt_ids, s.sampling, s.generator)
         t2 = time.perf_counter()
-        moe = verified.flat is not None and s.engine.cfg.num_experts   # MoE: what this verify read (seed 0x09A)
-        s.pending = Verdict(Decided(request_id=verified.request_id, round=verified.round, decision=decision,
-                                    flat=verified.flat, compute_s=t2 - t0, accept_s=t2 - t1,
-                                    expert_bytes=s.engine.last_request_expert_bytes.get(verified.request_id, 0)
-                                    if moe else 0, batch_expert_bytes=s.engine.last_expert_bytes if moe else 0))
+        moe = verified.flat is not None and s.engine.cfg.num_experts  # MoE: what this verify read (seed 0x09A)
+        s.pending = Verdict(
+            Decided(
+                request_id=verified.request_id,
+                round=verified.round,
+                decision=decision,
+                flat=verified.flat,
+                compute_s=t2 - t0,
+                accept_s=t2 - t1,
+                expert_bytes=s.engine.last_request_expert_bytes.get(verified.request_id, 0) if moe else 0,
+                batch_expert_bytes=s.engine.last_expert_bytes if moe else 0,
+            )
+        )
         return s.pending
 
     @staticmethod

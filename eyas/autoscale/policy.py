@@ -95,6 +95,7 @@ Drafter-only knob (:class:`DrafterScalingConfig`)
 ``target_draft_rows_per_replica``
     Draft rows one drafter replica is meant to carry.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -125,20 +126,26 @@ class _ScalingConfig(BaseModel):
 
     min_replicas: int = Field(1, ge=0, description="Fewest replicas; the count never goes below it.")
     max_replicas: int = Field(  # validate_default: a min_replicas above the default max must fail too
-        4, ge=1, validate_default=True, description="Most replicas; the count never goes above it.")
+        4, ge=1, validate_default=True, description="Most replicas; the count never goes above it."
+    )
     upscale_delay_s: float = Field(
-        30.0, ge=0, description="Seconds the load must keep wanting more replicas before one is added.")
+        30.0, ge=0, description="Seconds the load must keep wanting more replicas before one is added."
+    )
     downscale_delay_s: float = Field(
-        600.0, ge=0, description="Seconds the load must keep wanting fewer replicas before one is removed.")
+        600.0, ge=0, description="Seconds the load must keep wanting fewer replicas before one is removed."
+    )
     downscale_tolerance: float = Field(
-        0.1, ge=0, lt=1,
+        0.1,
+        ge=0,
+        lt=1,
         description="Hysteresis band: scale down to n replicas only if the load fills them to at most "
-                    "(1 - downscale_tolerance) of their per-replica target.")
+        "(1 - downscale_tolerance) of their per-replica target.",
+    )
     max_step_up: int | None = Field(None, ge=1, description="Most replicas added by one decision (None: no limit).")
-    max_step_down: int | None = Field(
-        None, ge=1, description="Most replicas removed by one decision (None: no limit).")
+    max_step_down: int | None = Field(None, ge=1, description="Most replicas removed by one decision (None: no limit).")
     max_metrics_age_s: float | None = Field(
-        None, gt=0, description="Ignore reports older than this many seconds before `now` (None: use all).")
+        None, gt=0, description="Ignore reports older than this many seconds before `now` (None: use all)."
+    )
 
     @field_validator("max_replicas")
     @classmethod
@@ -154,16 +161,21 @@ class TargetScalingConfig(_ScalingConfig):
     600 s down, 10 % band, at most 2 added and 1 removed per decision."""
 
     min_replicas: int = Field(
-        1, ge=1, description="Fewest target replicas (>= 1: with none, no one reports load to scale up on).")
+        1, ge=1, description="Fewest target replicas (>= 1: with none, no one reports load to scale up on)."
+    )
     target_verify_rows_per_replica: float = Field(
-        256.0, gt=0, description="Pending verify rows one target replica is meant to carry.")
+        256.0, gt=0, description="Pending verify rows one target replica is meant to carry."
+    )
     max_kv_utilisation: float = Field(
-        0.8, gt=0, le=1, description="Fraction of each replica's KV capacity the fleet may use before scaling up.")
+        0.8, gt=0, le=1, description="Fraction of each replica's KV capacity the fleet may use before scaling up."
+    )
     target_expert_bytes_per_replica: float | None = Field(
-        None, gt=0, description="Expert bytes touched per round one MoE replica should carry (None: ignore).")
+        None, gt=0, description="Expert bytes touched per round one MoE replica should carry (None: ignore)."
+    )
     max_step_up: int | None = Field(2, ge=1, description="Most target replicas added by one decision (None: no limit).")
     max_step_down: int | None = Field(
-        1, ge=1, description="Most target replicas removed by one decision (None: no limit).")
+        1, ge=1, description="Most target replicas removed by one decision (None: no limit)."
+    )
 
 
 class DrafterScalingConfig(_ScalingConfig):
@@ -171,13 +183,17 @@ class DrafterScalingConfig(_ScalingConfig):
     10 % band, no step limits."""
 
     max_replicas: int = Field(
-        8, ge=1, validate_default=True, description="Most drafter replicas; the count never goes above it.")
+        8, ge=1, validate_default=True, description="Most drafter replicas; the count never goes above it."
+    )
     target_draft_rows_per_replica: float = Field(
-        512.0, gt=0, description="Draft rows one drafter replica is meant to carry.")
+        512.0, gt=0, description="Draft rows one drafter replica is meant to carry."
+    )
     upscale_delay_s: float = Field(
-        10.0, ge=0, description="Seconds the load must keep wanting more replicas before one is added.")
+        10.0, ge=0, description="Seconds the load must keep wanting more replicas before one is added."
+    )
     downscale_delay_s: float = Field(
-        120.0, ge=0, description="Seconds the load must keep wanting fewer replicas before one is removed.")
+        120.0, ge=0, description="Seconds the load must keep wanting fewer replicas before one is removed."
+    )
 
 
 # --- metrics and state ---------------------------------------------------------------------------------
@@ -236,8 +252,11 @@ class ScalingState:
     last_decision_at: float | None = None
 
     def __post_init__(self):
-        if isinstance(self.current_replicas, bool) or not isinstance(self.current_replicas, int) \
-                or self.current_replicas < 0:
+        if (
+            isinstance(self.current_replicas, bool)
+            or not isinstance(self.current_replicas, int)
+            or self.current_replicas < 0
+        ):
             raise ValueError(f"ScalingState.current_replicas must be an int >= 0, got {self.current_replicas!r}")
 
     @classmethod
@@ -312,8 +331,9 @@ def _decide(need: float | None, state: ScalingState, cfg: _ScalingConfig, now: f
     return new, ScalingState(new, more if new > cur else None, more if new < cur else None, now)
 
 
-def decide_target_replicas(metrics: Sequence[ReplicaMetrics], state: ScalingState,
-                           config: TargetScalingConfig, now: float) -> tuple[int, ScalingState]:
+def decide_target_replicas(
+    metrics: Sequence[ReplicaMetrics], state: ScalingState, config: TargetScalingConfig, now: float
+) -> tuple[int, ScalingState]:
     """The target replica count to run now, and the state to pass to the next call.
 
     Example (``target_verify_rows_per_replica=100``, ``upscale_delay_s=30``, 1 replica): a burst of
@@ -325,8 +345,9 @@ def decide_target_replicas(metrics: Sequence[ReplicaMetrics], state: ScalingStat
     return _decide(need, state, config, now)
 
 
-def decide_drafter_replicas(metrics: Sequence[ReplicaMetrics], state: ScalingState,
-                            config: DrafterScalingConfig, now: float) -> tuple[int, ScalingState]:
+def decide_drafter_replicas(
+    metrics: Sequence[ReplicaMetrics], state: ScalingState, config: DrafterScalingConfig, now: float
+) -> tuple[int, ScalingState]:
     """The drafter replica count to run now, and the state to pass to the next call. Only
     ``draft_rows`` counts: verify rows, KV and expert bytes are the targets' business.
 

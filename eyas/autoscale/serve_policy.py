@@ -92,6 +92,7 @@ t      target      result  why
 104    3           4       another 2 s held: the remaining replica
 =====  ==========  ======  ==========================================================
 """
+
 from __future__ import annotations
 
 import logging
@@ -147,12 +148,19 @@ def _warn_once(metric: str, replica: Hashable, value: Any, warned: MutableSet[st
     if metric in warned:
         return
     warned.add(metric)
-    log.warning("autoscaling metric %r from replica %s is %r (not a finite number >= 0): read as 0; "
-                "further bad %r values are not logged", metric, replica, value, metric)
+    log.warning(
+        "autoscaling metric %r from replica %s is %r (not a finite number >= 0): read as 0; "
+        "further bad %r values are not logged",
+        metric,
+        replica,
+        value,
+        metric,
+    )
 
 
-def metrics_from_context(aggregated: Mapping[str, Mapping[Hashable, Any]] | None, now: float, *,
-                         warned: MutableSet[str] | None = None) -> list[ReplicaMetrics]:
+def metrics_from_context(
+    aggregated: Mapping[str, Mapping[Hashable, Any]] | None, now: float, *, warned: MutableSet[str] | None = None
+) -> list[ReplicaMetrics]:
     """One :class:`ReplicaMetrics` per replica found in ``ctx.aggregated_metrics``, stamped ``now``.
 
     ``aggregated`` maps a metric name to ``{replica_id: value}``. Only the names in

@@ -13,6 +13,7 @@ never commits a row built on an unverified feature). A round:
 2. :meth:`DrafterEngine.publish` discards the provisional rows. The next seed carries the verified
    features that replace them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,9 +36,9 @@ class TreeSpec:
     """The tree a drafter grows per round. EAGLE-2's three knobs stay separate (seed 0x06D)."""
 
     kind: str = "dynamic"
-    expand_width: int = 4      # dynamic: nodes expanded per depth, and children per expanded node
-    max_depth: int = 5         # dynamic and chain: the deepest candidate
-    verify_budget: int = 16    # dynamic: candidate rows sent to the verifier (the root excluded)
+    expand_width: int = 4  # dynamic: nodes expanded per depth, and children per expanded node
+    max_depth: int = 5  # dynamic and chain: the deepest candidate
+    verify_budget: int = 16  # dynamic: candidate rows sent to the verifier (the root excluded)
     choices: tuple[tuple[int, ...], ...] = DEFAULT_STATIC_CHOICES  # static: child-rank paths
 
     def __post_init__(self):
@@ -50,8 +51,9 @@ class TreeSpec:
 
     def builder(self):
         if self.kind == "dynamic":
-            return DynamicTreeBuilder(expand_width=self.expand_width, verify_budget=self.verify_budget,
-                                      max_depth=self.max_depth)
+            return DynamicTreeBuilder(
+                expand_width=self.expand_width, verify_budget=self.verify_budget, max_depth=self.max_depth
+            )
         if self.kind == "chain":
             return StaticTreeBuilder(chain_choices(self.max_depth)) if self.max_depth else None
         return StaticTreeBuilder(self.choices)
@@ -80,15 +82,21 @@ class DraftSession:
     """Mutable per-request draft state. Only :class:`DrafterEngine` touches it."""
 
     request_id: str
-    kv_row: int                # its row of the engine's K/V store
-    max_slots: int             # the slots it may use in that row
-    committed_len: int = 0     # context rows: built on verified target features
-    provisional_len: int = 0   # tree rows of the current round, after the context rows
+    kv_row: int  # its row of the engine's K/V store
+    max_slots: int  # the slots it may use in that row
+    committed_len: int = 0  # context rows: built on verified target features
+    provisional_len: int = 0  # tree rows of the current round, after the context rows
 
 
 class DrafterEngine:
-    def __init__(self, drafter: Drafter, embed: nn.Embedding, lm_head: nn.Module, int8_head: bool = False,
-                 taps: tuple[FeatureTap, ...] = ()):
+    def __init__(
+        self,
+        drafter: Drafter,
+        embed: nn.Embedding,
+        lm_head: nn.Module,
+        int8_head: bool = False,
+        taps: tuple[FeatureTap, ...] = (),
+    ):
         """``int8_head``: draft through an int8 copy of the target LM head (EAGLE-1 only).
         ``taps``: the feature address this drafter reads (what a remote target must tap for it).
 
@@ -97,8 +105,8 @@ class DrafterEngine:
         a row at fp32 against about 3 ms at int8 on this CPU).
         """
         self.drafter = drafter.eval().requires_grad_(False)
-        self.embed = embed          # frozen target embedding (not owned)
-        self.lm_head = lm_head      # frozen target LM head (not owned)
+        self.embed = embed  # frozen target embedding (not owned)
+        self.lm_head = lm_head  # frozen target LM head (not owned)
         if int8_head and drafter.head is None and isinstance(lm_head, nn.Linear):
             from torch.ao.quantization import quantize_dynamic
 
@@ -106,7 +114,7 @@ class DrafterEngine:
             copy.weight = nn.Parameter(lm_head.weight.detach().clone(), requires_grad=False)
             self.lm_head = quantize_dynamic(nn.Sequential(copy), {nn.Linear}, dtype=torch.qint8)[0]
         self.taps = tuple(taps)
-        self.device = embed.weight.device   # where every draft tensor lives (the target's device)
+        self.device = embed.weight.device  # where every draft tensor lives (the target's device)
         self.sessions: dict[str, DraftSession] = {}
         # every live request's draft K/V in one padded store, rows [0, live) (eyas.target.batch_kv)
         self.kv = self.drafter.allocate_store()
@@ -163,14 +171,15 @@ class DrafterEngine:
             steps, lo = [], 0
             for g in active:
                 n, kk = g.parent_hidden.shape[0], g.builder.children_per_parent
-                rows = g.add_children(tokens[lo:lo + n, :kk], conf[lo:lo + n, :kk])
+                rows = g.add_children(tokens[lo : lo + n, :kk], conf[lo : lo + n, :kk])
                 lo += n
                 if rows is not None:
                     steps.append((g, rows))
             if not steps:
                 break
-            outs = self.drafter.forward_batch(self.kv, [(state, self.embed(toks), rows)
-                                                        for _, (state, toks, rows) in steps])
+            outs = self.drafter.forward_batch(
+                self.kv, [(state, self.embed(toks), rows) for _, (state, toks, rows) in steps]
+            )
             for (g, _), h in zip(steps, outs):
                 g.absorb(h)
         return [g.result() for g in growths]
@@ -179,8 +188,14 @@ class DrafterEngine:
         """Discard this round's provisional tree rows (seed 0x05D)."""
         self._session(request_id).provisional_len = 0
 
-    def measure_cost(self, tree: TreeSpec = TreeSpec(), depths: tuple[int, ...] = (1, 3, 5), repeats: int = 3,
-                     prefix: int = 64, batch: int = 4) -> list[tuple[int, int, float]]:
+    def measure_cost(
+        self,
+        tree: TreeSpec = TreeSpec(),
+        depths: tuple[int, ...] = (1, 3, 5),
+        repeats: int = 3,
+        prefix: int = 64,
+        batch: int = 4,
+    ) -> list[tuple[int, int, float]]:
         """What one steady-state drafting call costs on this device, as ``(depth, draft rows, ms)``
         points for :meth:`DraftCost.from_points <eyas.scheduler.latency.DraftCost.from_points>`: one
         request at each of ``depths``, and ``batch`` requests at the deepest (so that the cost per
@@ -197,8 +212,12 @@ class DrafterEngine:
         vocab = self.embed.weight.shape[0]
 
         def seed(start: int, rows: int, round_: int) -> Seed:
-            return Seed(torch.randn(rows, feature_dim, generator=gen),
-                        torch.randint(0, vocab, (rows,), generator=gen), start, round_)
+            return Seed(
+                torch.randn(rows, feature_dim, generator=gen),
+                torch.randint(0, vocab, (rows,), generator=gen),
+                start,
+                round_,
+            )
 
         def point(depth: int, n: int) -> tuple[int, int, float]:
             spec = TreeSpec(tree.kind, tree.expand_width, depth, tree.verify_budget, tree.choices)
@@ -206,7 +225,7 @@ class DrafterEngine:
             try:
                 for rid in rids:
                     self.open_session(rid, spec.draft_slots(prefix, 2 * (repeats + 1)) + 2 * (repeats + 1))
-                self.propose_batch([(rid, seed(0, prefix, 0), spec) for rid in rids])   # contexts, and a warm-up
+                self.propose_batch([(rid, seed(0, prefix, 0), spec) for rid in rids])  # contexts, and a warm-up
                 samples = []
                 for r in range(repeats):
                     for rid in rids:
@@ -241,14 +260,16 @@ class _Growth:
             raise ValueError(f"seed.start_position: {seed.start_position} != draft context length {s.committed_len}")
         need = s.committed_len + seed.features.shape[0] + tree.max_draft_rows
         if need > s.max_slots:
-            raise ValueError(f"seed: {s.committed_len} committed + {seed.features.shape[0]} new context rows + the "
-                             f"tree's {tree.max_draft_rows} draft rows exceed the draft session's {s.max_slots} slots")
-        self.host_tokens = seed.advanced_tokens.cpu()   # [A]: the plan's host copy
+            raise ValueError(
+                f"seed: {s.committed_len} committed + {seed.features.shape[0]} new context rows + the "
+                f"tree's {tree.max_draft_rows} draft rows exceed the draft session's {s.max_slots} slots"
+            )
+        self.host_tokens = seed.advanced_tokens.cpu()  # [A]: the plan's host copy
         self.s, self.seed, self.builder, self.device = s, seed.to(device), tree.builder(), device
         self.parent_hidden: torch.Tensor | None = None  # [P, d] rows whose children come next; None = done
         self.parents: list[int] = []
         self.node_state: dict[int, torch.Tensor] = {}  # node id -> output of the row that proposed it  [d]
-        self.node_slot: dict[int, int] = {}            # node id -> provisional slot of its own row
+        self.node_slot: dict[int, int] = {}  # node id -> provisional slot of its own row
 
     def context_rows(self, drafter: Drafter, embed: nn.Embedding):
         n, a = self.s.committed_len, self.seed.features.shape[0]
@@ -260,7 +281,7 @@ class _Growth:
 
     def start_tree(self, hidden: torch.Tensor) -> None:  # [A, d] outputs of the context rows
         self.s.committed_len += hidden.shape[0]
-        self.base = self.s.committed_len            # first provisional slot
+        self.base = self.s.committed_len  # first provisional slot
         self.last_position = self.s.committed_len - 1  # position of the seed's row; depth-k rows sit at +k
         self.grows = self.builder is not None and not self.builder.done
         if self.grows:
@@ -281,18 +302,21 @@ class _Growth:
         for node, slot in zip(parents, slots):
             self.node_slot[node] = slot
         assert slots[-1] < s.max_slots, "checked when the growth began"
-        mask = torch.zeros(p, slots[-1] + 1, dtype=torch.bool)   # [P, slots] built on the host, moved with the plan
-        mask[:, :self.base] = True
+        mask = torch.zeros(p, slots[-1] + 1, dtype=torch.bool)  # [P, slots] built on the host, moved with the plan
+        mask[:, : self.base] = True
         for i, node in enumerate(parents):  # ancestors' rows and the row itself
             walk = node
             while walk != PARENT_IS_SEED:
                 mask[i, self.node_slot[walk]] = True
                 walk = b.node(walk).parent
-        tokens_ = torch.tensor([b.node(x).token for x in parents], dtype=torch.int64)                   # [P] host
+        tokens_ = torch.tensor([b.node(x).token for x in parents], dtype=torch.int64)  # [P] host
         positions = torch.tensor([self.last_position + b.node(x).depth for x in parents], dtype=torch.int64)  # [P]
         self.parents = parents
-        return (torch.stack([self.node_state[x] for x in parents]), tokens_.to(self.device),
-                RowGroup(s.kv_row, tokens_, positions, first, mask))
+        return (
+            torch.stack([self.node_state[x] for x in parents]),
+            tokens_.to(self.device),
+            RowGroup(s.kv_row, tokens_, positions, first, mask),
+        )
 
     def absorb(self, hidden: torch.Tensor) -> None:  # [P, d]
         self.s.provisional_len += hidden.shape[0]

@@ -6,6 +6,7 @@ drafter configuration (draft vocabulary included, its maps live in the safetenso
 weights and recipe it was trained with, and the tree ABI. Loading against a target with another
 fingerprint or feature address is refused with an error naming the field.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,8 +43,9 @@ class TreeABI(BaseModel):
     root_row: Literal["frontier_token"] = "frontier_token"
     positions: Literal["base_plus_depth"] = "base_plus_depth"
     draft_row_input: Literal["state_t;embed(x_t+1)"] = "state_t;embed(x_t+1)"
-    default_tree: dict = Field(default_factory=lambda: {"kind": "dynamic", "expand_width": 4, "max_depth": 5,
-                                                        "verify_budget": 16})
+    default_tree: dict = Field(
+        default_factory=lambda: {"kind": "dynamic", "expand_width": 4, "max_depth": 5, "verify_budget": 16}
+    )
 
 
 class DrafterManifest(BaseModel):
@@ -67,28 +69,34 @@ def _pydantic_error(err: ValidationError, prefix: str) -> ValueError:
     return ValueError(f"{prefix}{field}: {first['msg']}")
 
 
-def check_compatible(manifest: DrafterManifest, fingerprint: TargetFingerprint,
-                     taps: tuple[FeatureTap, ...] | None = None) -> None:
+def check_compatible(
+    manifest: DrafterManifest, fingerprint: TargetFingerprint, taps: tuple[FeatureTap, ...] | None = None
+) -> None:
     """Refuse a drafter whose target fingerprint (or feature address) differs (seed 0x01A)."""
     for name in ("config_digest", "weight_digest", "tokenizer_digest"):
         want, have = getattr(manifest.target_fingerprint, name), getattr(fingerprint, name)
         if want != have:
-            raise ValueError(f"manifest.target_fingerprint.{name}: the drafter was trained for target "
-                             f"{want[:12]}…, this target is {have[:12]}…")
+            raise ValueError(
+                f"manifest.target_fingerprint.{name}: the drafter was trained for target "
+                f"{want[:12]}…, this target is {have[:12]}…"
+            )
     if taps is not None and manifest.taps() != tuple(taps):
         raise ValueError(f"manifest.feature_address: {manifest.taps()} differs from the target's taps {taps}")
 
 
-def save_drafter(folder: str | Path, drafter: Drafter, manifest: DrafterManifest,
-                 dtype: torch.dtype = torch.float16) -> Path:
+def save_drafter(
+    folder: str | Path, drafter: Drafter, manifest: DrafterManifest, dtype: torch.dtype = torch.float16
+) -> Path:
     """Write the weights (floating tensors stored as ``dtype``, fp16 by default: half the bytes of a
     served fp32 drafter, which loads them back as fp32) and the manifest."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
-             for k, v in drafter.state_dict().items()}
+    state = {
+        k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
+        for k, v in drafter.state_dict().items()
+    }
     save_file(state, str(folder / WEIGHTS_FILE))
     (folder / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
     return folder
@@ -104,8 +112,9 @@ def read_manifest(folder: str | Path) -> DrafterManifest:
         raise _pydantic_error(err, "manifest.") from None
 
 
-def load_drafter(folder: str | Path, fingerprint: TargetFingerprint,
-                 taps: tuple[FeatureTap, ...] | None = None) -> tuple[Drafter, DrafterManifest]:
+def load_drafter(
+    folder: str | Path, fingerprint: TargetFingerprint, taps: tuple[FeatureTap, ...] | None = None
+) -> tuple[Drafter, DrafterManifest]:
     """Load a drafter checkpoint for the target with ``fingerprint``; refuse a mismatch."""
     from safetensors.torch import load_file
 
@@ -124,10 +133,15 @@ def load_drafter(folder: str | Path, fingerprint: TargetFingerprint,
     for name, tensor in expected.items():
         if name not in state:
             raise ValueError(f"checkpoint.{name}: missing from {WEIGHTS_FILE}")
-        if state[name].shape != tensor.shape or state[name].is_floating_point() != tensor.is_floating_point() \
-                or (not tensor.is_floating_point() and state[name].dtype != tensor.dtype):
-            raise ValueError(f"checkpoint.{name}: shape/dtype {tuple(state[name].shape)}/{state[name].dtype} "
-                             f"!= expected {tuple(tensor.shape)}/{tensor.dtype}")
+        if (
+            state[name].shape != tensor.shape
+            or state[name].is_floating_point() != tensor.is_floating_point()
+            or (not tensor.is_floating_point() and state[name].dtype != tensor.dtype)
+        ):
+            raise ValueError(
+                f"checkpoint.{name}: shape/dtype {tuple(state[name].shape)}/{state[name].dtype} "
+                f"!= expected {tuple(tensor.shape)}/{tensor.dtype}"
+            )
     extra = sorted(set(state) - set(expected))
     if extra:
         raise ValueError(f"checkpoint.{extra[0]}: unexpected tensor")
@@ -137,8 +151,13 @@ def load_drafter(folder: str | Path, fingerprint: TargetFingerprint,
     return drafter, manifest
 
 
-def manifest_for(method: str, drafter: Drafter, fingerprint: TargetFingerprint, taps: tuple[FeatureTap, ...],
-                 **extra) -> DrafterManifest:
-    return DrafterManifest(method=method, target_fingerprint=FingerprintSpec(**fingerprint.to_dict()),
-                           feature_address=[TapSpec(layers_applied=t.layers_applied, normed=t.normed) for t in taps],
-                           drafter_config=drafter.cfg.to_dict(), **extra)
+def manifest_for(
+    method: str, drafter: Drafter, fingerprint: TargetFingerprint, taps: tuple[FeatureTap, ...], **extra
+) -> DrafterManifest:
+    return DrafterManifest(
+        method=method,
+        target_fingerprint=FingerprintSpec(**fingerprint.to_dict()),
+        feature_address=[TapSpec(layers_applied=t.layers_applied, normed=t.normed) for t in taps],
+        drafter_config=drafter.cfg.to_dict(),
+        **extra,
+    )

@@ -22,6 +22,7 @@ Terms:
 
 The frozen target embedding and LM head are passed in; the drafter owns neither (seed 0x03A).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -54,7 +55,7 @@ SAFEAILAB_ROPE_THETA = 10000.0
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    method: str                 # "eagle1" | "eagle3"
+    method: str  # "eagle1" | "eagle3"
     hidden_size: int
     num_heads: int
     num_kv_heads: int
@@ -64,9 +65,9 @@ class DrafterConfig:
     rope_theta: float
     max_position_embeddings: int
     target_vocab_size: int
-    num_taps: int               # target features per row: 1 (EAGLE-1) or 3 (EAGLE-3)
+    num_taps: int  # target features per row: 1 (EAGLE-1) or 3 (EAGLE-3)
     draft_vocab_size: int = FULL_VOCAB
-    layout: str = REFERENCE     # "reference" | "eyas-v1" (module docstring)
+    layout: str = REFERENCE  # "reference" | "eyas-v1" (module docstring)
     # reference EAGLE-3 only: an RMSNorm of its own per tap before fc (SpecForge's and speculators'
     # ``fc_norm``), so that fc does not read SmolLM2's raw massive activations
     fc_norm: bool = False
@@ -83,21 +84,37 @@ class DrafterConfig:
         if self.method == "eagle3" and self.num_taps != 3:
             raise ValueError("drafter_config.num_taps: eagle3 fuses three feature taps")
         if not 0 <= self.draft_vocab_size <= self.target_vocab_size:
-            raise ValueError(f"drafter_config.draft_vocab_size: {self.draft_vocab_size} is outside "
-                             f"[0, {self.target_vocab_size}]")
+            raise ValueError(
+                f"drafter_config.draft_vocab_size: {self.draft_vocab_size} is outside [0, {self.target_vocab_size}]"
+            )
 
     @classmethod
-    def for_target(cls, method: str, target: TargetConfig, draft_vocab_size: int | None = None,
-                   layout: str = REFERENCE, fc_norm: bool = False) -> DrafterConfig:
+    def for_target(
+        cls,
+        method: str,
+        target: TargetConfig,
+        draft_vocab_size: int | None = None,
+        layout: str = REFERENCE,
+        fc_norm: bool = False,
+    ) -> DrafterConfig:
         if draft_vocab_size is None:
             draft_vocab_size = min(8192, target.vocab_size) if method == "eagle3" else FULL_VOCAB
-        return cls(method=method, hidden_size=target.hidden_size, num_heads=target.num_heads,
-                   num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-                   intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
-                   rope_theta=SAFEAILAB_ROPE_THETA if (method, layout) == ("eagle1", REFERENCE) else target.rope_theta,
-                   max_position_embeddings=target.max_position_embeddings,
-                   target_vocab_size=target.vocab_size, num_taps=1 if method == "eagle1" else 3,
-                   draft_vocab_size=draft_vocab_size, layout=layout, fc_norm=fc_norm)
+        return cls(
+            method=method,
+            hidden_size=target.hidden_size,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            intermediate_size=target.intermediate_size,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=SAFEAILAB_ROPE_THETA if (method, layout) == ("eagle1", REFERENCE) else target.rope_theta,
+            max_position_embeddings=target.max_position_embeddings,
+            target_vocab_size=target.vocab_size,
+            num_taps=1 if method == "eagle1" else 3,
+            draft_vocab_size=draft_vocab_size,
+            layout=layout,
+            fc_norm=fc_norm,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,8 +138,9 @@ class DraftLayer(nn.Module):
     ``attn_norm`` the layer norms ``x`` first (a standard pre-norm layer, the eyas-v1 layout).
     """
 
-    def __init__(self, d: int, d_in: int, heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float,
-                 attn_norm: bool):
+    def __init__(
+        self, d: int, d_in: int, heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float, attn_norm: bool
+    ):
         super().__init__()
         self.attn_norm = RMSNorm(d_in, eps) if attn_norm else None
         self.attn = Attention(d, heads, kv_heads, head_dim, d_in=d_in)
@@ -147,21 +165,30 @@ class Drafter(nn.Module):
         self.cfg = cfg
         d = cfg.hidden_size
         self.reduce = nn.Linear(cfg.num_taps * d, d, bias=False) if cfg.num_taps > 1 else None
-        self.tap_norms = nn.ModuleList([RMSNorm(d, cfg.rms_norm_eps) for _ in range(cfg.num_taps)]) \
-            if cfg.fc_norm else None   # reference: fc_norm.{i}
+        self.tap_norms = (
+            nn.ModuleList([RMSNorm(d, cfg.rms_norm_eps) for _ in range(cfg.num_taps)]) if cfg.fc_norm else None
+        )  # reference: fc_norm.{i}
         reference_eagle3 = cfg.layout == REFERENCE and cfg.method == "eagle3"
         if cfg.layout == EYAS_V1 or reference_eagle3:
             # The state and the token embedding are normalised (EAGLE-3's reference does it, and so
             # did eyas-v1 for both methods): on SmolLM2 a tapped state has RMS 2-55 against 0.14 for
             # an embedding, and an unnormalised concatenation drowns the token (seed 0x02).
-            self.state_norm = RMSNorm(d, cfg.rms_norm_eps)   # reference: hidden_norm
-            self.embed_norm = RMSNorm(d, cfg.rms_norm_eps)   # reference: input_layernorm
+            self.state_norm = RMSNorm(d, cfg.rms_norm_eps)  # reference: hidden_norm
+            self.embed_norm = RMSNorm(d, cfg.rms_norm_eps)  # reference: input_layernorm
         else:
             self.state_norm, self.embed_norm = None, None
         # EAGLE-1 (both layouts) and eyas-v1 EAGLE-3 fuse 2d -> d before the layer; reference EAGLE-3 does not
         self.fuse = None if reference_eagle3 else nn.Linear(2 * d, d, bias=cfg.method == "eagle1")
-        self.layer = DraftLayer(d, 2 * d if reference_eagle3 else d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                cfg.intermediate_size, cfg.rms_norm_eps, attn_norm=cfg.layout == EYAS_V1)
+        self.layer = DraftLayer(
+            d,
+            2 * d if reference_eagle3 else d,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.rms_norm_eps,
+            attn_norm=cfg.layout == EYAS_V1,
+        )
         self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         if cfg.method == "eagle3":
             self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -195,22 +222,31 @@ class Drafter(nn.Module):
         """features: [..., num_taps * d] target taps -> [..., d] state (EAGLE-3 reduction W_R)."""
         assert features.shape[-1] == self.cfg.num_taps * self.cfg.hidden_size, "features: [..., num_taps*d]"
         if self.tap_norms is not None:
-            features = torch.cat([norm(x) for norm, x in zip(self.tap_norms, features.chunk(self.cfg.num_taps, -1))], -1)
+            features = torch.cat(
+                [norm(x) for norm, x in zip(self.tap_norms, features.chunk(self.cfg.num_taps, -1))], -1
+            )
         return self.reduce(features) if self.reduce is not None else features
 
     def layer_input(self, state: torch.Tensor, token_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) of the draft layer for the layout (module docstring): state, token_embeds
         [..., d] -> x [..., d_in], residual [..., d]."""
-        if self.fuse is None:                          # reference EAGLE-3
+        if self.fuse is None:  # reference EAGLE-3
             return torch.cat([self.embed_norm(token_embeds), self.state_norm(state)], dim=-1), state
-        if self.state_norm is None:                    # reference EAGLE-1
+        if self.state_norm is None:  # reference EAGLE-1
             fused = self.fuse(torch.cat([token_embeds, state], dim=-1))
-        else:                                          # eyas-v1
+        else:  # eyas-v1
             fused = self.fuse(torch.cat([self.state_norm(state), self.embed_norm(token_embeds)], dim=-1))
         return fused, fused
 
-    def forward(self, state: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        state: torch.Tensor,
+        token_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """One pass of the draft decoder.
 
         state: [B, T, d]; token_embeds: [B, T, d] (frozen E(x_{t+1})); positions: [B, T] int64;
@@ -227,8 +263,9 @@ class Drafter(nn.Module):
         w = self.layer.mlp_norm.weight
         return BatchKV(1, c.num_kv_heads, c.head_dim, w.dtype, w.device)
 
-    def forward_batch(self, kv: BatchKV, groups: list[tuple[torch.Tensor, torch.Tensor, RowGroup]]
-                      ) -> list[torch.Tensor]:
+    def forward_batch(
+        self, kv: BatchKV, groups: list[tuple[torch.Tensor, torch.Tensor, RowGroup]]
+    ) -> list[torch.Tensor]:
         """Several requests' draft rows in one pass over the engine's one K/V store, with one
         attention call for all of them (``eyas.target.batch_kv``: a padded query grid and one mask
         with each request's causal prefix and tree ancestry; no row sees another request's keys).
@@ -240,8 +277,8 @@ class Drafter(nn.Module):
         plan = BatchRows.build([g for _, _, g in groups], kv.device)
         state = torch.cat([x[0] for x in groups])[None]
         embeds = torch.cat([x[1] for x in groups])[None]
-        x, residual = self.layer_input(state, embeds)                      # [1, N, d_in], [1, N, d]
-        cos, sin = self.rope(plan.positions[None], plan.max_position)      # host-known: no device read
+        x, residual = self.layer_input(state, embeds)  # [1, N, d_in], [1, N, d]
+        cos, sin = self.rope(plan.positions[None], plan.max_position)  # host-known: no device read
         out = self.layer.forward_batch(x, residual, cos, sin, kv, plan)[0]
         return [out[a:b] for a, b in plan.bounds]
 
@@ -261,7 +298,7 @@ def init_drafter(cfg: DrafterConfig, seed: int = 0) -> Drafter:
     model = Drafter(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name and name.endswith(".weight") and p.ndim == 1:   # every RMSNorm, tap_norms.{i} too
+            if "norm" in name and name.endswith(".weight") and p.ndim == 1:  # every RMSNorm, tap_norms.{i} too
                 p.fill_(1.0)
             elif p.ndim == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)

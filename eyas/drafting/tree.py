@@ -74,9 +74,7 @@ def _check_children_args(
         if type(p) is not int:
             raise ValueError(f"parents: expected int node ids, got {type(p).__name__}")
         if p not in expandable:
-            raise ValueError(
-                f"parents: child parent {p} must belong to the current expandable set {expandable}"
-            )
+            raise ValueError(f"parents: child parent {p} must belong to the current expandable set {expandable}")
     for name, value in (("tokens", tokens), ("probs", probs)):
         if not isinstance(value, torch.Tensor) or value.ndim != 2:
             raise ValueError(f"{name}: expected a 2-D tensor [P, k]")
@@ -101,19 +99,14 @@ def _check_children_args(
                 raise ValueError(f"tokens: negative token id {token} under parent {p}")
             if not math.isfinite(confidence) or not 0.0 <= confidence <= 1.0:
                 raise ValueError(
-                    f"probs: confidence {confidence} under parent {p} must be a finite "
-                    f"probability in [0, 1]"
+                    f"probs: confidence {confidence} under parent {p} must be a finite probability in [0, 1]"
                 )
             if (p, token) in seen:
-                raise ValueError(
-                    f"tokens: duplicate token alternative {token} under one parent {p}"
-                )
+                raise ValueError(f"tokens: duplicate token alternative {token} under one parent {p}")
             seen.add((p, token))
             mass = mass_by_parent.get(p, 0.0) + confidence
             if mass > mass_limit:
-                raise ValueError(
-                    f"probs: sibling probability mass {mass} under parent {p} exceeds one"
-                )
+                raise ValueError(f"probs: sibling probability mass {mass} under parent {p} exceeds one")
             mass_by_parent[p] = mass
     return parents, token_rows, prob_rows
 
@@ -158,9 +151,7 @@ class _NodeStore:
 
     def node(self, node_id: int) -> BuiltNode:
         if type(node_id) is not int or not 0 <= node_id < len(self.tokens):
-            raise ValueError(
-                f"node_id: {node_id!r} is not a built node (0..{len(self.tokens) - 1})"
-            )
+            raise ValueError(f"node_id: {node_id!r} is not a built node (0..{len(self.tokens) - 1})")
         return BuiltNode(
             parent=self.parents[node_id],
             column=self.columns[node_id],
@@ -189,16 +180,10 @@ class _NodeStore:
             assert position[p] < position[node], f"parent {p} ranked after its child {node}"
             parents.append(position[p])
         return DraftTree(
-            tokens=torch.tensor(
-                [self.tokens[n] for n in node_ids], dtype=torch.int64, device=device
-            ),
+            tokens=torch.tensor([self.tokens[n] for n in node_ids], dtype=torch.int64, device=device),
             parents=torch.tensor(parents, dtype=torch.int64, device=device),
-            depths=torch.tensor(
-                [self.depths[n] for n in node_ids], dtype=torch.int64, device=device
-            ),
-            draft_probs=torch.tensor(
-                [self.confidences[n] for n in node_ids], dtype=torch.float32, device=device
-            ),
+            depths=torch.tensor([self.depths[n] for n in node_ids], dtype=torch.int64, device=device),
+            draft_probs=torch.tensor([self.confidences[n] for n in node_ids], dtype=torch.float32, device=device),
         )
 
 
@@ -221,15 +206,10 @@ class DynamicTreeBuilder:
 
     def __init__(self, *, expand_width: int, verify_budget: int, max_depth: int) -> None:
         if type(expand_width) is not int or expand_width < 1:
-            raise ValueError(
-                f"expand_width: expansion width must be a positive integer, got {expand_width!r}"
-            )
+            raise ValueError(f"expand_width: expansion width must be a positive integer, got {expand_width!r}")
         for name, value in (("verify_budget", verify_budget), ("max_depth", max_depth)):
             if type(value) is not int or value < 0:
-                raise ValueError(
-                    f"{name}: verification budget and depth must be nonnegative integers, "
-                    f"got {value!r}"
-                )
+                raise ValueError(f"{name}: verification budget and depth must be nonnegative integers, got {value!r}")
         self.expand_width = expand_width
         self.verify_budget = verify_budget
         self.max_depth = max_depth
@@ -332,27 +312,20 @@ class StaticTreeBuilder:
         paths: set[tuple[int, ...]] = set()
         for choice in choices:
             if isinstance(choice, (str, bytes)) or not isinstance(choice, Sequence):
-                raise ValueError(
-                    f"choices: each choice must be a sequence of ranks, got {choice!r}"
-                )
+                raise ValueError(f"choices: each choice must be a sequence of ranks, got {choice!r}")
             path = tuple(choice)
             if not path:
                 raise ValueError("choices: empty path (the seed is implicit, not a choice)")
             for rank in path:
                 if type(rank) is not int or rank < 0:
-                    raise ValueError(
-                        f"choices: ranks must be nonnegative integers, got {rank!r} in {list(path)}"
-                    )
+                    raise ValueError(f"choices: ranks must be nonnegative integers, got {rank!r} in {list(path)}")
             if path in paths:
                 raise ValueError(f"choices: duplicate choice {list(path)}")
             paths.add(path)
         for path in paths:
             for cut in range(1, len(path)):
                 if path[:cut] not in paths:
-                    raise ValueError(
-                        f"choices: not ancestor-closed: {list(path)} needs its prefix "
-                        f"{list(path[:cut])}"
-                    )
+                    raise ValueError(f"choices: not ancestor-closed: {list(path)} needs its prefix {list(path[:cut])}")
         self.choices: frozenset[tuple[int, ...]] = frozenset(paths)
         self._nodes = _NodeStore()
         self._paths: list[tuple[int, ...]] = []  # rank path of each built node
@@ -402,9 +375,7 @@ class StaticTreeBuilder:
         )
         for p, prob_row in zip(parents, prob_rows):
             if any(a < b for a, b in zip(prob_row, prob_row[1:])):
-                raise ValueError(
-                    f"probs: row for parent {p} is not descending; column j must be rank j"
-                )
+                raise ValueError(f"probs: row for parent {p} is not descending; column j must be rank j")
         new_ids = []
         for p, token_row, prob_row in zip(parents, token_rows, prob_rows):
             for rank, (token, confidence) in enumerate(zip(token_row, prob_row)):

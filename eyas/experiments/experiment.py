@@ -20,6 +20,7 @@ One run:
 Node types are read from the cluster config: a node counts as type T when it offers the custom
 resource T (the fake and real configs both follow that convention); every other node is the head.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -58,8 +59,8 @@ from eyas.experiments.workload import (
 log = logging.getLogger("eyas.experiment")
 CLOSE_GRACE_S = 30.0  # Replay.close: how long requests still running at the end get to stop once cancelled
 LATE_ERROR = "not finished when the experiment ended (cancelled)"
-LATENCY_WINDOW_S = 10.0       # p50/p99 in a sample cover requests finished in this trailing window
-RATE_WINDOW_S = 5.0           # request rate and tokens/s in a sample: over this trailing window
+LATENCY_WINDOW_S = 10.0  # p50/p99 in a sample cover requests finished in this trailing window
+RATE_WINDOW_S = 5.0  # request rate and tokens/s in a sample: over this trailing window
 HEAD = "head"
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "ray_configs"
 
@@ -97,8 +98,10 @@ class FakeCluster:
     def start(self) -> str:
         running = ray_processes_running()
         if running:
-            raise RuntimeError(f"another Ray is running on this machine ({running}); stop it (`ray stop`) or "
-                               "pass --address to run the experiment on it")
+            raise RuntimeError(
+                f"another Ray is running on this machine ({running}); stop it (`ray stop`) or "
+                "pass --address to run the experiment on it"
+            )
         import ray
 
         address = f"{ray.util.get_node_ip_address()}:{self.port}"
@@ -107,8 +110,16 @@ class FakeCluster:
         with os.fdopen(fd, "w") as f:
             json.dump(config, f)
         res = dict(self.head_resources)
-        cmd = [*_ray_cli(), "start", "--head", f"--port={self.port}", f"--autoscaling-config={self.config_file}",
-               "--include-dashboard=false", f"--num-cpus={int(res.pop('CPU', 1))}", "--disable-usage-stats"]
+        cmd = [
+            *_ray_cli(),
+            "start",
+            "--head",
+            f"--port={self.port}",
+            f"--autoscaling-config={self.config_file}",
+            "--include-dashboard=false",
+            f"--num-cpus={int(res.pop('CPU', 1))}",
+            "--disable-usage-stats",
+        ]
         if "GPU" in res:
             cmd.append(f"--num-gpus={int(res.pop('GPU'))}")
         if "object_store_memory" in res:
@@ -120,8 +131,9 @@ class FakeCluster:
         return address
 
     def shutdown(self) -> None:
-        subprocess.run([*_ray_cli(), "stop", "--force"], check=False, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [*_ray_cli(), "stop", "--force"], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         if self.config_file:
             Path(self.config_file).unlink(missing_ok=True)
 
@@ -168,8 +180,10 @@ def replica_states(app: str = "eyas") -> dict[str, tuple[int, int]]:
     status = serve.status().applications.get(app)
     if status is None:
         return {}
-    return {name: (int(d.replica_states.get("RUNNING", 0)), int(d.replica_states.get("STARTING", 0)))
-            for name, d in status.deployments.items()}
+    return {
+        name: (int(d.replica_states.get("RUNNING", 0)), int(d.replica_states.get("STARTING", 0)))
+        for name, d in status.deployments.items()
+    }
 
 
 def replica_startup_s(states: list[tuple[float, int, int]]) -> float | None:
@@ -203,7 +217,7 @@ class RequestLog:
     rounds: int = 0
     error: str | None = None
     correct: bool | None = None
-    stats: dict | None = None         # the last chunk's GenerateStats (rounds, new_tokens, draft_ms, hop_ms)
+    stats: dict | None = None  # the last chunk's GenerateStats (rounds, new_tokens, draft_ms, hop_ms)
 
     @property
     def latency_s(self) -> float:
@@ -222,7 +236,7 @@ class Replay:
         self.futures: list[concurrent.futures.Future] = []
         self.on_done = None
         self.lock = threading.Lock()
-        self.token_times: list[tuple[float, int]] = []   # (when, tokens) of every streamed chunk
+        self.token_times: list[tuple[float, int]] = []  # (when, tokens) of every streamed chunk
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -248,9 +262,12 @@ class Replay:
     def _one(self, rec: RequestLog) -> None:
         rec.sent_t = self.now()
         try:
-            for chunk in self._client().stream(prompt=rec.arrival.prompt, method=self.workload.method,
-                                               max_new_tokens=rec.arrival.max_new_tokens,
-                                               request_id=rec.request_id):
+            for chunk in self._client().stream(
+                prompt=rec.arrival.prompt,
+                method=self.workload.method,
+                max_new_tokens=rec.arrival.max_new_tokens,
+                request_id=rec.request_id,
+            ):
                 if chunk.token_ids and math.isnan(rec.first_t):
                     rec.first_t = self.now()
                 rec.tokens.extend(chunk.token_ids)
@@ -260,8 +277,12 @@ class Replay:
                 if chunk.finish_reason:
                     rec.finish_reason = chunk.finish_reason
                     rec.rounds = chunk.stats.rounds
-                    rec.stats = {"rounds": chunk.stats.rounds, "new_tokens": chunk.stats.new_tokens,
-                                 "draft_ms": chunk.stats.draft_ms, "hop_ms": chunk.stats.hop_ms}
+                    rec.stats = {
+                        "rounds": chunk.stats.rounds,
+                        "new_tokens": chunk.stats.new_tokens,
+                        "draft_ms": chunk.stats.draft_ms,
+                        "hop_ms": chunk.stats.hop_ms,
+                    }
                     if chunk.finish_reason == "error":
                         rec.error = chunk.text
         except Exception as err:  # noqa: BLE001 - recorded in the log's record: the experiment reports it, it does not stop
@@ -307,13 +328,20 @@ def sample_now(replay: Replay, stats: dict, replicas: dict[str, int], nodes: dic
     with replay.lock:
         fresh_tokens = sum(n for when, n in replay.token_times if when > t - window)
     targets = [a for a in stats.get("autoscaling", {}).values() if a.get("kind") == "target"]
-    return Sample(t=t, request_rate=arrived / window,
-                  in_flight=replay.dispatched() - len(done), completed=len(done),
-                  pending_verify_rows=sum(a.get("pending_verify_rows", 0.0) for a in targets),
-                  draft_rows=sum(a.get("draft_rows", 0.0) for a in targets),
-                  kv_bytes_used=sum(a.get("kv_bytes_used", 0.0) for a in targets),
-                  replicas=replicas, nodes=nodes, p50_latency_s=percentile(recent, 50),
-                  p99_latency_s=percentile(recent, 99), tokens_per_s=fresh_tokens / window)
+    return Sample(
+        t=t,
+        request_rate=arrived / window,
+        in_flight=replay.dispatched() - len(done),
+        completed=len(done),
+        pending_verify_rows=sum(a.get("pending_verify_rows", 0.0) for a in targets),
+        draft_rows=sum(a.get("draft_rows", 0.0) for a in targets),
+        kv_bytes_used=sum(a.get("kv_bytes_used", 0.0) for a in targets),
+        replicas=replicas,
+        nodes=nodes,
+        p50_latency_s=percentile(recent, 50),
+        p99_latency_s=percentile(recent, 99),
+        tokens_per_s=fresh_tokens / window,
+    )
 
 
 # --- the simulator's prediction of the same run --------------------------------------------------------
@@ -321,14 +349,14 @@ def sample_now(replay: Replay, stats: dict, replicas: dict[str, int], nodes: dic
 class Calibration:
     """What the simulator takes from the measured run (all from this run's own replicas and clients)."""
 
-    verify_ms: dict[int, float]      # the target replicas' latency curve: total verify rows -> ms
-    tokens_per_round: float          # tau: new tokens per request per round
-    rows_per_request: float          # mean verify rows per request per round
-    draft_ms_per_round: float        # mean drafter time per round
-    hop_ms_per_round: float          # mean time per round outside both forwards
-    prompt_len: float                # mean prompt tokens
-    startup_s: float                 # a new target replica: node launch + model load + curve
-    cost_scale: float = 1.0          # round cost multiplier fitted to the run's makespan (fit_cost_scale)
+    verify_ms: dict[int, float]  # the target replicas' latency curve: total verify rows -> ms
+    tokens_per_round: float  # tau: new tokens per request per round
+    rows_per_request: float  # mean verify rows per request per round
+    draft_ms_per_round: float  # mean drafter time per round
+    hop_ms_per_round: float  # mean time per round outside both forwards
+    prompt_len: float  # mean prompt tokens
+    startup_s: float  # a new target replica: node launch + model load + curve
+    cost_scale: float = 1.0  # round cost multiplier fitted to the run's makespan (fit_cost_scale)
 
 
 def calibrate(stats: dict, reports: list[dict], startup_s: float, prompt_len: float) -> Calibration:
@@ -342,16 +370,27 @@ def calibrate(stats: dict, reports: list[dict], startup_s: float, prompt_len: fl
     rows = sum(p["sum"] for p in rows_hist) / max(sum(p["count"] for p in rows_hist), 1)
     rounds = sum(r["rounds"] for r in reports) or 1
     tokens = sum(r["new_tokens"] for r in reports)
-    return Calibration(verify_ms=dict(zip(curve["rows"], curve["ms"])),
-                       tokens_per_round=max(1.0, tokens / rounds), rows_per_request=max(1.0, rows),
-                       draft_ms_per_round=sum(r["draft_ms"] for r in reports) / rounds,
-                       hop_ms_per_round=sum(r["hop_ms"] for r in reports) / rounds,
-                       prompt_len=prompt_len, startup_s=startup_s)
+    return Calibration(
+        verify_ms=dict(zip(curve["rows"], curve["ms"])),
+        tokens_per_round=max(1.0, tokens / rounds),
+        rows_per_request=max(1.0, rows),
+        draft_ms_per_round=sum(r["draft_ms"] for r in reports) / rounds,
+        hop_ms_per_round=sum(r["hop_ms"] for r in reports) / rounds,
+        prompt_len=prompt_len,
+        startup_s=startup_s,
+    )
 
 
-def predict(schedule: list[Arrival], cal: Calibration, policy: TargetScalingConfig, max_batch: int,
-            initial_replicas: int, until_s: float, control_interval_s: float = 1.0,
-            host_replicas: float | None = None) -> sim.SimResult:
+def predict(
+    schedule: list[Arrival],
+    cal: Calibration,
+    policy: TargetScalingConfig,
+    max_batch: int,
+    initial_replicas: int,
+    until_s: float,
+    control_interval_s: float = 1.0,
+    host_replicas: float | None = None,
+) -> sim.SimResult:
     """Simulate the replayed arrivals on replicas of the calibrated cost, scaled by the same policy.
 
     The policy sees what a target replica reports (``RoundLoop.work``): pending verify rows = requests
@@ -363,32 +402,51 @@ def predict(schedule: list[Arrival], cal: Calibration, policy: TargetScalingConf
     mean_out = sum(a.max_new_tokens for a in schedule) / len(schedule)
 
     def scale(s: sim.ScalingState) -> int:
-        rows = (s.running * mean_out / cal.tokens_per_round / 2 * cal.rows_per_request
-                + s.queued * (cal.prompt_len + mean_out))
-        replicas, state["s"] = decide_target_replicas([ReplicaMetrics(pending_verify_rows=rows, timestamp=s.time_s)],
-                                                      ScalingState(s.replicas, state["s"].above_since,
-                                                                   state["s"].below_since,
-                                                                   state["s"].last_decision_at),
-                                                      policy, now=s.time_s)
+        rows = s.running * mean_out / cal.tokens_per_round / 2 * cal.rows_per_request + s.queued * (
+            cal.prompt_len + mean_out
+        )
+        replicas, state["s"] = decide_target_replicas(
+            [ReplicaMetrics(pending_verify_rows=rows, timestamp=s.time_s)],
+            ScalingState(s.replicas, state["s"].above_since, state["s"].below_since, state["s"].last_decision_at),
+            policy,
+            now=s.time_s,
+        )
         return replicas
 
     lengths = sorted({a.max_new_tokens for a in schedule})
     weights = [sum(a.max_new_tokens == n for a in schedule) / len(schedule) for n in lengths]
     per_round_ms = cal.draft_ms_per_round + cal.hop_ms_per_round
-    model = sim.ReplicaModel(verify_ms=sim.Curve.from_points({r: cal.cost_scale * (ms + per_round_ms)
-                                                              for r, ms in cal.verify_ms.items()}),
-                             tokens_per_round=cal.tokens_per_round, rows_per_request=cal.rows_per_request,
-                             max_batch=max_batch, prefill_rows_per_prompt_token=1.0, host_replicas=host_replicas)
-    workload = sim.Workload(sim.Arrivals.explicit([a.t for a in schedule]),
-                            output_len=list(zip(lengths, weights)), prompt_len=max(1, round(cal.prompt_len)))
-    cluster = sim.ClusterModel(replicas=initial_replicas, autoscaling=sim.Autoscaling(
-        scale, control_interval_s=control_interval_s, startup_delay_s=cal.startup_s))
+    model = sim.ReplicaModel(
+        verify_ms=sim.Curve.from_points({r: cal.cost_scale * (ms + per_round_ms) for r, ms in cal.verify_ms.items()}),
+        tokens_per_round=cal.tokens_per_round,
+        rows_per_request=cal.rows_per_request,
+        max_batch=max_batch,
+        prefill_rows_per_prompt_token=1.0,
+        host_replicas=host_replicas,
+    )
+    workload = sim.Workload(
+        sim.Arrivals.explicit([a.t for a in schedule]),
+        output_len=list(zip(lengths, weights)),
+        prompt_len=max(1, round(cal.prompt_len)),
+    )
+    cluster = sim.ClusterModel(
+        replicas=initial_replicas,
+        autoscaling=sim.Autoscaling(scale, control_interval_s=control_interval_s, startup_delay_s=cal.startup_s),
+    )
     return sim.simulate(workload, model, cluster, until_s=until_s, horizon_s=until_s + 600)
 
 
-def fit_cost_scale(schedule: list[Arrival], cal: Calibration, policy: TargetScalingConfig, max_batch: int,
-                   initial_replicas: int, until_s: float, measured_makespan_s: float,
-                   host_replicas: float | None = None, iterations: int = 24) -> float:
+def fit_cost_scale(
+    schedule: list[Arrival],
+    cal: Calibration,
+    policy: TargetScalingConfig,
+    max_batch: int,
+    initial_replicas: int,
+    until_s: float,
+    measured_makespan_s: float,
+    host_replicas: float | None = None,
+    iterations: int = 24,
+) -> float:
     """The one fitted parameter: the factor on the calibrated round cost that makes the simulated run
     take as long as the measured one (first arrival to last answer). Latency percentiles and replica
     counts are then predictions, not fits. Bisection on a log scale over [1/32, 32]: the simulated
@@ -419,14 +477,20 @@ def replica_capacity(cal: Calibration, policy: TargetScalingConfig, max_batch: i
     """
     one = policy.model_copy(update={"min_replicas": 1, "max_replicas": 1})
     n = CAPACITY_BATCHES * max_batch
-    r = predict([Arrival(0.0, "capacity", "", output_len, 0)] * n, cal, one, max_batch, initial_replicas=1,
-                until_s=0.0)
+    r = predict([Arrival(0.0, "capacity", "", output_len, 0)] * n, cal, one, max_batch, initial_replicas=1, until_s=0.0)
     done = n - r.unfinished  # a replica slower than predict's 600-s horizon leaves some unfinished
     return done / r.makespan_s if done and r.makespan_s > 0 else 0.0
 
 
-def plan(cal: Calibration, policy: TargetScalingConfig, max_batch: int, rates: list[float], duration_s: float,
-         output_len: int, cost_per_replica_hour: float = 1.0) -> list[dict]:
+def plan(
+    cal: Calibration,
+    policy: TargetScalingConfig,
+    max_batch: int,
+    rates: list[float],
+    duration_s: float,
+    output_len: int,
+    cost_per_replica_hour: float = 1.0,
+) -> list[dict]:
     """Predicted replicas, nodes, latency and cost at arrival rates far above this machine's (Poisson).
 
     Each rate starts at its steady-state count, ``ceil(rate / replica_capacity)``, so that the plan is
@@ -438,15 +502,25 @@ def plan(cal: Calibration, policy: TargetScalingConfig, max_batch: int, rates: l
     per_replica = replica_capacity(cal, policy, max_batch, output_len)
     out = []
     for rate in rates:
-        schedule = [Arrival(t, "plan", "", output_len, 0) for t in
-                    sim.Arrivals.poisson(rate, duration_s=duration_s).sample(random.Random(0))]
+        schedule = [
+            Arrival(t, "plan", "", output_len, 0)
+            for t in sim.Arrivals.poisson(rate, duration_s=duration_s).sample(random.Random(0))
+        ]
         start = max(1, math.ceil(rate / per_replica)) if per_replica else 1
         r = predict(schedule, cal, big, max_batch, initial_replicas=start, until_s=duration_s)
-        out.append({"rate_per_s": rate, "requests": len(schedule), "peak_replicas": r.peak_replicas,
-                    "peak_nodes": r.peak_nodes, "p50_latency_s": r.p50_latency_s, "p99_latency_s": r.p99_latency_s,
-                    "tokens_per_s": r.throughput_tokens_per_s,
-                    "cost_per_hour_at_peak": r.peak_replicas * cost_per_replica_hour,
-                    "unfinished": r.unfinished})
+        out.append(
+            {
+                "rate_per_s": rate,
+                "requests": len(schedule),
+                "peak_replicas": r.peak_replicas,
+                "peak_nodes": r.peak_nodes,
+                "p50_latency_s": r.p50_latency_s,
+                "p99_latency_s": r.p99_latency_s,
+                "tokens_per_s": r.throughput_tokens_per_s,
+                "cost_per_hour_at_peak": r.peak_replicas * cost_per_replica_hour,
+                "unfinished": r.unfinished,
+            }
+        )
     return out
 
 
@@ -458,8 +532,9 @@ def _references(target: str, schedule: list[Arrival]) -> dict[tuple[str, int], l
 
     rt = Eyas(target)
     keys = sorted({(a.prompt, a.max_new_tokens) for a in schedule})
-    return {k: rt.generate(parse_request(prompt=k[0], method="target", max_new_tokens=k[1]))[1]["token_ids"]
-            for k in keys}
+    return {
+        k: rt.generate(parse_request(prompt=k[0], method="target", max_new_tokens=k[1]))[1]["token_ids"] for k in keys
+    }
 
 
 def _read_serve_doc(path: str | Path) -> dict:
@@ -506,8 +581,11 @@ def _serve_app_args(doc: dict, path: str | Path, app: str) -> dict:
 
 def _serve_endpoints(doc: dict, path: str | Path) -> dict:
     found = {}
-    for section, key, name in (("http_options", "host", "host"), ("http_options", "port", "http_port"),
-                               ("grpc_options", "port", "grpc_port")):
+    for section, key, name in (
+        ("http_options", "host", "host"),
+        ("http_options", "port", "http_port"),
+        ("grpc_options", "port", "grpc_port"),
+    ):
         options = doc.get(section) or {}
         if not isinstance(options, dict):
             raise ValueError(f"{path}: {section}: must be a mapping")
@@ -520,9 +598,17 @@ def _serve_endpoints(doc: dict, path: str | Path) -> dict:
     return found
 
 
-def run_autoscale(workload: Workload, out_dir: str | Path, *, serve_config: str | Path | None = None,
-                  cluster_config: str | Path | None = None, address: str | None = None, check: bool = True,
-                  plan_rates: tuple[float, ...] = (100.0, 1000.0), progress: bool = True) -> dict:
+def run_autoscale(
+    workload: Workload,
+    out_dir: str | Path,
+    *,
+    serve_config: str | Path | None = None,
+    cluster_config: str | Path | None = None,
+    address: str | None = None,
+    check: bool = True,
+    plan_rates: tuple[float, ...] = (100.0, 1000.0),
+    progress: bool = True,
+) -> dict:
     """Run the experiment; returns the summary (also in ``out_dir/timeline.json``)."""
     from tqdm import tqdm
 
@@ -539,8 +625,15 @@ def run_autoscale(workload: Workload, out_dir: str | Path, *, serve_config: str 
         raise ValueError(f"workload {workload.name}: the phases produce no arrival")
     references = _references(cfg.target, schedule) if check else {}
     cluster = None if address else FakeCluster(cluster_doc)
-    timeline = Timeline(workload.name, meta={"serve_args": args, "node_types": node_types,
-                                             "arrivals": len(schedule), "address": address or "fake cluster"})
+    timeline = Timeline(
+        workload.name,
+        meta={
+            "serve_args": args,
+            "node_types": node_types,
+            "arrivals": len(schedule),
+            "address": address or "fake cluster",
+        },
+    )
     try:
         if cluster is not None:
             address = cluster.start()
@@ -556,27 +649,49 @@ def run_autoscale(workload: Workload, out_dir: str | Path, *, serve_config: str 
     until = timeline.samples[-1].t if timeline.samples else 0.0
     initial = summary_doc["initial_target_replicas"]
     cal = Calibration(**cal_doc)
-    cal = Calibration(**{**cal_doc, "cost_scale": fit_cost_scale(schedule, cal, policy, cfg.max_batch, initial, until,
-                                                                 summary_doc["makespan_s"], host_replicas=host)})
+    cal = Calibration(
+        **{
+            **cal_doc,
+            "cost_scale": fit_cost_scale(
+                schedule, cal, policy, cfg.max_batch, initial, until, summary_doc["makespan_s"], host_replicas=host
+            ),
+        }
+    )
     cal_doc = cal.__dict__
     predicted = predict(schedule, cal, policy, cfg.max_batch, initial, until_s=until, host_replicas=host)
     summary_doc["simulator"] = {
         "calibration": cal_doc,
-        "predicted": {"p50_latency_s": predicted.p50_latency_s, "p99_latency_s": predicted.p99_latency_s,
-                      "makespan_s": predicted.makespan_s,
-                      "peak_replicas": predicted.peak_replicas,
-                      "final_replicas": predicted.timeline[-1].replicas if predicted.timeline else None},
-        "measured": {"p50_latency_s": summary_doc["p50_latency_s"], "p99_latency_s": summary_doc["p99_latency_s"],
-                     # the simulator counts a replica from launch (starting, as Serve does once it is asked for)
-                     "peak_replicas": summary_doc["peak_target_replicas_asked"], "makespan_s": summary_doc["makespan_s"],
-                     "final_replicas": summary_doc["final_target_replicas"]},
+        "predicted": {
+            "p50_latency_s": predicted.p50_latency_s,
+            "p99_latency_s": predicted.p99_latency_s,
+            "makespan_s": predicted.makespan_s,
+            "peak_replicas": predicted.peak_replicas,
+            "final_replicas": predicted.timeline[-1].replicas if predicted.timeline else None,
+        },
+        "measured": {
+            "p50_latency_s": summary_doc["p50_latency_s"],
+            "p99_latency_s": summary_doc["p99_latency_s"],
+            # the simulator counts a replica from launch (starting, as Serve does once it is asked for)
+            "peak_replicas": summary_doc["peak_target_replicas_asked"],
+            "makespan_s": summary_doc["makespan_s"],
+            "final_replicas": summary_doc["final_target_replicas"],
+        },
         "host_replicas": host,
-        "plan": plan(cal, policy, cfg.max_batch, list(plan_rates), duration_s=30.0,
-                     output_len=round(sum(a.max_new_tokens for a in schedule) / len(schedule))) if plan_rates else [],
+        "plan": plan(
+            cal,
+            policy,
+            cfg.max_batch,
+            list(plan_rates),
+            duration_s=30.0,
+            output_len=round(sum(a.max_new_tokens for a in schedule) / len(schedule)),
+        )
+        if plan_rates
+        else [],
     }
     p, m = summary_doc["simulator"]["predicted"], summary_doc["simulator"]["measured"]
-    summary_doc["simulator"]["error"] = {k: (p[k] - m[k]) / m[k] if m[k] else None
-                                        for k in ("p50_latency_s", "p99_latency_s", "peak_replicas")}
+    summary_doc["simulator"]["error"] = {
+        k: (p[k] - m[k]) / m[k] if m[k] else None for k in ("p50_latency_s", "p99_latency_s", "peak_replicas")
+    }
     timeline.meta["summary"] = summary_doc
     timeline.write_json(out / "timeline.json")
     plot_timeline(timeline, out / "timeline.png", workload=workload)
@@ -606,8 +721,11 @@ def _run(workload, schedule, address, args, node_types, references, timeline, ou
     ray.init(address=address, namespace="eyas-experiment", log_to_driver=False)
     grpc_port = free_port()
     # proxies on the head only: a proxy on a worker node would keep it from ever going idle
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+    serve.start(
+        proxy_location="HeadOnly",
+        http_options={"host": "127.0.0.1", "port": free_port()},
+        grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
+    )
     t_deploy = time.monotonic()
     serve.run(build_app(args), name="eyas", route_prefix="/")
     deploy_s = time.monotonic() - t_deploy
@@ -649,30 +767,55 @@ def _run(workload, schedule, address, args, node_types, references, timeline, ou
     for rec in logs:
         if references and rec.error is None:
             rec.correct = rec.tokens == references[(rec.arrival.prompt, rec.arrival.max_new_tokens)]
-    (out / "requests.jsonl").write_text("".join(json.dumps(
-        {"t": r.arrival.t, "kind": r.arrival.kind, "max_new_tokens": r.arrival.max_new_tokens,
-         "latency_s": r.latency_s, "ttft_s": r.first_t - r.arrival.t, "tokens": len(r.tokens),
-         "finish_reason": r.finish_reason, "error": r.error, "correct": r.correct}) + "\n" for r in logs))
+    (out / "requests.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "t": r.arrival.t,
+                    "kind": r.arrival.kind,
+                    "max_new_tokens": r.arrival.max_new_tokens,
+                    "latency_s": r.latency_s,
+                    "ttft_s": r.first_t - r.arrival.t,
+                    "tokens": len(r.tokens),
+                    "finish_reason": r.finish_reason,
+                    "error": r.error,
+                    "correct": r.correct,
+                }
+            )
+            + "\n"
+            for r in logs
+        )
+    )
     doc = summary(timeline)
     lat = [r.latency_s for r in logs if r.error is None]
-    burst = next(((a, b) for (a, b), ph in zip(phase_spans(workload), workload.phases) if ph.label == BURST_START), None)
+    burst = next(
+        ((a, b) for (a, b), ph in zip(phase_spans(workload), workload.phases) if ph.label == BURST_START), None
+    )
     if burst is not None:  # by arrival: requests that came before the burst, and during it
         doc["p99_steady_s"] = percentile([r.latency_s for r in logs if r.error is None and r.arrival.t < burst[0]], 99)
-        doc["p99_burst_s"] = percentile([r.latency_s for r in logs
-                                         if r.error is None and burst[0] <= r.arrival.t < burst[1]], 99)
+        doc["p99_burst_s"] = percentile(
+            [r.latency_s for r in logs if r.error is None and burst[0] <= r.arrival.t < burst[1]], 99
+        )
     target_counts = [s.replicas.get("EyasTarget", 0) for s in timeline.samples]
-    doc.update(requests=len(logs), errors=sum(r.error is not None for r in logs),
-               incorrect=sum(r.correct is False for r in logs), checked=bool(references),
-               p50_latency_s=percentile(lat, 50), p99_latency_s=percentile(lat, 99),
-               initial_target_replicas=initial.get("EyasTarget", 1),
-               peak_target_replicas=max(target_counts, default=0),
-               final_target_replicas=target_counts[-1] if target_counts else 0, deploy_s=deploy_s,
-               makespan_s=max((r.done_t for r in logs if r.error is None), default=0.0) - schedule[0].t)
+    doc.update(
+        requests=len(logs),
+        errors=sum(r.error is not None for r in logs),
+        incorrect=sum(r.correct is False for r in logs),
+        checked=bool(references),
+        p50_latency_s=percentile(lat, 50),
+        p99_latency_s=percentile(lat, 99),
+        initial_target_replicas=initial.get("EyasTarget", 1),
+        peak_target_replicas=max(target_counts, default=0),
+        final_target_replicas=target_counts[-1] if target_counts else 0,
+        deploy_s=deploy_s,
+        makespan_s=max((r.done_t for r in logs if r.error is None), default=0.0) - schedule[0].t,
+    )
     doc["peak_target_replicas_asked"] = max((run + start for _, run, start in target_states), default=0)
     startup = replica_startup_s(target_states)
     doc["target_replica_startup_s"] = startup
-    doc["_calibration"] = calibrate(last_stats, [r.stats for r in logs if r.stats], startup or deploy_s,
-                                    prompt_len=_mean_prompt_len(args, schedule)).__dict__
+    doc["_calibration"] = calibrate(
+        last_stats, [r.stats for r in logs if r.stats], startup or deploy_s, prompt_len=_mean_prompt_len(args, schedule)
+    ).__dict__
     return doc
 
 

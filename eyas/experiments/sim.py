@@ -42,6 +42,7 @@ Event queue: a heap of ``(time_s, kind, seq, payload)``; at equal times the kind
 round end, replica ready, arrival, control, round start, sample, so that every request that arrives
 at the instant a round ends joins the next round.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -69,6 +70,7 @@ STARTING, ACTIVE, DRAINING, STOPPED = "starting", "active", "draining", "stopped
 
 # ----------------------------------------------------------------------------------------- inputs
 
+
 @dataclass(frozen=True)
 class Curve:
     """Milliseconds as a piecewise-linear function of rows, given as knots ``{rows: ms}``.
@@ -81,7 +83,7 @@ class Curve:
     """
 
     rows: tuple[float, ...]  # increasing knot positions (total rows in a round)
-    ms: tuple[float, ...]    # milliseconds at each knot, >= 0
+    ms: tuple[float, ...]  # milliseconds at each knot, >= 0
 
     def __post_init__(self):
         if not self.rows or len(self.rows) != len(self.ms):
@@ -146,11 +148,11 @@ class Arrivals:
     ``explicit``: the given times (sorted).
     """
 
-    kind: str                          # "poisson" | "deterministic" | "explicit"
-    rate_per_s: float = 0.0            # requests per second
+    kind: str  # "poisson" | "deterministic" | "explicit"
+    rate_per_s: float = 0.0  # requests per second
     duration_s: float | None = None
     count: int | None = None
-    times_s: tuple[float, ...] = ()    # explicit arrival times, seconds
+    times_s: tuple[float, ...] = ()  # explicit arrival times, seconds
 
     def __post_init__(self):
         if self.kind not in ("poisson", "deterministic", "explicit"):
@@ -168,8 +170,7 @@ class Arrivals:
         return cls("poisson", rate_per_s, duration_s, count)
 
     @classmethod
-    def deterministic(cls, rate_per_s: float, *, duration_s: float | None = None,
-                      count: int | None = None) -> Arrivals:
+    def deterministic(cls, rate_per_s: float, *, duration_s: float | None = None, count: int | None = None) -> Arrivals:
         return cls("deterministic", rate_per_s, duration_s, count)
 
     @classmethod
@@ -212,12 +213,12 @@ class Workload:
 class ReplicaModel:
     """One replica's round cost and batching. Times in ms; see the module docstring for terms."""
 
-    verify_ms: Curve                       # ms of a verify of R total rows
-    tokens_per_round: float = 1.0          # tau: mean tokens per request per round, incl. the bonus token
-    rows_per_request: float = 1.0          # verify rows per batched request per round
-    max_batch: int = 1                     # requests in one round
-    draft_ms: Curve = Curve.zero()         # ms of a drafter pass of D total draft rows
-    draft_rows_per_request: float = 0.0    # draft rows per batched request per round
+    verify_ms: Curve  # ms of a verify of R total rows
+    tokens_per_round: float = 1.0  # tau: mean tokens per request per round, incl. the bonus token
+    rows_per_request: float = 1.0  # verify rows per batched request per round
+    max_batch: int = 1  # requests in one round
+    draft_ms: Curve = Curve.zero()  # ms of a drafter pass of D total draft rows
+    draft_rows_per_request: float = 0.0  # draft rows per batched request per round
     prefill_rows_per_prompt_token: float = 0.0  # extra verify rows per prompt token in a request's first round
     # None: every replica has hardware of its own. A number H: all replicas share one host that runs H
     # rounds at once at full speed, so a round that starts while B replicas (itself included) are in a
@@ -241,8 +242,9 @@ class ReplicaModel:
 
     def round_ms(self, batch: int, extra_rows: float = 0.0) -> float:
         """Milliseconds of one round of ``batch`` requests plus ``extra_rows`` prefill rows."""
-        return (self.draft_ms(batch * self.draft_rows_per_request)
-                + self.verify_ms(batch * self.rows_per_request + extra_rows))
+        return self.draft_ms(batch * self.draft_rows_per_request) + self.verify_ms(
+            batch * self.rows_per_request + extra_rows
+        )
 
 
 @dataclass(frozen=True)
@@ -272,8 +274,8 @@ Policy = Callable[[ScalingState], int]  # state -> desired replicas (>= 0)
 @dataclass(frozen=True)
 class Autoscaling:
     policy: Policy
-    control_interval_s: float = 10.0   # seconds of simulated time between policy calls (first at this time)
-    startup_delay_s: float = 60.0      # seconds from launch until a new replica serves
+    control_interval_s: float = 10.0  # seconds of simulated time between policy calls (first at this time)
+    startup_delay_s: float = 60.0  # seconds from launch until a new replica serves
 
     def __post_init__(self):
         if not self.control_interval_s > 0 or self.startup_delay_s < 0:
@@ -298,6 +300,7 @@ class ClusterModel:
 
 # ---------------------------------------------------------------------------------------- outputs
 
+
 @dataclass(frozen=True)
 class RequestRecord:
     """One finished request. Times in seconds of simulated time."""
@@ -306,9 +309,9 @@ class RequestRecord:
     prompt_len: int
     output_len: int
     rounds: int
-    replica: int          # the id of the replica that served it (0 = the first; NOT_ROUTED: none)
+    replica: int  # the id of the replica that served it (0 = the first; NOT_ROUTED: none)
     first_token_s: float  # end of its first round
-    finish_s: float       # end of its last round
+    finish_s: float  # end of its last round
 
     @property
     def latency_s(self) -> float:
@@ -324,11 +327,11 @@ class TimelinePoint:
     """The pool at ``time_s`` (after every event at that time); ``tokens_per_s`` over the last interval."""
 
     time_s: float
-    replicas: int         # alive: starting + ready + draining (all billed)
-    ready: int            # serving non-draining
+    replicas: int  # alive: starting + ready + draining (all billed)
+    ready: int  # serving non-draining
     starting: int
     draining: int
-    nodes: int            # ceil(replicas / node_size)
+    nodes: int  # ceil(replicas / node_size)
     queued: int
     running: int
     tokens_per_s: float
@@ -346,10 +349,10 @@ class SimResult:
     the most replicas alive at once.
     """
 
-    requests: tuple[RequestRecord, ...]   # in arrival order
-    latencies_s: tuple[float, ...]        # per request, arrival order
-    ttft_s: tuple[float, ...]             # per request, arrival order
-    unfinished: int                       # requests not finished by horizon_s (their times are NaN)
+    requests: tuple[RequestRecord, ...]  # in arrival order
+    latencies_s: tuple[float, ...]  # per request, arrival order
+    ttft_s: tuple[float, ...]  # per request, arrival order
+    unfinished: int  # requests not finished by horizon_s (their times are NaN)
     mean_latency_s: float
     p50_latency_s: float
     p99_latency_s: float
@@ -365,7 +368,7 @@ class SimResult:
     cost: float
     peak_replicas: int
     peak_nodes: int
-    end_s: float                          # the last simulated instant
+    end_s: float  # the last simulated instant
     timeline: tuple[TimelinePoint, ...]
 
 
@@ -379,9 +382,19 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 # --------------------------------------------------------------------------------------- internals
 
+
 class _Req:
-    __slots__ = ("arrival", "prompt_len", "output_len", "rounds", "last_tokens", "prefill_rows",
-                 "replica", "first_token", "finish")
+    __slots__ = (
+        "arrival",
+        "prompt_len",
+        "output_len",
+        "rounds",
+        "last_tokens",
+        "prefill_rows",
+        "replica",
+        "first_token",
+        "finish",
+    )
 
     def __init__(self, arrival: float, prompt_len: int, output_len: int, model: ReplicaModel):
         self.arrival = arrival
@@ -396,31 +409,53 @@ class _Req:
 
 
 class _Replica:
-    __slots__ = ("id", "status", "launch_s", "ready_s", "queue", "running", "load", "served", "round",
-                 "finish_at", "joiners", "busy", "round_start", "start_pending")
+    __slots__ = (
+        "id",
+        "status",
+        "launch_s",
+        "ready_s",
+        "queue",
+        "running",
+        "load",
+        "served",
+        "round",
+        "finish_at",
+        "joiners",
+        "busy",
+        "round_start",
+        "start_pending",
+    )
 
     def __init__(self, rid: int, launch_s: float):
         self.id = rid
         self.status = STARTING
         self.launch_s = launch_s
         self.ready_s = math.nan
-        self.queue: deque[_Req] = deque()            # routed, not yet in the batch
-        self.running = 0                             # requests in the batch
-        self.load = 0                                # queued + running
-        self.served = 0                              # requests ever routed here
-        self.round = 0                               # index of the next round to start
-        self.finish_at: dict[int, list[_Req]] = {}   # round index -> requests whose last round it is
-        self.joiners: list[_Req] = []                # requests in their first round now
+        self.queue: deque[_Req] = deque()  # routed, not yet in the batch
+        self.running = 0  # requests in the batch
+        self.load = 0  # queued + running
+        self.served = 0  # requests ever routed here
+        self.round = 0  # index of the next round to start
+        self.finish_at: dict[int, list[_Req]] = {}  # round index -> requests whose last round it is
+        self.joiners: list[_Req] = []  # requests in their first round now
         self.busy = False
         self.round_start = 0.0
-        self.start_pending = False                   # a round-start event is in the heap
+        self.start_pending = False  # a round-start event is in the heap
 
 
 class _Sim:
     """The mutable state of one run; :func:`simulate` is the public face."""
 
-    def __init__(self, workload: Workload, model: ReplicaModel, cluster: ClusterModel, seed: int,
-                 sample_interval_s: float, until_s: float | None, horizon_s: float):
+    def __init__(
+        self,
+        workload: Workload,
+        model: ReplicaModel,
+        cluster: ClusterModel,
+        seed: int,
+        sample_interval_s: float,
+        until_s: float | None,
+        horizon_s: float,
+    ):
         rng = random.Random(seed)
         times = workload.arrivals.sample(rng)
         outs = _draw_lengths(workload.output_len, len(times), rng)
@@ -437,12 +472,12 @@ class _Sim:
         self.heap: list[tuple] = []
         self.round_s: dict[int, float] = {}  # batch size -> seconds of a round without prefill rows
         self.seq = 0
-        self.replicas: list[_Replica] = []   # every replica ever launched, by id
+        self.replicas: list[_Replica] = []  # every replica ever launched, by id
         # keyed by id (insertion order = launch order): a replica's start and stop are O(1), so a plan
         # that launches tens of thousands of replicas stays linear in its events
-        self.alive: dict[int, _Replica] = {}   # not stopped
+        self.alive: dict[int, _Replica] = {}  # not stopped
         self.active: dict[int, _Replica] = {}  # ready and not draining: the routing targets
-        self.busy_count = 0                    # alive replicas in a round
+        self.busy_count = 0  # alive replicas in a round
         self.router: list[tuple[int, int, int]] = []  # heap of (load, served, id) of active replicas; stale
         #                                               entries (an older load or served) are skipped lazily
         self.pool_queue: deque[_Req] = deque()  # arrived while no replica was ready
@@ -456,7 +491,7 @@ class _Sim:
         self.busy_closed = 0.0
         self.serving_closed = 0.0
         self.billed_closed = 0.0
-        self.last_control = (0.0, 0.0, 0.0)   # (time, busy_total, serving_total) at the last tick
+        self.last_control = (0.0, 0.0, 0.0)  # (time, busy_total, serving_total) at the last tick
         self.timeline: list[TimelinePoint] = []
 
     # -- event plumbing
@@ -534,7 +569,7 @@ class _Sim:
             for _ in range(need):
                 self.launch(t, self.scaling.startup_delay_s)
         else:
-            for r in sorted(serving, key=lambda r: (r.status != STARTING, -r.id))[:len(serving) - desired]:
+            for r in sorted(serving, key=lambda r: (r.status != STARTING, -r.id))[: len(serving) - desired]:
                 if r.status == STARTING or r.load == 0:
                     self.stop(r, t)
                 else:
@@ -640,20 +675,35 @@ class _Sim:
         t0, busy0, serving0 = self.last_control
         ready, starting, draining = self.counts()
         state = ScalingState(
-            time_s=t, replicas=ready + starting, ready=ready, starting=starting, draining=draining,
-            queued=self.queued, running=self.running,
+            time_s=t,
+            replicas=ready + starting,
+            ready=ready,
+            starting=starting,
+            draining=draining,
+            queued=self.queued,
+            running=self.running,
             utilisation=(busy - busy0) / (serving - serving0) if serving > serving0 else 0.0,
-            arrivals_per_s=self.arrivals_since_control / (t - t0) if t > t0 else 0.0)
+            arrivals_per_s=self.arrivals_since_control / (t - t0) if t > t0 else 0.0,
+        )
         self.last_control = (t, busy, serving)
         self.arrivals_since_control = 0
         self.resize(max(0, int(self.scaling.policy(state))), t)
 
     def sample(self, t: float) -> None:
         ready, starting, draining = self.counts()
-        self.timeline.append(TimelinePoint(
-            time_s=t, replicas=len(self.alive), ready=ready, starting=starting, draining=draining,
-            nodes=math.ceil(len(self.alive) / self.cluster.node_size), queued=self.queued,
-            running=self.running, tokens_per_s=self.tokens_since_sample / self.sample_interval_s))
+        self.timeline.append(
+            TimelinePoint(
+                time_s=t,
+                replicas=len(self.alive),
+                ready=ready,
+                starting=starting,
+                draining=draining,
+                nodes=math.ceil(len(self.alive) / self.cluster.node_size),
+                queued=self.queued,
+                running=self.running,
+                tokens_per_s=self.tokens_since_sample / self.sample_interval_s,
+            )
+        )
         self.tokens_since_sample = 0.0
 
     # -- the loop
@@ -699,8 +749,10 @@ class _Sim:
 
     def result(self, end: float) -> SimResult:
         busy, serving, billed = self.totals(end)
-        records = tuple(RequestRecord(q.arrival, q.prompt_len, q.output_len, q.rounds, q.replica, q.first_token,
-                                      q.finish) for q in self.reqs)
+        records = tuple(
+            RequestRecord(q.arrival, q.prompt_len, q.output_len, q.rounds, q.replica, q.first_token, q.finish)
+            for q in self.reqs
+        )
         lat = tuple(q.finish - q.arrival for q in self.reqs)
         ttft = tuple(q.first_token - q.arrival for q in self.reqs)
         done_lat = [x for x in lat if not math.isnan(x)]
@@ -709,22 +761,40 @@ class _Sim:
         makespan = self.last_finish - self.reqs[0].arrival if self.done else 0.0
         peak = self.peak
         return SimResult(
-            requests=records, latencies_s=lat, ttft_s=ttft, unfinished=len(self.reqs) - self.done,
+            requests=records,
+            latencies_s=lat,
+            ttft_s=ttft,
+            unfinished=len(self.reqs) - self.done,
             mean_latency_s=sum(done_lat) / len(done_lat) if done_lat else math.nan,
-            p50_latency_s=percentile(done_lat, 50), p99_latency_s=percentile(done_lat, 99),
-            p50_ttft_s=percentile(done_ttft, 50), p99_ttft_s=percentile(done_ttft, 99),
-            total_tokens=tokens, makespan_s=makespan,
+            p50_latency_s=percentile(done_lat, 50),
+            p99_latency_s=percentile(done_lat, 99),
+            p50_ttft_s=percentile(done_ttft, 50),
+            p99_ttft_s=percentile(done_ttft, 99),
+            total_tokens=tokens,
+            makespan_s=makespan,
             throughput_tokens_per_s=tokens / makespan if makespan > 0 else 0.0,
             mean_utilisation=busy / serving if serving > 0 else 0.0,
-            busy_replica_seconds=busy, serving_replica_seconds=serving, replica_seconds=billed,
+            busy_replica_seconds=busy,
+            serving_replica_seconds=serving,
+            replica_seconds=billed,
             cost=billed / S_PER_HOUR * self.cluster.cost_per_replica_hour,
-            peak_replicas=peak, peak_nodes=math.ceil(peak / self.cluster.node_size), end_s=end,
-            timeline=tuple(self.timeline))
+            peak_replicas=peak,
+            peak_nodes=math.ceil(peak / self.cluster.node_size),
+            end_s=end,
+            timeline=tuple(self.timeline),
+        )
 
 
-def simulate(workload: Workload, model: ReplicaModel, cluster: ClusterModel = ClusterModel(), *,
-             seed: int = 0, sample_interval_s: float = 1.0, until_s: float | None = None,
-             horizon_s: float = math.inf) -> SimResult:
+def simulate(
+    workload: Workload,
+    model: ReplicaModel,
+    cluster: ClusterModel = ClusterModel(),
+    *,
+    seed: int = 0,
+    sample_interval_s: float = 1.0,
+    until_s: float | None = None,
+    horizon_s: float = math.inf,
+) -> SimResult:
     """Simulate ``workload`` on a pool of ``model`` replicas until every request has finished and,
     if given, at least until ``until_s`` (e.g. to watch an autoscaler scale down when idle); never
     past ``horizon_s`` (a hard stop for overloaded pools: requests left have NaN finish times).

@@ -27,6 +27,7 @@ Terms
   with :func:`plot_timeline`. :func:`summary` reduces a timeline to the numbers an experiment
   reports (time to added capacity, burst against steady p99 latency, peaks).
 """
+
 from __future__ import annotations
 
 import json
@@ -54,6 +55,7 @@ BURST_START = "burst_start"
 # Workload files
 # --------------------------------------------------------------------------------------------------
 
+
 class PromptKind(BaseModel):
     """One kind of request in a mix: the text sent and how many tokens to generate."""
 
@@ -77,8 +79,7 @@ class Mix(BaseModel):
         names = [kind.name for kind in self.prompts]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
-            raise PydanticCustomError("duplicate_kind", "prompt kind names repeat: {names}",
-                                      {"names": str(repeated)})
+            raise PydanticCustomError("duplicate_kind", "prompt kind names repeat: {names}", {"names": str(repeated)})
         return self
 
 
@@ -89,15 +90,24 @@ class Phase(BaseModel):
 
     duration_s: float = Field(gt=0, description="Length of the phase in seconds.")
     rate_start: float = Field(ge=0, description="Arrival rate (requests/s) at the start of the phase.")
-    rate_end: float | None = Field(None, ge=0, description=(
-        "Arrival rate (requests/s) at the end of the phase; None means the same as rate_start "
-        "(a constant rate)."))
-    shape: Literal["linear", "cosine"] = Field("linear", description=(
-        "How the rate moves between rate_start and rate_end: a straight line, or a half-cosine "
-        "ease that is flat at both ends (a diurnal curve)."))
+    rate_end: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Arrival rate (requests/s) at the end of the phase; None means the same as rate_start (a constant rate)."
+        ),
+    )
+    shape: Literal["linear", "cosine"] = Field(
+        "linear",
+        description=(
+            "How the rate moves between rate_start and rate_end: a straight line, or a half-cosine "
+            "ease that is flat at both ends (a diurnal curve)."
+        ),
+    )
     mix: str | None = Field(None, description="Name of a mix in the workload's mixes; None = default_mix.")
-    label: str | None = Field(None, description=(
-        "An event the runner marks on the timeline when the phase starts, e.g. burst_start."))
+    label: str | None = Field(
+        None, description=("An event the runner marks on the timeline when the phase starts, e.g. burst_start.")
+    )
 
     @property
     def end_rate(self) -> float:
@@ -135,10 +145,12 @@ class Workload(BaseModel):
     mixes: dict[str, Mix] = Field(min_length=1, description="Named prompt mixes.")
     default_mix: str = Field(description="Mix used by phases that name none.")
     sample_interval_s: float = Field(1.0, gt=0, description="Seconds between timeline samples.")
-    drain_s: float = Field(30.0, ge=0, description=(
-        "Seconds the runner keeps sampling after the last arrival (to watch scale-down)."))
-    latency_target_s: float | None = Field(None, gt=0, description=(
-        "Optional end-to-end latency goal in seconds (drawn on the plot's latency panel)."))
+    drain_s: float = Field(
+        30.0, ge=0, description=("Seconds the runner keeps sampling after the last arrival (to watch scale-down).")
+    )
+    latency_target_s: float | None = Field(
+        None, gt=0, description=("Optional end-to-end latency goal in seconds (drawn on the plot's latency panel).")
+    )
 
     @model_validator(mode="after")
     def _mix_names_exist(self) -> Workload:
@@ -156,8 +168,11 @@ class Workload(BaseModel):
 
 
 def _unknown_mix(field_path: str, name: str, known: list[str]) -> PydanticCustomError:
-    return PydanticCustomError("unknown_mix", "{field}: unknown mix '{name}'; known: {known}",
-                               {"field": field_path, "name": name, "known": str(known)})
+    return PydanticCustomError(
+        "unknown_mix",
+        "{field}: unknown mix '{name}'; known: {known}",
+        {"field": field_path, "name": name, "known": str(known)},
+    )
 
 
 def _dotted(loc: Iterable[Any]) -> str:
@@ -202,6 +217,7 @@ def _validation_message(path: Path, err: ValidationError) -> str:
 # --------------------------------------------------------------------------------------------------
 # Arrivals
 # --------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Arrival:
@@ -256,8 +272,7 @@ def arrivals(workload: Workload) -> list[Arrival]:
     return out
 
 
-def _phase_arrivals(rng: random.Random, phase: Phase, index: int, start: float, end: float,
-                    mix: Mix) -> list[Arrival]:
+def _phase_arrivals(rng: random.Random, phase: Phase, index: int, start: float, end: float, mix: Mix) -> list[Arrival]:
     r_max = phase.max_rate
     if r_max <= 0:
         return []
@@ -270,13 +285,15 @@ def _phase_arrivals(rng: random.Random, phase: Phase, index: int, start: float, 
             return out
         if rng.random() * r_max < phase.rate(t - start):
             kind = rng.choices(mix.prompts, weights=weights)[0]
-            out.append(Arrival(t=t, kind=kind.name, prompt=kind.prompt,
-                               max_new_tokens=kind.max_new_tokens, phase=index))
+            out.append(
+                Arrival(t=t, kind=kind.name, prompt=kind.prompt, max_new_tokens=kind.max_new_tokens, phase=index)
+            )
 
 
 # --------------------------------------------------------------------------------------------------
 # Timeline
 # --------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Sample:
@@ -376,6 +393,7 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 # Summary
 # --------------------------------------------------------------------------------------------------
 
+
 def burst_start_time(timeline: Timeline) -> float | None:
     """``t`` of the first event of kind ``"burst_start"``, or None when there is none."""
     for event in timeline.events:
@@ -452,8 +470,7 @@ def summary(timeline: Timeline, burst_t: float | None = None) -> dict:
     }
 
 
-def _time_to_added_capacity(samples: list[Sample], burst_t: float | None,
-                            deployments: list[str]) -> dict:
+def _time_to_added_capacity(samples: list[Sample], burst_t: float | None, deployments: list[str]) -> dict:
     if burst_t is None or not samples:
         return {"replicas": {d: None for d in deployments}, "nodes": None}
     replicas = {d: _first_rise(samples, burst_t, lambda s, d=d: s.replicas.get(d, 0)) for d in deployments}
@@ -463,20 +480,21 @@ def _time_to_added_capacity(samples: list[Sample], burst_t: float | None,
 def _p99_burst(samples: list[Sample], burst_t: float | None) -> float | None:
     if burst_t is None:
         return None
-    window = [s.p99_latency_s for s in samples
-              if burst_t <= s.t <= burst_t + BURST_WINDOW_S and s.p99_latency_s is not None]
+    window = [
+        s.p99_latency_s for s in samples if burst_t <= s.t <= burst_t + BURST_WINDOW_S and s.p99_latency_s is not None
+    ]
     return max(window, default=None)
 
 
 def _p99_steady(samples: list[Sample], burst_t: float | None) -> float | None:
-    steady = [s.p99_latency_s for s in samples
-              if (burst_t is None or s.t < burst_t) and s.p99_latency_s is not None]
+    steady = [s.p99_latency_s for s in samples if (burst_t is None or s.t < burst_t) and s.p99_latency_s is not None]
     return statistics.median(steady) if steady else None
 
 
 # --------------------------------------------------------------------------------------------------
 # Plot
 # --------------------------------------------------------------------------------------------------
+
 
 def _or_nan(value: float | None) -> float:
     return math.nan if value is None else value
@@ -523,8 +541,7 @@ def _plot_load(ax, samples: list[Sample], ts: list[float], workload: Workload | 
     if workload is not None:
         end = total_duration(workload)
         grid = [end * i / 400 for i in range(400)]
-        ax.plot(grid, [rate_at(workload, t) for t in grid], color="tab:blue", linestyle=":",
-                label="planned rate")
+        ax.plot(grid, [rate_at(workload, t) for t in grid], color="tab:blue", linestyle=":", label="planned rate")
     ax.set_ylabel("requests/s")
     right = ax.twinx()
     right.step(ts, [s.in_flight for s in samples], where="post", color="tab:orange", label="in flight")
@@ -571,8 +588,16 @@ def _plot_events(axes, events: list[dict]) -> None:
     for event in events:
         for ax in axes:
             ax.axvline(event["t"], color="gray", linestyle="--", linewidth=0.8)
-        axes[0].annotate(str(event.get("kind", "")), xy=(event["t"], 1.0), xycoords=("data", "axes fraction"),
-                         rotation=90, va="top", ha="right", fontsize="x-small", color="gray")
+        axes[0].annotate(
+            str(event.get("kind", "")),
+            xy=(event["t"], 1.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize="x-small",
+            color="gray",
+        )
 
 
 def _legend(left, right=None) -> None:
@@ -581,5 +606,4 @@ def _legend(left, right=None) -> None:
     if right is not None:
         more_handles, more_labels = right.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
-    left.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.08, 1.0), fontsize="small",
-                borderaxespad=0.0)
+    left.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.08, 1.0), fontsize="small", borderaxespad=0.0)

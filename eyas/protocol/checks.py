@@ -1,4 +1,5 @@
 """Boundary checks on tensors shared by every module that takes tensors in (a ValueError names the field)."""
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ protobuf messages of ``eyas.proto`` carry it in ``bytes`` fields.
 Decoding trusts nothing: every violation raises ``ValueError`` whose message starts with the
 field name the caller passes (``name``), so a server maps it to ``INVALID_ARGUMENT`` unchanged.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,13 +50,17 @@ def encode_tensor(t: torch.Tensor) -> bytes:
         raise ValueError(f"tensor: dtype {t.dtype} has no wire name (one of {sorted(DTYPES)})")
     flat = t.detach().to("cpu").contiguous().reshape(-1)  # [numel]
     data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    return msgpack.packb({"dtype": WIRE_NAMES[t.dtype], "shape": list(t.shape), "data": data},
-                         use_bin_type=True)
+    return msgpack.packb({"dtype": WIRE_NAMES[t.dtype], "shape": list(t.shape), "data": data}, use_bin_type=True)
 
 
-def decode_tensor(b: bytes, *, name: str, dtype: torch.dtype | None = None,
-                  shape: tuple[int | None, ...] | None = None,
-                  max_numel: int = DEFAULT_MAX_NUMEL) -> torch.Tensor:
+def decode_tensor(
+    b: bytes,
+    *,
+    name: str,
+    dtype: torch.dtype | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    max_numel: int = DEFAULT_MAX_NUMEL,
+) -> torch.Tensor:
     """Decode ``b`` into a fresh CPU tensor; raise ``ValueError("<name>: ...")`` if it is malformed.
 
     ``dtype``: the required dtype, or None for any wire dtype. ``shape``: the required shape,
@@ -78,16 +83,20 @@ def decode_tensor(b: bytes, *, name: str, dtype: torch.dtype | None = None,
     if not isinstance(wire_dtype, str) or wire_dtype not in DTYPES:
         raise ValueError(f"{name}: unknown dtype {wire_dtype!r}; expected one of {sorted(DTYPES)}")
     got_dtype = DTYPES[wire_dtype]
-    if (not isinstance(wire_shape, list) or len(wire_shape) > MAX_NDIM
-            or any(type(d) is not int or d < 0 for d in wire_shape)):
+    if (
+        not isinstance(wire_shape, list)
+        or len(wire_shape) > MAX_NDIM
+        or any(type(d) is not int or d < 0 for d in wire_shape)
+    ):
         raise ValueError(f"{name}: shape {wire_shape!r} is not a list of at most {MAX_NDIM} sizes >= 0")
     if not isinstance(data, bytes):
         raise ValueError(f"{name}: data is {type(data).__name__}, expected bytes")
 
     if dtype is not None and got_dtype != dtype:
         raise ValueError(f"{name}: expected dtype {WIRE_NAMES.get(dtype, dtype)}, got {wire_dtype}")
-    if shape is not None and (len(shape) != len(wire_shape)
-                              or any(e is not ANY_DIM and e != d for e, d in zip(shape, wire_shape))):
+    if shape is not None and (
+        len(shape) != len(wire_shape) or any(e is not ANY_DIM and e != d for e, d in zip(shape, wire_shape))
+    ):
         want = tuple("*" if e is ANY_DIM else e for e in shape)
         raise ValueError(f"{name}: expected shape {want}, got {tuple(wire_shape)}")
     numel = math.prod(wire_shape)
@@ -95,8 +104,10 @@ def decode_tensor(b: bytes, *, name: str, dtype: torch.dtype | None = None,
         raise ValueError(f"{name}: {numel} elements exceed the limit of {max_numel}")
     itemsize = torch.empty((), dtype=got_dtype).element_size()
     if len(data) != numel * itemsize:
-        raise ValueError(f"{name}: {len(data)} data bytes != {numel} elements x {itemsize} bytes "
-                         f"of {wire_dtype} for shape {tuple(wire_shape)}")
+        raise ValueError(
+            f"{name}: {len(data)} data bytes != {numel} elements x {itemsize} bytes "
+            f"of {wire_dtype} for shape {tuple(wire_shape)}"
+        )
     if numel == 0:
         return torch.empty(wire_shape, dtype=got_dtype)
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # [numel * itemsize], owns a copy

@@ -6,6 +6,7 @@
 
 Frozen dataclasses over tensors; the gRPC codec and pydantic models wrap these at process edges.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,18 +37,13 @@ class AcceptDecision:
         if not rows or rows[0] != ROOT_ROW:
             raise ValueError(f"accepted_rows: must start with the root row {ROOT_ROW}, got {rows}")
         if any(b <= a for a, b in zip(rows, rows[1:])):
-            raise ValueError(
-                f"accepted_rows: a path's rows must increase (parents precede children), got {rows}"
-            )
+            raise ValueError(f"accepted_rows: a path's rows must increase (parents precede children), got {rows}")
         if self.accepted_tokens.shape[0] != len(rows) - 1:
             raise ValueError(
-                f"accepted_tokens: length {self.accepted_tokens.shape[0]} != "
-                f"len(accepted_rows) - 1 = {len(rows) - 1}"
+                f"accepted_tokens: length {self.accepted_tokens.shape[0]} != len(accepted_rows) - 1 = {len(rows) - 1}"
             )
         if type(self.frontier_token) is not int or self.frontier_token < 0:
-            raise ValueError(
-                f"frontier_token: expected a nonnegative int, got {self.frontier_token!r}"
-            )
+            raise ValueError(f"frontier_token: expected a nonnegative int, got {self.frontier_token!r}")
 
     @property
     def accept_length(self) -> int:
@@ -72,10 +68,10 @@ class Seed:
     Draft row ``t`` reads the verified target feature ``f_t`` and the advanced token ``x_{t+1}``.
     """
 
-    features: torch.Tensor         # [A, F] verified target features of the newly committed rows
+    features: torch.Tensor  # [A, F] verified target features of the newly committed rows
     advanced_tokens: torch.Tensor  # [A] int64 x_{t+1} for each row t (the last one is the frontier)
-    start_position: int            # position of the first row
-    round: int                     # the round this seed was published in
+    start_position: int  # position of the first row
+    round: int  # the round this seed was published in
 
     @property
     def frontier_token(self) -> int:
@@ -98,13 +94,18 @@ class Seed:
             return seeds[0]
         for a, b in zip(seeds, seeds[1:]):
             if b.start_position != a.end_position:
-                raise ValueError(f"seed.start_position: {b.start_position} != {a.end_position}, the end of "
-                                 "the seed it follows")
+                raise ValueError(
+                    f"seed.start_position: {b.start_position} != {a.end_position}, the end of the seed it follows"
+                )
             if b.round <= a.round:
                 raise ValueError(f"seed.round: {b.round} is not after {a.round}")
         dtype = seeds[0].features.dtype
-        return Seed(torch.cat([x.features.to(dtype) for x in seeds]), torch.cat([x.advanced_tokens for x in seeds]),
-                    seeds[0].start_position, seeds[-1].round)
+        return Seed(
+            torch.cat([x.features.to(dtype) for x in seeds]),
+            torch.cat([x.advanced_tokens for x in seeds]),
+            seeds[0].start_position,
+            seeds[-1].round,
+        )
 
     def to(self, device: torch.device) -> Seed:
         """This seed with its tensors on ``device`` (itself when they are there already)."""
@@ -139,6 +140,6 @@ class Refusal:
 
     @classmethod
     def of(cls, err: Exception) -> Refusal:
-        if isinstance(err, LookupError):   # an unknown request id (the worker's SessionNotFound)
+        if isinstance(err, LookupError):  # an unknown request id (the worker's SessionNotFound)
             return cls(str(err.args[0]), True)
         return cls(str(err))

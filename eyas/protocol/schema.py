@@ -3,6 +3,7 @@
 Every violation becomes a ``ValueError`` whose message starts with the offending field's name,
 so a CLI prints it and a gRPC server maps it to ``INVALID_ARGUMENT`` unchanged.
 """
+
 from __future__ import annotations
 
 import math
@@ -10,15 +11,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-METHODS = ("target", "eagle1", "hass", "eagle3")   # hass: an EAGLE-1-architecture drafter trained with HASS
+METHODS = ("target", "eagle1", "hass", "eagle3")  # hass: an EAGLE-1-architecture drafter trained with HASS
 
 
 MAX_REQUEST_ID_LEN: int = 256  # a request id (``request_id``) is 1 to this many characters
 # The smallest non-zero temperature (vLLM's threshold too): below it logits / T overflows fp32 for
 # ordinary logits (1e-300 is 0 in fp32), and the served distribution is the argmax's in all but name.
 MIN_TEMPERATURE: float = 1e-2
-INT32_MAX: int = 2**31 - 1       # the wire's int32 fields (max_new_tokens, top_k, prompt_ids, tree knobs)
-INT64_MIN, INT64_MAX = -2**63, 2**63 - 1   # the wire's int64 seed
+INT32_MAX: int = 2**31 - 1  # the wire's int32 fields (max_new_tokens, top_k, prompt_ids, tree knobs)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the wire's int64 seed
 # Tree knobs past these are refused at the front door: no drafter here is trained past a handful of
 # steps, and a verify of more rows than MAX_TREE_BUDGET costs more than any speculation could repay.
 MAX_TREE_DEPTH: int = 32
@@ -30,8 +31,10 @@ def request_id_problem(value: str) -> str | None:
     """Why ``value`` is not a request id (1 to MAX_REQUEST_ID_LEN characters, not blank), or None.
     The one rule for every edge: client requests here, Verifier messages in ``wire.check_request_id``."""
     if not value.strip() or len(value) > MAX_REQUEST_ID_LEN:
-        return (f"must be a non-empty string of at most {MAX_REQUEST_ID_LEN} characters, "
-                f"got {value[:40]!r}{'...' if len(value) > 40 else ''} ({len(value)} characters)")
+        return (
+            f"must be a non-empty string of at most {MAX_REQUEST_ID_LEN} characters, "
+            f"got {value[:40]!r}{'...' if len(value) > 40 else ''} ({len(value)} characters)"
+        )
     return None
 
 
@@ -44,7 +47,7 @@ def _request_id(v: str | None, required: bool) -> str | None:
     return v
 
 
-MAX_MESSAGES = 1024   # turns in one request's conversation
+MAX_MESSAGES = 1024  # turns in one request's conversation
 
 
 class ChatTurn(BaseModel):
@@ -67,7 +70,7 @@ class GenerateRequest(BaseModel):
     prompt_ids: list[int] | None = None
     # a conversation instead of prompt / prompt_ids, templated by the target tokenizer's chat template
     messages: list[ChatTurn] | None = None
-    raw: bool = False                      # False: wrap the prompt in the chat template
+    raw: bool = False  # False: wrap the prompt in the chat template
     method: str = "eagle3"
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -76,7 +79,7 @@ class GenerateRequest(BaseModel):
     seed: int = 0
     stop: list[str] = Field(default_factory=list)
     request_id: str | None = None
-    drafter: str | None = None             # a drafter checkpoint folder; default: the shipped one
+    drafter: str | None = None  # a drafter checkpoint folder; default: the shipped one
     tree_kind: Literal["dynamic", "static", "chain"] = "dynamic"
     tree_depth: int | None = None
     tree_width: int | None = None
@@ -136,8 +139,11 @@ class GenerateRequest(BaseModel):
     def _tree_knob(cls, v, info):
         if v is None:
             return v
-        low, high = {"tree_depth": (0, MAX_TREE_DEPTH), "tree_budget": (0, MAX_TREE_BUDGET),
-                     "tree_width": (1, MAX_TREE_WIDTH)}[info.field_name]
+        low, high = {
+            "tree_depth": (0, MAX_TREE_DEPTH),
+            "tree_budget": (0, MAX_TREE_BUDGET),
+            "tree_width": (1, MAX_TREE_WIDTH),
+        }[info.field_name]
         if not low <= v <= high:
             raise ValueError(f"must be >= {low} and <= {high}, got {v}")
         return v
@@ -152,8 +158,10 @@ class GenerateRequest(BaseModel):
             if self.raw:
                 raise ValueError("raw: a message list is always templated; send prompt with raw instead")
             if self.messages[-1].role != "user":
-                raise ValueError(f"messages.{len(self.messages) - 1}.role: the last turn must be the user's, "
-                                 f"got {self.messages[-1].role!r}")
+                raise ValueError(
+                    f"messages.{len(self.messages) - 1}.role: the last turn must be the user's, "
+                    f"got {self.messages[-1].role!r}"
+                )
             for i, turn in enumerate(self.messages):
                 if turn.role == "user" and not turn.content.strip():
                     raise ValueError(f"messages.{i}.content: a user turn must not be blank")

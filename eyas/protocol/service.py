@@ -12,6 +12,7 @@ Name it in a Serve config's ``grpc_servicer_functions``:
 
 It also makes the proxy's ``GenerateStream`` handler cancel safely (:func:`cancel_safe_stream`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,13 +34,15 @@ SERVICE_NAME = "eyas.v1.Eyas"
 TIMEOUT_METADATA = "eyas-timeout-ms"
 MAX_TIMEOUT_MS = 7 * 24 * 3600 * 1000
 SERVICER_FUNCTION = "eyas.protocol.service.add_eyas_servicer_to_server"
-_WIRE_LENGTH_DELIMITED = 2   # protobuf wire type of strings, bytes and sub-messages
+_WIRE_LENGTH_DELIMITED = 2  # protobuf wire type of strings, bytes and sub-messages
 
 # method -> (unary or streaming reply, reply type); the request type is the method's own in eyas.proto
-_METHODS = {"Generate": (grpc.unary_unary_rpc_method_handler, pb.GenerateResponse),
-            "GenerateStream": (grpc.unary_stream_rpc_method_handler, pb.GenerateChunk),
-            "Stats": (grpc.unary_unary_rpc_method_handler, pb.StatsResponse),
-            "Cancel": (grpc.unary_unary_rpc_method_handler, pb.CancelResponse)}
+_METHODS = {
+    "Generate": (grpc.unary_unary_rpc_method_handler, pb.GenerateResponse),
+    "GenerateStream": (grpc.unary_stream_rpc_method_handler, pb.GenerateChunk),
+    "Stats": (grpc.unary_unary_rpc_method_handler, pb.StatsResponse),
+    "Cancel": (grpc.unary_unary_rpc_method_handler, pb.CancelResponse),
+}
 
 
 def add_eyas_servicer_to_server(servicer, server) -> None:
@@ -49,15 +52,16 @@ def add_eyas_servicer_to_server(servicer, server) -> None:
     ``service_handler_factory`` makes, the streaming handlers it makes for this service are
     wrapped in :func:`cancel_safe_stream` while this registration runs.
     """
-    handlers = {name: make(getattr(servicer, name), request_deserializer=None,
-                           response_serializer=reply.SerializeToString)
-                for name, (make, reply) in _METHODS.items()}
-    factory = getattr(server, "service_handler_factory", None)   # only Serve's proxy server has one
+    handlers = {
+        name: make(getattr(servicer, name), request_deserializer=None, response_serializer=reply.SerializeToString)
+        for name, (make, reply) in _METHODS.items()
+    }
+    factory = getattr(server, "service_handler_factory", None)  # only Serve's proxy server has one
     if callable(factory):
         server.service_handler_factory = _cancel_safe_streams(factory)
     try:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-        if hasattr(server, "add_registered_method_handlers"):   # grpcio >= 1.63
+        if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.63
             server.add_registered_method_handlers(SERVICE_NAME, handlers)
     finally:
         if callable(factory):
@@ -66,21 +70,24 @@ def add_eyas_servicer_to_server(servicer, server) -> None:
 
 def _cancel_safe_streams(factory):
     """Serve's handler factory, with this service's server-streaming handlers cancel safe."""
+
     def make(*, service_method: str, streaming_type, **kwargs):
         handler = factory(service_method=service_method, streaming_type=streaming_type, **kwargs)
         if service_method.startswith(f"/{SERVICE_NAME}/") and getattr(streaming_type, "name", "") == "UNARY_STREAM":
             return cancel_safe_stream(handler)
         return handler
+
     return make
 
 
 @dataclass(frozen=True)
 class _StreamFailed:
     """What ended a pumped reply stream with an exception (a queue item)."""
+
     error: BaseException
 
 
-_STREAM_END = object()   # queue item: the reply stream ended normally
+_STREAM_END = object()  # queue item: the reply stream ended normally
 
 
 def cancel_safe_stream(stream_handler):
@@ -99,6 +106,7 @@ def cancel_safe_stream(stream_handler):
     Serve's proxy needs to cancel the call. This handler writes from the queue, and whenever it
     ends before the stream has, it cancels the pulling task.
     """
+
     async def handler(request, context) -> None:
         replies: asyncio.Queue = asyncio.Queue()
 
@@ -106,13 +114,13 @@ def cancel_safe_stream(stream_handler):
             try:
                 async for reply in stream_handler(request, context):
                     replies.put_nowait(reply)
-            except BaseException as error:   # noqa: BLE001 -- the writer re-raises it
+            except BaseException as error:  # noqa: BLE001 -- the writer re-raises it
                 replies.put_nowait(_StreamFailed(error=error))
                 raise
             replies.put_nowait(_STREAM_END)
 
         pulling = asyncio.ensure_future(pull())
-        pulling.add_done_callback(lambda task: task.cancelled() or task.exception())   # retrieved here
+        pulling.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved here
         try:
             while (reply := await replies.get()) is not _STREAM_END:
                 if isinstance(reply, _StreamFailed):
@@ -121,6 +129,7 @@ def cancel_safe_stream(stream_handler):
         finally:
             if not pulling.done():
                 pulling.cancel()
+
     return handler
 
 
@@ -147,9 +156,9 @@ def decode_message(cls: type[Message], data: bytes | Message) -> Message:
 def _field_with_bad_utf8(cls: type[Message], data: bytes) -> str | None:
     """The name of the first top-level string field of ``cls`` in ``data`` that is not UTF-8."""
     try:
-        fields = UnknownFieldSet(empty_pb2.Empty.FromString(data))   # every field, undecoded
+        fields = UnknownFieldSet(empty_pb2.Empty.FromString(data))  # every field, undecoded
     except DecodeError:
-        return None   # the framing itself is corrupt
+        return None  # the framing itself is corrupt
     by_number = cls.DESCRIPTOR.fields_by_number
     for f in fields:
         desc = by_number.get(f.field_number)
@@ -172,6 +181,7 @@ def timeout_from_metadata(metadata) -> float | None:
         return None
     raw = values[-1].decode() if isinstance(values[-1], bytes) else str(values[-1])
     if not raw.strip().isdigit() or not 0 < int(raw) <= MAX_TIMEOUT_MS:
-        raise ValueError(f"{TIMEOUT_METADATA}: must be a whole number of milliseconds in 1..{MAX_TIMEOUT_MS}, "
-                         f"got {raw[:40]!r}")
+        raise ValueError(
+            f"{TIMEOUT_METADATA}: must be a whole number of milliseconds in 1..{MAX_TIMEOUT_MS}, got {raw[:40]!r}"
+        )
     return int(raw) / 1000.0

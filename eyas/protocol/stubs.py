@@ -12,6 +12,7 @@ protoc runs with the folder that holds the `eyas` package as its include root an
 as a bare top-level `eyas_pb2`. `regenerate` rewrites a bare `import eyas_pb2` should a
 generator still write one, and checks the import it leaves (docs/architecture.md, "The wire contract").
 """
+
 from __future__ import annotations
 
 import re
@@ -21,9 +22,9 @@ import tempfile
 from pathlib import Path
 
 PROTO_NAME = "eyas.proto"
-PROTOCOL_DIR = Path(__file__).resolve().parent          # .../eyas/protocol
-INCLUDE_ROOT = PROTOCOL_DIR.parent.parent                # the folder that holds the eyas package
-PROTO_RELPATH = Path("eyas", "protocol", PROTO_NAME)     # as protoc sees it from INCLUDE_ROOT
+PROTOCOL_DIR = Path(__file__).resolve().parent  # .../eyas/protocol
+INCLUDE_ROOT = PROTOCOL_DIR.parent.parent  # the folder that holds the eyas package
+PROTO_RELPATH = Path("eyas", "protocol", PROTO_NAME)  # as protoc sees it from INCLUDE_ROOT
 STUB_NAMES = ("eyas_pb2.py", "eyas_pb2_grpc.py")
 PACKAGE_IMPORT = "from eyas.protocol import eyas_pb2 as "
 
@@ -55,8 +56,15 @@ def regenerate(out_dir: str | Path | None = None) -> dict[str, Path]:
     out_dir = PROTOCOL_DIR if out_dir is None else Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "grpc_tools.protoc", f"--proto_path={INCLUDE_ROOT}",
-               f"--python_out={tmp}", f"--grpc_python_out={tmp}", str(PROTO_RELPATH)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"--proto_path={INCLUDE_ROOT}",
+            f"--python_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            str(PROTO_RELPATH),
+        ]
         done = subprocess.run(cmd, cwd=INCLUDE_ROOT, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"protoc failed ({done.returncode}): {done.stderr.strip()}")

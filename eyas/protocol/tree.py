@@ -69,9 +69,7 @@ class DraftTree:
         n = self.tokens.shape[0]
         for name in ("parents", "depths", "draft_probs"):
             if getattr(self, name).shape[0] != n:
-                raise ValueError(
-                    f"{name}: length {getattr(self, name).shape[0]} != tokens length {n}"
-                )
+                raise ValueError(f"{name}: length {getattr(self, name).shape[0]} != tokens length {n}")
 
         tokens = self.tokens.tolist()
         parents = self.parents.tolist()
@@ -94,22 +92,22 @@ class DraftTree:
             if tokens[i] < 0:
                 raise ValueError(f"tokens: node {i} has negative token id {tokens[i]}")
             if not (math.isfinite(probs[i]) and 0.0 <= probs[i] <= 1.0):
-                raise ValueError(
-                    f"draft_probs: node {i} has confidence {probs[i]}, expected finite in [0, 1]"
-                )
+                raise ValueError(f"draft_probs: node {i} has confidence {probs[i]}, expected finite in [0, 1]")
             key = (p, tokens[i])
             if key in seen:
-                raise ValueError(
-                    f"tokens: duplicate token {tokens[i]} under one parent ({p}) at node {i}"
-                )
+                raise ValueError(f"tokens: duplicate token {tokens[i]} under one parent ({p}) at node {i}")
             seen.add(key)
 
     def __reduce__(self):
         """Pickle as plain lists, rebuilt (and validated again) by the constructor on arrival. Ray
         carries a tree from the drafter replica to the target's round loop every round; four
         small tensors cost about 1.6 ms to pickle and unpickle, lists about 0.1 ms (measured)."""
-        return _draft_tree_from_lists, (self.tokens.tolist(), self.parents.tolist(), self.depths.tolist(),
-                                        self.draft_probs.tolist())
+        return _draft_tree_from_lists, (
+            self.tokens.tolist(),
+            self.parents.tolist(),
+            self.depths.tolist(),
+            self.draft_probs.tolist(),
+        )
 
     @classmethod
     def empty(cls, device: torch.device | str = "cpu") -> DraftTree:
@@ -138,12 +136,15 @@ class DraftTree:
         return [i for i, p in enumerate(self.parents.tolist()) if p == node]
 
 
-
-
-def _draft_tree_from_lists(tokens: list[int], parents: list[int], depths: list[int],
-                           draft_probs: list[float]) -> DraftTree:
-    return DraftTree(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64),
-                     torch.tensor(depths, dtype=torch.int64), torch.tensor(draft_probs, dtype=torch.float32))
+def _draft_tree_from_lists(
+    tokens: list[int], parents: list[int], depths: list[int], draft_probs: list[float]
+) -> DraftTree:
+    return DraftTree(
+        torch.tensor(tokens, dtype=torch.int64),
+        torch.tensor(parents, dtype=torch.int64),
+        torch.tensor(depths, dtype=torch.int64),
+        torch.tensor(draft_probs, dtype=torch.float32),
+    )
 
 
 @dataclass(frozen=True)
@@ -181,15 +182,11 @@ class FlatTree:
             raise ValueError("tokens: a flat tree has at least the root row")
         for name in ("positions", "parents", "depths", "draft_probs"):
             if getattr(self, name).shape[0] != r:
-                raise ValueError(
-                    f"{name}: length {getattr(self, name).shape[0]} != tokens length {r}"
-                )
+                raise ValueError(f"{name}: length {getattr(self, name).shape[0]} != tokens length {r}")
         if tuple(self.tree_mask.shape) != (r, r):
             raise ValueError(f"tree_mask: shape {tuple(self.tree_mask.shape)} != ({r}, {r})")
         if self.retrieve.shape[0] < 1 or self.retrieve.shape[1] < 1:
-            raise ValueError(
-                f"retrieve: expected at least one line and column, got {tuple(self.retrieve.shape)}"
-            )
+            raise ValueError(f"retrieve: expected at least one line and column, got {tuple(self.retrieve.shape)}")
 
     @property
     def num_rows(self) -> int:
@@ -239,9 +236,7 @@ def flatten_tree(tree: DraftTree, frontier_token: int, base_position: int) -> Fl
     if type(base_position) is not int or base_position < 0:
         raise ValueError(f"base_position: expected a nonnegative int, got {base_position!r}")
     device = tree.tokens.device
-    parents = [ROW_IS_ROOT] + [
-        0 if p == PARENT_IS_SEED else p + 1 for p in tree.parents.tolist()
-    ]
+    parents = [ROW_IS_ROOT] + [0 if p == PARENT_IS_SEED else p + 1 for p in tree.parents.tolist()]
     depths = [0] + tree.depths.tolist()
     as_long = dict(dtype=torch.int64, device=device)
     return FlatTree(
@@ -251,15 +246,11 @@ def flatten_tree(tree: DraftTree, frontier_token: int, base_position: int) -> Fl
         depths=torch.tensor(depths, **as_long),
         tree_mask=torch.tensor(tree_mask_from_parents(parents), dtype=torch.bool, device=device),
         retrieve=torch.tensor(retrieve_from_parents(parents, depths), **as_long),
-        draft_probs=torch.cat(
-            [torch.ones(1, dtype=torch.float32, device=device), tree.draft_probs]
-        ),
+        draft_probs=torch.cat([torch.ones(1, dtype=torch.float32, device=device), tree.draft_probs]),
     )
 
 
-def validate_flat_tree(
-    flat: FlatTree, *, vocab_size: int, max_rows: int, base_position: int
-) -> None:
+def validate_flat_tree(flat: FlatTree, *, vocab_size: int, max_rows: int, base_position: int) -> None:
     """Check the wire contract of a FlatTree; raise ValueError naming the field that breaks it.
 
     Checks: rows within `max_rows`; row 0 is the root; parents precede children and the tree is
@@ -285,10 +276,7 @@ def validate_flat_tree(
     for i in range(1, r):
         p = parents[i]
         if not 0 <= p < r:
-            raise ValueError(
-                f"parents: row {i} has parent {p}, which is not a row of this tree "
-                f"(not ancestor-closed)"
-            )
+            raise ValueError(f"parents: row {i} has parent {p}, which is not a row of this tree (not ancestor-closed)")
         if p >= i:
             raise ValueError(f"parents: row {i} has parent {p}; parents must precede children")
 

@@ -12,6 +12,7 @@ the field's name, before anything reads or writes the receiver's state.
 The checks that need the receiver's state (the expected round, the committed length, the frontier
 token) are keyword arguments the receiver passes; the converters themselves stay pure.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -85,14 +86,19 @@ def _in_vocab(tokens: list[int], vocab_size: int | None, name: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def flat_tree_to_proto(flat: FlatTree, *, request_id: str, round: int, base_position: int,
-                       include_derived: bool = False) -> pb.FlatTree:
+def flat_tree_to_proto(
+    flat: FlatTree, *, request_id: str, round: int, base_position: int, include_derived: bool = False
+) -> pb.FlatTree:
     """The wire form of ``flat``; ``include_derived`` also sends tree_mask and retrieve, which a
     receiver otherwise derives from parents."""
     msg = pb.FlatTree(
-        request_id=request_id, round=round, base_position=base_position,
-        tokens=encode_tensor(flat.tokens), parents=encode_tensor(flat.parents),
-        depths=encode_tensor(flat.depths), positions=encode_tensor(flat.positions),
+        request_id=request_id,
+        round=round,
+        base_position=base_position,
+        tokens=encode_tensor(flat.tokens),
+        parents=encode_tensor(flat.parents),
+        depths=encode_tensor(flat.depths),
+        positions=encode_tensor(flat.positions),
         draft_probs=encode_tensor(flat.draft_probs),
     )
     if include_derived:
@@ -101,11 +107,16 @@ def flat_tree_to_proto(flat: FlatTree, *, request_id: str, round: int, base_posi
     return msg
 
 
-def draft_tree_to_proto(tree: DraftTree, *, frontier_token: int, request_id: str, round: int,
-                        base_position: int) -> pb.FlatTree:
+def draft_tree_to_proto(
+    tree: DraftTree, *, frontier_token: int, request_id: str, round: int, base_position: int
+) -> pb.FlatTree:
     """Flatten ``tree`` behind the frontier token (seed 0x05C) into its wire form."""
-    return flat_tree_to_proto(flatten_tree(tree, frontier_token, base_position), request_id=request_id,
-                              round=round, base_position=base_position)
+    return flat_tree_to_proto(
+        flatten_tree(tree, frontier_token, base_position),
+        request_id=request_id,
+        round=round,
+        base_position=base_position,
+    )
 
 
 def _derived_mask_and_retrieve(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,12 +133,21 @@ def _derived_mask_and_retrieve(parents: list[int]) -> tuple[torch.Tensor, torch.
     depths = [0] * r  # from parents, not from the inbound depths (validated separately)
     for i in range(1, r):
         depths[i] = depths[parents[i]] + 1
-    return (torch.tensor(tree_mask_from_parents(parents), dtype=torch.bool),
-            torch.tensor(retrieve_from_parents(parents, depths), dtype=torch.int64))
+    return (
+        torch.tensor(tree_mask_from_parents(parents), dtype=torch.bool),
+        torch.tensor(retrieve_from_parents(parents, depths), dtype=torch.int64),
+    )
 
 
-def flat_tree_from_proto(msg: pb.FlatTree, *, vocab_size: int, max_rows: int, base_position: int,
-                         round: int | None = NO_LIMIT, frontier_token: int | None = NO_LIMIT) -> FlatTree:
+def flat_tree_from_proto(
+    msg: pb.FlatTree,
+    *,
+    vocab_size: int,
+    max_rows: int,
+    base_position: int,
+    round: int | None = NO_LIMIT,
+    frontier_token: int | None = NO_LIMIT,
+) -> FlatTree:
     """Validate an inbound FlatTree against the receiver's session; return the internal FlatTree.
 
     ``base_position``: the committed length (the root's position). ``round``: the round the tree
@@ -137,8 +157,9 @@ def flat_tree_from_proto(msg: pb.FlatTree, *, vocab_size: int, max_rows: int, ba
     _expect(msg.round, round, "round", "is stale or from the future")
     _expect(msg.base_position, base_position, "base_position", "is not the committed length")
     with _inbound():
-        tokens = decode_tensor(msg.tokens, name="tokens", dtype=torch.int64, shape=(ANY_DIM,),
-                               max_numel=max_rows)  # [R] int64; R <= max_rows (the budget)
+        tokens = decode_tensor(
+            msg.tokens, name="tokens", dtype=torch.int64, shape=(ANY_DIM,), max_numel=max_rows
+        )  # [R] int64; R <= max_rows (the budget)
         r = tokens.shape[0]
         if r < 1:  # before the other fields, which would be compared against zero rows
             raise WireError("tokens: a flat tree has at least the root row")
@@ -153,12 +174,20 @@ def flat_tree_from_proto(msg: pb.FlatTree, *, vocab_size: int, max_rows: int, ba
             positions=rows("positions", torch.int64),
             parents=parents,
             depths=rows("depths", torch.int64),
-            tree_mask=decode_tensor(msg.tree_mask, name="tree_mask", dtype=torch.bool, shape=(r, r),
-                                    max_numel=max_rows * max_rows)
-            if msg.HasField("tree_mask") else derived_mask,  # [R, R] bool
-            retrieve=decode_tensor(msg.retrieve, name="retrieve", dtype=torch.int64,
-                                   shape=(ANY_DIM, ANY_DIM), max_numel=max_rows * max_rows)
-            if msg.HasField("retrieve") else derived_retrieve,  # [leaves, D+1] int64
+            tree_mask=decode_tensor(
+                msg.tree_mask, name="tree_mask", dtype=torch.bool, shape=(r, r), max_numel=max_rows * max_rows
+            )
+            if msg.HasField("tree_mask")
+            else derived_mask,  # [R, R] bool
+            retrieve=decode_tensor(
+                msg.retrieve,
+                name="retrieve",
+                dtype=torch.int64,
+                shape=(ANY_DIM, ANY_DIM),
+                max_numel=max_rows * max_rows,
+            )
+            if msg.HasField("retrieve")
+            else derived_retrieve,  # [leaves, D+1] int64
             draft_probs=rows("draft_probs", torch.float32),
         )
         validate_flat_tree(flat, vocab_size=vocab_size, max_rows=max_rows, base_position=base_position)
@@ -188,25 +217,39 @@ def draft_tree_from_flat(flat: FlatTree) -> DraftTree:
 
 
 def decision_to_proto(decision: AcceptDecision, *, request_id: str, round: int) -> pb.AcceptDecision:
-    return pb.AcceptDecision(request_id=request_id, round=round,
-                             accepted_rows=encode_tensor(decision.accepted_rows),
-                             accepted_tokens=encode_tensor(decision.accepted_tokens),
-                             frontier_token=decision.frontier_token)
+    return pb.AcceptDecision(
+        request_id=request_id,
+        round=round,
+        accepted_rows=encode_tensor(decision.accepted_rows),
+        accepted_tokens=encode_tensor(decision.accepted_tokens),
+        frontier_token=decision.frontier_token,
+    )
 
 
-def decision_from_proto(msg: pb.AcceptDecision, *, request_id: str | None = NO_LIMIT,
-                        round: int | None = NO_LIMIT, vocab_size: int | None = NO_LIMIT,
-                        max_rows: int = DEFAULT_MAX_NUMEL) -> AcceptDecision:
+def decision_from_proto(
+    msg: pb.AcceptDecision,
+    *,
+    request_id: str | None = NO_LIMIT,
+    round: int | None = NO_LIMIT,
+    vocab_size: int | None = NO_LIMIT,
+    max_rows: int = DEFAULT_MAX_NUMEL,
+) -> AcceptDecision:
     """Validate an inbound AcceptDecision; ``max_rows`` bounds accepted_rows (a prefill accepts
     every prompt row)."""
     check_request_id(msg.request_id)
     _expect(msg.request_id, request_id, "request_id", "is not the request asked about")
     _expect(msg.round, round, "round", "is not the round asked about")
     with _inbound():
-        rows = decode_tensor(msg.accepted_rows, name="accepted_rows", dtype=torch.int64, shape=(ANY_DIM,),
-                             max_numel=max_rows)  # [A] int64
-        tokens = decode_tensor(msg.accepted_tokens, name="accepted_tokens", dtype=torch.int64,
-                               shape=(max(rows.shape[0] - 1, 0),), max_numel=max_rows)  # [A-1] int64
+        rows = decode_tensor(
+            msg.accepted_rows, name="accepted_rows", dtype=torch.int64, shape=(ANY_DIM,), max_numel=max_rows
+        )  # [A] int64
+        tokens = decode_tensor(
+            msg.accepted_tokens,
+            name="accepted_tokens",
+            dtype=torch.int64,
+            shape=(max(rows.shape[0] - 1, 0),),
+            max_numel=max_rows,
+        )  # [A-1] int64
         decision = AcceptDecision(rows, tokens, msg.frontier_token)
     _in_vocab(decision.accepted_tokens.tolist(), vocab_size, "accepted_tokens")
     _in_vocab([decision.frontier_token], vocab_size, "frontier_token")
@@ -219,23 +262,38 @@ def decision_from_proto(msg: pb.AcceptDecision, *, request_id: str | None = NO_L
 
 
 def seed_to_proto(seed: Seed, *, request_id: str) -> pb.Seed:
-    return pb.Seed(request_id=request_id, round=seed.round, start_position=seed.start_position,
-                   features=encode_tensor(seed.features), advanced_tokens=encode_tensor(seed.advanced_tokens))
+    return pb.Seed(
+        request_id=request_id,
+        round=seed.round,
+        start_position=seed.start_position,
+        features=encode_tensor(seed.features),
+        advanced_tokens=encode_tensor(seed.advanced_tokens),
+    )
 
 
-def seed_from_proto(msg: pb.Seed, *, feature_dim: int | None = NO_LIMIT, vocab_size: int | None = NO_LIMIT,
-                    max_rows: int = DEFAULT_MAX_NUMEL) -> Seed:
+def seed_from_proto(
+    msg: pb.Seed,
+    *,
+    feature_dim: int | None = NO_LIMIT,
+    vocab_size: int | None = NO_LIMIT,
+    max_rows: int = DEFAULT_MAX_NUMEL,
+) -> Seed:
     """Validate an inbound Seed: features [A, feature_dim] floating, advanced_tokens [A] int64, A >= 1."""
     check_request_id(msg.request_id, "seed.request_id")
     _at_least(msg.round, 0, "seed.round")
     _at_least(msg.start_position, 0, "seed.start_position")
     with _inbound():
-        tokens = decode_tensor(msg.advanced_tokens, name="seed.advanced_tokens", dtype=torch.int64,
-                               shape=(ANY_DIM,), max_numel=max_rows)  # [A] int64
+        tokens = decode_tensor(
+            msg.advanced_tokens, name="seed.advanced_tokens", dtype=torch.int64, shape=(ANY_DIM,), max_numel=max_rows
+        )  # [A] int64
         a = tokens.shape[0]
         unknown_f = feature_dim is NO_LIMIT
-        features = decode_tensor(msg.features, name="seed.features", shape=(a, ANY_DIM if unknown_f else feature_dim),
-                                 max_numel=DEFAULT_MAX_NUMEL if unknown_f else a * feature_dim)  # [A, F]
+        features = decode_tensor(
+            msg.features,
+            name="seed.features",
+            shape=(a, ANY_DIM if unknown_f else feature_dim),
+            max_numel=DEFAULT_MAX_NUMEL if unknown_f else a * feature_dim,
+        )  # [A, F]
     if a < 1:
         raise WireError("seed.advanced_tokens: a seed holds at least the frontier token")
     if not features.dtype.is_floating_point:
@@ -245,13 +303,24 @@ def seed_from_proto(msg: pb.Seed, *, feature_dim: int | None = NO_LIMIT, vocab_s
 
 
 def ack_to_proto(ack: PublishAck, seed: Seed) -> pb.PublishAck:
-    return pb.PublishAck(request_id=ack.request_id, round=ack.round, committed_len=ack.committed_len,
-                         output_tokens=list(ack.output_tokens), seed=seed_to_proto(seed, request_id=ack.request_id))
+    return pb.PublishAck(
+        request_id=ack.request_id,
+        round=ack.round,
+        committed_len=ack.committed_len,
+        output_tokens=list(ack.output_tokens),
+        seed=seed_to_proto(seed, request_id=ack.request_id),
+    )
 
 
-def ack_from_proto(msg: pb.PublishAck, *, request_id: str | None = NO_LIMIT, round: int | None = NO_LIMIT,
-                   feature_dim: int | None = NO_LIMIT, vocab_size: int | None = NO_LIMIT,
-                   max_rows: int = DEFAULT_MAX_NUMEL) -> tuple[Seed, PublishAck]:
+def ack_from_proto(
+    msg: pb.PublishAck,
+    *,
+    request_id: str | None = NO_LIMIT,
+    round: int | None = NO_LIMIT,
+    feature_dim: int | None = NO_LIMIT,
+    vocab_size: int | None = NO_LIMIT,
+    max_rows: int = DEFAULT_MAX_NUMEL,
+) -> tuple[Seed, PublishAck]:
     """Validate an inbound PublishAck and its Seed, and that they describe the same publish."""
     check_request_id(msg.request_id)
     _expect(msg.request_id, request_id, "request_id", "is not the request published")
@@ -265,8 +334,12 @@ def ack_from_proto(msg: pb.PublishAck, *, request_id: str | None = NO_LIMIT, rou
     seed = seed_from_proto(msg.seed, feature_dim=feature_dim, vocab_size=vocab_size, max_rows=max_rows)
     _expect(msg.seed.request_id, msg.request_id, "seed.request_id", "is not the ack's request")
     _expect(seed.round, msg.round, "seed.round", "is not the ack's round")
-    _expect(seed.start_position + seed.advanced_tokens.shape[0], msg.committed_len, "seed.start_position",
-            "+ its rows is not the committed length")
+    _expect(
+        seed.start_position + seed.advanced_tokens.shape[0],
+        msg.committed_len,
+        "seed.start_position",
+        "+ its rows is not the committed length",
+    )
     _expect(seed.frontier_token, msg.output_tokens[-1], "seed.advanced_tokens", "ends in another frontier token")
     return seed, PublishAck(msg.request_id, msg.round, msg.committed_len, tuple(msg.output_tokens))
 
@@ -283,20 +356,27 @@ class SessionSpec:
     request_id: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
-    max_tree_rows: int       # verify rows per round, the root included
+    max_tree_rows: int  # verify rows per round, the root included
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    taps: tuple[tuple[int, bool], ...] = ()   # (layers_applied, normed) per feature tap; () = none
+    taps: tuple[tuple[int, bool], ...] = ()  # (layers_applied, normed) per feature tap; () = none
 
 
 def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
-    return pb.OpenSessionRequest(request_id=spec.request_id, prompt_ids=list(spec.prompt_ids),
-                                 max_new_tokens=spec.max_new_tokens, max_tree_rows=spec.max_tree_rows,
-                                 temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-                                 seed=spec.seed, tap_layers=[t[0] for t in spec.taps],
-                                 tap_normed=[t[1] for t in spec.taps])
+    return pb.OpenSessionRequest(
+        request_id=spec.request_id,
+        prompt_ids=list(spec.prompt_ids),
+        max_new_tokens=spec.max_new_tokens,
+        max_tree_rows=spec.max_tree_rows,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        seed=spec.seed,
+        tap_layers=[t[0] for t in spec.taps],
+        tap_normed=[t[1] for t in spec.taps],
+    )
 
 
 def check_session_spec(spec: SessionSpec, *, vocab_size: int) -> SessionSpec:
@@ -340,8 +420,20 @@ def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> S
 # The client service (Eyas.Generate)
 # --------------------------------------------------------------------------------------------
 
-_OPTIONAL_REQUEST_FIELDS = ("prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
-                            "request_id", "method", "tree_kind", "tree_depth", "tree_width", "tree_budget")
+_OPTIONAL_REQUEST_FIELDS = (
+    "prompt",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "request_id",
+    "method",
+    "tree_kind",
+    "tree_depth",
+    "tree_width",
+    "tree_budget",
+)
 
 
 def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
@@ -372,5 +464,6 @@ def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
         raise WireError("drafter: a drafter folder is not carried over the wire")
     fields = {name: getattr(req, name) for name in _OPTIONAL_REQUEST_FIELDS if getattr(req, name) is not None}
     messages = [pb.ChatMessage(role=m.role, content=m.content) for m in req.messages or ()]
-    return pb.GenerateRequest(raw=req.raw, stop=list(req.stop), prompt_ids=list(req.prompt_ids or ()),
-                              messages=messages, **fields)
+    return pb.GenerateRequest(
+        raw=req.raw, stop=list(req.stop), prompt_ids=list(req.prompt_ids or ()), messages=messages, **fields
+    )

@@ -15,6 +15,7 @@ A round whose drafter fails or times out goes plain; the request then reseeds fr
 committed state (seed 0x05D) under the one reseed rule, and after that goes on target-only: the
 same greedy tokens, ``drafter_fallback``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -118,10 +119,10 @@ class RemoteVerdict:
 
     round: int
     decision: AcceptDecision
-    compute_s: float = 0.0   # the worker's forward + decision time
-    accept_s: float = 0.0    # of which the decision
+    compute_s: float = 0.0  # the worker's forward + decision time
+    accept_s: float = 0.0  # of which the decision
     flat: FlatTree | None = None  # the rows this client sent (None for the prefill)
-    pack_s: float = 0.0      # flattening and encoding them
+    pack_s: float = 0.0  # flattening and encoding them
 
 
 @dataclass
@@ -129,7 +130,7 @@ class RemoteSession:
     """The client's view of a remote session, advanced by each validated ack."""
 
     info: SessionInfo
-    round: int = NOT_PUBLISHED     # the last published round
+    round: int = NOT_PUBLISHED  # the last published round
     committed_len: int = 0
     frontier_token: int | None = None
     publish_compute_s: float = 0.0  # the worker's time in the last publish
@@ -161,18 +162,43 @@ class RemoteVerifier:
         return self.sessions[request_id]
 
     # --- the steps of a round ------------------------------------------------------------------
-    def open_session(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, max_tree_rows: int, *,
-                     sampling: SamplingParams = SamplingParams(), seed: int = 0,
-                     taps: tuple[tuple[int, bool], ...] = ()) -> SessionInfo:
+    def open_session(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        max_tree_rows: int,
+        *,
+        sampling: SamplingParams = SamplingParams(),
+        seed: int = 0,
+        taps: tuple[tuple[int, bool], ...] = (),
+    ) -> SessionInfo:
         """``taps``: the drafter's feature address as (layers_applied, normed) pairs; () for none."""
-        spec = wire.SessionSpec(request_id, tuple(prompt_ids), max_new_tokens, max_tree_rows,
-                                sampling.temperature, sampling.top_p, sampling.top_k, seed, tuple(taps))
+        spec = wire.SessionSpec(
+            request_id,
+            tuple(prompt_ids),
+            max_new_tokens,
+            max_tree_rows,
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            seed,
+            tuple(taps),
+        )
         reply = self._rpc("OpenSession", wire.session_spec_to_proto(spec))
         if reply.request_id != request_id or reply.max_tree_rows != max_tree_rows:
-            raise wire.WireError(f"request_id: the verifier opened {reply.request_id!r} "
-                                 f"with {reply.max_tree_rows} rows, not {request_id!r} with {max_tree_rows}")
-        info = SessionInfo(request_id, reply.vocab_size, reply.feature_dim, reply.max_tree_rows,
-                           len(prompt_ids), tuple(reply.eos_token_ids))
+            raise wire.WireError(
+                f"request_id: the verifier opened {reply.request_id!r} "
+                f"with {reply.max_tree_rows} rows, not {request_id!r} with {max_tree_rows}"
+            )
+        info = SessionInfo(
+            request_id,
+            reply.vocab_size,
+            reply.feature_dim,
+            reply.max_tree_rows,
+            len(prompt_ids),
+            tuple(reply.eos_token_ids),
+        )
         self.sessions[request_id] = RemoteSession(info)
         return info
 
@@ -180,8 +206,9 @@ class RemoteVerifier:
         s = self._session(request_id)
         reply = self._rpc("Prefill", pb.PrefillRequest(request_id=request_id))
         round_ = s.round + 1
-        decision = wire.decision_from_proto(reply, request_id=request_id, round=round_,
-                                            vocab_size=s.info.vocab_size, max_rows=s.info.prompt_len)
+        decision = wire.decision_from_proto(
+            reply, request_id=request_id, round=round_, vocab_size=s.info.vocab_size, max_rows=s.info.prompt_len
+        )
         return RemoteVerdict(round_, decision, reply.compute_ms / 1000, reply.accept_ms / 1000)
 
     def verify(self, request_id: str, tree: DraftTree) -> RemoteVerdict:
@@ -191,12 +218,13 @@ class RemoteVerifier:
             raise ValueError(f"request_id: {request_id!r} has no frontier token (prefill and publish first)")
         round_ = s.round + 1
         t0 = time.perf_counter()
-        flat = flatten_tree(tree, s.frontier_token, s.committed_len)                          # pack
+        flat = flatten_tree(tree, s.frontier_token, s.committed_len)  # pack
         msg = wire.flat_tree_to_proto(flat, request_id=request_id, round=round_, base_position=s.committed_len)
         pack_s = time.perf_counter() - t0
         reply = self._rpc("Verify", msg)
-        decision = wire.decision_from_proto(reply, request_id=request_id, round=round_,
-                                            vocab_size=s.info.vocab_size, max_rows=flat.num_rows)
+        decision = wire.decision_from_proto(
+            reply, request_id=request_id, round=round_, vocab_size=s.info.vocab_size, max_rows=flat.num_rows
+        )
         rows = decision.accepted_rows
         if int(rows.max()) >= flat.num_rows or not bool((flat.tokens[rows[1:]] == decision.accepted_tokens).all()):
             raise wire.WireError("accepted_tokens: do not match the rows this client sent")
@@ -205,9 +233,14 @@ class RemoteVerifier:
     def publish(self, request_id: str, round: int) -> tuple[Seed, PublishAck]:
         s = self._session(request_id)
         reply = self._rpc("Publish", pb.PublishRequest(request_id=request_id, round=round))
-        seed, ack = wire.ack_from_proto(reply, request_id=request_id, round=round, feature_dim=s.info.feature_dim,
-                                        vocab_size=s.info.vocab_size,
-                                        max_rows=max(s.info.prompt_len, s.info.max_tree_rows))
+        seed, ack = wire.ack_from_proto(
+            reply,
+            request_id=request_id,
+            round=round,
+            feature_dim=s.info.feature_dim,
+            vocab_size=s.info.vocab_size,
+            max_rows=max(s.info.prompt_len, s.info.max_tree_rows),
+        )
         if ack.round > s.round:  # a duplicate publish returns an ack the session already holds
             s.round, s.committed_len, s.frontier_token = ack.round, ack.committed_len, ack.output_tokens[-1]
         s.publish_compute_s = reply.compute_ms / 1000
@@ -217,8 +250,9 @@ class RemoteVerifier:
         """Every committed row's verified feature from position 0 (for a drafter that lost its session)."""
         s = self._session(request_id)
         reply = self._rpc("Reseed", pb.ReseedRequest(request_id=request_id))
-        seed = wire.seed_from_proto(reply, feature_dim=s.info.feature_dim, vocab_size=s.info.vocab_size,
-                                    max_rows=s.committed_len)
+        seed = wire.seed_from_proto(
+            reply, feature_dim=s.info.feature_dim, vocab_size=s.info.vocab_size, max_rows=s.committed_len
+        )
         if seed.start_position != 0 or seed.features.shape[0] != s.committed_len:
             raise wire.WireError(f"seed.features: a reseed must cover the {s.committed_len} committed rows from 0")
         return seed
@@ -242,28 +276,49 @@ class VerifierTarget:
 
     @staticmethod
     def _decided(request_id: str, v: RemoteVerdict) -> Decided:
-        return Decided(request_id=request_id, round=v.round, decision=v.decision, flat=v.flat,
-                       compute_s=v.compute_s, accept_s=v.accept_s, pack_s=v.pack_s)
+        return Decided(
+            request_id=request_id,
+            round=v.round,
+            decision=v.decision,
+            flat=v.flat,
+            compute_s=v.compute_s,
+            accept_s=v.accept_s,
+            pack_s=v.pack_s,
+        )
 
     def publish(self, decided: list[Decided]) -> list[Published]:
         out = []
         for d in decided:
             seed, ack = self.verifier.publish(d.request_id, d.round)
-            out.append(Published(seed=seed, tokens=tuple(ack.output_tokens),
-                                 compute_s=self.verifier.sessions[d.request_id].publish_compute_s))
+            out.append(
+                Published(
+                    seed=seed,
+                    tokens=tuple(ack.output_tokens),
+                    compute_s=self.verifier.sessions[d.request_id].publish_compute_s,
+                )
+            )
         return out
 
     def reseed(self, request_id: str) -> Seed:
         return self.verifier.reseed(request_id)
 
 
-def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_tokens: int,
-                    sampling: SamplingParams = SamplingParams(), drafter=None,
-                    tree: TreeSpec = TreeSpec(), seed: int = 0, request_id: str = "remote",
-                    stop_ids: tuple[int, ...] | None = None, taps: tuple[tuple[int, bool], ...] | None = None,
-                    cancel: threading.Event | None = None,
-                    on_tokens: Callable[[list[int]], bool | None] | None = None,
-                    on_round: Callable[[RoundRecord], None] | None = None) -> GenerationResult:
+def generate_remote(
+    verifier: RemoteVerifier,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    drafter=None,
+    tree: TreeSpec = TreeSpec(),
+    seed: int = 0,
+    request_id: str = "remote",
+    stop_ids: tuple[int, ...] | None = None,
+    taps: tuple[tuple[int, bool], ...] | None = None,
+    cancel: threading.Event | None = None,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+) -> GenerationResult:
     """``eyas.generate.generate`` with the target behind ``verifier``: the same round step, so the
     same tokens for the same seed (the remote target decides with the same sampler in the same order).
 
@@ -277,16 +332,20 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
     if taps is None:
         taps = tuple((t.layers_applied, t.normed) for t in getattr(drafter, "taps", ())) if drafter else ()
     max_rows = tree.max_candidates + 1 if drafter is not None else 1
-    info = verifier.open_session(request_id, prompt_ids, max_new_tokens, max_rows, sampling=sampling, seed=seed,
-                                 taps=taps)
+    info = verifier.open_session(
+        request_id, prompt_ids, max_new_tokens, max_rows, sampling=sampling, seed=seed, taps=taps
+    )
     stop_ids = tuple(info.eos_token_ids if stop_ids is None else stop_ids)
     sides = VerifierTarget(verifier), SessionDrafter(drafter) if drafter is not None else None
-    state = DraftState(request_id=request_id, method="target" if drafter is None else "drafter",
-                       draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens))
+    state = DraftState(
+        request_id=request_id,
+        method="target" if drafter is None else "drafter",
+        draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens),
+    )
     stopped, cancelled = False, False
     try:
         t_start = time.perf_counter()
-        emitted = round_step(*sides, [], [state]).published[request_id].tokens                 # the prefill: round 0
+        emitted = round_step(*sides, [], [state]).published[request_id].tokens  # the prefill: round 0
         out = list(emitted)
         stopped = bool(on_tokens and on_tokens(list(emitted)))
         prefill_s = time.perf_counter() - t_start
@@ -296,21 +355,39 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
                 cancelled = True
                 break
             start_ns = time.time_ns()
-            r = round_step(*sides, [(state, tree if drafter is not None else None)])              # one round
+            r = round_step(*sides, [(state, tree if drafter is not None else None)])  # one round
             v, ack = r.verdicts[0], r.published[request_id]
             emitted = ack.tokens
             out.extend(emitted)
             stopped = bool(on_tokens and on_tokens(list(emitted)))
             nodes = r.trees[request_id].num_nodes
             if on_round is not None:
-                on_round(RoundRecord(request_id=request_id, round=v.round, flat=v.flat if nodes else None,
-                                     decision=v.decision, start_ns=start_ns, draft_s=r.draft_s, pack_s=v.pack_s,
-                                     verify_s=r.verify_s - v.pack_s, accept_s=v.accept_s, publish_s=r.publish_s,
-                                     fallback=state.fallback))
+                on_round(
+                    RoundRecord(
+                        request_id=request_id,
+                        round=v.round,
+                        flat=v.flat if nodes else None,
+                        decision=v.decision,
+                        start_ns=start_ns,
+                        draft_s=r.draft_s,
+                        pack_s=v.pack_s,
+                        verify_s=r.verify_s - v.pack_s,
+                        accept_s=v.accept_s,
+                        publish_s=r.publish_s,
+                        fallback=state.fallback,
+                    )
+                )
             hop_s = r.draft_s + r.verify_s + r.publish_s - r.draft_compute_s - v.compute_s - ack.compute_s
-            rounds.append(RoundStats(accept_length=v.decision.accept_length, new_tokens=v.decision.num_new_tokens,
-                                     tree_nodes=nodes, draft_s=r.draft_s, verify_s=r.verify_s,
-                                     hop_s=max(hop_s, 0.0) if r.draft_compute_s or v.compute_s else 0.0))
+            rounds.append(
+                RoundStats(
+                    accept_length=v.decision.accept_length,
+                    new_tokens=v.decision.num_new_tokens,
+                    tree_nodes=nodes,
+                    draft_s=r.draft_s,
+                    verify_s=r.verify_s,
+                    hop_s=max(hop_s, 0.0) if r.draft_compute_s or v.compute_s else 0.0,
+                )
+            )
         wall_s = time.perf_counter() - t_start
     finally:
         verifier.close_session(request_id)
@@ -320,5 +397,12 @@ def generate_remote(verifier: RemoteVerifier, prompt_ids: list[int], *, max_new_
             except DrafterUnavailable:
                 pass
     token_ids, reason = finish(out, max_new_tokens, stop_ids, stopped=stopped, cancelled=cancelled)
-    return GenerationResult(token_ids=token_ids, finish_reason=reason, prefill_s=prefill_s, wall_s=wall_s,
-                            rounds=tuple(rounds), drafter_fallback=state.fallback, drafter_reseeds=state.reseeds)
+    return GenerationResult(
+        token_ids=token_ids,
+        finish_reason=reason,
+        prefill_s=prefill_s,
+        wall_s=wall_s,
+        rounds=tuple(rounds),
+        drafter_fallback=state.fallback,
+        drafter_reseeds=state.reseeds,
+    )

@@ -12,6 +12,7 @@ which starts with the field's name; an unknown session becomes ``NOT_FOUND``. Va
 before the engine is called, and the engine checks before it writes, so a bad message never
 touches the committed state. One lock serializes every worker call (the worker has one owner).
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,10 @@ from eyas.target.model import TargetModel
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES: int = 64 << 20  # a seed of a long EAGLE-3 prompt exceeds gRPC's 4 MiB default
-GRPC_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
+GRPC_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+)
 
 
 class VerifierServicer(eyas_pb2_grpc.VerifierServicer):
@@ -84,8 +87,9 @@ class VerifierServer:
         self.server.stop(grace).wait()
 
 
-def serve_verifier(target: TargetWorker | TargetModel, host: str = "127.0.0.1", port: int = 0, *,
-                   max_workers: int = 4) -> VerifierServer:
+def serve_verifier(
+    target: TargetWorker | TargetModel, host: str = "127.0.0.1", port: int = 0, *, max_workers: int = 4
+) -> VerifierServer:
     """Start a Verifier server over ``target`` on ``host:port`` (port 0: any free one)."""
     worker = target if isinstance(target, TargetWorker) else TargetWorker(target)
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)

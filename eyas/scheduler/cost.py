@@ -6,6 +6,7 @@ mixture-of-experts target, the expert weights the verify rows route to.
 
 Pure functions over counts: no model, no Ray.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,7 +59,9 @@ class TreeShape:
 
 
 PLAIN = TreeShape(0, 0, 0)
-DEFAULT_PREFILL_CHUNK = 128  # prompt rows one serving round may prefill, all requests together (measured: docs/benchmarks.md)
+DEFAULT_PREFILL_CHUNK = (
+    128  # prompt rows one serving round may prefill, all requests together (measured: docs/benchmarks.md)
+)
 
 
 @dataclass(frozen=True)
@@ -69,25 +72,39 @@ class RoundWork:
     tree_nodes: int
     verify_rows: int
     draft_rows: int
-    committed_kv_bytes: int     # target KV of the committed prefix
-    provisional_kv_bytes: int   # target branch KV of this round's verify rows (freed or gathered at publish)
-    draft_kv_bytes: int         # drafter KV: context rows + this round's provisional rows
-    expert_bytes: int = 0       # MoE: expert weights the verify rows route to (0 for a dense target)
+    committed_kv_bytes: int  # target KV of the committed prefix
+    provisional_kv_bytes: int  # target branch KV of this round's verify rows (freed or gathered at publish)
+    draft_kv_bytes: int  # drafter KV: context rows + this round's provisional rows
+    expert_bytes: int = 0  # MoE: expert weights the verify rows route to (0 for a dense target)
 
     @property
     def kv_bytes(self) -> int:
         return self.committed_kv_bytes + self.provisional_kv_bytes + self.draft_kv_bytes
 
 
-def round_work(request_id: str, shape: TreeShape, *, committed_len: int, target_kv_bytes_per_row: int,
-               draft_kv_bytes_per_row: int = 0, expert_bytes: int = 0) -> RoundWork:
+def round_work(
+    request_id: str,
+    shape: TreeShape,
+    *,
+    committed_len: int,
+    target_kv_bytes_per_row: int,
+    draft_kv_bytes_per_row: int = 0,
+    expert_bytes: int = 0,
+) -> RoundWork:
     """The work of a request with ``committed_len`` committed tokens running one round of ``shape``."""
     if committed_len < 0:
         raise ValueError(f"committed_len: {committed_len} < 0")
     draft_ctx = committed_len if shape.speculates else 0
-    return RoundWork(request_id, shape.tree_nodes, shape.verify_rows, shape.draft_rows,
-                     committed_len * target_kv_bytes_per_row, shape.verify_rows * target_kv_bytes_per_row,
-                     (draft_ctx + shape.draft_rows) * draft_kv_bytes_per_row, expert_bytes)
+    return RoundWork(
+        request_id,
+        shape.tree_nodes,
+        shape.verify_rows,
+        shape.draft_rows,
+        committed_len * target_kv_bytes_per_row,
+        shape.verify_rows * target_kv_bytes_per_row,
+        (draft_ctx + shape.draft_rows) * draft_kv_bytes_per_row,
+        expert_bytes,
+    )
 
 
 @dataclass(frozen=True)
@@ -99,17 +116,21 @@ class BatchWork:
     draft_rows: int
     tree_nodes: int
     kv_bytes: int
-    expert_bytes: int   # the requests' own unions summed: an upper bound of the batch's union (shared experts)
+    expert_bytes: int  # the requests' own unions summed: an upper bound of the batch's union (shared experts)
 
 
 def batch_work(works: list[RoundWork]) -> BatchWork:
-    return BatchWork(len(works), sum(w.verify_rows for w in works), sum(w.draft_rows for w in works),
-                     sum(w.tree_nodes for w in works), sum(w.kv_bytes for w in works),
-                     sum(w.expert_bytes for w in works))
+    return BatchWork(
+        len(works),
+        sum(w.verify_rows for w in works),
+        sum(w.draft_rows for w in works),
+        sum(w.tree_nodes for w in works),
+        sum(w.kv_bytes for w in works),
+        sum(w.expert_bytes for w in works),
+    )
 
 
-
-EXPERT_EMA = 0.2      # how fast the routing skew follows live rounds
+EXPERT_EMA = 0.2  # how fast the routing skew follows live rounds
 
 
 @dataclass
@@ -179,9 +200,14 @@ class ExpertTraffic:
         self.observations += 1
 
     def to_dict(self) -> dict:
-        return {"moe_layers": self.moe_layers, "num_experts": self.num_experts,
-                "experts_per_token": self.experts_per_token, "bytes_per_expert": self.bytes_per_expert,
-                "skew": round(self.skew, 4), "observations": self.observations}
+        return {
+            "moe_layers": self.moe_layers,
+            "num_experts": self.num_experts,
+            "experts_per_token": self.experts_per_token,
+            "bytes_per_expert": self.bytes_per_expert,
+            "skew": round(self.skew, 4),
+            "observations": self.observations,
+        }
 
 
 def expected_accepted(rank_rates: list[list[float]], shape: TreeShape) -> float:
@@ -205,7 +231,7 @@ def expected_accepted(rank_rates: list[list[float]], shape: TreeShape) -> float:
         if any(r < 0 for r in rates) or sum(rates) > 1 + 1e-9:
             raise ValueError(f"rank_rates[{d}]: {rates} are not probabilities of disjoint events")
 
-    def children(depth: int, chance: float):   # depth: 1-based depth of the children
+    def children(depth: int, chance: float):  # depth: 1-based depth of the children
         rates = rank_rates[min(depth, len(rank_rates)) - 1]
         return [(-chance * rates[r], depth) for r in range(min(shape.expand_width, len(rates)))]
 

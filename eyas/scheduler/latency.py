@@ -8,6 +8,7 @@ around the observed row count, weighted by distance).
 
 Pure: no model, no Ray.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -22,8 +23,8 @@ EMA_WEIGHT = 0.2
 
 @dataclass
 class LatencyCurve:
-    rows: list[int]                    # increasing knot positions (total verify rows in a batch)
-    ms: list[float]                    # latency at each knot
+    rows: list[int]  # increasing knot positions (total verify rows in a batch)
+    ms: list[float]  # latency at each knot
     observations: int = 0
     history: list[tuple[int, float]] = field(default_factory=list)  # the newest live observations
 
@@ -86,8 +87,9 @@ class LatencyCurve:
         return {"rows": list(self.rows), "ms": [round(m, 4) for m in self.ms], "observations": self.observations}
 
 
-def measure_curve(run_rows: Callable[[int], float | None], rows: tuple[int, ...] = DEFAULT_ROWS, repeats: int = 5,
-                  warmup: int = 1) -> LatencyCurve:
+def measure_curve(
+    run_rows: Callable[[int], float | None], rows: tuple[int, ...] = DEFAULT_ROWS, repeats: int = 5, warmup: int = 1
+) -> LatencyCurve:
     """Time ``run_rows(R)`` (one verify forward of R total rows) ``repeats`` times per R; the median.
 
     ``run_rows`` may return the seconds of its timed part itself (when it also has set-up to do, such
@@ -136,7 +138,7 @@ class DraftCost:
     per_row_ms: float = 0.0
     base_ms: float = 0.0
     per_depth_ms: float = 0.0
-    history: list[tuple[int, int, float]] = field(default_factory=list)   # (deepest depth, draft rows, ms), newest last
+    history: list[tuple[int, int, float]] = field(default_factory=list)  # (deepest depth, draft rows, ms), newest last
 
     def __post_init__(self):
         for name in ("prior_ms_per_depth", "per_row_ms"):
@@ -184,7 +186,7 @@ class DraftCost:
         if depth <= 0 or not ms >= 0:
             return
         self.history = (self.history + [(depth, int(rows), float(ms))])[-DRAFT_HISTORY:]
-        pts = [(d, m - self.per_row_ms * r) for d, r, m in self.history]   # the part per depth
+        pts = [(d, m - self.per_row_ms * r) for d, r, m in self.history]  # the part per depth
         n = len(pts)
         mx = sum(d for d, _ in pts) / n
         my = sum(m for _, m in pts) / n
@@ -198,5 +200,9 @@ class DraftCost:
         self.per_depth_ms, self.base_ms = max(my, 0.0) / mx, 0.0
 
     def to_dict(self) -> dict:
-        return {"base_ms": round(self.base_ms, 3), "per_depth_ms": round(self.per_depth_ms, 3),
-                "per_row_ms": round(self.per_row_ms, 4), "observations": len(self.history)}
+        return {
+            "base_ms": round(self.base_ms, 3),
+            "per_depth_ms": round(self.per_depth_ms, 3),
+            "per_row_ms": round(self.per_row_ms, 4),
+            "observations": len(self.history),
+        }

@@ -26,6 +26,7 @@ lengths, every one with the same fixed tree.
 
 Pure: counts and curves in, a :class:`Plan` out. No model, no Ray.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,8 +35,15 @@ from eyas.scheduler.cost import PLAIN, ExpertTraffic, RoundWork, TreeShape, roun
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 
 MAX_DEPTH = 8
-DEFAULT_SHAPES = (PLAIN, TreeShape(1, 1, 1), TreeShape(2, 2, 3), TreeShape(2, 3, 6), TreeShape(4, 4, 10),
-                  TreeShape(4, 5, 16), TreeShape(8, 6, 32))
+DEFAULT_SHAPES = (
+    PLAIN,
+    TreeShape(1, 1, 1),
+    TreeShape(2, 2, 3),
+    TreeShape(2, 3, 6),
+    TreeShape(4, 4, 10),
+    TreeShape(4, 5, 16),
+    TreeShape(8, 6, 32),
+)
 PRIOR_RATES = (0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.3, 0.3)  # P(accept depth d | accepted d-1), before any data
 EMA = 0.3
 PRIOR_EMA = 0.2  # how fast the all-requests prior (a new request's starting estimate) follows observed acceptance
@@ -77,11 +85,11 @@ class Candidate:
     """A live request waiting for its next round."""
 
     request_id: str
-    arrival: float           # monotonic seconds at admission
+    arrival: float  # monotonic seconds at admission
     prompt_len: int
     committed_len: int
     acceptance: AcceptanceEstimate
-    draft_backlog: int = 0   # context rows the drafter must read before this request can draft (unread seeds)
+    draft_backlog: int = 0  # context rows the drafter must read before this request can draft (unread seeds)
     speculative: bool = True  # False: a target-only request, which never drafts (one verify row a round)
 
 
@@ -92,16 +100,16 @@ class Budgets:
     max_kv_bytes: int = 1 << 34
     target_kv_bytes_per_row: int = 0
     draft_kv_bytes_per_row: int = 0
-    max_expert_bytes: int | None = None   # MoE: expert weights one verify may read (None: no cap; seed 0x09A)
+    max_expert_bytes: int | None = None  # MoE: expert weights one verify may read (None: no cap; seed 0x09A)
 
 
 @dataclass(frozen=True)
 class Plan:
-    shapes: dict[str, TreeShape]       # the batch: request id -> its tree this round (PLAIN = no drafting)
+    shapes: dict[str, TreeShape]  # the batch: request id -> its tree this round (PLAIN = no drafting)
     work: tuple[RoundWork, ...]
     predicted_ms: float
     expected_tokens: float
-    expert_bytes: int = 0              # MoE: predicted union of expert weights the batch's verify reads
+    expert_bytes: int = 0  # MoE: predicted union of expert weights the batch's verify reads
 
     @property
     def tokens_per_s(self) -> float:
@@ -112,14 +120,19 @@ class Plan:
         return sum(w.verify_rows for w in self.work)
 
 
-NO_EXPERTS = ExpertTraffic()   # a dense target
+NO_EXPERTS = ExpertTraffic()  # a dense target
 
 
 def _work(c: Candidate, shape: TreeShape, b: Budgets, experts: ExpertTraffic = NO_EXPERTS) -> RoundWork:
     """One request's round; its ``expert_bytes`` are those its own verify rows would read alone."""
-    return round_work(c.request_id, shape, committed_len=c.committed_len,
-                      target_kv_bytes_per_row=b.target_kv_bytes_per_row,
-                      draft_kv_bytes_per_row=b.draft_kv_bytes_per_row, expert_bytes=experts.predict(shape.verify_rows))
+    return round_work(
+        c.request_id,
+        shape,
+        committed_len=c.committed_len,
+        target_kv_bytes_per_row=b.target_kv_bytes_per_row,
+        draft_kv_bytes_per_row=b.draft_kv_bytes_per_row,
+        expert_bytes=experts.predict(shape.verify_rows),
+    )
 
 
 def _experts_fit(experts: ExpertTraffic, rows: int, b: Budgets) -> bool:
@@ -130,14 +143,21 @@ def _experts_fit(experts: ExpertTraffic, rows: int, b: Budgets) -> bool:
 class TreeWorkPolicy:
     name = "tree-work"
 
-    def __init__(self, budgets: Budgets = Budgets(), shapes: tuple[TreeShape, ...] = DEFAULT_SHAPES,
-                 speculate: bool = True):
+    def __init__(
+        self, budgets: Budgets = Budgets(), shapes: tuple[TreeShape, ...] = DEFAULT_SHAPES, speculate: bool = True
+    ):
         self.budgets = budgets
         self.shapes = tuple(sorted(set(shapes) | {PLAIN}, key=lambda s: (s.verify_rows, s.draft_rows)))
         self.speculate = speculate
 
-    def plan(self, waiting: list[Candidate], curve: LatencyCurve, draft: DraftCost | None = None,
-             experts: ExpertTraffic = NO_EXPERTS, prefill_rows: int = 0) -> Plan:
+    def plan(
+        self,
+        waiting: list[Candidate],
+        curve: LatencyCurve,
+        draft: DraftCost | None = None,
+        experts: ExpertTraffic = NO_EXPERTS,
+        prefill_rows: int = 0,
+    ) -> Plan:
         """The batch and its trees. ``draft`` is what drafting adds to a round (None: free);
         ``experts`` predicts an MoE target's expert bytes, held to ``budgets.max_expert_bytes``
         (the oldest request is always admitted: one row must be able to run). ``prefill_rows``:
@@ -148,7 +168,11 @@ class TreeWorkPolicy:
         rows = kv = 0
         for c in sorted(waiting, key=lambda c: c.arrival):  # admission: oldest first, plain work must fit
             w = _work(c, PLAIN, b)
-            if len(batch) == b.max_batch or rows + w.verify_rows > b.max_verify_rows or kv + w.kv_bytes > b.max_kv_bytes:
+            if (
+                len(batch) == b.max_batch
+                or rows + w.verify_rows > b.max_verify_rows
+                or kv + w.kv_bytes > b.max_kv_bytes
+            ):
                 continue
             if batch and not _experts_fit(experts, rows + w.verify_rows, b):
                 continue
@@ -168,8 +192,8 @@ class TreeWorkPolicy:
         caps = [s.depth_cap for s in self.shapes]
 
         total_tokens = sum(tok[c.request_id][0] for c in batch)
-        depth = 0                                       # the deepest tree in the batch (0: nobody drafts)
-        drows = 0                                       # draft rows of the batch's trees, all together
+        depth = 0  # the deepest tree in the batch (0: nobody drafts)
+        drows = 0  # draft rows of the batch's trees, all together
         latency = lambda verify_rows: curve.predict(verify_rows + prefill_rows)  # noqa: E731
         best_j = total_tokens / (latency(rows) + draft_ms(depth, drows))
         while self.speculate:
@@ -180,19 +204,36 @@ class TreeWorkPolicy:
             for rid, cur in level.items():
                 t, kvr, dr = tok[rid], kvb[rid], drw[rid]
                 for nxt in range(cur + 1, n_shapes):
-                    moves.append(({rid: nxt}, t[nxt] - t[cur], vrows[nxt] - vrows[cur], kvr[nxt] - kvr[cur],
-                                  max(depth, caps[nxt]), dr[nxt] - dr[cur]))
+                    moves.append(
+                        (
+                            {rid: nxt},
+                            t[nxt] - t[cur],
+                            vrows[nxt] - vrows[cur],
+                            kvr[nxt] - kvr[cur],
+                            max(depth, caps[nxt]),
+                            dr[nxt] - dr[cur],
+                        )
+                    )
             for k in range(1, n_shapes):
                 up = {rid: k for rid, i in level.items() if i < k}
                 if len(up) > 1:
-                    moves.append((up, sum(tok[r][k] - tok[r][level[r]] for r in up),
-                                  sum(vrows[k] - vrows[level[r]] for r in up),
-                                  sum(kvb[r][k] - kvb[r][level[r]] for r in up), max(depth, caps[k]),
-                                  sum(drw[r][k] - drw[r][level[r]] for r in up)))
+                    moves.append(
+                        (
+                            up,
+                            sum(tok[r][k] - tok[r][level[r]] for r in up),
+                            sum(vrows[k] - vrows[level[r]] for r in up),
+                            sum(kvb[r][k] - kvb[r][level[r]] for r in up),
+                            max(depth, caps[k]),
+                            sum(drw[r][k] - drw[r][level[r]] for r in up),
+                        )
+                    )
             best = None
             for up, d_tok, d_rows, d_kv, new_depth, d_drows in moves:
-                if rows + d_rows > b.max_verify_rows or kv + d_kv > b.max_kv_bytes \
-                        or not _experts_fit(experts, rows + d_rows, b):
+                if (
+                    rows + d_rows > b.max_verify_rows
+                    or kv + d_kv > b.max_kv_bytes
+                    or not _experts_fit(experts, rows + d_rows, b)
+                ):
                     continue
                 j = (total_tokens + d_tok) / (latency(rows + d_rows) + draft_ms(new_depth, drows + d_drows))
                 if j > best_j * (1 + MIN_GAIN) and (best is None or j > best[0]):
@@ -216,8 +257,14 @@ class PromptLengthPolicy:
         self.budgets = budgets
         self.shape = shape
 
-    def plan(self, waiting: list[Candidate], curve: LatencyCurve, draft: DraftCost | None = None,
-             experts: ExpertTraffic = NO_EXPERTS, prefill_rows: int = 0) -> Plan:
+    def plan(
+        self,
+        waiting: list[Candidate],
+        curve: LatencyCurve,
+        draft: DraftCost | None = None,
+        experts: ExpertTraffic = NO_EXPERTS,
+        prefill_rows: int = 0,
+    ) -> Plan:
         """The fixed tree for every speculative member (a target-only one runs plainly, one row); MoE
         expert bytes are predicted and reported, not budgeted; ``prefill_rows`` add to the predicted
         latency only."""
@@ -229,7 +276,11 @@ class PromptLengthPolicy:
         batch, rows, kv = [], 0, 0
         for c in by_len:
             w = _work(c, self._shape(c), b)
-            if len(batch) == b.max_batch or rows + w.verify_rows > b.max_verify_rows or kv + w.kv_bytes > b.max_kv_bytes:
+            if (
+                len(batch) == b.max_batch
+                or rows + w.verify_rows > b.max_verify_rows
+                or kv + w.kv_bytes > b.max_kv_bytes
+            ):
                 continue
             batch.append(c)
             rows, kv = rows + w.verify_rows, kv + w.kv_bytes
@@ -243,7 +294,9 @@ class PromptLengthPolicy:
         drafting = [c for c in batch if shapes[c.request_id].speculates]
         ms = curve.predict(sum(w.verify_rows for w in work) + prefill_rows) + (
             draft.predict(self.shape.depth_cap, sum(self.shape.drafter_rows(c.draft_backlog) for c in drafting))
-            if draft is not None and drafting else 0.0)
+            if draft is not None and drafting
+            else 0.0
+        )
         return Plan(shapes, work, ms, expected, experts.predict(sum(w.verify_rows for w in work)))
 
     def _shape(self, c: Candidate) -> TreeShape:

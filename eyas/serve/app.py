@@ -30,6 +30,7 @@ on a loaded 2-core machine were lost). ``EyasClient.stream`` names every request
 Build it with ``build_app(config)`` (``serve run ray_configs/serve.yaml``, ``eyas serve``), where
 ``config`` is a :class:`ServeConfig` as a dict.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +55,8 @@ from eyas.target.engine import check_context
 from eyas.target.loader import load_target_config, load_tokenizer, request_prompt_ids
 
 log = logging.getLogger("eyas.serve")
-RESUME_BACKOFF_S = 0.5   # the wait before a request whose replica died is sent again
-INTERNAL_ERROR = "internal error: the request failed in the server; retry it"   # what a client sees
+RESUME_BACKOFF_S = 0.5  # the wait before a request whose replica died is sent again
+INTERNAL_ERROR = "internal error: the request failed in the server; retry it"  # what a client sees
 
 # requests reach the ingress as bytes, decoded here so that a corrupt one is INVALID_ARGUMENT naming the field
 GRPC_SERVICER_FUNCTIONS = [SERVICER_FUNCTION]
@@ -107,8 +108,16 @@ class _Resuming:
     strings); its timings and rounds are the last replica's. Past ``resume_timeout_s`` from the
     failure without a replica answering, the stream raises :class:`ReplicaLost`."""
 
-    def __init__(self, start, req: GenerateRequest, ids: list[int], tokenizer, release, resume_timeout_s: float,
-                 deadline: float | None = None):
+    def __init__(
+        self,
+        start,
+        req: GenerateRequest,
+        ids: list[int],
+        tokenizer,
+        release,
+        resume_timeout_s: float,
+        deadline: float | None = None,
+    ):
         """``deadline``: a ``time.monotonic()`` instant past which the stream raises :class:`DeadlinePassed`
         (its caller's ``finally`` then cancels the request in its replica)."""
         self.start, self.req, self.ids, self.tokenizer = start, req, ids, tokenizer
@@ -138,15 +147,21 @@ class _Resuming:
                 lost_at = lost_at or now
                 owed = self.req.max_new_tokens - len(self.sent)
                 if owed <= 0 or now - lost_at > self.resume_timeout_s or self.release is None:
-                    raise ReplicaLost("the target replica serving this request failed and none resumed it; "
-                                      "retry the request") from None
-                log.warning("request %s: target replica lost after %d tokens (%s); resuming",
-                            self.req.request_id or "-", len(self.sent), type(err).__name__)
+                    raise ReplicaLost(
+                        "the target replica serving this request failed and none resumed it; retry the request"
+                    ) from None
+                log.warning(
+                    "request %s: target replica lost after %d tokens (%s); resuming",
+                    self.req.request_id or "-",
+                    len(self.sent),
+                    type(err).__name__,
+                )
                 self.stream.cancel()
                 await asyncio.sleep(RESUME_BACKOFF_S)
                 self.resumes += 1
-                resumed = self.req.model_copy(update={"max_new_tokens": owed,
-                                                      "seed": (self.req.seed + len(self.sent)) % 2 ** 63})
+                resumed = self.req.model_copy(
+                    update={"max_new_tokens": owed, "seed": (self.req.seed + len(self.sent)) % 2**63}
+                )
                 self.stream = self.start(resumed, self.ids + self.sent)
 
     async def _within_deadline(self, stream):
@@ -165,8 +180,9 @@ class _Resuming:
             except StopAsyncIteration:
                 return
             except TimeoutError:
-                raise DeadlinePassed(f"deadline: {TIMEOUT_METADATA} passed after {len(self.sent)} tokens; "
-                                     "the request was stopped") from None
+                raise DeadlinePassed(
+                    f"deadline: {TIMEOUT_METADATA} passed after {len(self.sent)} tokens; the request was stopped"
+                ) from None
             yield item
 
     def _merged(self, report: dict, prefix: int) -> dict:
@@ -174,8 +190,13 @@ class _Resuming:
         from eyas.runtime import StopStrings
 
         tokens = self.sent[:prefix] + list(report["token_ids"])
-        return {**report, "token_ids": tokens, "new_tokens": len(tokens),
-                "text": StopStrings(self.tokenizer, self.req.stop).text(tokens), "resumes": self.resumes}
+        return {
+            **report,
+            "token_ids": tokens,
+            "new_tokens": len(tokens),
+            "text": StopStrings(self.tokenizer, self.req.stop).text(tokens),
+            "resumes": self.resumes,
+        }
 
     def cancel(self) -> None:
         self.stream.cancel()
@@ -221,29 +242,39 @@ def _invalid(grpc_context, err: Exception, reply):
 
 
 def _stats(report: dict) -> pb.GenerateStats:
-    return pb.GenerateStats(tau=report["accept_length_mean"], rounds=report["target_forwards"],
-                            draft_ms=1000 * report["draft_s"], verify_ms=1000 * report["verify_s"],
-                            prefill_ms=1000 * report["prefill_s"], drafter_fallback=report["drafter_fallback"],
-                            wall_ms=1000 * report["wall_s"], new_tokens=report["new_tokens"],
-                            hop_ms=1000 * report["hop_s"], drafter_reseeds=report["drafter_reseeds"],
-                            resumes=report.get("resumes", 0))
-
+    return pb.GenerateStats(
+        tau=report["accept_length_mean"],
+        rounds=report["target_forwards"],
+        draft_ms=1000 * report["draft_s"],
+        verify_ms=1000 * report["verify_s"],
+        prefill_ms=1000 * report["prefill_s"],
+        drafter_fallback=report["drafter_fallback"],
+        wall_ms=1000 * report["wall_s"],
+        new_tokens=report["new_tokens"],
+        hop_ms=1000 * report["hop_s"],
+        drafter_reseeds=report["drafter_reseeds"],
+        resumes=report.get("resumes", 0),
+    )
 
 
 # The ingress holds no model; it lives on the head node beside the proxy, so that it never keeps a
 # worker node from going idle (override `ray_actor_options` in the Serve config to place it elsewhere).
-@serve.deployment(name="EyasServer", ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
-                  max_ongoing_requests=256, health_check_period_s=10)
+@serve.deployment(
+    name="EyasServer",
+    ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
+    max_ongoing_requests=256,
+    health_check_period_s=10,
+)
 class EyasServer:
     def __init__(self, config: dict, target):
         self.cfg = parse_config(config)
         self.target = target.options(stream=True)
         self.tokenizer = load_tokenizer(self.cfg.target)
-        self.max_context = load_target_config(self.cfg.target).max_context   # checked here, before any replica
+        self.max_context = load_target_config(self.cfg.target).max_context  # checked here, before any replica
         self.app_name = app_name()
         self.model_name = self.cfg.served_model_name or self.cfg.target
         self.created = oai.now()
-        self.inflight = 0   # admitted requests (the event loop is this count's only writer)
+        self.inflight = 0  # admitted requests (the event loop is this count's only writer)
         get_registry(self.app_name)  # start it now, from the head, before any replica reports
 
     def _authorized(self, grpc_context) -> bool:
@@ -282,9 +313,13 @@ class EyasServer:
             return _failed(grpc_context, err, pb.GenerateResponse())
         finally:
             stream.cancel()  # a no-op after the last item; stops the request in its replica otherwise
-        return pb.GenerateResponse(token_ids=report["token_ids"], text=report["text"],
-                                   finish_reason=report["finish_reason"], stats=_stats(report),
-                                   report_json=json.dumps(report))
+        return pb.GenerateResponse(
+            token_ids=report["token_ids"],
+            text=report["text"],
+            finish_reason=report["finish_reason"],
+            stats=_stats(report),
+            report_json=json.dumps(report),
+        )
 
     async def GenerateStream(self, request: bytes | pb.GenerateRequest, grpc_context=None):
         if not self._authorized(grpc_context):
@@ -309,11 +344,14 @@ class EyasServer:
                 if "tokens" in item:
                     sent.extend(item["tokens"])
                     full = self.tokenizer.decode(sent, skip_special_tokens=True)
-                    yield pb.GenerateChunk(token_ids=item["tokens"], text=full[len(text):])
+                    yield pb.GenerateChunk(token_ids=item["tokens"], text=full[len(text) :])
                     text = full
                 elif "invalid" in item:
-                    yield _invalid(grpc_context, ValueError(item["invalid"]),
-                                   pb.GenerateChunk(finish_reason=FINISH_ERROR, text=item["invalid"]))
+                    yield _invalid(
+                        grpc_context,
+                        ValueError(item["invalid"]),
+                        pb.GenerateChunk(finish_reason=FINISH_ERROR, text=item["invalid"]),
+                    )
                     return
                 else:
                     report = item["report"]
@@ -348,8 +386,8 @@ class EyasServer:
         from starlette.responses import JSONResponse
 
         path = http_request.url.path.rstrip("/")
-        root = http_request.scope.get("root_path", "").rstrip("/")   # the app's route prefix, if any
-        path = path[len(root):] if root and path.startswith(root) else path
+        root = http_request.scope.get("root_path", "").rstrip("/")  # the app's route prefix, if any
+        path = path[len(root) :] if root and path.startswith(root) else path
         try:
             oai.check_api_key(self.cfg.api_key, http_request.headers.get("authorization"))
         except oai.OpenAIError as err:
@@ -364,7 +402,7 @@ class EyasServer:
             return JSONResponse(json.loads(json.dumps(await self.stats(), default=str)))
         try:  # the client's mistakes are 400s that name the field, as over gRPC; anything else is a 500
             try:
-                body = await self._body(http_request)   # bounded in size and nesting, as the OpenAI routes
+                body = await self._body(http_request)  # bounded in size and nesting, as the OpenAI routes
             except oai.OpenAIError as err:
                 return JSONResponse({"error": err.message}, status_code=err.status)
             if not isinstance(body, dict):
@@ -399,8 +437,11 @@ class EyasServer:
         """The request's JSON body: bounded in size, and in nesting (a parser's recursion error is a 400)."""
         raw = await http_request.body()
         if len(raw) > self.cfg.max_body_bytes:
-            raise oai.OpenAIError(f"request: the body is {len(raw)} bytes, over the {self.cfg.max_body_bytes}-byte "
-                                  "limit", status=413, code="request_too_large")
+            raise oai.OpenAIError(
+                f"request: the body is {len(raw)} bytes, over the {self.cfg.max_body_bytes}-byte limit",
+                status=413,
+                code="request_too_large",
+            )
         try:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -418,8 +459,11 @@ class EyasServer:
                 return JSONResponse(oai.models(self.model_name, self.created))
             kind = {"/v1/chat/completions": oai.CHAT, "/v1/completions": oai.COMPLETION}.get(path)
             if kind is None:
-                raise oai.OpenAIError(f"{path}: no such route (/v1/chat/completions, /v1/completions, /v1/models)",
-                                      status=404, code="not_found")
+                raise oai.OpenAIError(
+                    f"{path}: no such route (/v1/chat/completions, /v1/completions, /v1/models)",
+                    status=404,
+                    code="not_found",
+                )
             if http_request.method != "POST":
                 raise oai.OpenAIError(f"{path}: use POST", status=405, code="method_not_allowed")
             parsed = oai.parse_openai(kind, await self._body(http_request), self.tokenizer, self.model_name)
@@ -449,7 +493,7 @@ class EyasServer:
             log.exception("OpenAI request failed")
             return JSONResponse(_server_error().body(), status_code=500)
         finally:
-            stream.cancel()   # a no-op after the last item; stops the request when the client went away
+            stream.cancel()  # a no-op after the last item; stops the request when the client went away
         if report is None or report["finish_reason"] == FINISH_ERROR:
             return JSONResponse(_server_error().body(), status_code=500)
         return JSONResponse(oai.response(parsed, response_id, oai.now(), report))
@@ -462,7 +506,7 @@ class EyasServer:
         sent: list[int] = []
         try:
             stream = self._start(req, ids)
-        except Overloaded:   # filled up between the check in _openai and now
+        except Overloaded:  # filled up between the check in _openai and now
             yield _event(_overloaded_error().body())
             return
         try:
@@ -485,7 +529,9 @@ class EyasServer:
                     delta = text.delta(report["text"], final=True)
                     if delta:
                         yield _event(oai.chunk(parsed, response_id, created, delta, None))
-                    yield _event(oai.chunk(parsed, response_id, created, None, oai.finish_reason(report["finish_reason"])))
+                    yield _event(
+                        oai.chunk(parsed, response_id, created, None, oai.finish_reason(report["finish_reason"]))
+                    )
                     if parsed.include_usage:
                         yield _event(oai.usage_chunk(parsed, response_id, created, report))
             yield "data: [DONE]\n\n"
@@ -507,8 +553,15 @@ class EyasServer:
         self.inflight += 1
         received = time.time()
         try:
-            return _Resuming(lambda r, i: self.target.generate.remote(r.model_dump(), i, received), req, ids,
-                             self.tokenizer, self._release, self.cfg.resume_timeout_s, deadline)   # it releases once
+            return _Resuming(
+                lambda r, i: self.target.generate.remote(r.model_dump(), i, received),
+                req,
+                ids,
+                self.tokenizer,
+                self._release,
+                self.cfg.resume_timeout_s,
+                deadline,
+            )  # it releases once
         except BaseException:
             self.inflight -= 1
             raise
@@ -548,13 +601,21 @@ def _event(payload: dict) -> str:
 
 
 def _overloaded_error() -> oai.OpenAIError:
-    return oai.OpenAIError("the server is overloaded (max_inflight_requests); retry later", status=503,
-                           type_="server_error", code="overloaded")
+    return oai.OpenAIError(
+        "the server is overloaded (max_inflight_requests); retry later",
+        status=503,
+        type_="server_error",
+        code="overloaded",
+    )
 
 
 def _server_error() -> oai.OpenAIError:
-    return oai.OpenAIError("the request failed inside the server; it was not completed", status=500,
-                           type_="server_error", code="internal_error")
+    return oai.OpenAIError(
+        "the request failed inside the server; it was not completed",
+        status=500,
+        type_="server_error",
+        code="internal_error",
+    )
 
 
 def merge_reports(reports: list[dict], scheduler: str) -> dict:
@@ -570,11 +631,14 @@ def merge_reports(reports: list[dict], scheduler: str) -> dict:
         if r["kind"] == "drafter":
             draft_kv += r["worker"].get("kv_bytes_allocated", 0)
     metrics.setdefault("eyas.kv_bytes", []).append({"attributes": {"side": "draft"}, "value": draft_kv})
-    return {"metrics": metrics, "spans": spans,
-            "workers": [dict(r["worker"], kind=r["kind"], replica=r["replica"]) for r in reports],
-            "replicas": {kind: sum(r["kind"] == kind for r in reports) for kind in ("target", "drafter")},
-            "scheduler": {"policy": scheduler, "loops": {r["replica"]: r["loop"] for r in reports if "loop" in r}},
-            "autoscaling": {r["replica"]: dict(r.get("autoscaling", {}), kind=r["kind"]) for r in reports}}
+    return {
+        "metrics": metrics,
+        "spans": spans,
+        "workers": [dict(r["worker"], kind=r["kind"], replica=r["replica"]) for r in reports],
+        "replicas": {kind: sum(r["kind"] == kind for r in reports) for kind in ("target", "drafter")},
+        "scheduler": {"policy": scheduler, "loops": {r["replica"]: r["loop"] for r in reports if "loop" in r}},
+        "autoscaling": {r["replica"]: dict(r.get("autoscaling", {}), kind=r["kind"]) for r in reports},
+    }
 
 
 def _deployment_options(cfg: ServeConfig, kind: str) -> dict:

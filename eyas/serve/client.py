@@ -14,6 +14,7 @@ cancels the call *and* sends ``Cancel`` for the request's name (every streamed r
 bare call-cancel can be lost in Ray Serve 2.60's gRPC proxy). The server stops the request at its
 next round and frees its sessions. ``cancel(request_id)`` stops any named request.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,15 +40,22 @@ class ServerRejected(ValueError):
 
 
 class EyasClient:
-    def __init__(self, address: str = "127.0.0.1:9000", *, application: str | None = "eyas",
-                 timeout_s: float = 600.0, api_key: str | None = None):
+    def __init__(
+        self,
+        address: str = "127.0.0.1:9000",
+        *,
+        application: str | None = "eyas",
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ):
         """``api_key``: sent as ``authorization: Bearer <key>`` metadata (a server started with a key
         answers UNAUTHENTICATED without it)."""
         self.address = address
         self.channel = grpc.insecure_channel(address)
         self.stub = eyas_pb2_grpc.EyasStub(self.channel)
-        self.metadata = (((APPLICATION_METADATA, application),) if application else ()) + \
-            ((("authorization", f"Bearer {api_key}"),) if api_key else ())
+        self.metadata = (((APPLICATION_METADATA, application),) if application else ()) + (
+            (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        )
         self.timeout_s = timeout_s
 
     def close(self) -> None:
@@ -123,7 +131,11 @@ class EyasClient:
 
     @staticmethod
     def _mapped(err: grpc.RpcError) -> Exception:
-        if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        if err.code() in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ):
             return ServerRejected(err.code(), err.details())
         return err

@@ -1,6 +1,7 @@
 """The serving application's configuration (``args:`` in ray_configs/serve.yaml): a pydantic model,
 read by the ingress (``eyas.serve.app``) and by each deployment (``eyas.serve.deployments``);
 errors name the field (``config.<field>: ...``)."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -32,18 +33,18 @@ class ServeConfig(BaseModel):
     drafters: dict[str, str] = Field(default_factory=dict)  # method -> drafter folder (default: shipped)
     # replica counts: fixed, unless the kind's autoscaling config is given (then it rules)
     target_replicas: int = Field(1, ge=1)
-    drafter_replicas: int = Field(1, ge=0)    # 0 = no drafter deployment: target-only serving
-    target_autoscaling: dict | None = None    # a Ray Serve autoscaling_config (see eyas.autoscale.serve_policy)
+    drafter_replicas: int = Field(1, ge=0)  # 0 = no drafter deployment: target-only serving
+    target_autoscaling: dict | None = None  # a Ray Serve autoscaling_config (see eyas.autoscale.serve_policy)
     drafter_autoscaling: dict | None = None
     target_num_cpus: float = Field(1.0, ge=0)
     target_num_gpus: float = Field(0.0, ge=0)
-    target_resources: dict[str, float] = Field(default_factory=dict)   # custom resources, e.g. {target_host: 1}
+    target_resources: dict[str, float] = Field(default_factory=dict)  # custom resources, e.g. {target_host: 1}
     drafter_num_cpus: float = Field(1.0, ge=0)
     drafter_num_gpus: float = Field(0.0, ge=0)
     drafter_resources: dict[str, float] = Field(default_factory=dict)
     torch_threads: int = Field(1, ge=1)
     target_timeout_s: float = Field(300.0, gt=0)
-    drafter_timeout_s: float = Field(30.0, gt=0)        # the drafter's info (start-up, probes)
+    drafter_timeout_s: float = Field(30.0, gt=0)  # the drafter's info (start-up, probes)
     # a drafter call inside a round (propose, open, reseed) slower than this makes the rounds plain at
     # once; a probe brings the drafter back when it answers again (a replaced replica, say)
     drafter_round_timeout_s: float = Field(2.0, gt=0)
@@ -54,23 +55,23 @@ class ServeConfig(BaseModel):
     # "tree-work": a replica's live requests advance in batched rounds with per-request trees from the
     # latency curve; "prompt-length": batched rounds of similar prompt lengths, one fixed tree (the baseline)
     scheduler: Literal["tree-work", "prompt-length"] = "tree-work"
-    max_batch: int = Field(16, ge=1)          # requests per batched round
-    max_verify_rows: int = Field(256, ge=1)   # verify rows per batched round (all requests together)
+    max_batch: int = Field(16, ge=1)  # requests per batched round
+    max_verify_rows: int = Field(256, ge=1)  # verify rows per batched round (all requests together)
     # prompt rows one round prefills, all requests together (chunked prefill): a long prompt takes
     # several rounds while the others keep decoding in the same forwards
     max_prefill_rows: int = Field(DEFAULT_PREFILL_CHUNK, ge=1)
     # MoE targets: expert weights one batched verify may read (the union its rows route to; seed 0x09A);
     # None = no cap. Ignored for a dense target.
     max_expert_bytes: int | None = Field(None, ge=1)
-    curve_repeats: int = Field(3, ge=1)       # timings per row count when the latency curve is measured
-    kv_capacity_bytes: int = Field(2 * 1024 ** 3, gt=0)  # a target replica's KV budget (the autoscaler's KV signal)
+    curve_repeats: int = Field(3, ge=1)  # timings per row count when the latency curve is measured
+    kv_capacity_bytes: int = Field(2 * 1024**3, gt=0)  # a target replica's KV budget (the autoscaler's KV signal)
     # clients must send `Authorization: Bearer <key>` (HTTP) or that metadata (gRPC); None = open.
     # `eyas serve --api-key` or EYAS_API_KEY set it too. Never logged.
     api_key: str | None = Field(None, min_length=1, repr=False)
     # a request whose target replica dies resumes on another for this long before the client gets an error
     resume_timeout_s: float = Field(60.0, ge=0)
-    served_model_name: str | None = None      # the OpenAI API's model id (default: the target's name)
-    max_body_bytes: int = Field(1024 ** 2, ge=1024)   # HTTP bodies larger than this are refused (413)
+    served_model_name: str | None = None  # the OpenAI API's model id (default: the target's name)
+    max_body_bytes: int = Field(1024**2, ge=1024)  # HTTP bodies larger than this are refused (413)
     # requests one ingress runs at once (streaming or not, every API); past it a request is refused as
     # overloaded at once (HTTP 503, gRPC RESOURCE_EXHAUSTED) instead of waiting without end
     max_inflight_requests: int = Field(256, ge=1)
@@ -104,12 +105,14 @@ class ServeConfig(BaseModel):
     @model_validator(mode="after")
     def _dtype_needs_fp32(self) -> ServeConfig:
         check_dtype(self.dtype, self.precision)
-        if self.device is not None:   # its syntax and precision here; whether it exists, on the replica
+        if self.device is not None:  # its syntax and precision here; whether it exists, on the replica
             check_device(self.device, self.precision, here=False)
         for kind in REPLICA_KINDS:
             if self.device is None and self.num_gpus(kind) > 0 and self.precision != "fp32":
-                raise ValueError(f"precision: {self.precision} (fbgemm kernels) runs on the CPU only, not on the "
-                                 f"GPU that {kind}_num_gpus reserves (set device: cpu, or precision: fp32)")
+                raise ValueError(
+                    f"precision: {self.precision} (fbgemm kernels) runs on the CPU only, not on the "
+                    f"GPU that {kind}_num_gpus reserves (set device: cpu, or precision: fp32)"
+                )
         return self
 
     def num_gpus(self, kind: str) -> float:
@@ -130,11 +133,14 @@ class ServeConfig(BaseModel):
         for kind in REPLICA_KINDS:
             gpus, device = self.num_gpus(kind), self.device_for(kind)
             if gpus > 0 and device == "cpu":
-                out.append(f"{kind}_num_gpus: {gpus:g} reserves GPUs that each {kind} replica does not use: "
-                           f"device is cpu")
+                out.append(
+                    f"{kind}_num_gpus: {gpus:g} reserves GPUs that each {kind} replica does not use: device is cpu"
+                )
             elif gpus == 0 and device.startswith("cuda"):
-                out.append(f"device: {device} for {kind} replicas that reserve no GPU ({kind}_num_gpus: 0): "
-                           f"Ray does not place them by GPU")
+                out.append(
+                    f"device: {device} for {kind} replicas that reserve no GPU ({kind}_num_gpus: 0): "
+                    f"Ray does not place them by GPU"
+                )
         return out
 
 
@@ -143,6 +149,6 @@ def parse_config(config: dict | None) -> ServeConfig:
         return ServeConfig.model_validate(config or {})
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])   # empty for a check across fields, whose message names it
+        where = ".".join(str(p) for p in first["loc"])  # empty for a check across fields, whose message names it
         message = first["msg"].removeprefix("Value error, ")
         raise ValueError(f"config.{where}: {message}" if where else f"config.{message}") from None

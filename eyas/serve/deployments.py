@@ -25,6 +25,7 @@ Both report their tree work through ``record_autoscaling_stats()`` (see
 :mod:`eyas.autoscale.serve_policy` for the policies that read it), and post their state to the app's
 :class:`~eyas.serve.registry.Registry` for ``Stats``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,7 +59,7 @@ from eyas.verification.sampling import SamplingParams
 log = logging.getLogger("eyas.serve")
 CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 STREAM_DONE = object()
-DRAFTER_INFO_WAIT_S = 120.0   # how long a starting target replica keeps asking the drafter for its info
+DRAFTER_INFO_WAIT_S = 120.0  # how long a starting target replica keeps asking the drafter for its info
 # a drafter closes the sessions of a target replica missing this long from the registry's live list
 # (which drops a replica 10 s after its last report): a dead target replica never closes them
 ORPHAN_GRACE_S = 15.0
@@ -125,8 +126,14 @@ def _actor_name() -> str | None:
         return None
 
 
-@serve.deployment(name="EyasTarget", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64,
-                  graceful_shutdown_timeout_s=600, graceful_shutdown_wait_loop_s=1, health_check_period_s=10)
+@serve.deployment(
+    name="EyasTarget",
+    ray_actor_options={"num_cpus": 1},
+    max_ongoing_requests=64,
+    graceful_shutdown_timeout_s=600,
+    graceful_shutdown_wait_loop_s=1,
+    health_check_period_s=10,
+)
 class EyasTarget:
     def __init__(self, config: dict, drafter=None):
         from eyas.serve.config import parse_config
@@ -139,26 +146,40 @@ class EyasTarget:
         self.worker = compute.run(TargetWorker.load, c.target, c.precision, c.torch_threads, c.dtype, self.device)
         self.locked = _Locked(self.worker, self.worker_lock)
         self.tokenizer = load_tokenizer(c.target)
-        self.telemetry = Telemetry(f"eyas-target-{self.replica_id}", console=c.console_spans,
-                                   otlp_endpoint=c.otlp_endpoint)
+        self.telemetry = Telemetry(
+            f"eyas-target-{self.replica_id}", console=c.console_spans, otlp_endpoint=c.otlp_endpoint
+        )
         self.telemetry.add_kv_source(lambda: {"target": self.locked.leak_check()["kv_bytes_allocated"]})
         self.telemetry.add_queue_source(lambda: self.loop.work()["pending"])
-        self.drafter = None if drafter is None else ServeCalls(drafter, self.replica_id, c.drafter_timeout_s,
-                                                                   c.drafter_round_timeout_s)
+        self.drafter = (
+            None
+            if drafter is None
+            else ServeCalls(drafter, self.replica_id, c.drafter_timeout_s, c.drafter_round_timeout_s)
+        )
         self.curve_key = f"{c.target}/{c.precision}/{c.dtype}/{_device_kind(self.device, c.torch_threads)}"
         curve = self._start_curve()
-        budgets = Budgets(max_batch=c.max_batch, max_verify_rows=c.max_verify_rows,
-                          max_expert_bytes=c.max_expert_bytes)
+        budgets = Budgets(max_batch=c.max_batch, max_verify_rows=c.max_verify_rows, max_expert_bytes=c.max_expert_bytes)
         policy = TreeWorkPolicy(budgets) if c.scheduler == "tree-work" else PromptLengthPolicy(budgets)
-        self.loop = RoundLoop(WorkerCalls(self.locked, c.target_timeout_s, local=True), self.drafter,
-                              {}, policy, curve, on_round=self.telemetry.record_round,
-                              on_finish=lambda *_: self.reporter.poke(),
-                              experts=ExpertTraffic(**self.worker.engine_for(()).expert_traffic_shape()),
-                              max_prefill_rows=c.max_prefill_rows)
+        self.loop = RoundLoop(
+            WorkerCalls(self.locked, c.target_timeout_s, local=True),
+            self.drafter,
+            {},
+            policy,
+            curve,
+            on_round=self.telemetry.record_round,
+            on_finish=lambda *_: self.reporter.poke(),
+            experts=ExpertTraffic(**self.worker.engine_for(()).expert_traffic_shape()),
+            max_prefill_rows=c.max_prefill_rows,
+        )
         # named requests in flight here: request id -> (wall time the ingress received it, its cancel)
         self.inflight: dict[str, tuple[float, threading.Event]] = {}
-        self.reporter = Reporter(self.app_name, self.replica_id, "target", self._report,
-                                 on_reply=lambda reply: self._cancel_named(reply["cancels"]))
+        self.reporter = Reporter(
+            self.app_name,
+            self.replica_id,
+            "target",
+            self._report,
+            on_reply=lambda reply: self._cancel_named(reply["cancels"]),
+        )
         if self.drafter is not None:  # a blocking handle call must not run on the replica's event loop
             threading.Thread(target=self._fetch_drafter_info, name="eyas-drafter-info", daemon=True).start()
 
@@ -220,8 +241,9 @@ class EyasTarget:
         if req.method != "target" and not self.loop.drafter_info and self.drafter is not None:
             # the drafter came up after this replica: ask it now, off the event loop
             self.loop.set_drafter_info(await asyncio.to_thread(self._drafter_info))
-        future = self._submit(req, prompt_ids, cancel, start,
-                              lambda new: loop.call_soon_threadsafe(queue.put_nowait, list(new)))
+        future = self._submit(
+            req, prompt_ids, cancel, start, lambda new: loop.call_soon_threadsafe(queue.put_nowait, list(new))
+        )
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, STREAM_DONE))
         try:
             while (new := await queue.get()) is not STREAM_DONE:
@@ -244,8 +266,9 @@ class EyasTarget:
         for rid in cancels_due({rid: received for rid, (received, _) in entries.items()}, cancels):
             entries[rid][1].set()
 
-    def _submit(self, req: GenerateRequest, ids: list[int], cancel: threading.Event, start: float,
-                on_tokens) -> concurrent.futures.Future:
+    def _submit(
+        self, req: GenerateRequest, ids: list[int], cancel: threading.Event, start: float, on_tokens
+    ) -> concurrent.futures.Future:
         """Hand one request to the round loop; a future of its report. No thread waits for it: the
         loop's own thread finishes it, so a replica runs up to ``max_batch`` requests at once and every
         other request waits in the loop's queue, where the scheduler and the autoscaler count it.
@@ -261,21 +284,32 @@ class EyasTarget:
         info = self.loop.drafter_info.get(req.method, {})
         tree = tree_for(req, info.get("default_tree", TreeSpec()))
         stops = StopStrings(self.tokenizer, req.stop)
-        running = self.loop.submit(req.request_id or uuid.uuid4().hex, ids, req.max_new_tokens, req.method, tree,
-                                   SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p),
-                                   req.seed, _trimmed(req, on_new, stops, set(self.worker.cfg.eos_token_ids)),
-                                   cancel)
+        running = self.loop.submit(
+            req.request_id or uuid.uuid4().hex,
+            ids,
+            req.max_new_tokens,
+            req.method,
+            tree,
+            SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p),
+            req.seed,
+            _trimmed(req, on_new, stops, set(self.worker.cfg.eos_token_ids)),
+            cancel,
+        )
         report: concurrent.futures.Future = concurrent.futures.Future()
 
-        def finished(done: concurrent.futures.Future) -> None:   # on the round loop's thread
+        def finished(done: concurrent.futures.Future) -> None:  # on the round loop's thread
             try:
                 result = done.result()
-                self.telemetry.record_latency(req.method, time.time() - start,
-                                              first_token_at[0] - start if first_token_at else None)
+                self.telemetry.record_latency(
+                    req.method, time.time() - start, first_token_at[0] - start if first_token_at else None
+                )
                 self.telemetry.record_request(req.method, result.finish_reason, result.drafter_fallback)
                 self.reporter.poke()
-                report.set_result(build_report(req, result, stops.text(result.token_ids), self.cfg.precision,
-                                               info.get("source"), tree))
+                report.set_result(
+                    build_report(
+                        req, result, stops.text(result.token_ids), self.cfg.precision, info.get("source"), tree
+                    )
+                )
             except BaseException as err:  # noqa: BLE001 - a refusal (ValueError) or a failure, for the caller
                 report.set_exception(err)
 
@@ -288,20 +322,32 @@ class EyasTarget:
         return self._autoscaling(self.loop.work(), self.locked.leak_check())
 
     def _autoscaling(self, work: dict, leak: dict) -> dict[str, float]:
-        return {"pending_verify_rows": work["pending_verify_rows"], "draft_rows": work["draft_rows"],
-                "kv_bytes_used": float(leak["kv_bytes_allocated"]),
-                "kv_bytes_capacity": float(self.cfg.kv_capacity_bytes),
-                "expert_bytes": work["expert_bytes"]}
+        return {
+            "pending_verify_rows": work["pending_verify_rows"],
+            "draft_rows": work["draft_rows"],
+            "kv_bytes_used": float(leak["kv_bytes_allocated"]),
+            "kv_bytes_capacity": float(self.cfg.kv_capacity_bytes),
+            "expert_bytes": work["expert_bytes"],
+        }
 
     def _report(self) -> dict:
         leak = self.locked.leak_check()
         work = self.loop.work()
-        return {"worker": dict(leak, live_requests=work["live"] + work["pending"], actor_name=_actor_name(),
-                               namespace="serve"),
-                "loop": {"latency_curve": self.loop.curve.to_dict(), "draft_cost": self.loop.draft_cost.to_dict(),
-                         "experts": self.loop.experts.to_dict(), "rounds": self.loop.rounds, **work},
-                "autoscaling": self._autoscaling(work, leak),
-                "telemetry": self.telemetry.snapshot(), "prometheus": self.telemetry.prometheus_text()}
+        return {
+            "worker": dict(
+                leak, live_requests=work["live"] + work["pending"], actor_name=_actor_name(), namespace="serve"
+            ),
+            "loop": {
+                "latency_curve": self.loop.curve.to_dict(),
+                "draft_cost": self.loop.draft_cost.to_dict(),
+                "experts": self.loop.experts.to_dict(),
+                "rounds": self.loop.rounds,
+                **work,
+            },
+            "autoscaling": self._autoscaling(work, leak),
+            "telemetry": self.telemetry.snapshot(),
+            "prometheus": self.telemetry.prometheus_text(),
+        }
 
     def check_health(self) -> None:
         if not self.loop.thread.is_alive():
@@ -315,20 +361,35 @@ class EyasTarget:
                 log.debug("replica teardown: %s", err)
 
 
-@serve.deployment(name="EyasDrafter", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64,
-                  graceful_shutdown_timeout_s=30, health_check_period_s=10)
+@serve.deployment(
+    name="EyasDrafter",
+    ray_actor_options={"num_cpus": 1},
+    max_ongoing_requests=64,
+    graceful_shutdown_timeout_s=30,
+    health_check_period_s=10,
+)
 class EyasDrafter:
     def __init__(self, config: dict):
         from eyas.serve.config import parse_config
 
         self.cfg = c = parse_config(config)
         self.replica_id = _replica_id()
-        self.worker = compute.run(DrafterWorker.load, c.target, tuple(c.methods), dict(c.drafters) or None,
-                                  c.torch_threads, c.precision, c.dtype, c.device_for("drafter"))
-        compute.run(self.worker.measure_costs)   # the targets' schedulers start from this replica's measured draft cost
+        self.worker = compute.run(
+            DrafterWorker.load,
+            c.target,
+            tuple(c.methods),
+            dict(c.drafters) or None,
+            c.torch_threads,
+            c.precision,
+            c.dtype,
+            c.device_for("drafter"),
+        )
+        compute.run(self.worker.measure_costs)  # the targets' schedulers start from this replica's measured draft cost
         self.lock = threading.Lock()
-        self.recent: dict[str, tuple[float, int]] = {}  # caller (target replica) -> (time, draft rows of its last round)
-        self.owners: dict[str, str] = {}          # request id -> the target replica that opened its session
+        self.recent: dict[
+            str, tuple[float, int]
+        ] = {}  # caller (target replica) -> (time, draft rows of its last round)
+        self.owners: dict[str, str] = {}  # request id -> the target replica that opened its session
         self.missing_since: dict[str, float] = {}  # target replica -> when it first fell off the registry's live list
         self.reporter = Reporter(app_name(), self.replica_id, "drafter", self._report, on_reply=self._reclaim)
 
@@ -375,8 +436,9 @@ class EyasDrafter:
                 for rid in stranded:
                     self.worker.close_session(rid)
                     self.owners.pop(rid, None)
-            log.warning("closed %d draft sessions of target replica %s (gone for %.0f s)", len(stranded), owner,
-                        now - since)
+            log.warning(
+                "closed %d draft sessions of target replica %s (gone for %.0f s)", len(stranded), owner, now - since
+            )
 
     async def info(self) -> dict:
         return await self._call("info")
@@ -399,9 +461,12 @@ class EyasDrafter:
         with self.lock:
             leak = self.worker.leak_check()
         stranded = sum(o in self.missing_since for o in list(self.owners.values()))
-        return {"worker": dict(leak, live_requests=0, actor_name=_actor_name(), namespace="serve",
-                               stranded_sessions=stranded),
-                "autoscaling": self.record_autoscaling_stats()}
+        return {
+            "worker": dict(
+                leak, live_requests=0, actor_name=_actor_name(), namespace="serve", stranded_sessions=stranded
+            ),
+            "autoscaling": self.record_autoscaling_stats(),
+        }
 
     def __del__(self):
         try:

@@ -15,6 +15,7 @@ Terms:
 - Every refusal is an :class:`OpenAIError`: status 400 with ``{"error": {"message", "type", "param",
   "code"}}`` naming the parameter; 404 for an unknown model; 401 for a missing or wrong API key.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -32,11 +33,30 @@ CHAT, COMPLETION = "chat.completion", "text_completion"
 # Eyas's own request fields that an OpenAI body may carry as extras
 EYAS_EXTRAS = ("method", "tree_kind", "tree_depth", "tree_width", "tree_budget", "top_k", "request_id")
 # OpenAI parameters Eyas knows and does not implement: refused by name, never ignored
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "logit_bias",
-               "response_format", "parallel_tool_calls", "audio", "modalities", "prediction", "best_of", "echo",
-               "suffix", "reasoning_effort", "web_search_options", "service_tier", "store", "metadata")
-DEFAULT_MAX_TOKENS = 128     # when a request gives neither max_tokens nor max_completion_tokens
-DEFAULT_METHOD = "eagle3"    # when it names no Eyas method
+UNSUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "logit_bias",
+    "response_format",
+    "parallel_tool_calls",
+    "audio",
+    "modalities",
+    "prediction",
+    "best_of",
+    "echo",
+    "suffix",
+    "reasoning_effort",
+    "web_search_options",
+    "service_tier",
+    "store",
+    "metadata",
+)
+DEFAULT_MAX_TOKENS = 128  # when a request gives neither max_tokens nor max_completion_tokens
+DEFAULT_METHOD = "eagle3"  # when it names no Eyas method
 # Eyas's names -> the OpenAI parameter a validation error should name
 PARAM_OF_FIELD = {"max_new_tokens": "max_tokens", "prompt_ids": "messages", "prompt": "prompt"}
 
@@ -44,8 +64,14 @@ PARAM_OF_FIELD = {"max_new_tokens": "max_tokens", "prompt_ids": "messages", "pro
 class OpenAIError(Exception):
     """A refusal in OpenAI's error shape."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
 
@@ -117,7 +143,7 @@ class CompletionRequest(_Common):
 class OpenAIRequest:
     """A parsed OpenAI request: what Eyas runs, and how the answer goes back."""
 
-    kind: str                      # CHAT or COMPLETION
+    kind: str  # CHAT or COMPLETION
     request: GenerateRequest
     prompt_ids: list[int]
     model: str
@@ -139,11 +165,11 @@ def check_api_key(expected: str | None, authorization: str | None) -> None:
     No key configured: everything passes. Neither key appears in the error."""
     if not expected:
         return
-    given = (authorization or "").removeprefix("Bearer ").strip() if (authorization or "").startswith("Bearer ") \
-        else ""
+    given = (authorization or "").removeprefix("Bearer ").strip() if (authorization or "").startswith("Bearer ") else ""
     if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise OpenAIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'", status=401,
-                          code="invalid_api_key")
+        raise OpenAIError(
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>'", status=401, code="invalid_api_key"
+        )
 
 
 def parse_openai(kind: str, body: object, tokenizer, model_name: str) -> OpenAIRequest:
@@ -155,19 +181,28 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str) -> OpenAIR
             raise OpenAIError(f"{name}: is not supported by Eyas", param=name, code="unsupported_parameter")
     try:
         parsed = (ChatRequest if kind == CHAT else CompletionRequest).model_validate(
-            {k: v for k, v in body.items() if k not in UNSUPPORTED})
+            {k: v for k, v in body.items() if k not in UNSUPPORTED}
+        )
     except ValidationError as err:
         raise _pydantic_error(err) from None
     if parsed.model != model_name:
-        raise OpenAIError(f"model: {parsed.model!r} does not exist; this server serves {model_name!r}",
-                          param="model", status=404, code="model_not_found")
+        raise OpenAIError(
+            f"model: {parsed.model!r} does not exist; this server serves {model_name!r}",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )
     if parsed.n != 1:
-        raise OpenAIError(f"n: Eyas returns one choice per request, got {parsed.n}", param="n",
-                          code="unsupported_parameter")
+        raise OpenAIError(
+            f"n: Eyas returns one choice per request, got {parsed.n}", param="n", code="unsupported_parameter"
+        )
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(parsed, name) != 0:
-            raise OpenAIError(f"{name}: penalties are not supported (they would change the target's distribution)",
-                              param=name, code="unsupported_parameter")
+            raise OpenAIError(
+                f"{name}: penalties are not supported (they would change the target's distribution)",
+                param=name,
+                code="unsupported_parameter",
+            )
     if parsed.stream_options is not None and not parsed.stream:
         raise OpenAIError("stream_options: only allowed with stream: true", param="stream_options")
     max_param = "max_tokens"
@@ -180,14 +215,19 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str) -> OpenAIR
     else:
         if not parsed.prompt.strip():
             raise OpenAIError("prompt: must be a non-empty string", param="prompt")
-        prompt_ids = encode_prompt(tokenizer, parsed.prompt, raw=True)   # as `eyas generate --raw` feeds it
+        prompt_ids = encode_prompt(tokenizer, parsed.prompt, raw=True)  # as `eyas generate --raw` feeds it
         if not prompt_ids:
             raise OpenAIError("prompt: encodes to no token", param="prompt")
         max_new = parsed.max_tokens
     stop = [parsed.stop] if isinstance(parsed.stop, str) else list(parsed.stop or [])
-    fields = {"prompt_ids": prompt_ids, "max_new_tokens": max_new if max_new is not None else DEFAULT_MAX_TOKENS,
-              "temperature": parsed.temperature, "top_p": parsed.top_p, "stop": stop,
-              "method": parsed.method or DEFAULT_METHOD}
+    fields = {
+        "prompt_ids": prompt_ids,
+        "max_new_tokens": max_new if max_new is not None else DEFAULT_MAX_TOKENS,
+        "temperature": parsed.temperature,
+        "top_p": parsed.top_p,
+        "stop": stop,
+        "method": parsed.method or DEFAULT_METHOD,
+    }
     if parsed.seed is not None:
         fields["seed"] = parsed.seed
     fields.update({k: getattr(parsed, k) for k in EYAS_EXTRAS if k != "method" and getattr(parsed, k) is not None})
@@ -198,18 +238,26 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str) -> OpenAIR
         param = max_param if field == "max_new_tokens" else PARAM_OF_FIELD.get(field, field)
         if kind == COMPLETION and field == "prompt_ids":
             param = "prompt"
-        raise OpenAIError(f"{param}:{str(err).split(':', 1)[1]}" if ":" in str(err) else str(err),
-                          param=param) from None
-    return OpenAIRequest(kind=kind, request=req, prompt_ids=prompt_ids, model=model_name, stream=parsed.stream,
-                         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage))
+        raise OpenAIError(
+            f"{param}:{str(err).split(':', 1)[1]}" if ":" in str(err) else str(err), param=param
+        ) from None
+    return OpenAIRequest(
+        kind=kind,
+        request=req,
+        prompt_ids=prompt_ids,
+        model=model_name,
+        stream=parsed.stream,
+        include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+    )
 
 
 def render_messages(tokenizer, messages: list[Message]) -> list[int]:
     """Token ids of a conversation through the tokenizer's own chat template (generation prompt added)."""
     turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     if not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError("messages: the target's tokenizer has no chat template; use /v1/completions",
-                          param="messages")
+        raise OpenAIError(
+            "messages: the target's tokenizer has no chat template; use /v1/completions", param="messages"
+        )
     return encode_messages(tokenizer, turns)
 
 
@@ -232,33 +280,54 @@ def spec_stats(report: dict) -> dict:
     accepted = sum(r["accept_length"] for r in spec)
     depth = max((r["accept_length"] for r in spec), default=0)
     histogram = [sum(1 for r in spec if r["accept_length"] > i) for i in range(depth)]
-    return {"method": report["method"], "num_spec_steps": len(spec), "num_draft_tokens": drafted,
-            "num_accepted_tokens": accepted, "acceptance_histogram": histogram,
-            "mean_acceptance_length": 1 + accepted / len(spec) if spec else 0.0,
-            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-            "tokens_per_target_forward": report["accept_length_mean"], "target_forwards": report["target_forwards"],
-            "drafter_fallback": report["drafter_fallback"]}
+    return {
+        "method": report["method"],
+        "num_spec_steps": len(spec),
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "acceptance_histogram": histogram,
+        "mean_acceptance_length": 1 + accepted / len(spec) if spec else 0.0,
+        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "tokens_per_target_forward": report["accept_length_mean"],
+        "target_forwards": report["target_forwards"],
+        "drafter_fallback": report["drafter_fallback"],
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def response(req: OpenAIRequest, response_id: str, created: int, report: dict) -> dict:
     """The non-streamed answer."""
     reason = finish_reason(report["finish_reason"])
     if req.kind == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": report["text"]}, "finish_reason": reason,
-                  "logprobs": None}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": report["text"]},
+            "finish_reason": reason,
+            "logprobs": None,
+        }
     else:
         choice = {"index": 0, "text": report["text"], "finish_reason": reason, "logprobs": None}
-    return {"id": response_id, "object": req.kind, "created": created, "model": req.model, "choices": [choice],
-            "usage": usage(len(req.prompt_ids), report["new_tokens"]), "eyas": spec_stats(report)}
+    return {
+        "id": response_id,
+        "object": req.kind,
+        "created": created,
+        "model": req.model,
+        "choices": [choice],
+        "usage": usage(len(req.prompt_ids), report["new_tokens"]),
+        "eyas": spec_stats(report),
+    }
 
 
-def chunk(req: OpenAIRequest, response_id: str, created: int, text: str | None, reason: str | None,
-          role: bool = False) -> dict:
+def chunk(
+    req: OpenAIRequest, response_id: str, created: int, text: str | None, reason: str | None, role: bool = False
+) -> dict:
     """One streamed chunk: a text delta (or the finish), in the chat or the completion shape."""
     if req.kind == CHAT:
         delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
@@ -272,8 +341,15 @@ def chunk(req: OpenAIRequest, response_id: str, created: int, text: str | None, 
 
 def usage_chunk(req: OpenAIRequest, response_id: str, created: int, report: dict) -> dict:
     obj = "chat.completion.chunk" if req.kind == CHAT else "text_completion"
-    return {"id": response_id, "object": obj, "created": created, "model": req.model, "choices": [],
-            "usage": usage(len(req.prompt_ids), report["new_tokens"]), "eyas": spec_stats(report)}
+    return {
+        "id": response_id,
+        "object": obj,
+        "created": created,
+        "model": req.model,
+        "choices": [],
+        "usage": usage(len(req.prompt_ids), report["new_tokens"]),
+        "eyas": spec_stats(report),
+    }
 
 
 def models(model_name: str, created: int) -> dict:
@@ -292,15 +368,15 @@ class StreamText:
     def safe(self, full: str, final: bool = False) -> str:
         cuts = [full.index(s) for s in self.stop if s in full]
         if cuts:
-            return full[:min(cuts)]
+            return full[: min(cuts)]
         if final:
             return full
         hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
-        return full[:len(full) - hold]
+        return full[: len(full) - hold]
 
     def delta(self, full: str, final: bool = False) -> str:
         safe = self.safe(full, final)
-        out = safe[len(self.sent):] if safe.startswith(self.sent) else ""
+        out = safe[len(self.sent) :] if safe.startswith(self.sent) else ""
         self.sent = max(self.sent, safe, key=len) if safe.startswith(self.sent) else self.sent
         return out
 

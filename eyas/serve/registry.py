@@ -14,6 +14,7 @@ and each target replica stops its own in-flight requests of those names (:func:`
 cancel reaches whichever replica runs the request within one report period, whichever ingress replica
 took it, and independently of the client's stream (whose close Ray Serve 2.60's gRPC proxy can lose).
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,7 @@ log = logging.getLogger("eyas.registry")
 REGISTRY_PREFIX = "eyas-registry"
 DEFAULT_MAX_AGE_S = 10.0
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node offers it
-REPLY_TIMEOUT_S = 5.0   # a target replica waits this long for the registry's reply to its report
+REPLY_TIMEOUT_S = 5.0  # a target replica waits this long for the registry's reply to its report
 CANCEL_TTL_S = 120.0  # how long a named cancel is handed out (it may overtake its request by this much)
 
 
@@ -95,8 +96,10 @@ class Registry:
         now = time.time()
         for rid in [r for r, (_, t, _) in self.reports.items() if now - t > max_age_s]:
             del self.reports[rid]
-        return [dict(payload, replica=rid, kind=kind, age_s=now - t)
-                for rid, (kind, t, payload) in sorted(self.reports.items())]
+        return [
+            dict(payload, replica=rid, kind=kind, age_s=now - t)
+            for rid, (kind, t, payload) in sorted(self.reports.items())
+        ]
 
 
 def app_name() -> str:
@@ -115,8 +118,12 @@ def get_registry(app_name: str):
 
     It lives on the head node: an actor on a worker node keeps that node from ever going idle, so
     the cluster autoscaler could not remove it after a burst."""
-    return Registry.options(name=f"{REGISTRY_PREFIX}:{app_name}", get_if_exists=True, lifetime="detached",
-                            resources={HEAD_NODE_RESOURCE: 0.001}).remote()
+    return Registry.options(
+        name=f"{REGISTRY_PREFIX}:{app_name}",
+        get_if_exists=True,
+        lifetime="detached",
+        resources={HEAD_NODE_RESOURCE: 0.001},
+    ).remote()
 
 
 class Reporter:
@@ -124,8 +131,15 @@ class Reporter:
     hands each reply (``Registry.report``'s: the recent named cancels, the live target replicas) to
     ``on_reply`` when given."""
 
-    def __init__(self, app_name: str, replica_id: str, kind: str, payload: Callable[[], dict],
-                 period_s: float = 0.5, on_reply: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        app_name: str,
+        replica_id: str,
+        kind: str,
+        payload: Callable[[], dict],
+        period_s: float = 0.5,
+        on_reply: Callable[[dict], None] | None = None,
+    ):
         self.app_name, self.replica_id, self.kind, self.payload = app_name, replica_id, kind, payload
         self.on_reply = on_reply
         self.period_s = period_s

@@ -29,6 +29,7 @@ committed state (seed 0x05D), up to ``MAX_DRAFTER_RESEEDS`` times in all (``eyas
 the rule of every decode loop), after which it goes on target-only
 (``drafter_fallback``). Greedy tokens never change: the target decides every one.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -84,7 +85,7 @@ class Live(DraftState):
 
     prompt_ids: list[int]
     max_new_tokens: int
-    tree: TreeSpec                    # the request's own knobs: the largest tree it may get
+    tree: TreeSpec  # the request's own knobs: the largest tree it may get
     sampling: SamplingParams
     seed_value: int
     on_tokens: Callable[[list[int]], bool] | None
@@ -95,7 +96,7 @@ class Live(DraftState):
     out: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
     prefill_s: float = 0.0
-    prompt_done: int = 0              # prompt rows prefilled so far (chunked prefill; all of them once seeded)
+    prompt_done: int = 0  # prompt rows prefilled so far (chunked prefill; all of them once seeded)
     stopped: bool = False
     eos: tuple[int, ...] = ()
 
@@ -109,8 +110,9 @@ class WorkerTarget:
         self.calls = calls
 
     def step(self, prefilling: list[Live], verifies, max_prefill_rows: int | None):
-        return self.calls("step", [s.request_id for s in prefilling], [(s.request_id, tree) for s, tree in verifies],
-                          max_prefill_rows)
+        return self.calls(
+            "step", [s.request_id for s in prefilling], [(s.request_id, tree) for s, tree in verifies], max_prefill_rows
+        )
 
     def publish(self, decided: list[Decided]) -> list[Published | Refusal]:
         return self.calls("publish_rounds", [(d.request_id, d.round) for d in decided])
@@ -142,8 +144,13 @@ class WorkerDrafter:
             seeds = [unread[0] for _, unread, _ in items]
         else:
             seeds = compute.run(lambda: [Seed.join(unread) for _, unread, _ in items])
-        return self.calls("propose_batch", [(rid, seed if self.local else wire.seed_to_proto(seed, request_id=rid), tree)
-                                            for (rid, _, tree), seed in zip(items, seeds)])
+        return self.calls(
+            "propose_batch",
+            [
+                (rid, seed if self.local else wire.seed_to_proto(seed, request_id=rid), tree)
+                for (rid, _, tree), seed in zip(items, seeds)
+            ],
+        )
 
     def publish(self, request_ids: list[str]) -> None:
         """Nothing to send: the worker drops a round's tree rows when the request's next seed arrives."""
@@ -152,17 +159,26 @@ class WorkerDrafter:
 def measured_draft_points(drafter_info: dict) -> list[tuple[int, int, float]]:
     """The drafter's start-up draft cost points ``(depth, draft rows, ms)``, those of its costliest
     method (the highest total ms; ``[]`` when it measured none)."""
-    measured = [[(int(d), int(r), float(ms)) for d, r, ms in info.get("draft_points") or ()]
-                for info in drafter_info.values()]
+    measured = [
+        [(int(d), int(r), float(ms)) for d, r, ms in info.get("draft_points") or ()] for info in drafter_info.values()
+    ]
     return max(measured, key=lambda pts: sum(ms for _, _, ms in pts), default=[])
 
 
 class RoundLoop:
-    def __init__(self, target: WorkerCalls, drafter: WorkerCalls | None, drafter_info: dict, policy,
-                 curve: LatencyCurve, on_round: Callable[[RoundRecord], None] | None = None,
-                 on_finish: Callable[[str, GenerationResult], None] | None = None,
-                 draft_cost: DraftCost | None = None, experts: ExpertTraffic | None = None,
-                 max_prefill_rows: int | None = DEFAULT_PREFILL_CHUNK):
+    def __init__(
+        self,
+        target: WorkerCalls,
+        drafter: WorkerCalls | None,
+        drafter_info: dict,
+        policy,
+        curve: LatencyCurve,
+        on_round: Callable[[RoundRecord], None] | None = None,
+        on_finish: Callable[[str, GenerationResult], None] | None = None,
+        draft_cost: DraftCost | None = None,
+        experts: ExpertTraffic | None = None,
+        max_prefill_rows: int | None = DEFAULT_PREFILL_CHUNK,
+    ):
         """``draft_cost``: the scheduler's starting cost of drafting; by default the drafter's start-up
         measurement from ``drafter_info`` (its costliest method's), else the optimistic prior.
         ``experts``: an MoE target's expert traffic model (``TargetEngine.expert_traffic_shape``), which
@@ -178,8 +194,9 @@ class RoundLoop:
         self.drafter_side = WorkerDrafter(drafter) if drafter is not None else None
         self.policy, self.curve = policy, curve
         # what a round's drafting adds (the propose call, hop included); live rounds refit it
-        self.draft_cost = draft_cost if draft_cost is not None else DraftCost.from_points(
-            measured_draft_points(drafter_info))
+        self.draft_cost = (
+            draft_cost if draft_cost is not None else DraftCost.from_points(measured_draft_points(drafter_info))
+        )
         self._draft_cost_given = draft_cost is not None or bool(measured_draft_points(drafter_info))
         self.experts = experts if experts is not None else ExpertTraffic()
         self.on_round, self.on_finish = on_round, on_finish
@@ -189,9 +206,9 @@ class RoundLoop:
         self.lock = threading.Condition()
         self.stopped = False
         self.rounds = 0
-        self.last_verify_rows = 0   # rows of the last round, all requests together
-        self.last_draft_rows = 0    # draft tree nodes of the last round, all requests together
-        self.last_batch = 0         # requests the last round verified (at most max_batch; the rest of live waited)
+        self.last_verify_rows = 0  # rows of the last round, all requests together
+        self.last_draft_rows = 0  # draft tree nodes of the last round, all requests together
+        self.last_batch = 0  # requests the last round verified (at most max_batch; the rest of live waited)
         self.last_prefill_rows = 0  # prompt rows the last round prefilled
         self.last_expert_bytes = 0  # MoE: expert weights the last round's batched verify read
         # set while the drafter is unreachable: rounds are plain for everyone (no drafter call can stall
@@ -213,15 +230,34 @@ class RoundLoop:
                 self.draft_cost = DraftCost.from_points(points)
                 self._draft_cost_given = True
 
-    def submit(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, method: str, tree: TreeSpec,
-               sampling: SamplingParams, seed: int, on_tokens=None,
-               cancel: threading.Event | None = None) -> concurrent.futures.Future:
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        method: str,
+        tree: TreeSpec,
+        sampling: SamplingParams,
+        seed: int,
+        on_tokens=None,
+        cancel: threading.Event | None = None,
+    ) -> concurrent.futures.Future:
         """-> a future of the ``GenerationResult``; validation errors of the prefill surface through it."""
-        live = Live(request_id=request_id, method=method, draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens),
-                    prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, tree=tree, sampling=sampling,
-                    seed_value=seed, on_tokens=on_tokens, future=concurrent.futures.Future(),
-                    cancel=cancel or threading.Event(), arrival=time.perf_counter(),
-                    acceptance=AcceptanceEstimate.from_prior(self.prior))
+        live = Live(
+            request_id=request_id,
+            method=method,
+            draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens),
+            prompt_ids=list(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            tree=tree,
+            sampling=sampling,
+            seed_value=seed,
+            on_tokens=on_tokens,
+            future=concurrent.futures.Future(),
+            cancel=cancel or threading.Event(),
+            arrival=time.perf_counter(),
+            acceptance=AcceptanceEstimate.from_prior(self.prior),
+        )
         with self.lock:
             self.pending.append(live)
             self.lock.notify()
@@ -261,9 +297,14 @@ class RoundLoop:
             last_rows = x.rounds[-1].tree_nodes + 1 if x.rounds else 1
             rows += max(x.max_new_tokens - len(x.out), 0) / max(per_round, 1.0) * last_rows
             rows += len(x.prompt_ids) - x.prompt_done if x.seed is None else 0  # prompt rows still to prefill
-        return {"pending_verify_rows": float(rows + waiting), "draft_rows": float(self.last_draft_rows if live else 0),
-                "expert_bytes": float(self.last_expert_bytes if live else 0), "live": len(live), "pending": pending,
-                "batch": self.last_batch if live else 0}
+        return {
+            "pending_verify_rows": float(rows + waiting),
+            "draft_rows": float(self.last_draft_rows if live else 0),
+            "expert_bytes": float(self.last_expert_bytes if live else 0),
+            "live": len(live),
+            "pending": pending,
+            "batch": self.last_batch if live else 0,
+        }
 
     # --- the loop (its own thread) ----------------------------------------------------------------
     def _run(self) -> None:
@@ -307,9 +348,17 @@ class RoundLoop:
         info = self.drafter_info.get(live.method, {})
         taps = tuple(tuple(t) for t in info.get("taps", ())) if live.method != "target" else ()
         max_rows = live.tree.max_candidates + 1 if live.method != "target" else 1
-        spec = wire.SessionSpec(live.request_id, tuple(live.prompt_ids), live.max_new_tokens, max_rows,
-                                live.sampling.temperature, live.sampling.top_p, live.sampling.top_k, live.seed_value,
-                                taps)
+        spec = wire.SessionSpec(
+            live.request_id,
+            tuple(live.prompt_ids),
+            live.max_new_tokens,
+            max_rows,
+            live.sampling.temperature,
+            live.sampling.top_p,
+            live.sampling.top_k,
+            live.seed_value,
+            taps,
+        )
         try:
             live.eos = self.target("open", spec)
         except Exception as err:  # noqa: BLE001 - handed to the request's caller, which maps it
@@ -326,29 +375,47 @@ class RoundLoop:
         prefill_rows = sum(len(x.prompt_ids) - x.prompt_done for x in prefilling)
         if self.max_prefill_rows is not None:
             prefill_rows = min(prefill_rows, self.max_prefill_rows)
-        cands = [Candidate(x.request_id, x.arrival, len(x.prompt_ids), len(x.prompt_ids) + len(x.out) - 1,
-                           x.acceptance if x.speculative else NEVER_ACCEPTS,
-                           Seed.total_rows(x.unread) if x.speculative else 0, speculative=x.speculative)
-                 for x in decoding]
+        cands = [
+            Candidate(
+                x.request_id,
+                x.arrival,
+                len(x.prompt_ids),
+                len(x.prompt_ids) + len(x.out) - 1,
+                x.acceptance if x.speculative else NEVER_ACCEPTS,
+                Seed.total_rows(x.unread) if x.speculative else 0,
+                speculative=x.speculative,
+            )
+            for x in decoding
+        ]
         backlog = {c.request_id: c.draft_backlog for c in cands}
-        plan = self.policy.plan(cands, self.curve, self.draft_cost, self.experts, prefill_rows=prefill_rows) \
-            if cands else None                                                                  # plan
+        plan = (
+            self.policy.plan(cands, self.curve, self.draft_cost, self.experts, prefill_rows=prefill_rows)
+            if cands
+            else None
+        )  # plan
         shapes = {rid: self._fit(self.live[rid], shape) for rid, shape in plan.shapes.items()} if plan else {}
         batch = [self.live[rid] for rid in shapes]
         for x in prefilling:  # no drafter for its method (by the time its prompt is done): target-only
             if x.speculative and (self.drafter is None or x.method not in self.drafter_info):
                 x.fallback = True
         start_ns = time.time_ns()
-        r = round_step(self.target_side, None if self.drafter_down.is_set() else self.drafter_side,
-                       [(x, self._tree(x, shapes[x.request_id])) for x in batch], prefilling,
-                       self.max_prefill_rows)                                                   # the round step
+        r = round_step(
+            self.target_side,
+            None if self.drafter_down.is_set() else self.drafter_side,
+            [(x, self._tree(x, shapes[x.request_id])) for x in batch],
+            prefilling,
+            self.max_prefill_rows,
+        )  # the round step
         if r.drafter_lost:
             log.warning("drafter unavailable: rounds are plain until it answers again; then reseeding")
             self._drafter_lost()
         drafted = [rid for rid, t in r.trees.items() if t.num_nodes]
         if batch:
-            self.draft_cost.observe(max((shapes[rid].depth_cap for rid in drafted), default=0), 1000 * r.draft_s,
-                                    sum(shapes[rid].drafter_rows(backlog[rid]) for rid in drafted))
+            self.draft_cost.observe(
+                max((shapes[rid].depth_cap for rid in drafted), default=0),
+                1000 * r.draft_s,
+                sum(shapes[rid].drafter_rows(backlog[rid]) for rid in drafted),
+            )
         ran_prefill_rows = self._prefill_progress(prefilling, r)
         decided = [(live, v) for live, v in zip(batch, r.verdicts) if isinstance(v, Decided)]
         for live, v in zip(batch, r.verdicts):
@@ -367,8 +434,11 @@ class RoundLoop:
         self.experts.observe(rows + ran_prefill_rows, self.last_expert_bytes)
         accept_s = max((v.accept_s for _, v in decided), default=0.0)
         # the Ray hop cost: the round's wall time outside the workers' own compute (calls, encoding, queues)
-        compute_s = (r.draft_compute_s + max((v.compute_s for _, v in decided), default=0.0)
-                     + sum(a.compute_s for a in r.published.values() if isinstance(a, Published)))
+        compute_s = (
+            r.draft_compute_s
+            + max((v.compute_s for _, v in decided), default=0.0)
+            + sum(a.compute_s for a in r.published.values() if isinstance(a, Published))
+        )
         hop_s = max(r.draft_s + r.verify_s + r.publish_s - compute_s, 0.0)
         for live, v in decided:
             ack = r.published[live.request_id]
@@ -380,14 +450,34 @@ class RoundLoop:
                 live.acceptance.observe(v.decision.accept_length, shapes[live.request_id].depth_cap)
                 self.prior.observe(v.decision.accept_length, shapes[live.request_id].depth_cap, weight=PRIOR_EMA)
             # each request in the batch waited for the whole round: it is charged the full times
-            live.rounds.append(RoundStats(accept_length=v.decision.accept_length, new_tokens=v.decision.num_new_tokens,
-                                          tree_nodes=nodes, draft_s=r.draft_s, verify_s=r.verify_s, hop_s=hop_s))
+            live.rounds.append(
+                RoundStats(
+                    accept_length=v.decision.accept_length,
+                    new_tokens=v.decision.num_new_tokens,
+                    tree_nodes=nodes,
+                    draft_s=r.draft_s,
+                    verify_s=r.verify_s,
+                    hop_s=hop_s,
+                )
+            )
             if self.on_round is not None:
-                self.on_round(RoundRecord(request_id=live.request_id, round=v.round, flat=v.flat if nodes else None,
-                                          decision=v.decision, start_ns=start_ns, draft_s=r.draft_s, pack_s=pack_s,
-                                          verify_s=r.verify_s - pack_s, accept_s=accept_s, publish_s=r.publish_s,
-                                          fallback=live.fallback, expert_bytes=v.expert_bytes,
-                                          batch_expert_bytes=v.batch_expert_bytes))
+                self.on_round(
+                    RoundRecord(
+                        request_id=live.request_id,
+                        round=v.round,
+                        flat=v.flat if nodes else None,
+                        decision=v.decision,
+                        start_ns=start_ns,
+                        draft_s=r.draft_s,
+                        pack_s=pack_s,
+                        verify_s=r.verify_s - pack_s,
+                        accept_s=accept_s,
+                        publish_s=r.publish_s,
+                        fallback=live.fallback,
+                        expert_bytes=v.expert_bytes,
+                        batch_expert_bytes=v.batch_expert_bytes,
+                    )
+                )
             self._emit(live, list(ack.tokens))
 
     def _prefill_progress(self, prefilling: list[Live], r) -> int:
@@ -420,8 +510,15 @@ class RoundLoop:
             return TreeShape(t.expand_width, t.max_depth, t.max_candidates)
         if t.kind != "dynamic":  # static and chain trees are the request's explicit choice
             return TreeShape(t.expand_width, t.max_depth, t.max_candidates) if shape.speculates else PLAIN
-        return TreeShape(min(shape.expand_width, t.expand_width), min(shape.max_depth, t.max_depth),
-                         min(shape.verify_budget, t.verify_budget)) if shape.speculates else PLAIN
+        return (
+            TreeShape(
+                min(shape.expand_width, t.expand_width),
+                min(shape.max_depth, t.max_depth),
+                min(shape.verify_budget, t.verify_budget),
+            )
+            if shape.speculates
+            else PLAIN
+        )
 
     def _tree(self, live: Live, shape: TreeShape) -> TreeSpec | None:
         """The tree a planned shape gives the request this round (None: a plain round)."""
@@ -476,9 +573,15 @@ class RoundLoop:
             return
         tokens, finished_as = finish(live.out, live.max_new_tokens, live.eos, stopped=live.stopped)
         wall = time.perf_counter() - live.arrival
-        result = GenerationResult(token_ids=tokens, finish_reason=reason or finished_as, prefill_s=live.prefill_s, wall_s=wall,
-                                  rounds=tuple(live.rounds),
-                                  drafter_fallback=live.fallback, drafter_reseeds=live.reseeds)
+        result = GenerationResult(
+            token_ids=tokens,
+            finish_reason=reason or finished_as,
+            prefill_s=live.prefill_s,
+            wall_s=wall,
+            rounds=tuple(live.rounds),
+            drafter_fallback=live.fallback,
+            drafter_reseeds=live.reseeds,
+        )
         if self.on_finish is not None:
             self.on_finish(live.request_id, result)
         live.future.set_result(result)
@@ -487,8 +590,12 @@ class RoundLoop:
 def tree_spec(shape: TreeShape) -> TreeSpec:
     """The dynamic tree of a planned shape that speculates."""
     assert shape.speculates, shape
-    return TreeSpec(kind="dynamic", expand_width=max(shape.expand_width, 1), max_depth=shape.max_depth,
-                    verify_budget=shape.verify_budget)
+    return TreeSpec(
+        kind="dynamic",
+        expand_width=max(shape.expand_width, 1),
+        max_depth=shape.max_depth,
+        verify_budget=shape.verify_budget,
+    )
 
 
 def _snapshot(live: dict) -> list:
@@ -506,4 +613,3 @@ def _as_value_error(err: Exception) -> Exception:
     if isinstance(cause, (ValueError, LookupError)):
         return ValueError(str(cause.args[0]) if cause.args else str(cause))
     return err
-

@@ -30,6 +30,7 @@ The same instruments also feed an OpenTelemetry ``PrometheusMetricReader`` over 
 object's own (:meth:`Telemetry.prometheus_text`); the app's ``GET /metrics`` merges the target
 replicas' texts with a ``replica`` label (:func:`merge_prometheus`).
 """
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,14 @@ class _RingExporter(SpanExporter):
 
 
 class Telemetry:
-    def __init__(self, service_name: str = "eyas", *, max_spans: int = 512, console: bool = False,
-                 otlp_endpoint: str | None = None):
+    def __init__(
+        self,
+        service_name: str = "eyas",
+        *,
+        max_spans: int = 512,
+        console: bool = False,
+        otlp_endpoint: str | None = None,
+    ):
         resource = Resource.create({"service.name": service_name})
         self.spans = _RingExporter(max_spans)
         self.tracer_provider = TracerProvider(resource=resource)
@@ -103,14 +110,20 @@ class Telemetry:
         from prometheus_client import CollectorRegistry
 
         self.reader = InMemoryMetricReader()
-        self.prometheus_registry = CollectorRegistry(auto_describe=False)   # this object's own, not the global one
-        self.prometheus_reader = PrometheusMetricReader(registry=self.prometheus_registry, disable_target_info=True,
-                                                         scope_info_enabled=False)
-        seconds = View(instrument_name="eyas.*.duration", aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS))
-        ttft = View(instrument_name="eyas.request.time_to_first_token",
-                    aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS))
-        self.meter_provider = MeterProvider(metric_readers=[self.reader, self.prometheus_reader], resource=resource,
-                                            views=[seconds, ttft])
+        self.prometheus_registry = CollectorRegistry(auto_describe=False)  # this object's own, not the global one
+        self.prometheus_reader = PrometheusMetricReader(
+            registry=self.prometheus_registry, disable_target_info=True, scope_info_enabled=False
+        )
+        seconds = View(
+            instrument_name="eyas.*.duration", aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS)
+        )
+        ttft = View(
+            instrument_name="eyas.request.time_to_first_token",
+            aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS),
+        )
+        self.meter_provider = MeterProvider(
+            metric_readers=[self.reader, self.prometheus_reader], resource=resource, views=[seconds, ttft]
+        )
         meter = self.meter_provider.get_meter("eyas")
         self.accept_length = meter.create_histogram("eyas.accept_length", unit="{token}")
         self.tree_nodes = meter.create_histogram("eyas.tree_nodes", unit="{node}")
@@ -170,8 +183,13 @@ class Telemetry:
     def record_round(self, rec: RoundRecord) -> None:
         """Spans and metrics of one round (seed 0x0C)."""
         d = rec.decision
-        attrs = {"eyas.request_id": rec.request_id, "eyas.round": rec.round, "eyas.accept_length": d.accept_length,
-                 "eyas.tree_nodes": 0 if rec.flat is None else rec.flat.num_rows - 1, "eyas.fallback": rec.fallback}
+        attrs = {
+            "eyas.request_id": rec.request_id,
+            "eyas.round": rec.round,
+            "eyas.accept_length": d.accept_length,
+            "eyas.tree_nodes": 0 if rec.flat is None else rec.flat.num_rows - 1,
+            "eyas.fallback": rec.fallback,
+        }
         if rec.batch_expert_bytes:
             attrs.update({"eyas.expert_bytes": rec.expert_bytes, "eyas.batch_expert_bytes": rec.batch_expert_bytes})
         root = self.tracer.start_span("eyas.round", start_time=rec.start_ns, attributes=attrs)
@@ -182,7 +200,9 @@ class Telemetry:
             end = t + int(seconds * 1e9)
             self.tracer.start_span(name, context=ctx, start_time=t).end(end_time=end)
             if name == "verify":  # the decision closes the verify call, on the target
-                self.tracer.start_span("accept", context=ctx, start_time=end - int(rec.accept_s * 1e9)).end(end_time=end)
+                self.tracer.start_span("accept", context=ctx, start_time=end - int(rec.accept_s * 1e9)).end(
+                    end_time=end
+                )
             t = end
         end = t + int(rec.publish_s * 1e9)
         self.tracer.start_span("publish", context=ctx, start_time=t).end(end_time=end)
@@ -244,8 +264,14 @@ class Telemetry:
                     for p in metric.data.data_points:
                         point = {"attributes": dict(p.attributes or {})}
                         if hasattr(p, "bucket_counts"):
-                            point.update(count=p.count, sum=p.sum, min=p.min, max=p.max,
-                                         bounds=list(p.explicit_bounds), buckets=list(p.bucket_counts))
+                            point.update(
+                                count=p.count,
+                                sum=p.sum,
+                                min=p.min,
+                                max=p.max,
+                                bounds=list(p.explicit_bounds),
+                                buckets=list(p.bucket_counts),
+                            )
                         else:
                             point["value"] = p.value
                         points.append(point)
@@ -254,10 +280,17 @@ class Telemetry:
 
     def recent_spans(self, limit: int = 60) -> list[dict]:
         spans = self.spans.snapshot()[-limit:]
-        return [{"name": s.name, "trace_id": f"{s.context.trace_id:032x}",
-                 "parent": f"{s.parent.span_id:016x}" if s.parent else None, "span_id": f"{s.context.span_id:016x}",
-                 "duration_ms": (s.end_time - s.start_time) / 1e6, "attributes": dict(s.attributes or {})}
-                for s in spans]
+        return [
+            {
+                "name": s.name,
+                "trace_id": f"{s.context.trace_id:032x}",
+                "parent": f"{s.parent.span_id:016x}" if s.parent else None,
+                "span_id": f"{s.context.span_id:016x}",
+                "duration_ms": (s.end_time - s.start_time) / 1e6,
+                "attributes": dict(s.attributes or {}),
+            }
+            for s in spans
+        ]
 
     def snapshot(self, **extra) -> dict:
         return {"metrics": self.metrics(), "spans": self.recent_spans(), **extra}
@@ -285,8 +318,9 @@ def merge_prometheus(texts: dict[str, str]) -> str:
     for replica, text in sorted(texts.items()):
         for fam in text_string_to_metric_families(text):
             merged = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit))
-            merged.samples.extend(Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
-                                  for s in fam.samples)
+            merged.samples.extend(
+                Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar) for s in fam.samples
+            )
 
     class _Merged:
         def collect(self):

@@ -20,6 +20,7 @@ costs as much memory traffic as the attention itself). The price is memory: ever
 as the longest live request's budget. The engine keeps its live requests in rows ``[0, live)``
 (closing one moves the last row into the hole), so a round's view is a prefix of the store.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,21 +28,24 @@ from dataclasses import dataclass, field
 import torch
 
 SLOT_GRANULE = 128  # the store's slot capacity grows in multiples of this (fewer reallocations)
-MIN_ROWS = 4        # the smallest row capacity allocated
-GRID_WIDTH = 64     # a request feeding more rows than this (a prefill chunk) attends in its own call
+MIN_ROWS = 4  # the smallest row capacity allocated
+GRID_WIDTH = 64  # a request feeding more rows than this (a prefill chunk) attends in its own call
 
 
 class BatchKV:
     """Padded K/V of an engine's live requests, and which request owns each row. Owned by one engine
     (a ``TargetEngine`` or a ``DrafterEngine``); mutated only by it."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu"):
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+    ):
         self.shape_per_slot = (num_layers, num_kv_heads, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
-        self.k = torch.zeros(num_layers, 0, num_kv_heads, 0, head_dim, dtype=dtype, device=self.device)  # [L, B, H_kv, S, hd]
-        self.v = torch.zeros_like(self.k)                                                                 # [L, B, H_kv, S, hd]
-        self.owners: list[tuple[str, int]] = []   # KV row -> (its request id, the slots it may use); rows [0, live)
+        self.k = torch.zeros(
+            num_layers, 0, num_kv_heads, 0, head_dim, dtype=dtype, device=self.device
+        )  # [L, B, H_kv, S, hd]
+        self.v = torch.zeros_like(self.k)  # [L, B, H_kv, S, hd]
+        self.owners: list[tuple[str, int]] = []  # KV row -> (its request id, the slots it may use); rows [0, live)
 
     @property
     def row_capacity(self) -> int:
@@ -111,20 +115,20 @@ class BatchKV:
         self.k = self.k.new_zeros(self.k.shape[0], 0, self.k.shape[2], 0, self.k.shape[4])
         self.v = torch.zeros_like(self.k)
 
-    def write(self, layer: int, kv_rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
+    def write(self, layer: int, kv_rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v ([N, H_kv, hd]) of N packed rows at (``kv_rows``[n], ``slots``[n]) ([N] int64 each)."""
         self.k[layer, kv_rows, :, slots] = k
         self.v[layer, kv_rows, :, slots] = v
 
-    def write_span(self, layer: int, kv_row: int, start: int, k: torch.Tensor, v: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_span(
+        self, layer: int, kv_row: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v ([1, H_kv, T, hd]) of one request at slots [start, start+T) of ``kv_row``; return
         its keys/values of [0, start+T) (views, [1, H_kv, start+T, hd])."""
         t = k.shape[2]
-        self.k[layer, kv_row, :, start:start + t] = k[0]
-        self.v[layer, kv_row, :, start:start + t] = v[0]
-        return (self.k[layer, kv_row:kv_row + 1, :, :start + t], self.v[layer, kv_row:kv_row + 1, :, :start + t])
+        self.k[layer, kv_row, :, start : start + t] = k[0]
+        self.v[layer, kv_row, :, start : start + t] = v[0]
+        return (self.k[layer, kv_row : kv_row + 1, :, : start + t], self.v[layer, kv_row : kv_row + 1, :, : start + t])
 
     def view(self, layer: int, rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of KV rows ``[0, rows)``, slots ``[0, slots)``: views ([rows, H_kv, slots, hd])."""
@@ -140,8 +144,8 @@ class BatchKV:
             raise ValueError(f"kv commit: {dst_start + a} slots exceed the store ({self.slot_capacity})")
         k_rows = self.k[:, kv_row].index_select(2, src_slots)  # [L, H, A, hd]
         v_rows = self.v[:, kv_row].index_select(2, src_slots)
-        self.k[:, kv_row, :, dst_start:dst_start + a] = k_rows
-        self.v[:, kv_row, :, dst_start:dst_start + a] = v_rows
+        self.k[:, kv_row, :, dst_start : dst_start + a] = k_rows
+        self.v[:, kv_row, :, dst_start : dst_start + a] = v_rows
 
     def move(self, src_row: int, dst_row: int, slots: int) -> None:
         """Copy the first ``slots`` slots of KV row ``src_row`` into ``dst_row`` (compaction on close)."""
@@ -156,10 +160,10 @@ class RowGroup:
     slot up to its own)."""
 
     kv_row: int
-    tokens: torch.Tensor          # [T] int64
-    positions: torch.Tensor       # [T] int64
+    tokens: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
     start: int
-    mask: torch.Tensor | None     # [T, start + T] bool, or None when T == 1
+    mask: torch.Tensor | None  # [T, start + T] bool, or None when T == 1
 
 
 @dataclass(frozen=True)
@@ -167,12 +171,12 @@ class Grid:
     """The padded query grid of a batched attention call: the packed rows ``rows`` of the requests
     in it, each request's rows at cells ``[kv_row, 0:T]`` of ``[num_kv_rows, width]``."""
 
-    rows: torch.Tensor          # [M] int64, the packed rows in the grid
-    cells: torch.Tensor         # [M] int64, each one's cell in the [num_kv_rows * width] grid
-    num_kv_rows: int            # the attention call's batch: KV rows [0, num_kv_rows)
-    width: int                  # the grid's query rows per KV row (its widest request)
-    key_len: int                # slots [0, key_len) are read
-    mask: torch.Tensor          # [num_kv_rows, 1, width, key_len] bool: True = may attend
+    rows: torch.Tensor  # [M] int64, the packed rows in the grid
+    cells: torch.Tensor  # [M] int64, each one's cell in the [num_kv_rows * width] grid
+    num_kv_rows: int  # the attention call's batch: KV rows [0, num_kv_rows)
+    width: int  # the grid's query rows per KV row (its widest request)
+    key_len: int  # slots [0, key_len) are read
+    mask: torch.Tensor  # [num_kv_rows, 1, width, key_len] bool: True = may attend
     _blocked: dict = field(default_factory=dict, compare=False, repr=False)  # grouped_mask's per-size cache
 
     def grouped_mask(self, group: int) -> torch.Tensor:
@@ -196,7 +200,7 @@ class Wide:
     start: int
     lo: int
     hi: int
-    mask: torch.Tensor | None   # [1, T, start + T] bool, or None for one row that sees every slot
+    mask: torch.Tensor | None  # [1, T, start + T] bool, or None for one row that sees every slot
 
 
 @dataclass(frozen=True)
@@ -207,14 +211,14 @@ class BatchRows:
     ``GRID_WIDTH`` rows (a prefill chunk) attends in its own call, since padding every request to
     a chunk's width would multiply the attention's work by the batch size."""
 
-    tokens: torch.Tensor        # [N] int64, the packed rows of every group in order
-    positions: torch.Tensor     # [N] int64
-    kv_rows: torch.Tensor       # [N] int64, each packed row's KV row
-    slots: torch.Tensor         # [N] int64, each packed row's slot
+    tokens: torch.Tensor  # [N] int64, the packed rows of every group in order
+    positions: torch.Tensor  # [N] int64
+    kv_rows: torch.Tensor  # [N] int64, each packed row's KV row
+    slots: torch.Tensor  # [N] int64, each packed row's slot
     grid: Grid | None
     wide: tuple[Wide, ...]
     bounds: tuple[tuple[int, int], ...]  # each group's [lo, hi) among the packed rows
-    max_position: int                    # the largest position id (read on the host, before the move)
+    max_position: int  # the largest position id (read on the host, before the move)
 
     @property
     def num_rows(self) -> int:
@@ -253,8 +257,16 @@ class BatchRows:
         cat = lambda xs: torch.cat(xs).to(device)  # noqa: E731
         grid = cls._grid(gridded, device) if gridded else None
         positions = torch.cat([g.positions for g in groups])
-        return cls(cat([g.tokens for g in groups]), positions.to(device), cat(kv_rows), cat(slots),
-                   grid, tuple(wide), tuple(bounds), int(positions.max()))
+        return cls(
+            cat([g.tokens for g in groups]),
+            positions.to(device),
+            cat(kv_rows),
+            cat(slots),
+            grid,
+            tuple(wide),
+            tuple(bounds),
+            int(positions.max()),
+        )
 
     @staticmethod
     def _grid(gridded: list[tuple[RowGroup, int]], device) -> Grid:
@@ -267,10 +279,16 @@ class BatchRows:
         for g, lo in gridded:
             t = g.tokens.shape[0]
             if g.mask is None:
-                mask[g.kv_row, 0, :g.start + 1] = True
+                mask[g.kv_row, 0, : g.start + 1] = True
             else:
-                mask[g.kv_row, :t, :g.start + t] = g.mask
+                mask[g.kv_row, :t, : g.start + t] = g.mask
             rows.append(torch.arange(lo, lo + t))
             cells.append(g.kv_row * width + torch.arange(t))
-        return Grid(torch.cat(rows).to(device), torch.cat(cells).to(device), num_kv_rows, width, key_len,
-                    mask.unsqueeze(1).to(device))
+        return Grid(
+            torch.cat(rows).to(device),
+            torch.cat(cells).to(device),
+            num_kv_rows,
+            width,
+            key_len,
+            mask.unsqueeze(1).to(device),
+        )

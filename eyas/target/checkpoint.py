@@ -20,6 +20,7 @@ layout (written from a state dict) matches no converter and reads as it is.
 Nothing is read until a tensor is asked for, and then only the tensors it is made of: a loader holds
 one layer's experts at a time, never the whole state dict.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,10 @@ def _conversions(model_type: str) -> tuple[list, list]:
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
     mapping = get_checkpoint_conversion_mapping(model_type) or []
-    return ([t for t in mapping if isinstance(t, WeightRenaming)],
-            [t for t in mapping if isinstance(t, WeightConverter)])
+    return (
+        [t for t in mapping if isinstance(t, WeightRenaming)],
+        [t for t in mapping if isinstance(t, WeightConverter)],
+    )
 
 
 class CheckpointTensors(Mapping):
@@ -50,11 +53,13 @@ class CheckpointTensors(Mapping):
         from transformers.core_model_loading import dot_natural_key, rename_source_key
 
         self.folder = Path(folder)
-        self._files = self._locate()                                # disk name -> file
+        self._files = self._locate()  # disk name -> file
         self._eager: dict[str, torch.Tensor] | None = None
         renamings, converters = _conversions(model_type)
-        self._plain: dict[str, str] = {}                            # memory name -> disk name
-        self._merged: dict[str, tuple[object, dict[str, list[str]]]] = {}  # memory name -> (converter, pattern -> disk names)
+        self._plain: dict[str, str] = {}  # memory name -> disk name
+        self._merged: dict[
+            str, tuple[object, dict[str, list[str]]]
+        ] = {}  # memory name -> (converter, pattern -> disk names)
         for disk in sorted(self._files, key=dot_natural_key):
             name, pattern = rename_source_key(disk, renamings, converters)
             if pattern is None:
@@ -86,7 +91,7 @@ class CheckpointTensors(Mapping):
         if not bins:
             raise FileNotFoundError(f"checkpoint: no *.safetensors or pytorch_model*.bin in {self.folder}")
         out = {}
-        for f in bins:   # a pickle cannot be read by name: memory-mapped, so pages load on use
+        for f in bins:  # a pickle cannot be read by name: memory-mapped, so pages load on use
             for k in torch.load(f, map_location="cpu", weights_only=True, mmap=True):
                 out[k] = f.name
         return out
@@ -130,9 +135,13 @@ class CheckpointTensors(Mapping):
         converter, by_pattern = self._merged[name]
         read = self._read_many([k for keys in by_pattern.values() for k in keys])
         tensors: dict[str, list[torch.Tensor]] = {p: [read.pop(k) for k in keys] for p, keys in by_pattern.items()}
-        for op in converter.operations:   # e.g. MergeModulelist(dim=0), then Concatenate(dim=1)
-            tensors = op.convert(tensors, source_patterns=converter.source_patterns,
-                                 target_patterns=converter.target_patterns, full_layer_name=name)
+        for op in converter.operations:  # e.g. MergeModulelist(dim=0), then Concatenate(dim=1)
+            tensors = op.convert(
+                tensors,
+                source_patterns=converter.source_patterns,
+                target_patterns=converter.target_patterns,
+                full_layer_name=name,
+            )
         if len(tensors) != 1:
             raise ValueError(f"checkpoint: converting {name!r} gave {len(tensors)} tensors, expected one")
         return next(iter(tensors.values()))

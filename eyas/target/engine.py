@@ -14,6 +14,7 @@ Per request it keeps a :class:`TargetSession`. A round is
 
 Prefill is the same transaction with every prompt row accepted.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,17 +30,21 @@ from eyas.target.model import FeatureTap, MoE, TargetModel
 PREFILL_ROUND = 0  # the round number of the prompt's prefill; speculation rounds count from 1
 
 
-def check_context(prompt_tokens: int, max_new_tokens: int, max_context: int, prompt_field: str = "prompt",
-                  note: str = "") -> None:
+def check_context(
+    prompt_tokens: int, max_new_tokens: int, max_context: int, prompt_field: str = "prompt", note: str = ""
+) -> None:
     """Refuse a request whose prompt and answer cannot fit in the target's context (one slot is the
     frontier token's): naming the prompt when it alone does not fit, else ``max_new_tokens``. The
     front door (the serving ingress) and the engine run the same rule."""
     if prompt_tokens + 1 > max_context:
-        raise ValueError(f"{prompt_field}: {prompt_tokens} tokens do not fit in the target's context "
-                         f"({max_context}{note})")
+        raise ValueError(
+            f"{prompt_field}: {prompt_tokens} tokens do not fit in the target's context ({max_context}{note})"
+        )
     if prompt_tokens + max_new_tokens + 1 > max_context:
-        raise ValueError(f"max_new_tokens: prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) exceed the "
-                         f"target's context ({max_context}{note}); at most {max_context - prompt_tokens - 1} here")
+        raise ValueError(
+            f"max_new_tokens: prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) exceed the "
+            f"target's context ({max_context}{note}); at most {max_context - prompt_tokens - 1} here"
+        )
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,9 @@ class Verified:
 
     request_id: str
     round: int
-    flat: FlatTree | None      # None for the prompt prefill
-    logits: torch.Tensor       # [R, V] float32 (prefill: [1, V], the last prompt row)
-    features: torch.Tensor     # [R, F]
+    flat: FlatTree | None  # None for the prompt prefill
+    logits: torch.Tensor  # [R, V] float32 (prefill: [1, V], the last prompt row)
+    features: torch.Tensor  # [R, F]
 
 
 @dataclass(frozen=True)
@@ -69,18 +74,18 @@ class TargetSession:
     """Mutable per-request target state. Only :class:`TargetEngine` touches it."""
 
     request_id: str
-    kv_row: int                    # this request's row of the engine's BatchKV
-    max_slots: int                 # its slot budget: prompt + max_new_tokens + the tree's rows + 1
+    kv_row: int  # this request's row of the engine's BatchKV
+    max_slots: int  # its slot budget: prompt + max_new_tokens + the tree's rows + 1
     prompt_len: int
-    committed_len: int = 0         # slots [0, committed_len) hold committed K/V
-    round: int = PREFILL_ROUND     # the round of the last published (or pending) verify
+    committed_len: int = 0  # slots [0, committed_len) hold committed K/V
+    round: int = PREFILL_ROUND  # the round of the last published (or pending) verify
     pending: Verified | None = None  # the verify of `round` awaiting publish
     frontier_token: int | None = None  # emitted, append required
     last_ack: PublishAck | None = None
     last_seed: Seed | None = None
     tokens: list[int] = field(default_factory=list)  # committed tokens (prompt + accepted)
     features: list[torch.Tensor] = field(default_factory=list)  # per publish [A, F]: committed rows' features
-    prefilled: int = 0             # prompt rows with provisional K/V so far (chunked prefill)
+    prefilled: int = 0  # prompt rows with provisional K/V so far (chunked prefill)
     prefill_features: list[torch.Tensor] = field(default_factory=list)  # per chunk [T, F]
 
 
@@ -106,8 +111,12 @@ class TargetEngine:
         moe_layers = sum(1 for layer in self.model.layers if isinstance(layer.mlp, MoE))
         if not self.cfg.num_experts or not moe_layers:
             return {"moe_layers": 0, "num_experts": 0, "experts_per_token": 0, "bytes_per_expert": 0}
-        return {"moe_layers": moe_layers, "num_experts": self.cfg.num_experts,
-                "experts_per_token": self.cfg.experts_per_token, "bytes_per_expert": self.cfg.expert_bytes_per_expert}
+        return {
+            "moe_layers": moe_layers,
+            "num_experts": self.cfg.num_experts,
+            "experts_per_token": self.cfg.experts_per_token,
+            "bytes_per_expert": self.cfg.expert_bytes_per_expert,
+        }
 
     # --- sessions ------------------------------------------------------------------------------
     def open_session(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, max_tree_rows: int) -> None:
@@ -124,11 +133,14 @@ class TargetEngine:
         check_context(len(prompt_ids), max_new_tokens, self.cfg.max_context, "prompt", window)
         slots = len(prompt_ids) + max_new_tokens + max_tree_rows + 1
         if slots > self.cfg.max_context:
-            raise ValueError(f"tree_budget: prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + the "
-                             f"tree's {max_tree_rows} rows exceed the context ({self.cfg.max_context}{window}); "
-                             "ask for a smaller tree or fewer tokens")
-        self.sessions[request_id] = TargetSession(request_id, self.kv.open_row(request_id, slots), slots,
-                                                  len(prompt_ids), tokens=list(prompt_ids))
+            raise ValueError(
+                f"tree_budget: prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + the "
+                f"tree's {max_tree_rows} rows exceed the context ({self.cfg.max_context}{window}); "
+                "ask for a smaller tree or fewer tokens"
+            )
+        self.sessions[request_id] = TargetSession(
+            request_id, self.kv.open_row(request_id, slots), slots, len(prompt_ids), tokens=list(prompt_ids)
+        )
 
     def close_session(self, request_id: str) -> None:
         """Forget a request; the last KV row moves into its place, so live rows stay ``[0, live)``."""
@@ -145,7 +157,7 @@ class TargetEngine:
     def committed_kv(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A request's committed keys and values, views of its KV row ([L, H_kv, committed_len, hd] each)."""
         s = self._session(request_id)
-        return self.kv.k[:, s.kv_row, :, :s.committed_len], self.kv.v[:, s.kv_row, :, :s.committed_len]
+        return self.kv.k[:, s.kv_row, :, : s.committed_len], self.kv.v[:, s.kv_row, :, : s.committed_len]
 
     def committed_seed(self, request_id: str) -> Seed:
         """A reseed for a drafter that lost its state: every committed row's verified feature from
@@ -153,8 +165,12 @@ class TargetEngine:
         s = self._session(request_id)
         if s.frontier_token is None or not s.features:
             raise ValueError(f"request_id: {request_id!r} has nothing committed yet (prefill and publish first)")
-        return Seed(torch.cat(s.features), torch.tensor(s.tokens[1:] + [s.frontier_token], dtype=torch.int64),
-                    start_position=0, round=s.round)
+        return Seed(
+            torch.cat(s.features),
+            torch.tensor(s.tokens[1:] + [s.frontier_token], dtype=torch.int64),
+            start_position=0,
+            round=s.round,
+        )
 
     def _session(self, request_id: str) -> TargetSession:
         if request_id not in self.sessions:
@@ -169,8 +185,9 @@ class TargetEngine:
             raise out
         return out
 
-    def prefill_batch(self, request_ids: list[str], max_prefill_rows: int | None = None
-                      ) -> list[Verified | PrefillProgress | ValueError]:
+    def prefill_batch(
+        self, request_ids: list[str], max_prefill_rows: int | None = None
+    ) -> list[Verified | PrefillProgress | ValueError]:
         """Prefill several requests' prompts in one forward, at most ``max_prefill_rows`` prompt rows
         in all (None: no bound); see :meth:`step`."""
         return self.step(request_ids, [], max_prefill_rows)[0]
@@ -187,8 +204,9 @@ class TargetEngine:
         return self.step([], items)[1]
 
     @torch.inference_mode()
-    def step(self, prefills: list[str], verifies: list[tuple[str, DraftTree]], max_prefill_rows: int | None = None
-             ) -> tuple[list[Verified | PrefillProgress | ValueError], list[Verified | ValueError]]:
+    def step(
+        self, prefills: list[str], verifies: list[tuple[str, DraftTree]], max_prefill_rows: int | None = None
+    ) -> tuple[list[Verified | PrefillProgress | ValueError], list[Verified | ValueError]]:
         """ONE forward for a round: the next chunk of each prompt in ``prefills`` (in order, at most
         ``max_prefill_rows`` prompt rows in all, None: no bound) and the frontier token plus tree of
         each of ``verifies`` (seed 0x05C), with one attention call per layer over the K/V store.
@@ -223,8 +241,15 @@ class TargetEngine:
                 budget -= c1 - c0
             t = c1 - c0
             mask = torch.ones(t, c1, dtype=torch.bool).tril_(c0)
-            groups.append(RowGroup(s.kv_row, torch.tensor(s.tokens[c0:c1], dtype=torch.int64), torch.arange(c0, c1),
-                                   c0, mask if t > 1 or c0 else None))
+            groups.append(
+                RowGroup(
+                    s.kv_row,
+                    torch.tensor(s.tokens[c0:c1], dtype=torch.int64),
+                    torch.arange(c0, c1),
+                    c0,
+                    mask if t > 1 or c0 else None,
+                )
+            )
             if c1 == s.prompt_len:
                 logit_rows.append(lo + t - 1)
             jobs.append(("prefill", i, s, (c0, c1), (lo, lo + t)))
@@ -244,8 +269,8 @@ class TargetEngine:
         plan = BatchRows.build(groups, self.kv.device)
         rows = "all" if len(logit_rows) == plan.num_rows else torch.tensor(logit_rows, dtype=torch.int64)
         out = self.model.forward_batch(self.kv, plan, self.taps, rows)
-        logits, features = out.logits[0], out.features[0]   # [n_logit_rows, V], [N, F]
-        at = {r: j for j, r in enumerate(logit_rows)}       # packed row -> its logits row
+        logits, features = out.logits[0], out.features[0]  # [n_logit_rows, V], [N, F]
+        at = {r: j for j, r in enumerate(logit_rows)}  # packed row -> its logits row
         if any(kind == "verify" for kind, *_ in jobs):
             self._account_experts([(s.request_id, b - a) for _, _, s, _, (a, b) in jobs])
         for kind, i, s, payload, (a, b) in jobs:
@@ -256,12 +281,13 @@ class TargetEngine:
                 if c1 < s.prompt_len:
                     pre_out[i] = PrefillProgress(s.request_id, c1, s.prompt_len)
                     continue
-                s.pending = Verified(s.request_id, PREFILL_ROUND, None, logits[at[b - 1]][None],
-                                     torch.cat(s.prefill_features))
+                s.pending = Verified(
+                    s.request_id, PREFILL_ROUND, None, logits[at[b - 1]][None], torch.cat(s.prefill_features)
+                )
                 s.prefill_features = []
                 pre_out[i] = s.pending
             else:
-                s.pending = Verified(s.request_id, s.round + 1, payload, logits[at[a]:at[a] + b - a], features[a:b])
+                s.pending = Verified(s.request_id, s.round + 1, payload, logits[at[a] : at[a] + b - a], features[a:b])
                 ver_out[i] = s.pending
         return pre_out, ver_out
 
@@ -275,8 +301,9 @@ class TargetEngine:
             self.last_expert_bytes = expert_bytes(self.last_expert_union, self.cfg.expert_bytes_per_expert)
             lo, per_request = 0, {}
             for request_id, rows in members:
-                per_request[request_id] = expert_bytes(expert_union(routing, slice(lo, lo + rows)),
-                                                       self.cfg.expert_bytes_per_expert)
+                per_request[request_id] = expert_bytes(
+                    expert_union(routing, slice(lo, lo + rows)), self.cfg.expert_bytes_per_expert
+                )
                 lo += rows
             self.last_request_expert_bytes = per_request
 
@@ -291,8 +318,7 @@ class TargetEngine:
         flat = flatten_tree(tree, s.frontier_token, n)
         rows = flat.num_rows
         if n + rows > s.max_slots:
-            raise ValueError(f"rows: {rows} tree rows exceed the session's KV budget "
-                             f"({s.max_slots - n} slots left)")
+            raise ValueError(f"rows: {rows} tree rows exceed the session's KV budget ({s.max_slots - n} slots left)")
         mask = torch.cat([torch.ones(rows, n, dtype=torch.bool), flat.tree_mask], dim=1) if rows > 1 else None
         return s, flat, mask
 
@@ -328,9 +354,12 @@ class TargetEngine:
         new_rows = [] if v.flat is None else [s.frontier_token] + decision.accepted_tokens.tolist()
         emitted = (decision.frontier_token,) if v.flat is None else tuple(decision.emitted_tokens)
         committed_tokens = s.tokens + new_rows
-        seed = Seed(features.clone(),
-                    torch.tensor(committed_tokens[n + 1:] + [decision.frontier_token], dtype=torch.int64),
-                    start_position=n, round=round)
+        seed = Seed(
+            features.clone(),
+            torch.tensor(committed_tokens[n + 1 :] + [decision.frontier_token], dtype=torch.int64),
+            start_position=n,
+            round=round,
+        )
         ack = PublishAck(request_id, round, n + a, emitted)
         # -- writes: K/V first (into slots >= n only), then the bookkeeping, committed_len last --
         if v.flat is not None:

@@ -4,6 +4,7 @@ For a dense model a verify of more rows reads the same weights; for an MoE targe
 may route to a wider union of experts:  E_verify = U_{u in rows} E_u. The scheduler's cost model
 takes the bytes of that union (``RoundWork.expert_bytes``).
 """
+
 from __future__ import annotations
 
 

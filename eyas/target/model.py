@@ -13,6 +13,7 @@ Terms (seed 0x01A, 0x05C):
 This module owns no state between calls: the KV cache is passed in and is owned by the engine
 (``eyas.target.engine``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,20 +44,20 @@ class TargetConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...] = ()
-    num_experts: int = 0            # mixture of experts (Mixtral, OLMoE kinds): experts per layer; 0 = dense MLP
-    experts_per_token: int = 0      # router top-k
-    norm_topk_prob: bool = True     # renormalise the top-k router weights (Mixtral yes, OLMoE no)
-    qk_norm: bool = False           # RMSNorm over the whole q and k projections before RoPE (OLMoE)
-    clip_qkv: float | None = None   # clamp q, k, v to +-clip_qkv (OLMoE option)
-    qkv_bias: bool = False          # the q/k/v projections carry biases (Qwen2, Qwen2-MoE); o_proj never does
+    num_experts: int = 0  # mixture of experts (Mixtral, OLMoE kinds): experts per layer; 0 = dense MLP
+    experts_per_token: int = 0  # router top-k
+    norm_topk_prob: bool = True  # renormalise the top-k router weights (Mixtral yes, OLMoE no)
+    qk_norm: bool = False  # RMSNorm over the whole q and k projections before RoPE (OLMoE)
+    clip_qkv: float | None = None  # clamp q, k, v to +-clip_qkv (OLMoE option)
+    qkv_bias: bool = False  # the q/k/v projections carry biases (Qwen2, Qwen2-MoE); o_proj never does
     moe_intermediate_size: int | None = None  # routed experts' width when set (Qwen2-MoE); else intermediate_size
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE shared expert (a gated dense MLP in every MoE layer); 0 = none
     dense_layers: tuple[int, ...] = ()  # in an MoE config, layers with a dense MLP of intermediate_size (Qwen2-MoE)
-    sliding_window: int | None = None   # attention window of the checkpoint (Mistral, Mixtral, Qwen2); None = full
+    sliding_window: int | None = None  # attention window of the checkpoint (Mistral, Mixtral, Qwen2); None = full
     # a scaled RoPE (Llama-3.x "llama3", "linear", "dynamic", "yarn"): its parameters as sorted
     # (key, value) pairs, rope_type included, rope_theta not; () = plain RoPE
     rope_scaling: tuple[tuple[str, object], ...] = ()
-    qk_norm_per_head: bool = False      # the q/k RMSNorms act on each head's head_dim (Qwen3), not all heads (OLMoE)
+    qk_norm_per_head: bool = False  # the q/k RMSNorms act on each head's head_dim (Qwen3), not all heads (OLMoE)
 
     @classmethod
     def from_hf(cls, hf_config) -> TargetConfig:
@@ -65,15 +66,19 @@ class TargetConfig:
         cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         model_type = cfg.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
-            raise ValueError(f"config.model_type: {model_type!r} is not a Llama-family decoder" + (
-                " (MoE: the Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE kinds only yet)" if "moe" in model_type else ""))
+            raise ValueError(
+                f"config.model_type: {model_type!r} is not a Llama-family decoder"
+                + (" (MoE: the Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE kinds only yet)" if "moe" in model_type else "")
+            )
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"config.hidden_act: {act!r} is not supported (the SwiGLU MLP uses silu)")
-        experts = {"mixtral": cfg.get("num_local_experts", 0),
-                   "olmoe": cfg.get("num_experts") or cfg.get("num_local_experts", 0),
-                   "qwen2_moe": cfg.get("num_experts") or cfg.get("num_local_experts", 0),
-                   "qwen3_moe": cfg.get("num_experts") or cfg.get("num_local_experts", 0)}.get(model_type, 0)
+        experts = {
+            "mixtral": cfg.get("num_local_experts", 0),
+            "olmoe": cfg.get("num_experts") or cfg.get("num_local_experts", 0),
+            "qwen2_moe": cfg.get("num_experts") or cfg.get("num_local_experts", 0),
+            "qwen3_moe": cfg.get("num_experts") or cfg.get("num_local_experts", 0),
+        }.get(model_type, 0)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_scaling = _rope_scaling(rope)
@@ -99,17 +104,20 @@ class TargetConfig:
             eos_token_ids=eos_ids,
             num_experts=int(experts),
             experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if experts else 0,
-            norm_topk_prob={"olmoe": bool(cfg.get("norm_topk_prob", True)),
-                            "qwen2_moe": bool(cfg.get("norm_topk_prob", False)),
-                            "qwen3_moe": bool(cfg.get("norm_topk_prob", False))}.get(model_type, True),
+            norm_topk_prob={
+                "olmoe": bool(cfg.get("norm_topk_prob", True)),
+                "qwen2_moe": bool(cfg.get("norm_topk_prob", False)),
+                "qwen3_moe": bool(cfg.get("norm_topk_prob", False)),
+            }.get(model_type, True),
             qk_norm=model_type == "olmoe" or qwen3,
             qk_norm_per_head=qwen3,
             clip_qkv=float(cfg["clip_qkv"]) if model_type == "olmoe" and cfg.get("clip_qkv") is not None else None,
             # Qwen2's attention always has q/k/v biases; Qwen2-MoE's config has a switch (default on)
             qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
             moe_intermediate_size=int(cfg["moe_intermediate_size"]) if qwen_moe else None,
-            shared_expert_intermediate_size=(int(cfg.get("shared_expert_intermediate_size") or 0)
-                                             if qwen_moe and model_type == "qwen2_moe" else 0),
+            shared_expert_intermediate_size=(
+                int(cfg.get("shared_expert_intermediate_size") or 0) if qwen_moe and model_type == "qwen2_moe" else 0
+            ),
             dense_layers=_qwen2_moe_dense_layers(cfg) if qwen_moe else (),
             sliding_window=_sliding_window(cfg, model_type),
             rope_scaling=rope_scaling,
@@ -123,10 +131,18 @@ class TargetConfig:
         fields = asdict(self)
         if not self.num_experts:  # a dense config hashes as it did before MoE support existed
             fields.pop("num_experts"), fields.pop("experts_per_token")
-        for name, default in (("norm_topk_prob", True), ("qk_norm", False), ("clip_qkv", None),  # pre-OLMoE
-                              ("qkv_bias", False), ("moe_intermediate_size", None),              # pre-Qwen2
-                              ("shared_expert_intermediate_size", 0), ("dense_layers", ()),
-                              ("sliding_window", None), ("rope_scaling", ()), ("qk_norm_per_head", False)):
+        for name, default in (
+            ("norm_topk_prob", True),
+            ("qk_norm", False),
+            ("clip_qkv", None),  # pre-OLMoE
+            ("qkv_bias", False),
+            ("moe_intermediate_size", None),  # pre-Qwen2
+            ("shared_expert_intermediate_size", 0),
+            ("dense_layers", ()),
+            ("sliding_window", None),
+            ("rope_scaling", ()),
+            ("qk_norm_per_head", False),
+        ):
             if fields[name] == default:
                 fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
@@ -247,8 +263,10 @@ def _rope_scaling(rope: dict) -> tuple[tuple[str, object], ...]:
     if rope_type in ("default", None):
         return ()
     if rope_type not in SCALED_ROPE_TYPES:
-        raise ValueError(f"config.rope_parameters.rope_type: {rope_type!r} is not supported yet "
-                         f"(supported: default, {', '.join(SCALED_ROPE_TYPES)})")
+        raise ValueError(
+            f"config.rope_parameters.rope_type: {rope_type!r} is not supported yet "
+            f"(supported: default, {', '.join(SCALED_ROPE_TYPES)})"
+        )
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("config.rope_parameters.partial_rotary_factor: a partial rotary is not supported yet")
     params = {k: v for k, v in rope.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
@@ -256,8 +274,9 @@ def _rope_scaling(rope: dict) -> tuple[tuple[str, object], ...]:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
 
 
-def rope_frequencies(head_dim: int, theta: float, max_positions: int,
-                     scaling: tuple[tuple[str, object], ...] = ()) -> tuple[torch.Tensor, float]:
+def rope_frequencies(
+    head_dim: int, theta: float, max_positions: int, scaling: tuple[tuple[str, object], ...] = ()
+) -> tuple[torch.Tensor, float]:
     """-> (inv_freq [head_dim / 2], attention scaling of cos/sin). A scaled RoPE's frequencies come
     from transformers' own ``ROPE_INIT_FUNCTIONS`` (the reference they must equal), fed a config
     holding just the fields those functions read."""
@@ -267,8 +286,13 @@ def rope_frequencies(head_dim: int, theta: float, max_positions: int,
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = {k: list(v) if isinstance(v, tuple) else v for k, v in scaling}
-    cfg = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
-                      max_position_embeddings=max_positions, rope_parameters={**params, "rope_theta": theta})
+    cfg = LlamaConfig(
+        hidden_size=head_dim,
+        num_attention_heads=1,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        rope_parameters={**params, "rope_theta": theta},
+    )
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg, torch.device("cpu"))
     return inv_freq.float(), float(attention_scaling)
 
@@ -279,8 +303,7 @@ class RotaryTable(nn.Module):
     ``scaling``: a scaled RoPE's parameters (``TargetConfig.rope_scaling``); its frequencies and the
     attention scaling folded into cos/sin are transformers' (``rope_frequencies``)."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int,
-                 scaling: tuple[tuple[str, object], ...] = ()):
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: tuple[tuple[str, object], ...] = ()):
         super().__init__()
         inv_freq, attention_scaling = rope_frequencies(head_dim, theta, max_positions, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
@@ -288,8 +311,9 @@ class RotaryTable(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, max_position: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T]
+    def forward(
+        self, positions: torch.Tensor, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T]
         """cos/sin of ``positions``; ``max_position``: their largest, when the caller knows it on the
         host (no device read)."""
         top = int(positions.max()) if max_position is None else max_position
@@ -314,8 +338,16 @@ class KVCache:
     v: torch.Tensor  # [L, B, H_kv, S_max, hd]
 
     @classmethod
-    def allocate(cls, num_layers: int, batch: int, num_kv_heads: int, max_slots: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> KVCache:
+    def allocate(
+        cls,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        max_slots: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> KVCache:
         shape = (num_layers, batch, num_kv_heads, max_slots, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
@@ -331,9 +363,9 @@ class KVCache:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v ([B, H_kv, T, hd]) in slots [start, start+T); return the keys/values of [0, start+T)."""
         t = k.shape[2]
-        self.k[layer, :, :, start:start + t] = k
-        self.v[layer, :, :, start:start + t] = v
-        return self.k[layer, :, :, :start + t], self.v[layer, :, :, :start + t]
+        self.k[layer, :, :, start : start + t] = k
+        self.v[layer, :, :, start : start + t] = v
+        return self.k[layer, :, :, : start + t], self.v[layer, :, :, : start + t]
 
     def gather_commit(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Copy slots ``src_slots`` ([A] int64) onto ``[dst_start, dst_start + A)``.
@@ -346,8 +378,8 @@ class KVCache:
             raise ValueError(f"kv commit: {dst_start + a} slots exceed the cache ({self.max_slots})")
         k_rows = self.k.index_select(3, src_slots)  # [L, B, H, A, hd]
         v_rows = self.v.index_select(3, src_slots)
-        self.k[:, :, :, dst_start:dst_start + a] = k_rows
-        self.v[:, :, :, dst_start:dst_start + a] = v_rows
+        self.k[:, :, :, dst_start : dst_start + a] = k_rows
+        self.v[:, :, :, dst_start : dst_start + a] = v_rows
 
 
 class GrowingKV:
@@ -375,9 +407,19 @@ class GrowingKV:
 
 
 class Attention(nn.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool = False, eps: float = 1e-6,
-                 clip_qkv: float | None = None, qkv_bias: bool = False, d_in: int | None = None,
-                 qk_norm_per_head: bool = False):
+    def __init__(
+        self,
+        d: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        qk_norm: bool = False,
+        eps: float = 1e-6,
+        clip_qkv: float | None = None,
+        qkv_bias: bool = False,
+        d_in: int | None = None,
+        qk_norm_per_head: bool = False,
+    ):
         """``d_in``: the width the q/k/v projections read, when it is not ``d`` (the EAGLE-3 draft
         layer reads ``[embedding; state]``, 2d wide, and writes d). ``qk_norm``: RMSNorms on q and k
         before RoPE, over all heads at once (OLMoE) or, with ``qk_norm_per_head``, over each head's
@@ -390,7 +432,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim if qk_norm_per_head else heads * head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim if qk_norm_per_head else kv_heads * head_dim, eps) if qk_norm else None
         self.clip_qkv = clip_qkv
-        self.row_stable = False   # int8, half precision: attend row by row over each row's visible keys (see _attend)
+        self.row_stable = False  # int8, half precision: attend row by row over each row's visible keys (see _attend)
 
     def _attend(self, q, keys, values, mask, start: int):
         """Attention of q [B, H, T, hd] over keys/values [B, H_kv, S, hd] under mask [B, T, S] (None: all).
@@ -413,11 +455,11 @@ class Attention(nn.Module):
         for b in range(B):
             for t in range(T):
                 if mask is None:
-                    k, v = keys[b:b + 1].contiguous(), values[b:b + 1].contiguous()
+                    k, v = keys[b : b + 1].contiguous(), values[b : b + 1].contiguous()
                 else:
-                    idx = mask[b, t].nonzero().squeeze(1)                       # visible slots, in order
-                    k, v = keys[b:b + 1, :, idx], values[b:b + 1, :, idx]
-                out[b, :, t] = F.scaled_dot_product_attention(q[b:b + 1, :, t:t + 1], k, v, enable_gqa=gqa)[0, :, 0]
+                    idx = mask[b, t].nonzero().squeeze(1)  # visible slots, in order
+                    k, v = keys[b : b + 1, :, idx], values[b : b + 1, :, idx]
+                out[b, :, t] = F.scaled_dot_product_attention(q[b : b + 1, :, t : t + 1], k, v, enable_gqa=gqa)[0, :, 0]
         return out
 
     def project(self, x):
@@ -425,7 +467,7 @@ class Attention(nn.Module):
         and OLMoE's clipping)."""
         hd = self.head_dim
         q, k, v = self.wqkv(x).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
-        if self.q_norm is not None and self.qk_norm_per_head:   # [.., H, hd] normed per head
+        if self.q_norm is not None and self.qk_norm_per_head:  # [.., H, hd] normed per head
             q = self.q_norm(q.unflatten(-1, (self.heads, hd))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (self.kv_heads, hd))).flatten(-2)
         elif self.q_norm is not None:
@@ -447,7 +489,6 @@ class Attention(nn.Module):
         out = self._attend(q, keys, values, mask, start)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.heads * hd))
 
-
     def forward_batch(self, x, cos, sin, kv: BatchKV, plan: BatchRows, layer: int):
         """Packed rows of every request in the round, x [1, N, d], over the engine's one K/V store.
 
@@ -458,22 +499,26 @@ class Attention(nn.Module):
         _, N, _ = x.shape
         hd, H, Hkv = self.head_dim, self.heads, self.kv_heads
         q, k, v = self.project(x)
-        q = apply_rotary(q.view(1, N, H, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)             # [N, H, hd]
-        k = apply_rotary(k.view(1, N, Hkv, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)           # [N, H_kv, hd]
+        q = apply_rotary(q.view(1, N, H, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)  # [N, H, hd]
+        k = apply_rotary(k.view(1, N, Hkv, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)  # [N, H_kv, hd]
         v = v.view(N, Hkv, hd)
         out = q.new_empty(N, H * hd)
         for w in plan.wide:  # contiguous slots: its keys are a view of its own KV row
-            keys, values = kv.write_span(layer, w.kv_row, w.start, k[w.lo:w.hi].transpose(0, 1)[None],
-                                         v[w.lo:w.hi].transpose(0, 1)[None])           # [1, H_kv, start+T, hd]
-            o = self._attend(q[w.lo:w.hi].transpose(0, 1)[None], keys, values, w.mask, w.start)  # [1, H, T, hd]
-            out[w.lo:w.hi] = o[0].transpose(0, 1).reshape(w.hi - w.lo, H * hd)
+            keys, values = kv.write_span(
+                layer, w.kv_row, w.start, k[w.lo : w.hi].transpose(0, 1)[None], v[w.lo : w.hi].transpose(0, 1)[None]
+            )  # [1, H_kv, start+T, hd]
+            o = self._attend(q[w.lo : w.hi].transpose(0, 1)[None], keys, values, w.mask, w.start)  # [1, H, T, hd]
+            out[w.lo : w.hi] = o[0].transpose(0, 1).reshape(w.hi - w.lo, H * hd)
         if plan.grid is not None:
             g = plan.grid
             kv.write(layer, plan.kv_rows[g.rows], plan.slots[g.rows], k[g.rows], v[g.rows])
             keys, values = kv.view(layer, g.num_kv_rows, g.key_len)  # [B, H_kv, S, hd] views, read in place
-            out[g.rows] = (self._attend_rows_alone(q[g.rows], keys, values, g) if self.row_stable
-                           else self._attend_grid(q[g.rows], keys, values, g))
-        return self.wo(out[None])                                                         # [1, N, d]
+            out[g.rows] = (
+                self._attend_rows_alone(q[g.rows], keys, values, g)
+                if self.row_stable
+                else self._attend_grid(q[g.rows], keys, values, g)
+            )
+        return self.wo(out[None])  # [1, N, d]
 
     def _attend_grid(self, q, keys, values, g: Grid):
         """q [M, H, hd] of the grid's rows over keys/values [B, H_kv, S, hd] -> [M, H*hd]: one call.
@@ -485,13 +530,14 @@ class Attention(nn.Module):
         grid[g.cells] = q
         if W == 1:
             G = H // Hkv
-            qg = grid.view(B, Hkv, G, hd)                                                 # [B, H_kv, G, hd]
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * hd ** -0.5             # [B, H_kv, G, S]
+            qg = grid.view(B, Hkv, G, hd)  # [B, H_kv, G, hd]
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * hd**-0.5  # [B, H_kv, G, S]
             scores = scores.masked_fill_(g.grouped_mask(G), float("-inf"))
-            out = torch.matmul(torch.softmax(scores, dim=-1), values)                    # [B, H_kv, G, hd]
+            out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, H_kv, G, hd]
             return out.reshape(B, H * hd)[g.cells]
-        out = F.scaled_dot_product_attention(grid.view(B, W, H, hd).transpose(1, 2), keys, values,
-                                             attn_mask=g.mask, enable_gqa=H != Hkv)       # [B, H, W, hd]
+        out = F.scaled_dot_product_attention(
+            grid.view(B, W, H, hd).transpose(1, 2), keys, values, attn_mask=g.mask, enable_gqa=H != Hkv
+        )  # [B, H, W, hd]
         return out.transpose(1, 2).reshape(B * W, H * hd)[g.cells]
 
     def _attend_rows_alone(self, q, keys, values, g: Grid):
@@ -502,8 +548,9 @@ class Attention(nn.Module):
         for m, cell in enumerate(g.cells.tolist()):
             b, t = divmod(cell, g.width)
             idx = g.mask[b, 0, t].nonzero().squeeze(1)
-            o = F.scaled_dot_product_attention(q[m][None, :, None], keys[b:b + 1, :, idx], values[b:b + 1, :, idx],
-                                               enable_gqa=gqa)                           # [1, H, 1, hd]
+            o = F.scaled_dot_product_attention(
+                q[m][None, :, None], keys[b : b + 1, :, idx], values[b : b + 1, :, idx], enable_gqa=gqa
+            )  # [1, H, 1, hd]
             out[m] = o.reshape(-1)
         return out
 
@@ -519,11 +566,17 @@ def head_rows(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     rounding (last bits, as between any two kernels); one row keeps ``head(x)``, the call a one-row
     decode makes. Other modules (int8 heads, biased ones), hooked ones and training (autograd) call
     ``head(x)``."""
-    if (type(head) is not nn.Linear or head.bias is not None or torch.is_grad_enabled()
-            or x.dtype != head.weight.dtype or x.numel() <= x.shape[-1]
-            or head._forward_pre_hooks or head._forward_hooks):  # a hooked head (int8 calibration) is called
+    if (
+        type(head) is not nn.Linear
+        or head.bias is not None
+        or torch.is_grad_enabled()
+        or x.dtype != head.weight.dtype
+        or x.numel() <= x.shape[-1]
+        or head._forward_pre_hooks
+        or head._forward_hooks
+    ):  # a hooked head (int8 calibration) is called
         return head(x)
-    rows = x.reshape(-1, x.shape[-1])                                         # [N, d]
+    rows = x.reshape(-1, x.shape[-1])  # [N, d]
     return (head.weight @ rows.T).T.contiguous().reshape(*x.shape[:-1], head.weight.shape[0])  # [..., V]
 
 
@@ -552,30 +605,31 @@ class MoE(nn.Module):
     read by every forward and is not part of it.
     """
 
-    def __init__(self, d: int, ffn: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
-                 shared_ffn: int = 0):
+    def __init__(
+        self, d: int, ffn: int, num_experts: int, top_k: int, norm_topk_prob: bool = True, shared_ffn: int = 0
+    ):
         super().__init__()
         self.ffn, self.num_experts, self.top_k, self.norm_topk_prob = ffn, num_experts, top_k, norm_topk_prob
         self.router = nn.Linear(d, num_experts, bias=False)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn, d))  # [E, 2f, d]
-        self.down = nn.Parameter(torch.empty(num_experts, d, ffn))         # [E, d, f]
+        self.down = nn.Parameter(torch.empty(num_experts, d, ffn))  # [E, d, f]
         self.shared = MLP(d, shared_ffn) if shared_ffn else None
         self.shared_gate = nn.Linear(d, 1, bias=False) if shared_ffn else None
         self.last_routing: torch.Tensor | None = None
-        self.linear = F.linear          # an expert's product (row_invariant_linear: batch-invariant)
+        self.linear = F.linear  # an expert's product (row_invariant_linear: batch-invariant)
 
     def forward(self, x):  # [..., d]
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         probs = torch.softmax(self.router(h).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)                  # [N, k]
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:  # Mixtral renormalises the top-k weights; OLMoE keeps the router's mass
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(h.dtype)
         self.last_routing = experts
         out = torch.zeros_like(h)
-        for e in experts.unique().tolist():                                 # increasing expert id
-            slot, row = torch.where(experts.T == e)                         # (k slot, row) pairs
+        for e in experts.unique().tolist():  # increasing expert id
+            slot, row = torch.where(experts.T == e)  # (k slot, row) pairs
             gate, up = self.linear(h[row], self.gate_up[e]).chunk(2, dim=-1)
             y = self.linear(F.silu(gate) * up, self.down[e]) * weights[row, slot, None]
             out.index_add_(0, row, y)
@@ -585,15 +639,29 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, head_dim: int, ffn: int, eps: float,
-                 num_experts: int = 0, top_k: int = 0, norm_topk_prob: bool = True, qk_norm: bool = False,
-                 clip_qkv: float | None = None, qkv_bias: bool = False, shared_ffn: int = 0,
-                 qk_norm_per_head: bool = False):
+    def __init__(
+        self,
+        d: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        ffn: int,
+        eps: float,
+        num_experts: int = 0,
+        top_k: int = 0,
+        norm_topk_prob: bool = True,
+        qk_norm: bool = False,
+        clip_qkv: float | None = None,
+        qkv_bias: bool = False,
+        shared_ffn: int = 0,
+        qk_norm_per_head: bool = False,
+    ):
         """``ffn``: the dense MLP's width, or each routed expert's when ``num_experts`` > 0."""
         super().__init__()
         self.attn_norm = RMSNorm(d, eps)
-        self.attn = Attention(d, heads, kv_heads, head_dim, qk_norm, eps, clip_qkv, qkv_bias,
-                              qk_norm_per_head=qk_norm_per_head)
+        self.attn = Attention(
+            d, heads, kv_heads, head_dim, qk_norm, eps, clip_qkv, qkv_bias, qk_norm_per_head=qk_norm_per_head
+        )
         self.mlp_norm = RMSNorm(d, eps)
         self.mlp = MoE(d, ffn, num_experts, top_k, norm_topk_prob, shared_ffn) if num_experts else MLP(d, ffn)
 
@@ -609,7 +677,7 @@ class DecoderLayer(nn.Module):
 @dataclass(frozen=True)
 class ForwardOut:
     logits: torch.Tensor | None  # [B, T_logits, V] float32 (T_logits = T, or 1 for last-row only)
-    features: torch.Tensor       # [B, T, n_taps * d]
+    features: torch.Tensor  # [B, T, n_taps * d]
 
 
 def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -670,11 +738,22 @@ class TargetModel(nn.Module):
         d = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(
-            DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                         cfg.expert_intermediate_size if cfg.is_moe_layer(i) else cfg.intermediate_size,
-                         cfg.rms_norm_eps, cfg.num_experts if cfg.is_moe_layer(i) else 0, cfg.experts_per_token,
-                         cfg.norm_topk_prob, cfg.qk_norm, cfg.clip_qkv, cfg.qkv_bias,
-                         cfg.shared_expert_intermediate_size, qk_norm_per_head=cfg.qk_norm_per_head)
+            DecoderLayer(
+                d,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.expert_intermediate_size if cfg.is_moe_layer(i) else cfg.intermediate_size,
+                cfg.rms_norm_eps,
+                cfg.num_experts if cfg.is_moe_layer(i) else 0,
+                cfg.experts_per_token,
+                cfg.norm_topk_prob,
+                cfg.qk_norm,
+                cfg.clip_qkv,
+                cfg.qkv_bias,
+                cfg.shared_expert_intermediate_size,
+                qk_norm_per_head=cfg.qk_norm_per_head,
+            )
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -686,11 +765,26 @@ class TargetModel(nn.Module):
 
     def allocate_cache(self, batch: int, max_slots: int) -> KVCache:
         c = self.cfg
-        return KVCache.allocate(c.num_layers, batch, c.num_kv_heads, max_slots, c.head_dim,
-                                self.embed.weight.dtype, self.embed.weight.device)
+        return KVCache.allocate(
+            c.num_layers,
+            batch,
+            c.num_kv_heads,
+            max_slots,
+            c.head_dim,
+            self.embed.weight.dtype,
+            self.embed.weight.device,
+        )
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
-                mask: torch.Tensor | None, taps: tuple[FeatureTap, ...], logits_rows: str = "all") -> ForwardOut:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        mask: torch.Tensor | None,
+        taps: tuple[FeatureTap, ...],
+        logits_rows: str = "all",
+    ) -> ForwardOut:
         """Run rows ``tokens`` at ``positions``, writing K/V into slots ``[start, start+T)``.
 
         tokens, positions: [B, T] int64. mask: [B, T, start+T] bool (True = may attend) or None,
@@ -707,22 +801,30 @@ class TargetModel(nn.Module):
         if start + T > cache.max_slots:
             raise ValueError(f"rows: {start + T} slots exceed the KV cache ({cache.max_slots})")
         cos, sin = self.rope(positions)
-        return self._run(self.embed(tokens), taps, logits_rows,
-                         lambda i, layer, x: layer(x, cos, sin, cache, i, start, mask))
+        return self._run(
+            self.embed(tokens), taps, logits_rows, lambda i, layer, x: layer(x, cos, sin, cache, i, start, mask)
+        )
 
-    def forward_batch(self, kv: BatchKV, plan: BatchRows, taps: tuple[FeatureTap, ...],
-                      logits_rows: str | torch.Tensor = "all") -> ForwardOut:
+    def forward_batch(
+        self, kv: BatchKV, plan: BatchRows, taps: tuple[FeatureTap, ...], logits_rows: str | torch.Tensor = "all"
+    ) -> ForwardOut:
         """Every request's rows of one round in one forward over the engine's K/V store: one
         attention call per layer (``eyas.target.batch_kv``). -> logits [1, N or n, V] and features
         [1, N, F] in packed order; ``logits_rows``: "all", "none", or packed-row indices [n]."""
         if plan.key_len > kv.slot_capacity or plan.num_kv_rows > kv.row_capacity:
-            raise ValueError(f"rows: the plan reaches past the K/V store ({plan.num_kv_rows} rows x "
-                             f"{plan.key_len} slots; {kv.row_capacity} x {kv.slot_capacity} allocated)")
+            raise ValueError(
+                f"rows: the plan reaches past the K/V store ({plan.num_kv_rows} rows x "
+                f"{plan.key_len} slots; {kv.row_capacity} x {kv.slot_capacity} allocated)"
+            )
         cos, sin = self.rope(plan.positions[None], plan.max_position)
         if isinstance(logits_rows, torch.Tensor):
             logits_rows = logits_rows.to(plan.tokens.device)
-        return self._run(self.embed(plan.tokens[None]), taps, logits_rows,
-                         lambda i, layer, x: layer.forward_batch(x, cos, sin, kv, plan, i))
+        return self._run(
+            self.embed(plan.tokens[None]),
+            taps,
+            logits_rows,
+            lambda i, layer, x: layer.forward_batch(x, cos, sin, kv, plan, i),
+        )
 
     def expert_routing(self) -> list[torch.Tensor]:
         """Per MoE layer, the experts each row of the last forward routed to ([N, k] each; [] if dense)."""
@@ -736,9 +838,19 @@ class TargetModel(nn.Module):
             if i + 1 in wanted:
                 tapped[i + 1] = x
         final = self.norm(x)
-        features = torch.cat([self.norm(tapped[t.layers_applied]) if t.normed and t.layers_applied != len(self.layers)
-                              else (final if t.normed else tapped[t.layers_applied]) for t in taps], dim=-1) \
-            if taps else final[..., :0]
+        features = (
+            torch.cat(
+                [
+                    self.norm(tapped[t.layers_applied])
+                    if t.normed and t.layers_applied != len(self.layers)
+                    else (final if t.normed else tapped[t.layers_applied])
+                    for t in taps
+                ],
+                dim=-1,
+            )
+            if taps
+            else final[..., :0]
+        )
         if isinstance(logits_rows, torch.Tensor):  # [n] packed-row indices (forward_batch)
             logits = head_rows(self.lm_head, final[:, logits_rows]).float()
         elif logits_rows == "all":
@@ -799,7 +911,7 @@ class TargetModel(nn.Module):
             qkv = [p + f"self_attn.{x}_proj." for x in "qkv"]
             cat(q + "attn.wqkv.weight", [x + "weight" for x in qkv])
             if c.qkv_bias:
-                cat(q + "attn.wqkv.bias", [x + "bias" for x in qkv])                   # [(H + 2 H_kv) hd]
+                cat(q + "attn.wqkv.bias", [x + "bias" for x in qkv])  # [(H + 2 H_kv) hd]
             one(q + "attn.wo.weight", p + "self_attn.o_proj.weight")
             if c.qk_norm:
                 one(q + "attn.q_norm.weight", p + "self_attn.q_norm.weight")
@@ -821,9 +933,11 @@ class TargetModel(nn.Module):
         skipped = {"lm_head.weight"} if c.tie_word_embeddings else set()
         unused = [k for k in sd if k not in used and k not in skipped and k.rsplit(".", 1)[-1] != "inv_freq"]
         if unused:
-            raise ValueError(f"checkpoint: tensor {unused[0]!r} is not used by this target"
-                             + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
-                             + "; its config and weights disagree, or the architecture is not supported")
+            raise ValueError(
+                f"checkpoint: tensor {unused[0]!r} is not used by this target"
+                + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
+                + "; its config and weights disagree, or the architecture is not supported"
+            )
         missing = set(dict(self.named_parameters())) - set(out) - skipped
         assert not missing, f"parameters without a source: {sorted(missing)}"
         return out
@@ -901,9 +1015,11 @@ def calibrate_activation_absmax(model: TargetModel, calibration_ids: list[int]) 
     hooks = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear):
+
             def hook(m, args, name=name):
                 v = args[0].reshape(-1, args[0].shape[-1]).abs().amax(0)
                 amax[name] = torch.maximum(amax[name], v) if name in amax else v
+
             hooks.append(mod.register_forward_pre_hook(hook))
     n = len(calibration_ids)
     cache = model.allocate_cache(1, n)
@@ -942,7 +1058,7 @@ def quantize_int8(model: TargetModel, calibration_ids: list[int] | None = None) 
         for name, mod in model.named_modules():
             if isinstance(mod, nn.Linear):
                 act = amax[name].clamp(min=1e-5)
-                s = (act ** SMOOTH_ALPHA / mod.weight.abs().amax(0).clamp(min=1e-5) ** (1 - SMOOTH_ALPHA)).clamp(min=1e-5)
+                s = (act**SMOOTH_ALPHA / mod.weight.abs().amax(0).clamp(min=1e-5) ** (1 - SMOOTH_ALPHA)).clamp(min=1e-5)
                 mod.weight.mul_(s[None, :])
                 smooth[name] = (1.0 / s, float((act / s).max()))
     if "fbgemm" in torch.backends.quantized.supported_engines:

@@ -1,4 +1,5 @@
 """The training configuration (a YAML file, validated by pydantic; errors name the field)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,9 +14,9 @@ class DataConfig(BaseModel):
     train_samples: int = Field(1000, ge=1)
     heldout_samples: int = Field(32, ge=1)
     max_len: int = Field(512, ge=16)
-    regenerate: bool = False             # answer the first user turns with the target itself (EAGLE-3 practice)
-    regen_max_new_tokens: int = Field(192, ge=1)     # answers longer than this are cut (end token unsupervised)
-    regen_batch: int = Field(64, ge=1)               # prompts per batched generate call
+    regenerate: bool = False  # answer the first user turns with the target itself (EAGLE-3 practice)
+    regen_max_new_tokens: int = Field(192, ge=1)  # answers longer than this are cut (end token unsupervised)
+    regen_batch: int = Field(64, ge=1)  # prompts per batched generate call
     regen_max_prompt_tokens: int = Field(256, ge=8)  # longer first turns are skipped
     # where the regenerated answers live: None = beside the feature cache; a folder (for example the
     # committed data/regen) holds <target>-sharegpt-<split>.answers.jsonl, made or resumed by
@@ -31,7 +32,7 @@ class DataConfig(BaseModel):
     # where the training features come from: "cache" (extracted once to disk, float16, then read)
     # or "online" (the frozen target runs inside the training step, in feature_dtype; nothing on disk)
     features: Literal["cache", "online"] = "cache"
-    feature_dtype: Literal["float32", "bfloat16"] = "float32"   # online extraction's compute dtype
+    feature_dtype: Literal["float32", "bfloat16"] = "float32"  # online extraction's compute dtype
     # the held-out split is the target's own answers to held-out first turns (what a drafter drafts
     # when served); None: as the train split (regenerate)
     heldout_answers: bool | None = None
@@ -43,11 +44,14 @@ class DataConfig(BaseModel):
     @model_validator(mode="after")
     def _cache_holds_the_train_samples(self):
         if self.cache_samples is not None and self.cache_samples < self.train_samples:
-            raise ValueError(f"cache_samples ({self.cache_samples}) must be at least train_samples "
-                             f"({self.train_samples})")
+            raise ValueError(
+                f"cache_samples ({self.cache_samples}) must be at least train_samples ({self.train_samples})"
+            )
         if self.sharegpt_samples and not self.regenerate:
-            raise ValueError("sharegpt_samples: ShareGPT conversations are added beside the target's own "
-                             "answers (regenerate: true); without them train_samples already counts ShareGPT")
+            raise ValueError(
+                "sharegpt_samples: ShareGPT conversations are added beside the target's own "
+                "answers (regenerate: true); without them train_samples already counts ShareGPT"
+            )
         if self.sharegpt_samples and self.features != "online":
             raise ValueError("sharegpt_samples: the mix is read online (features: online)")
         if self.feature_dtype != "float32" and self.features != "online":
@@ -60,31 +64,31 @@ class TrainConfig(BaseModel):
     method: Literal["eagle1", "hass", "eagle3"] = "eagle3"
     target: str = "smollm2-135m"
     out: str = "drafters/smollm2-135m-eagle3"
-    layout: Literal["reference", "eyas-v1"] = "reference"   # the drafter network (eyas.drafting.model)
-    fc_norm: bool = False                        # reference EAGLE-3: a norm per tap before fc
-    init_from: str | None = None                 # warm start: a drafter folder of the same method and target
+    layout: Literal["reference", "eyas-v1"] = "reference"  # the drafter network (eyas.drafting.model)
+    fc_norm: bool = False  # reference EAGLE-3: a norm per tap before fc
+    init_from: str | None = None  # warm start: a drafter folder of the same method and target
     data: DataConfig = Field(default_factory=DataConfig)
     epochs: float = Field(1.0, gt=0)
-    batch_samples: int = Field(4, ge=1)          # samples per optimizer step (gradient accumulation)
+    batch_samples: int = Field(4, ge=1)  # samples per optimizer step (gradient accumulation)
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(20, ge=0)
-    grad_clip: float = Field(0.5, gt=0)          # pinned EAGLE: 0.5
-    betas: tuple[float, float] = (0.9, 0.95)     # pinned EAGLE: AdamW(0.9, 0.95)
-    noise: Literal["paper", "pinned", "none"] = "paper"   # seed 0x04E (EAGLE-1 / HASS)
-    reg_weight: float = 1.0                      # v_w (seed 0x04B)
-    cls_weight: float = 0.1                      # p_w (seed 0x04B)
-    hass_steps: int = Field(3, ge=1)             # HASS context-alignment steps (seed 0x07C: 3)
-    hass_topk: int = Field(10, ge=1)             # HASS top-K (seed 0x07C: 10)
+    grad_clip: float = Field(0.5, gt=0)  # pinned EAGLE: 0.5
+    betas: tuple[float, float] = (0.9, 0.95)  # pinned EAGLE: AdamW(0.9, 0.95)
+    noise: Literal["paper", "pinned", "none"] = "paper"  # seed 0x04E (EAGLE-1 / HASS)
+    reg_weight: float = 1.0  # v_w (seed 0x04B)
+    cls_weight: float = 0.1  # p_w (seed 0x04B)
+    hass_steps: int = Field(3, ge=1)  # HASS context-alignment steps (seed 0x07C: 3)
+    hass_topk: int = Field(10, ge=1)  # HASS top-K (seed 0x07C: 10)
     hass_topk_weight: float = 1.0
-    ttt_steps: int = Field(4, ge=1)              # EAGLE-3 training-time-test passes (pinned: 7)
-    ttt_decay: float = Field(0.8, gt=0)          # weights 0.8^s (seed 0x08C)
-    draft_vocab_size: int = Field(8192, ge=16)   # EAGLE-3 draft vocabulary
+    ttt_steps: int = Field(4, ge=1)  # EAGLE-3 training-time-test passes (pinned: 7)
+    ttt_decay: float = Field(0.8, gt=0)  # weights 0.8^s (seed 0x08C)
+    draft_vocab_size: int = Field(8192, ge=16)  # EAGLE-3 draft vocabulary
     eval_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     seed: int = 0
     threads: int | None = None
-    device: str = "cpu"                          # cpu | cuda | cuda:N: drafter, target head and batches
+    device: str = "cpu"  # cpu | cuda | cuda:N: drafter, target head and batches
     # the drafter's compute dtype under autocast (weights, optimizer and losses stay float32)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # samples of a step packed into one token grid of at most this many tokens (one drafter pass per

@@ -8,6 +8,7 @@ template, supervised on assistant tokens only (seed 0x02A: ``ℓ_t`` marks the s
 - Optional, off by default: answer the first user turns with the target itself (EAGLE-3 practice;
   ``eyas.training.regen``).
 """
+
 from __future__ import annotations
 
 import glob
@@ -28,9 +29,9 @@ HELDOUT_PERCENT = 2
 @dataclass(frozen=True)
 class Sample:
     sample_id: str
-    input_ids: torch.Tensor    # [S] int64
-    loss_mask: torch.Tensor    # [S] bool, assistant tokens (the supervision flag ℓ_t)
-    segment_id: torch.Tensor   # [S] int64
+    input_ids: torch.Tensor  # [S] int64
+    loss_mask: torch.Tensor  # [S] bool, assistant tokens (the supervision flag ℓ_t)
+    segment_id: torch.Tensor  # [S] int64
     position_id: torch.Tensor  # [S] int64
 
 
@@ -136,10 +137,12 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         if m["role"] != "assistant":
             continue
         start = len(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False))
-        turn = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False).rstrip()
+        turn = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False).rstrip()
         if not text.startswith(turn) or start > len(turn):
-            raise ValueError("chat_template: it does not render a conversation's prefixes as prefixes of "
-                             "its text, so the assistant turns cannot be located")
+            raise ValueError(
+                "chat_template: it does not render a conversation's prefixes as prefixes of "
+                "its text, so the assistant turns cannot be located"
+            )
         spans.append((start, len(turn)))
     return text, spans
 
@@ -154,8 +157,13 @@ def render(tokenizer, sample_id: str, messages: list[dict], max_len: int) -> Sam
     if len(ids) < 8 or not any(mask):
         return None
     n = len(ids)
-    return Sample(sample_id, torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool),
-                  torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int64))
+    return Sample(
+        sample_id,
+        torch.tensor(ids, dtype=torch.int64),
+        torch.tensor(mask, dtype=torch.bool),
+        torch.zeros(n, dtype=torch.int64),
+        torch.arange(n, dtype=torch.int64),
+    )
 
 
 def token_counts(samples: list[Sample], vocab_size: int) -> torch.Tensor:

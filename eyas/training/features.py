@@ -9,6 +9,7 @@ stale labels, never reusable activations. Extraction is resumable shard by shard
 The default address is the union the trainers need: EAGLE-3's low/mid/high taps and EAGLE-1's
 LM-head input (the final normed feature, which also yields the target's soft distribution).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,9 +42,9 @@ def _taps_json(taps) -> list[dict]:
 @dataclass(frozen=True)
 class FeatureBatch:
     sample_id: str
-    input_ids: torch.Tensor   # [S] int64
-    loss_mask: torch.Tensor   # [S] bool
-    features: torch.Tensor    # [S, n_taps * d] float16
+    input_ids: torch.Tensor  # [S] int64
+    loss_mask: torch.Tensor  # [S] bool
+    features: torch.Tensor  # [S, n_taps * d] float16
 
 
 class FeatureCache:
@@ -64,16 +65,25 @@ class FeatureCache:
         m = self.manifest()
         for key, value in fingerprint.items():
             if m["target_fingerprint"].get(key) != value:
-                raise ValueError(f"feature_cache.target_fingerprint.{key}: the cache at {self.folder} was made by "
-                                 f"another target ({str(m['target_fingerprint'].get(key))[:12]}… != {value[:12]}…)")
+                raise ValueError(
+                    f"feature_cache.target_fingerprint.{key}: the cache at {self.folder} was made by "
+                    f"another target ({str(m['target_fingerprint'].get(key))[:12]}… != {value[:12]}…)"
+                )
         if m["feature_address"] != _taps_json(taps):
             raise ValueError(f"feature_cache.feature_address: {m['feature_address']} != {_taps_json(taps)}")
         return m
 
     # --- writing ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def extract(self, model: TargetModel, fingerprint: dict, samples: list[Sample], taps: tuple[FeatureTap, ...],
-                data_info: dict, shard_size: int = 64) -> dict:
+    def extract(
+        self,
+        model: TargetModel,
+        fingerprint: dict,
+        samples: list[Sample],
+        taps: tuple[FeatureTap, ...],
+        data_info: dict,
+        shard_size: int = 64,
+    ) -> dict:
         """Run the frozen target over ``samples``; resume where an earlier run stopped."""
         from safetensors.torch import save_file
 
@@ -81,19 +91,27 @@ class FeatureCache:
         dev = model.embed.weight.device
         longest = max((len(s.input_ids) for s in samples), default=0)
         if longest > model.cfg.max_context:  # past a sliding window the full-causal forward is not the target's
-            raise ValueError(f"data.max_len: a sample holds {longest} tokens, beyond the target's context "
-                             f"({model.cfg.max_context}); lower data.max_len")
+            raise ValueError(
+                f"data.max_len: a sample holds {longest} tokens, beyond the target's context "
+                f"({model.cfg.max_context}); lower data.max_len"
+            )
         self.folder.mkdir(parents=True, exist_ok=True)
         if self.manifest_path.exists():
             manifest = self.check(fingerprint, taps)
             if manifest["data"] != data_info:
                 raise ValueError(f"feature_cache.data: {manifest['data']} != {data_info}; use another folder")
         else:
-            manifest = {"format": CACHE_FORMAT, "target_fingerprint": fingerprint, "feature_address": _taps_json(taps),
-                        "data": data_info, "shards": [], "complete": False}
+            manifest = {
+                "format": CACHE_FORMAT,
+                "target_fingerprint": fingerprint,
+                "feature_address": _taps_json(taps),
+                "data": data_info,
+                "shards": [],
+                "complete": False,
+            }
             self.manifest_path.write_text(json.dumps(manifest, indent=1))
         done = {s["file"] for s in manifest["shards"]}
-        chunks = [samples[i:i + shard_size] for i in range(0, len(samples), shard_size)]
+        chunks = [samples[i : i + shard_size] for i in range(0, len(samples), shard_size)]
         total = sum(len(s.input_ids) for s in samples)
         bar = tqdm(total=total, unit="tok", desc="features", dynamic_ncols=True)
         t0, new_tokens = time.perf_counter(), 0
@@ -104,31 +122,39 @@ class FeatureCache:
                 bar.update(tokens)
                 continue
             feats = []
-            for s in chunk:   # on the model's device; the features come back to the host for the shard
+            for s in chunk:  # on the model's device; the features come back to the host for the shard
                 n = len(s.input_ids)
                 cache = model.allocate_cache(1, n)
-                mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril().unsqueeze(0)   # [1, n, n]
-                out = model(s.input_ids[None].to(dev), s.position_id[None].to(dev), cache, 0, mask, taps,
-                            logits_rows="none")
+                mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril().unsqueeze(0)  # [1, n, n]
+                out = model(
+                    s.input_ids[None].to(dev), s.position_id[None].to(dev), cache, 0, mask, taps, logits_rows="none"
+                )
                 f = out.features[0].to(FEATURE_DTYPE).cpu()
                 if not torch.isfinite(f).all():
                     raise ValueError(f"features: sample {s.sample_id} overflows {FEATURE_DTYPE}")
                 feats.append(f)
                 bar.update(n)
                 new_tokens += n
-            save_file({"input_ids": torch.cat([s.input_ids for s in chunk]),
-                       "loss_mask": torch.cat([s.loss_mask for s in chunk]).to(torch.uint8),
-                       "lengths": torch.tensor([len(s.input_ids) for s in chunk], dtype=torch.int64),
-                       "features": torch.cat(feats)}, str(self.folder / name),
-                      metadata={"sample_ids": json.dumps([s.sample_id for s in chunk])})
+            save_file(
+                {
+                    "input_ids": torch.cat([s.input_ids for s in chunk]),
+                    "loss_mask": torch.cat([s.loss_mask for s in chunk]).to(torch.uint8),
+                    "lengths": torch.tensor([len(s.input_ids) for s in chunk], dtype=torch.int64),
+                    "features": torch.cat(feats),
+                },
+                str(self.folder / name),
+                metadata={"sample_ids": json.dumps([s.sample_id for s in chunk])},
+            )
             manifest["shards"].append({"file": name, "num_samples": len(chunk), "num_tokens": tokens})
             self.manifest_path.write_text(json.dumps(manifest, indent=1))  # the shard is durable first
         bar.close()
         manifest["complete"] = True
         self.manifest_path.write_text(json.dumps(manifest, indent=1))
         elapsed = time.perf_counter() - t0
-        print(f"feature cache {self.folder}: {len(samples)} samples, {total} tokens "
-              f"({new_tokens} new in {elapsed:.0f} s, {new_tokens / max(elapsed, 1e-9):.0f} tok/s)")
+        print(
+            f"feature cache {self.folder}: {len(samples)} samples, {total} tokens "
+            f"({new_tokens} new in {elapsed:.0f} s, {new_tokens / max(elapsed, 1e-9):.0f} tok/s)"
+        )
         return manifest
 
     # --- reading ------------------------------------------------------------------------------------
@@ -153,9 +179,11 @@ class FeatureCache:
             start = 0
             for sid, n in zip(sample_ids, lengths):
                 if stream:
-                    out.append(StoredFeatureBatch(sid, ids[start:start + n], mask[start:start + n], stored, start))
+                    out.append(StoredFeatureBatch(sid, ids[start : start + n], mask[start : start + n], stored, start))
                 else:
-                    out.append(FeatureBatch(sid, ids[start:start + n], mask[start:start + n], feats[start:start + n]))
+                    out.append(
+                        FeatureBatch(sid, ids[start : start + n], mask[start : start + n], feats[start : start + n])
+                    )
                 start += n
         return out
 
@@ -174,8 +202,13 @@ class ShardFeatures:
                 info = json.loads(fh.read(header_len))["features"]
             if info["dtype"] != "F16":
                 raise ValueError(f"feature_cache: {self.path} stores features as {info['dtype']}, expected F16")
-            self._rows = np.memmap(self.path, dtype=np.float16, mode="r", shape=tuple(info["shape"]),
-                                   offset=8 + header_len + info["data_offsets"][0])
+            self._rows = np.memmap(
+                self.path,
+                dtype=np.float16,
+                mode="r",
+                shape=tuple(info["shape"]),
+                offset=8 + header_len + info["data_offsets"][0],
+            )
         return torch.from_numpy(np.array(self._rows[start:stop]))
 
 
@@ -184,10 +217,10 @@ class StoredFeatureBatch:
     """A :class:`FeatureBatch` whose features stay in its shard until read (``features``)."""
 
     sample_id: str
-    input_ids: torch.Tensor   # [S] int64
-    loss_mask: torch.Tensor   # [S] bool
+    input_ids: torch.Tensor  # [S] int64
+    loss_mask: torch.Tensor  # [S] bool
     shard: ShardFeatures
-    start: int                # the sample's first row in the shard's features
+    start: int  # the sample's first row in the shard's features
 
     @property
     def features(self) -> torch.Tensor:  # [S, n_taps * d] float16
@@ -205,8 +238,13 @@ class OnlineFeatures:
     AVX-512 BF16); its features and soft labels differ from float32 in the last bits
     (``docs/benchmarks.md`` measures what that does to a drafter)."""
 
-    def __init__(self, model: TargetModel, samples: list[Sample], taps: tuple[FeatureTap, ...],
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model: TargetModel,
+        samples: list[Sample],
+        taps: tuple[FeatureTap, ...],
+        dtype: torch.dtype = torch.float32,
+    ):
         import copy
 
         assert not any(p.requires_grad for p in model.parameters()), "the target must be frozen"
@@ -215,22 +253,23 @@ class OnlineFeatures:
         self.dtype = dtype
         longest = max((len(s.input_ids) for s in samples), default=0)
         if longest > model.cfg.max_context:
-            raise ValueError(f"data.max_len: a sample holds {longest} tokens, beyond the target's context "
-                             f"({model.cfg.max_context}); lower data.max_len")
+            raise ValueError(
+                f"data.max_len: a sample holds {longest} tokens, beyond the target's context "
+                f"({model.cfg.max_context}); lower data.max_len"
+            )
         self._samples = samples
 
     def samples(self) -> list[OnlineFeatureBatch]:
         return [OnlineFeatureBatch(s.sample_id, s.input_ids, s.loss_mask, s.position_id, self) for s in self._samples]
 
-    @torch.no_grad()   # not inference_mode: the features enter autograd as inputs of the drafter
+    @torch.no_grad()  # not inference_mode: the features enter autograd as inputs of the drafter
     def features(self, input_ids: torch.Tensor, position_id: torch.Tensor) -> torch.Tensor:  # [S, n_taps * d]
         model = self.model
         dev = model.embed.weight.device
         n = input_ids.numel()
         cache = model.allocate_cache(1, n)
-        mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril().unsqueeze(0)   # [1, n, n]
-        out = model(input_ids[None].to(dev), position_id[None].to(dev), cache, 0, mask, self.taps,
-                    logits_rows="none")
+        mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril().unsqueeze(0)  # [1, n, n]
+        out = model(input_ids[None].to(dev), position_id[None].to(dev), cache, 0, mask, self.taps, logits_rows="none")
         return out.features[0]
 
 
@@ -239,8 +278,8 @@ class OnlineFeatureBatch:
     """A :class:`FeatureBatch` whose features the target computes when they are read."""
 
     sample_id: str
-    input_ids: torch.Tensor    # [S] int64
-    loss_mask: torch.Tensor    # [S] bool
+    input_ids: torch.Tensor  # [S] int64
+    loss_mask: torch.Tensor  # [S] bool
     position_id: torch.Tensor  # [S] int64
     source: OnlineFeatures
 

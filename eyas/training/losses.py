@@ -41,8 +41,6 @@ NOISE_KINDS: tuple[str, ...] = ("paper", "pinned", "none")
 # --------------------------------------------------------------------------------------------
 
 
-
-
 def _check_float(value: Tensor, name: str) -> None:
     if not value.is_floating_point():
         raise ValueError(f"{name}: expected a floating dtype, got {value.dtype}")
@@ -57,8 +55,7 @@ def _supervised_rows(mask: Tensor, rows: int) -> Tensor:  # [M] int64 indices of
     index = mask.nonzero().squeeze(1)
     if index.numel() == 0:
         raise ValueError(
-            "mask: no supervised rows (sum m = 0); the normalised loss is undefined -- "
-            "skip the optimizer step instead"
+            "mask: no supervised rows (sum m = 0); the normalised loss is undefined -- skip the optimizer step instead"
         )
     return index
 
@@ -69,17 +66,13 @@ def _check_pair(first: Tensor, first_name: str, second: Tensor, second_name: str
     _check_float(first, first_name)
     _check_float(second, second_name)
     if first.shape != second.shape:
-        raise ValueError(
-            f"{second_name}: shape {tuple(second.shape)} != {first_name} shape {tuple(first.shape)}"
-        )
+        raise ValueError(f"{second_name}: shape {tuple(second.shape)} != {first_name} shape {tuple(first.shape)}")
 
 
 def _as_scalar(value: Tensor | float, name: str) -> Tensor:
     if isinstance(value, Tensor):
         if value.ndim != 0:
-            raise ValueError(
-                f"{name}: expected a scalar (0-D) tensor, got shape {tuple(value.shape)}"
-            )
+            raise ValueError(f"{name}: expected a scalar (0-D) tensor, got shape {tuple(value.shape)}")
         return value.to(LOSS_DTYPE)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return torch.tensor(float(value), dtype=LOSS_DTYPE)
@@ -144,11 +137,11 @@ class _RowSoftCrossEntropy(torch.autograd.Function):
         out = torch.empty_like(lse)
         qsum = torch.empty_like(lse)
         for a in range(0, logits.shape[0], _RowSoftCrossEntropy.CHUNK_ROWS):
-            z = logits[a:a + _RowSoftCrossEntropy.CHUNK_ROWS].to(LOSS_DTYPE)
-            qc = q[a:a + _RowSoftCrossEntropy.CHUNK_ROWS]
-            lse[a:a + z.shape[0]] = torch.logsumexp(z, dim=-1)
-            qsum[a:a + z.shape[0]] = qc.sum(-1)
-            out[a:a + z.shape[0]] = lse[a:a + z.shape[0]] * qsum[a:a + z.shape[0]] - (qc * z).sum(-1)
+            z = logits[a : a + _RowSoftCrossEntropy.CHUNK_ROWS].to(LOSS_DTYPE)
+            qc = q[a : a + _RowSoftCrossEntropy.CHUNK_ROWS]
+            lse[a : a + z.shape[0]] = torch.logsumexp(z, dim=-1)
+            qsum[a : a + z.shape[0]] = qc.sum(-1)
+            out[a : a + z.shape[0]] = lse[a : a + z.shape[0]] * qsum[a : a + z.shape[0]] - (qc * z).sum(-1)
         ctx.save_for_backward(logits, q, lse, qsum)
         return out
 
@@ -172,8 +165,9 @@ def row_soft_cross_entropy(
     _check(draft_logits, "draft_logits", 2)
     _check(target_probs, "target_probs", 2)
     if draft_logits.shape != target_probs.shape:
-        raise ValueError(f"target_probs: shape {tuple(target_probs.shape)} != draft_logits shape "
-                         f"{tuple(draft_logits.shape)}")
+        raise ValueError(
+            f"target_probs: shape {tuple(target_probs.shape)} != draft_logits shape {tuple(draft_logits.shape)}"
+        )
     if target_probs.requires_grad:
         raise ValueError("target_probs: the target distribution takes no gradient")
     return _RowSoftCrossEntropy.apply(draft_logits, target_probs.to(LOSS_DTYPE))
@@ -342,7 +336,9 @@ def feature_noise(
     if kind == "none":
         return torch.zeros_like(features)
     uniform = torch.rand(  # drawn where the generator lives (the CPU by default), then moved
-        features.shape, generator=generator, dtype=torch.float32,
+        features.shape,
+        generator=generator,
+        dtype=torch.float32,
         device=generator.device if generator is not None else features.device,
     ).to(features.device)  # [..., S, d] in [0, 1)
     half_width = PAPER_NOISE_HALF_WIDTH

@@ -85,9 +85,8 @@ def rollout_visibility(
     step = torch.arange(steps, device=segment_id.device)
     row = torch.arange(seq, device=segment_id.device)
     key_valid = (step[:, None] >= 1) | row_valid[None, :]  # [steps, S] prefix keys must be valid
-    self_edge = (
-        (step[:, None, None, None] == step[None, None, :, None])
-        & (row[None, :, None, None] == row[None, None, None, :])
+    self_edge = (step[:, None, None, None] == step[None, None, :, None]) & (
+        row[None, :, None, None] == row[None, None, None, :]
     )  # [steps, S, steps, S]
     mask = (allowed & key_valid[None, None, :, :]) | self_edge
     return mask.reshape(steps, seq, steps * seq)
@@ -168,8 +167,7 @@ def no_sibling_or_future_edges(
     seq = segment_id.shape[0]
     if tuple(mask.shape) != (steps, seq, steps * seq):
         raise ValueError(
-            f"mask: expected shape {(steps, seq, steps * seq)} for steps={steps}, S={seq}, "
-            f"got {tuple(mask.shape)}"
+            f"mask: expected shape {(steps, seq, steps * seq)} for steps={steps}, S={seq}, got {tuple(mask.shape)}"
         )
     allowed = _allowed_edges(segment_id, steps).reshape(steps, seq, steps * seq)
     return not bool((mask & ~allowed).any())

@@ -1,4 +1,5 @@
 """Build (or resume) the feature caches a training run reads: train and held-out splits."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,8 +20,10 @@ def cache_dirs(cfg: TrainConfig) -> tuple[Path, Path]:
     def tag(regenerated: bool) -> str:
         return f"len{cfg.data.max_len}" + (f"-regen{cfg.data.regen_max_new_tokens}" if regenerated else "")
 
-    return (root / f"train-{cfg.data.cache_samples or cfg.data.train_samples}-{tag(cfg.data.regenerate)}",
-            root / f"heldout-{cfg.data.heldout_samples}-{tag(cfg.data.heldout_regenerated)}")
+    return (
+        root / f"train-{cfg.data.cache_samples or cfg.data.train_samples}-{tag(cfg.data.regenerate)}",
+        root / f"heldout-{cfg.data.heldout_samples}-{tag(cfg.data.heldout_regenerated)}",
+    )
 
 
 def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache | OnlineFeatures, FeatureCache]:
@@ -30,11 +33,16 @@ def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache | OnlineFeatu
     fingerprint = eyas.loaded.fingerprint.to_dict()
     taps = training_taps(eyas.model)
     caches = []
-    for (split, count), folder in zip((("train", cfg.data.cache_samples or cfg.data.train_samples), ("heldout", cfg.data.heldout_samples)),
-                                      cache_dirs(cfg)):
+    for (split, count), folder in zip(
+        (("train", cfg.data.cache_samples or cfg.data.train_samples), ("heldout", cfg.data.heldout_samples)),
+        cache_dirs(cfg),
+    ):
         if split == "train" and cfg.data.features == "online":
-            caches.append(OnlineFeatures(eyas.model, train_samples(cfg, eyas.tokenizer, folder), taps,
-                                         DTYPES[cfg.data.feature_dtype]))
+            caches.append(
+                OnlineFeatures(
+                    eyas.model, train_samples(cfg, eyas.tokenizer, folder), taps, DTYPES[cfg.data.feature_dtype]
+                )
+            )
             continue
         cache = FeatureCache(folder)
         if cache.manifest_path.exists() and cache.manifest().get("complete"):
@@ -45,11 +53,20 @@ def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache | OnlineFeatu
         if regenerated:
             samples = regenerated_samples(cfg, eyas.tokenizer, split, count, folder)
         else:
-            samples = [s for sid, msgs in tqdm(conversations(split, limit=count), total=count, desc=f"render {split}",
-                                               leave=False)
-                       if (s := render(eyas.tokenizer, sid, msgs, cfg.data.max_len)) is not None]
-        info = {"split": split, "samples": count, "max_len": cfg.data.max_len, "regenerate": regenerated,
-                "source": "sharegpt-v3"}
+            samples = [
+                s
+                for sid, msgs in tqdm(
+                    conversations(split, limit=count), total=count, desc=f"render {split}", leave=False
+                )
+                if (s := render(eyas.tokenizer, sid, msgs, cfg.data.max_len)) is not None
+            ]
+        info = {
+            "split": split,
+            "samples": count,
+            "max_len": cfg.data.max_len,
+            "regenerate": regenerated,
+            "source": "sharegpt-v3",
+        }
         cache.extract(eyas.model, fingerprint, samples, taps, info)
         caches.append(cache)
     return caches[0], caches[1]
@@ -61,11 +78,20 @@ def train_samples(cfg: TrainConfig, tokenizer, folder: Path) -> list[Sample]:
     The rendered conversations are kept beside the caches (``<folder>.sharegpt-<n>.pt``)."""
     d = cfg.data
     if not d.regenerate:
-        return sharegpt_samples(tokenizer, d.train_samples, d.max_len, folder.with_name(f"sharegpt-train-{d.train_samples}-len{d.max_len}.pt"))
+        return sharegpt_samples(
+            tokenizer,
+            d.train_samples,
+            d.max_len,
+            folder.with_name(f"sharegpt-train-{d.train_samples}-len{d.max_len}.pt"),
+        )
     out = regenerated_samples(cfg, tokenizer, "train", d.train_samples, folder)
     if d.sharegpt_samples:
-        out += sharegpt_samples(tokenizer, d.sharegpt_samples, d.max_len,
-                                folder.with_name(f"sharegpt-train-{d.sharegpt_samples}-len{d.max_len}.pt"))
+        out += sharegpt_samples(
+            tokenizer,
+            d.sharegpt_samples,
+            d.max_len,
+            folder.with_name(f"sharegpt-train-{d.sharegpt_samples}-len{d.max_len}.pt"),
+        )
     return out
 
 
@@ -74,15 +100,22 @@ def sharegpt_samples(tokenizer, count: int, max_len: int, path: Path) -> list[Sa
     read from ``path`` when an earlier run rendered them with the same tokenizer."""
     import torch
 
-    key = {"count": count, "max_len": max_len, "tokenizer": tokenizer.name_or_path,
-           "vocab": len(tokenizer), "template": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()}
+    key = {
+        "count": count,
+        "max_len": max_len,
+        "tokenizer": tokenizer.name_or_path,
+        "vocab": len(tokenizer),
+        "template": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
+    }
     if path.exists():
         stored = torch.load(path, weights_only=False)
         if stored.get("key") == key:
             return stored["samples"]
-    samples = [s for sid, msgs in tqdm(conversations("train", limit=count), total=count, desc="render sharegpt",
-                                       leave=False)
-               if (s := render(tokenizer, sid, msgs, max_len)) is not None]
+    samples = [
+        s
+        for sid, msgs in tqdm(conversations("train", limit=count), total=count, desc="render sharegpt", leave=False)
+        if (s := render(tokenizer, sid, msgs, max_len)) is not None
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"key": key, "samples": samples}, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)
@@ -97,11 +130,22 @@ def regenerated_samples(cfg: TrainConfig, tokenizer, split: str, count: int, cac
     from eyas.training.regen import read_regenerated, regenerate_batched
 
     d = cfg.data
-    path = (Path(d.answers_dir) / f"{cfg.target}-sharegpt-{split}.answers.jsonl" if d.answers_dir
-            else cache_folder.with_name(cache_folder.name + ".answers.jsonl"))
-    regenerate_batched(checkpoint_folder(cfg.target), conversations(split), path, limit=count,
-                       batch_size=d.regen_batch, max_new_tokens=d.regen_max_new_tokens,
-                       max_prompt_tokens=d.regen_max_prompt_tokens, desc=f"regenerate {split}", device=cfg.device)
+    path = (
+        Path(d.answers_dir) / f"{cfg.target}-sharegpt-{split}.answers.jsonl"
+        if d.answers_dir
+        else cache_folder.with_name(cache_folder.name + ".answers.jsonl")
+    )
+    regenerate_batched(
+        checkpoint_folder(cfg.target),
+        conversations(split),
+        path,
+        limit=count,
+        batch_size=d.regen_batch,
+        max_new_tokens=d.regen_max_new_tokens,
+        max_prompt_tokens=d.regen_max_prompt_tokens,
+        desc=f"regenerate {split}",
+        device=cfg.device,
+    )
     samples = []
     for rec in read_regenerated(path)[:count]:
         s = render(tokenizer, rec["id"], rec["messages"], d.max_len)

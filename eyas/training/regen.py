@@ -10,6 +10,7 @@ The batched forward is the target's own weights in fp32, but padded batches do n
 like Eyas's one-request decode, so a regenerated answer can differ from Eyas's greedy answer after
 a near-tie. That is harmless for training data: the text is still the target's distribution.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,10 +27,10 @@ END_OF_TURN = "<|im_end|>"
 
 @dataclass(frozen=True)
 class RegenSummary:
-    prompts: int              # answered in this call
-    resumed: int              # already in the file
-    new_tokens: int           # generated in this call
-    truncated: int            # answers cut at max_new_tokens
+    prompts: int  # answered in this call
+    resumed: int  # already in the file
+    new_tokens: int  # generated in this call
+    truncated: int  # answers cut at max_new_tokens
     wall_s: float
 
     @property
@@ -52,8 +53,9 @@ def read_regenerated(path: str | Path) -> list[dict]:
     return out
 
 
-def first_turn_prompts(items: Iterable[tuple[str, list[dict]]], tokenizer, max_prompt_tokens: int,
-                       limit: int) -> list[tuple[str, list[dict], int]]:
+def first_turn_prompts(
+    items: Iterable[tuple[str, list[dict]]], tokenizer, max_prompt_tokens: int, limit: int
+) -> list[tuple[str, list[dict], int]]:
     """(id, [first user message], prompt length) for up to ``limit`` conversations whose templated
     first turn fits in ``max_prompt_tokens``."""
     out = []
@@ -72,9 +74,17 @@ def first_turn_prompts(items: Iterable[tuple[str, list[dict]]], tokenizer, max_p
     return out
 
 
-def regenerate_batched(model_folder: str | Path, items: Iterable[tuple[str, list[dict]]], out_path: str | Path,
-                       limit: int, batch_size: int = 64, max_new_tokens: int = 192,
-                       max_prompt_tokens: int = 256, desc: str = "regenerate", device: str = "cpu") -> RegenSummary:
+def regenerate_batched(
+    model_folder: str | Path,
+    items: Iterable[tuple[str, list[dict]]],
+    out_path: str | Path,
+    limit: int,
+    batch_size: int = 64,
+    max_new_tokens: int = 192,
+    max_prompt_tokens: int = 256,
+    desc: str = "regenerate",
+    device: str = "cpu",
+) -> RegenSummary:
     """Answer the first user turn of up to ``limit`` conversations with the target at ``model_folder``
     (an HF checkpoint folder: ``eyas.target.loader.checkpoint_folder``), greedy, ``batch_size`` at a
     time, on ``device``; append one JSON line per answer to ``out_path``; skip ids already there."""
@@ -92,7 +102,7 @@ def regenerate_batched(model_folder: str | Path, items: Iterable[tuple[str, list
     tok = AutoTokenizer.from_pretrained(model_folder)
     tok.padding_side = "left"
     todo = [p for p in first_turn_prompts(items, tok, max_prompt_tokens, limit) if p[0] not in done]
-    todo.sort(key=lambda p: p[2])     # similar lengths share a batch: less padding
+    todo.sort(key=lambda p: p[2])  # similar lengths share a batch: less padding
     if not todo:
         return RegenSummary(0, len(done), 0, 0, 0.0)
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).to(device).eval()
@@ -101,34 +111,51 @@ def regenerate_batched(model_folder: str | Path, items: Iterable[tuple[str, list
     bar = tqdm(total=len(todo), desc=desc, unit="prompt", dynamic_ncols=True)
     with out_path.open("a") as f:
         for start in range(0, len(todo), batch_size):
-            chunk = todo[start:start + batch_size]
+            chunk = todo[start : start + batch_size]
             texts = [tok.apply_chat_template(u, add_generation_prompt=True, tokenize=False) for _, u, _ in chunk]
             enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             with torch.inference_mode():
-                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                     eos_token_id=end_id, pad_token_id=tok.pad_token_id)
-            gen = out[:, enc["input_ids"].shape[1]:]                                  # [B, <= max_new]
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=end_id,
+                    pad_token_id=tok.pad_token_id,
+                )
+            gen = out[:, enc["input_ids"].shape[1] :]  # [B, <= max_new]
             for (sid, user, _), row in zip(chunk, gen):
                 ids = row.tolist()
                 ended = end_id in ids
-                ids = ids[:ids.index(end_id)] if ended else ids
+                ids = ids[: ids.index(end_id)] if ended else ids
                 new_tokens += len(ids) + int(ended)
                 truncated += int(not ended)
                 answer = tok.decode(ids, skip_special_tokens=True)
-                f.write(json.dumps({"id": sid, "messages": user + [{"role": "assistant", "content": answer}],
-                                    "new_tokens": len(ids), "truncated": not ended}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "id": sid,
+                            "messages": user + [{"role": "assistant", "content": answer}],
+                            "new_tokens": len(ids),
+                            "truncated": not ended,
+                        }
+                    )
+                    + "\n"
+                )
             f.flush()
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     summary = RegenSummary(len(todo), len(done), new_tokens, truncated, time.perf_counter() - t0)
-    print(f"{desc}: {summary.prompts} answers ({summary.resumed} resumed), {summary.new_tokens} tokens in "
-          f"{summary.wall_s:.0f} s ({summary.tokens_per_s:.0f} tok/s), {summary.truncated} cut at {max_new_tokens}")
+    print(
+        f"{desc}: {summary.prompts} answers ({summary.resumed} resumed), {summary.new_tokens} tokens in "
+        f"{summary.wall_s:.0f} s ({summary.tokens_per_s:.0f} tok/s), {summary.truncated} cut at {max_new_tokens}"
+    )
     return summary
 
 
-def regenerate_in_chunks(model_folder: str | Path, items, out_path: str | Path, limit: int, chunk: int,
-                         desc: str = "regenerate", **kwargs) -> RegenSummary:
+def regenerate_in_chunks(
+    model_folder: str | Path, items, out_path: str | Path, limit: int, chunk: int, desc: str = "regenerate", **kwargs
+) -> RegenSummary:
     """:func:`regenerate_batched` over the first ``chunk``, ``2 chunk``, ... conversations up to
     ``limit``: ``items()`` yields them afresh for each chunk. A run stopped anywhere leaves a file whose
     answers are those of a prefix of the conversations (each chunk sorted by length inside)."""
@@ -138,8 +165,13 @@ def regenerate_in_chunks(model_folder: str | Path, items, out_path: str | Path, 
     for upto in range(chunk, limit + chunk, chunk):
         upto = min(upto, limit)
         s = regenerate_batched(model_folder, items(), out_path, limit=upto, desc=f"{desc} <= {upto}", **kwargs)
-        total = RegenSummary(total.prompts + s.prompts, max(total.resumed, s.resumed), total.new_tokens + s.new_tokens,
-                             total.truncated + s.truncated, total.wall_s + s.wall_s)
+        total = RegenSummary(
+            total.prompts + s.prompts,
+            max(total.resumed, s.resumed),
+            total.new_tokens + s.new_tokens,
+            total.truncated + s.truncated,
+            total.wall_s + s.wall_s,
+        )
         if upto >= limit:
             break
     return total
@@ -172,12 +204,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--limit and --chunk must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    total = regenerate_in_chunks(checkpoint_folder(args.target), lambda: conversations(args.split), args.out,
-                                 limit=args.limit, chunk=args.chunk, batch_size=args.batch,
-                                 max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                                 desc=f"regenerate {args.split}")
-    print(f"regenerate: {total.prompts} new answers, {total.new_tokens} tokens in {total.wall_s:.0f} s "
-          f"({total.tokens_per_s:.1f} tok/s), {total.truncated} cut; {len(read_regenerated(args.out))} in {args.out}")
+    total = regenerate_in_chunks(
+        checkpoint_folder(args.target),
+        lambda: conversations(args.split),
+        args.out,
+        limit=args.limit,
+        chunk=args.chunk,
+        batch_size=args.batch,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        desc=f"regenerate {args.split}",
+    )
+    print(
+        f"regenerate: {total.prompts} new answers, {total.new_tokens} tokens in {total.wall_s:.0f} s "
+        f"({total.tokens_per_s:.1f} tok/s), {total.truncated} cut; {len(read_regenerated(args.out))} in {args.out}"
+    )
     return 0
 
 

@@ -55,8 +55,6 @@ INVALID_ROW_FEATURE: float = 0.0  # dense layout: feature value written into suc
 # --------------------------------------------------------------------------------------------
 
 
-
-
 def _check_grid(**named: Tensor) -> tuple[int, int]:
     """All named tensors are [B, S] with the dtype their name implies; returns (B, S)."""
     dtypes = {
@@ -155,9 +153,7 @@ def dense_gather_rows(
     _check(features, "features", 3)
     batch, seq = _check_grid(tokens=tokens, row_valid=row_valid)
     if tuple(features.shape[:2]) != (batch, seq):
-        raise ValueError(
-            f"features: shape {tuple(features.shape)} does not match [B, S] = {(batch, seq)}"
-        )
+        raise ValueError(f"features: shape {tuple(features.shape)} does not match [B, S] = {(batch, seq)}")
 
     keep = row_valid[:, :, None]  # [B, S, 1]
     fill = torch.full((), INVALID_ROW_FEATURE, dtype=features.dtype, device=features.device)
@@ -204,9 +200,7 @@ class RowPlan:
         rows = self.batch_index.shape[0]
         for name in ("source", "segment_id", "position_id", "supervise", "supervise_hard"):
             if getattr(self, name).shape[0] != rows:
-                raise ValueError(
-                    f"{name}: length {getattr(self, name).shape[0]} != batch_index length {rows}"
-                )
+                raise ValueError(f"{name}: length {getattr(self, name).shape[0]} != batch_index length {rows}")
 
     @property
     def num_rows(self) -> int:
@@ -241,9 +235,7 @@ def compile_soft_rows(
         supervise=supervise,
         position_id=position_id,
     )
-    row_valid, row_supervise, row_supervise_hard = dense_row_masks(
-        token_valid, segment_id, supervise
-    )
+    row_valid, row_supervise, row_supervise_hard = dense_row_masks(token_valid, segment_id, supervise)
     batch_index, source = row_valid.nonzero(as_tuple=True)  # row-major: (b, t) order
     return RowPlan(
         batch_index=batch_index,
@@ -269,9 +261,7 @@ def gather_rows(
     _check(features, "features", 3)
     batch, seq = _check_grid(tokens=tokens)
     if tuple(features.shape[:2]) != (batch, seq):
-        raise ValueError(
-            f"features: shape {tuple(features.shape)} does not match tokens [B, S] = {(batch, seq)}"
-        )
+        raise ValueError(f"features: shape {tuple(features.shape)} does not match tokens [B, S] = {(batch, seq)}")
     if plan.num_rows:
         if int(plan.batch_index.min()) < 0 or int(plan.batch_index.max()) >= batch:
             raise ValueError(f"plan.batch_index: out of range for batch size {batch}")

@@ -15,6 +15,7 @@ step 0 plus its own chain (``rollout_visibility``). It is supervised against the
 The target is frozen and owns no gradient (seed 0x04D, asserted each step). A step whose batch
 has no supervised row is skipped entirely, weight decay included.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ from eyas.training.masks import rollout_valid, rollout_visibility
 from eyas.training.rows import dense_row_masks
 
 STATE_FILE = "trainer_state.pt"
-TOPK_STATS = 8   # evaluation reports top-1..8 accuracy per rollout step (the tree model's rank rates)
+TOPK_STATS = 8  # evaluation reports top-1..8 accuracy per rollout step (the tree model's rank rates)
 
 
 @dataclass(frozen=True)
@@ -67,23 +68,34 @@ def packs(samples: list[FeatureBatch], max_tokens: int | None) -> list[list[Feat
 
 
 class DrafterTrainer:
-    def __init__(self, cfg: TrainConfig, target: TargetModel, fingerprint: dict, train: FeatureCache,
-                 heldout: FeatureCache, out: str | Path | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        target: TargetModel,
+        fingerprint: dict,
+        train: FeatureCache,
+        heldout: FeatureCache,
+        out: str | Path | None = None,
+    ):
         self.cfg = cfg
-        self.device = check_device(cfg.device)   # here: the config checked its syntax (dtype: a Literal)
+        self.device = check_device(cfg.device)  # here: the config checked its syntax (dtype: a Literal)
         self.target = target.requires_grad_(False).to(self.device)
         self.fingerprint = fingerprint
         self.out = Path(out or cfg.out)
         self.d = target.cfg.hidden_size
         taps = training_taps(target)
         self.train_data = self._load(train, fingerprint, taps)
-        if isinstance(train, FeatureCache):   # a prefix of a larger cache (data.cache_samples)
-            self.train_data = self.train_data[:cfg.data.train_samples]
+        if isinstance(train, FeatureCache):  # a prefix of a larger cache (data.cache_samples)
+            self.train_data = self.train_data[: cfg.data.train_samples]
         self.heldout_data = self._load(heldout, fingerprint, taps)
         method = "eagle3" if cfg.method == "eagle3" else "eagle1"
-        dcfg = DrafterConfig.for_target(method, target.cfg,
-                                        min(cfg.draft_vocab_size, target.cfg.vocab_size) if method == "eagle3" else None,
-                                        layout=cfg.layout, fc_norm=cfg.fc_norm and method == "eagle3")
+        dcfg = DrafterConfig.for_target(
+            method,
+            target.cfg,
+            min(cfg.draft_vocab_size, target.cfg.vocab_size) if method == "eagle3" else None,
+            layout=cfg.layout,
+            fc_norm=cfg.fc_norm and method == "eagle3",
+        )
         self.serve_taps: tuple[FeatureTap, ...] = drafter_feature_address(dcfg, target.cfg)
         self.drafter: Drafter = init_drafter(dcfg, seed=cfg.seed)
         if cfg.init_from:
@@ -97,8 +109,9 @@ class DrafterTrainer:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         # fused: one kernel per parameter for the whole update (the foreach path makes a pass, and a
         # fresh head-sized temporary, per arithmetic op)
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                           fused=True)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True
+        )
         self.steps_per_epoch = max(1, len(self.train_data) // cfg.batch_samples)
         self.total_steps = max(1, int(math.ceil(cfg.epochs * self.steps_per_epoch)))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -118,8 +131,9 @@ class DrafterTrainer:
         source, _ = load_drafter(folder, TargetFingerprint(**self.fingerprint), self.serve_taps)
         if source.cfg != dcfg:
             raise ValueError(f"config.init_from: {folder} has drafter config {source.cfg}, expected {dcfg}")
-        self.drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                      for k, v in source.state_dict().items()})
+        self.drafter.load_state_dict(
+            {k: v.float() if v.is_floating_point() else v for k, v in source.state_dict().items()}
+        )
         if method == "eagle3":
             self.drafter.set_draft_vocab(source.d2t.clone())
 
@@ -130,7 +144,7 @@ class DrafterTrainer:
                 raise ValueError(f"features.taps: {cache.taps} != the trainer's {taps}")
             return cache.samples()
         cache.check(fingerprint, taps)
-        return cache.samples(stream=True)   # features read from disk per step: a cache of any size fits
+        return cache.samples(stream=True)  # features read from disk per step: a cache of any size fits
 
     def _lr_factor(self, step: int) -> float:
         """Linear warmup, then cosine decay to 10 % (``cosine``), or constant (``wsd``), falling
@@ -150,10 +164,13 @@ class DrafterTrainer:
         """The samples of optimizer step ``step``: a seeded permutation per epoch (resumable by step)."""
         epoch, within = divmod(step, self.steps_per_epoch)
         if epoch not in self._perms:
-            self._perms = {epoch: torch.randperm(len(self.train_data),
-                                                 generator=torch.Generator().manual_seed(self.cfg.seed + epoch)).tolist()}
+            self._perms = {
+                epoch: torch.randperm(
+                    len(self.train_data), generator=torch.Generator().manual_seed(self.cfg.seed + epoch)
+                ).tolist()
+            }
         b = self.cfg.batch_samples
-        return self._perms[epoch][within * b:(within + 1) * b]
+        return self._perms[epoch][within * b : (within + 1) * b]
 
     def supervised_tokens_before(self, steps: int) -> list[int]:
         """Supervised tokens seen before each step ``0..steps`` (``steps + 1`` counts)."""
@@ -172,8 +189,10 @@ class DrafterTrainer:
         for tokens in self.cfg.decay_points:
             step = next((k for k, n in enumerate(seen) if n >= tokens), None)
             if step is None:
-                raise ValueError(f"config.decay_points: {tokens} supervised tokens is past the run's "
-                                 f"{seen[-1]} ({self.total_steps} steps); add data or epochs")
+                raise ValueError(
+                    f"config.decay_points: {tokens} supervised tokens is past the run's "
+                    f"{seen[-1]} ({self.total_steps} steps); add data or epochs"
+                )
             out.append((tokens, step))
         return out
 
@@ -182,8 +201,9 @@ class DrafterTrainer:
     def num_steps(self) -> int:
         return {"eagle1": 1, "hass": self.cfg.hass_steps, "eagle3": self.cfg.ttt_steps}[self.cfg.method]
 
-    def pack_loss(self, samples: list[FeatureBatch], noise: bool, stats: dict | None = None
-                  ) -> tuple[torch.Tensor | None, int]:
+    def pack_loss(
+        self, samples: list[FeatureBatch], noise: bool, stats: dict | None = None
+    ) -> tuple[torch.Tensor | None, int]:
         """The sum of ``samples``' own losses, computed *packed*: their rows are concatenated into one
         token grid of ``N`` rows and every rollout step is one drafter pass over all of them. Segment
         ids keep each sample's attention (``rollout_visibility``) and supervision (``rollout_valid``)
@@ -193,46 +213,60 @@ class DrafterTrainer:
         cfg, d, dev = self.cfg, self.d, self.device
         lengths = [fb.input_ids.numel() for fb in samples]
         N = sum(lengths)
-        ids = torch.cat([fb.input_ids for fb in samples]).to(dev)                        # [N]
-        loss_mask = torch.cat([fb.loss_mask for fb in samples]).to(dev)                  # [N]
-        feats = torch.cat([fb.features for fb in samples]).to(dev).float()               # [N, 4d]: low, mid, high, final
+        ids = torch.cat([fb.input_ids for fb in samples]).to(dev)  # [N]
+        loss_mask = torch.cat([fb.loss_mask for fb in samples]).to(dev)  # [N]
+        feats = torch.cat([fb.features for fb in samples]).to(dev).float()  # [N, 4d]: low, mid, high, final
         counts = torch.tensor(lengths, device=dev)
-        seg = torch.repeat_interleave(torch.arange(len(samples), device=dev), counts)   # [N] sample of each row
-        starts = torch.cumsum(counts, 0) - counts                                        # [K]
-        local = torch.arange(N, device=dev) - starts[seg]                                # [N] position in its sample
-        last = (starts + counts - 1)[seg]                                                # [N] its sample's last row
-        final = feats[:, 3 * d:]                                                         # [N, d] LM-head input
+        seg = torch.repeat_interleave(torch.arange(len(samples), device=dev), counts)  # [N] sample of each row
+        starts = torch.cumsum(counts, 0) - counts  # [K]
+        local = torch.arange(N, device=dev) - starts[seg]  # [N] position in its sample
+        last = (starts + counts - 1)[seg]  # [N] its sample's last row
+        final = feats[:, 3 * d :]  # [N, d] LM-head input
         valid = torch.ones(N, dtype=torch.bool, device=dev)
-        row_valid = dense_row_masks(valid[None], seg[None], loss_mask[None])[0][0]       # b_t  [N]
+        row_valid = dense_row_masks(valid[None], seg[None], loss_mask[None])[0][0]  # b_t  [N]
         steps = self.num_steps
-        supervised = rollout_valid(valid, seg, loss_mask, steps)                         # [steps, N]
-        visible = rollout_visibility(seg, row_valid, steps)                               # [steps, N, steps*N]
-        with torch.no_grad():   # the frozen target's distribution of every row's next token, once a pack
-            q_all = torch.softmax(self._teacher_logits(final, exact=stats is not None), dim=-1)   # [N, V or Vd] fp32
+        supervised = rollout_valid(valid, seg, loss_mask, steps)  # [steps, N]
+        visible = rollout_visibility(seg, row_valid, steps)  # [steps, N, steps*N]
+        with torch.no_grad():  # the frozen target's distribution of every row's next token, once a pack
+            q_all = torch.softmax(self._teacher_logits(final, exact=stats is not None), dim=-1)  # [N, V or Vd] fp32
         # one autocast region for the whole rollout: autocast casts each drafter weight to the compute
         # dtype once per region (its cast cache), where a region per call recast every weight each call
         with self.autocast():
             if cfg.method == "eagle3":
-                taps = [feats[:, k * d:(k + 1) * d] for k in range(3)]                    # raw low/mid/high
+                taps = [feats[:, k * d : (k + 1) * d] for k in range(3)]  # raw low/mid/high
                 taps = [self.target.norm(t) if tap.normed else t for t, tap in zip(taps, self.serve_taps)]
-                state = self.drafter.target_state(torch.cat(taps, dim=-1))               # [N, d]
+                state = self.drafter.target_state(torch.cat(taps, dim=-1))  # [N, d]
             else:
-                state = final + (torch.cat([feature_noise(final[a:a + n][None], cfg.noise, self.noise_gen)[0]
-                                            for a, n in zip(starts.tolist(), lengths)]) if noise else 0.0)
+                state = final + (
+                    torch.cat(
+                        [
+                            feature_noise(final[a : a + n][None], cfg.noise, self.noise_gen)[0]
+                            for a, n in zip(starts.tolist(), lengths)
+                        ]
+                    )
+                    if noise
+                    else 0.0
+                )
             cache = GrowingKV(1)
             rows = torch.arange(N, device=dev)
             n_sup = int(supervised[0].sum())
             outs, teacher_rows, weights, step_of_row = [], [], [], []
             for s in range(steps):
                 nxt = torch.minimum(rows + s + 1, last)  # token x_{i+s+1} and teacher index f_{i+s+1}, in its sample
-                h = self.drafter(state[None], self.target.embed(ids[nxt])[None], (local + s)[None], cache, s * N,
-                                 visible[s, :, :(s + 1) * N][None])[0]                   # [N, d]
+                h = self.drafter(
+                    state[None],
+                    self.target.embed(ids[nxt])[None],
+                    (local + s)[None],
+                    cache,
+                    s * N,
+                    visible[s, :, : (s + 1) * N][None],
+                )[0]  # [N, d]
                 m = supervised[s]
                 if int(m.sum()) == 0:
                     break
                 # each sample's loss at this step is the mean over its own supervised rows
                 per_sample = torch.bincount(seg[m], minlength=len(samples)).to(torch.float32)  # [K]
-                step_weight = cfg.ttt_decay ** s if cfg.method == "eagle3" else 1.0
+                step_weight = cfg.ttt_decay**s if cfg.method == "eagle3" else 1.0
                 outs.append(h[m])
                 teacher_rows.append(nxt[m])
                 weights.append(step_weight / per_sample[seg[m]])
@@ -241,17 +275,18 @@ class DrafterTrainer:
             if not outs:
                 return None, n_sup
             # one head call and one loss for every step's supervised rows (R of them)
-            h_rows = torch.cat(outs)                                                     # [R, d]
-            teacher = torch.cat(teacher_rows)                                            # [R] rows of f_{i+s+1}
-            logits = (self.drafter.head(self.drafter.norm(h_rows)) if cfg.method == "eagle3"
-                      else self._frozen_head(h_rows))                                    # [R, V or Vd]
-        q = q_all[teacher]                                                               # [R, V or Vd] fp32
-        row_loss = self._row_losses(h_rows, logits, final[teacher], q)                  # [R] fp32
+            h_rows = torch.cat(outs)  # [R, d]
+            teacher = torch.cat(teacher_rows)  # [R] rows of f_{i+s+1}
+            logits = (
+                self.drafter.head(self.drafter.norm(h_rows)) if cfg.method == "eagle3" else self._frozen_head(h_rows)
+            )  # [R, V or Vd]
+        q = q_all[teacher]  # [R, V or Vd] fp32
+        row_loss = self._row_losses(h_rows, logits, final[teacher], q)  # [R] fp32
         total = (torch.cat(weights) * row_loss).sum()
         if stats is not None:
             step_of_row = torch.cat(step_of_row)
             top = logits.detach().float().topk(min(TOPK_STATS, logits.shape[-1]), dim=-1).indices
-            rank_hit = (top == q.argmax(-1, keepdim=True)).cumsum(-1).bool()           # [R, k]: within the k best
+            rank_hit = (top == q.argmax(-1, keepdim=True)).cumsum(-1).bool()  # [R, k]: within the k best
             for s in range(steps):
                 at = step_of_row == s
                 hits = rank_hit[at].sum(0).tolist()
@@ -275,7 +310,7 @@ class DrafterTrainer:
             return (final.to(dtype) @ weight.T).float()
         key = self.drafter.d2t.data_ptr(), self.drafter.d2t._version, dtype
         if getattr(self, "_head_draft_key", None) != key:
-            self._head_draft = self.target.lm_head.weight[self.drafter.d2t].to(dtype).contiguous()   # [Vd, d]
+            self._head_draft = self.target.lm_head.weight[self.drafter.d2t].to(dtype).contiguous()  # [Vd, d]
             self._head_draft_key = key
         return (final.to(dtype) @ self._head_draft.T).float()
 
@@ -294,8 +329,9 @@ class DrafterTrainer:
             return self.target.lm_head(h)
         return torch.nn.functional.linear(h.to(dtype), self._frozen_head_weight(dtype))
 
-    def _row_losses(self, h: torch.Tensor, logits: torch.Tensor, target_feature: torch.Tensor, q: torch.Tensor
-                    ) -> torch.Tensor:
+    def _row_losses(
+        self, h: torch.Tensor, logits: torch.Tensor, target_feature: torch.Tensor, q: torch.Tensor
+    ) -> torch.Tensor:
         """Each supervised row's loss (before its step weight and its sample's mean): h [R, d],
         logits [R, V], target_feature [R, d], q [R, V] -> [R] fp32."""
         cfg = self.cfg
@@ -352,15 +388,25 @@ class DrafterTrainer:
             self.pack_loss(group, noise=False, stats=stats)
         rows = [max(r, 1) for r in stats.get("rows", [1])]
         topk = [[h / r for h in hits] for hits, r in zip(stats.get("topk", [[0] * 3]), rows)]
-        return {"top1": [t[0] for t in topk], "top3": [t[min(2, len(t) - 1)] for t in topk],
-                "topk": topk, "loss": [x / r for x, r in zip(stats.get("loss", [0.0]), rows)]}
+        return {
+            "top1": [t[0] for t in topk],
+            "top3": [t[min(2, len(t) - 1)] for t in topk],
+            "topk": topk,
+            "loss": [x / r for x, r in zip(stats.get("loss", [0.0]), rows)],
+        }
 
     # --- checkpoints -----------------------------------------------------------------------------------
     def save_state(self, name: str = STATE_FILE) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        state = {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "step": self.step,
-                 "noise_gen": self.noise_gen.get_state(), "method": self.cfg.method, "branch": self.branch}
+        state = {
+            "drafter": self.drafter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "noise_gen": self.noise_gen.get_state(),
+            "method": self.cfg.method,
+            "branch": self.branch,
+        }
         tmp = self.out / (name + ".tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.out / name)
@@ -385,17 +431,22 @@ class DrafterTrainer:
         default_tree = {"kind": "dynamic", "expand_width": 4, "max_depth": 5, "verify_budget": 16}
         weights = {"reg_weight": self.cfg.reg_weight, "cls_weight": self.cfg.cls_weight}
         if self.cfg.method == "hass":
-            weights.update(hass_topk_weight=self.cfg.hass_topk_weight, hass_topk=self.cfg.hass_topk,
-                           hass_steps=self.cfg.hass_steps)
+            weights.update(
+                hass_topk_weight=self.cfg.hass_topk_weight, hass_topk=self.cfg.hass_topk, hass_steps=self.cfg.hass_steps
+            )
         if self.cfg.method == "eagle3":
             weights = {"ttt_steps": self.cfg.ttt_steps, "ttt_decay": self.cfg.ttt_decay}
         from eyas.target.loader import TargetFingerprint
 
-        manifest = manifest_for("eagle3" if self.cfg.method == "eagle3" else "eagle1", self.drafter,
-                                TargetFingerprint(**self.fingerprint), self.serve_taps,
-                                tree_abi=TreeABI(default_tree=default_tree), loss_weights=weights,
-                                recipe={"trained_as": self.cfg.method, **summary,
-                                        "config": json.loads(self.cfg.model_dump_json())})
+        manifest = manifest_for(
+            "eagle3" if self.cfg.method == "eagle3" else "eagle1",
+            self.drafter,
+            TargetFingerprint(**self.fingerprint),
+            self.serve_taps,
+            tree_abi=TreeABI(default_tree=default_tree),
+            loss_weights=weights,
+            recipe={"trained_as": self.cfg.method, **summary, "config": json.loads(self.cfg.model_dump_json())},
+        )
         return save_drafter(out or self.out, self.drafter, manifest)
 
     # --- the loop ----------------------------------------------------------------------------------------
@@ -411,8 +462,10 @@ class DrafterTrainer:
         if self.cfg.init_from and self.step == 0:
             # a warm start's held-out accuracy before any step: the baseline the summary compares with
             start = self.evaluate()
-            bar.write(f"warm start {self.cfg.init_from}: held-out top1 {start['top1'][0]:.3f} "
-                      f"top3 {start['top3'][0]:.3f} per-step top1 {[round(x, 3) for x in start['top1']]}")
+            bar.write(
+                f"warm start {self.cfg.init_from}: held-out top1 {start['top1'][0]:.3f} "
+                f"top3 {start['top3'][0]:.3f} per-step top1 {[round(x, 3) for x in start['top1']]}"
+            )
         while self.step < self.total_steps:
             if stop_after is not None and self.step >= stop_after:
                 self.save_state()
@@ -427,8 +480,10 @@ class DrafterTrainer:
                 bar.set_postfix(loss=f"{ema:.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.1e}")
             if self.step % self.cfg.eval_every == 0:
                 last = self.evaluate()
-                bar.write(f"step {self.step}: held-out top1 {last['top1'][0]:.3f} top3 {last['top3'][0]:.3f} "
-                          f"per-step top1 {[round(x, 3) for x in last['top1']]}")
+                bar.write(
+                    f"step {self.step}: held-out top1 {last['top1'][0]:.3f} top3 {last['top3'][0]:.3f} "
+                    f"per-step top1 {[round(x, 3) for x in last['top1']]}"
+                )
             if self.step % self.cfg.checkpoint_every == 0:
                 self.save_state()
         bar.close()
@@ -437,15 +492,25 @@ class DrafterTrainer:
         wall = time.perf_counter() - t0
         tokens = sum(len(fb.input_ids) for fb in self.train_data)
         supervised = sum(int(fb.loss_mask.sum()) for fb in self.train_data)
-        summary = {"steps": self.step, "train_samples": len(self.train_data), "train_tokens": tokens,
-                   "train_supervised_tokens": supervised,
-                   "epochs": self.cfg.epochs, "wall_s": round(wall, 1), "resumed": resumed,
-                   "skipped_steps": skipped, "final_loss_ema": ema, "heldout": final}
+        summary = {
+            "steps": self.step,
+            "train_samples": len(self.train_data),
+            "train_tokens": tokens,
+            "train_supervised_tokens": supervised,
+            "epochs": self.cfg.epochs,
+            "wall_s": round(wall, 1),
+            "resumed": resumed,
+            "skipped_steps": skipped,
+            "final_loss_ema": ema,
+            "heldout": final,
+        }
         if start is not None:
             summary["heldout_at_start"] = start
-        print(f"done: {self.step} steps in {wall:.0f} s; loss {ema if ema is None else round(ema, 4)}; held-out "
-              f"top-1 {final['top1'][0]:.3f}, top-3 {final['top3'][0]:.3f}; per-step top-1 "
-              f"{[round(x, 3) for x in final['top1']]}")
+        print(
+            f"done: {self.step} steps in {wall:.0f} s; loss {ema if ema is None else round(ema, 4)}; held-out "
+            f"top-1 {final['top1'][0]:.3f}, top-3 {final['top3'][0]:.3f}; per-step top-1 "
+            f"{[round(x, 3) for x in final['top1']]}"
+        )
         return summary
 
     # --- warmup-stable-decay with decay branches -------------------------------------------------------
@@ -476,9 +541,12 @@ class DrafterTrainer:
         t0, ran = time.perf_counter(), 0
         resumed = self.load_state(self.BRANCH_FILE) or self.load_state()
         summaries = self._points_done()
-        print(f"wsd: {len(points)} decay points {[p for p, _ in points]} (steps {[k for _, k in points]}); "
-              f"main run to step {end}; resuming at step {self.step}" + (f" in the branch at {self.branch['tokens']}"
-                                                                         if self.branch else ""), flush=True)
+        print(
+            f"wsd: {len(points)} decay points {[p for p, _ in points]} (steps {[k for _, k in points]}); "
+            f"main run to step {end}; resuming at step {self.step}"
+            + (f" in the branch at {self.branch['tokens']}" if self.branch else ""),
+            flush=True,
+        )
 
         def run_to(stop: int, phase: str, state_file: str) -> bool:
             nonlocal ran
@@ -494,14 +562,26 @@ class DrafterTrainer:
                 bar.update(1)
                 if stats is not None:
                     ema = stats.loss if ema is None else 0.95 * ema + 0.05 * stats.loss
-                    bar.set_postfix(loss=f"{ema:.3f}", lr=f"{self.scheduler.get_last_lr()[0]:.1e}",
-                                    tokens=f"{seen[min(self.step, len(seen) - 1)] / 1e6:.2f}M")
+                    bar.set_postfix(
+                        loss=f"{ema:.3f}",
+                        lr=f"{self.scheduler.get_last_lr()[0]:.1e}",
+                        tokens=f"{seen[min(self.step, len(seen) - 1)] / 1e6:.2f}M",
+                    )
                 if phase == "main" and self.step % cfg.eval_every == 0:
                     last = self.evaluate()
-                    self._log({"phase": "stable", "step": self.step, "supervised_tokens": seen[self.step],
-                               "heldout": last, "wall_s": round(time.perf_counter() - t0, 1)})
-                    bar.write(f"step {self.step} ({seen[self.step]} supervised tokens): held-out per-step top1 "
-                              f"{[round(x, 3) for x in last['top1']]}")
+                    self._log(
+                        {
+                            "phase": "stable",
+                            "step": self.step,
+                            "supervised_tokens": seen[self.step],
+                            "heldout": last,
+                            "wall_s": round(time.perf_counter() - t0, 1),
+                        }
+                    )
+                    bar.write(
+                        f"step {self.step} ({seen[self.step]} supervised tokens): held-out per-step top1 "
+                        f"{[round(x, 3) for x in last['top1']]}"
+                    )
                 if self.step % cfg.checkpoint_every == 0:
                     self.save_state(state_file)
             bar.close()
@@ -510,38 +590,54 @@ class DrafterTrainer:
         for tokens, step in points:
             if str(tokens) in summaries:
                 continue
-            if self.branch is None:            # the main run up to this point, then its stable state
+            if self.branch is None:  # the main run up to this point, then its stable state
                 if not run_to(step, "main", STATE_FILE):
                     return {"stopped_at": self.step}
                 self.save_state()
                 self.branch = {"tokens": tokens, "start": step, "length": max(1, math.ceil(cfg.decay_fraction * step))}
                 self.scheduler.last_epoch = self.step - 1
-                self.scheduler.step()          # the branch's own rate from its first step
+                self.scheduler.step()  # the branch's own rate from its first step
                 self.save_state(self.BRANCH_FILE)
             b = self.branch
             if not run_to(b["start"] + b["length"], f"decay@{tokens}", self.BRANCH_FILE):
                 return {"stopped_at": self.step}
             heldout = self.evaluate()
-            summary = {"supervised_tokens": tokens, "stable_steps": b["start"], "decay_steps": b["length"],
-                       "steps": self.step, "supervised_tokens_with_decay": seen[min(self.step, len(seen) - 1)],
-                       "train_samples": len(self.train_data), "schedule": "wsd", "heldout": heldout,
-                       "wall_s": round(time.perf_counter() - t0, 1)}
+            summary = {
+                "supervised_tokens": tokens,
+                "stable_steps": b["start"],
+                "decay_steps": b["length"],
+                "steps": self.step,
+                "supervised_tokens_with_decay": seen[min(self.step, len(seen) - 1)],
+                "train_samples": len(self.train_data),
+                "schedule": "wsd",
+                "heldout": heldout,
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
             path = self.export(summary, self.out / f"point-{tokens}")
             self._log({"phase": "decayed", "step": self.step, **summary})
             summaries[str(tokens)] = {**summary, "drafter": str(path)}
             tmp = self.out / (self.POINTS_FILE + ".tmp")
             tmp.write_text(json.dumps(summaries, indent=1))
             os.replace(tmp, self.out / self.POINTS_FILE)
-            print(f"point {tokens}: held-out per-step top-1 {[round(x, 3) for x in heldout['top1']]}, "
-                  f"top-3 {[round(x, 3) for x in heldout['top3']]} -> {path}", flush=True)
+            print(
+                f"point {tokens}: held-out per-step top-1 {[round(x, 3) for x in heldout['top1']]}, "
+                f"top-3 {[round(x, 3) for x in heldout['top3']]} -> {path}",
+                flush=True,
+            )
             (self.out / self.BRANCH_FILE).unlink(missing_ok=True)
             self.branch = None
-            self.load_state()                  # back to the stable state at this point
+            self.load_state()  # back to the stable state at this point
         if not points:
             if not run_to(end, "main", STATE_FILE):
                 return {"stopped_at": self.step}
             self.save_state()
         final = summaries[str(points[-1][0])] if points else {"heldout": self.evaluate()}
-        return {"steps": self.step, "points": summaries, "heldout": final["heldout"], "resumed": resumed,
-                "wall_s": round(time.perf_counter() - t0, 1), "train_samples": len(self.train_data),
-                "schedule": "wsd"}
+        return {
+            "steps": self.step,
+            "points": summaries,
+            "heldout": final["heldout"],
+            "resumed": resumed,
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "train_samples": len(self.train_data),
+            "schedule": "wsd",
+        }

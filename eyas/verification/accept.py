@@ -31,8 +31,9 @@ from eyas.protocol.messages import ROOT_ROW, AcceptDecision
 from eyas.protocol.tree import RETRIEVE_PAD, FlatTree
 from eyas.verification.sampling import SamplingParams, sample, target_probs
 
-if TYPE_CHECKING:   # the type only: verification imports nothing of the target
+if TYPE_CHECKING:  # the type only: verification imports nothing of the target
     from eyas.target.engine import Verified
+
 
 def _check_target(flat: FlatTree, target: torch.Tensor, name: str) -> None:
     if not isinstance(target, torch.Tensor) or target.ndim != 2:
@@ -43,9 +44,7 @@ def _check_target(flat: FlatTree, target: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected a floating dtype, got {target.dtype}")
     lowest, highest = torch.aminmax(flat.tokens)
     if int(highest) >= target.shape[1] or int(lowest) < 0:
-        raise ValueError(
-            f"{name}: flat tree token ids fall outside the vocabulary of size {target.shape[1]}"
-        )
+        raise ValueError(f"{name}: flat tree token ids fall outside the vocabulary of size {target.shape[1]}")
 
 
 def _decision(flat: FlatTree, rows: torch.Tensor, frontier_token: int) -> AcceptDecision:
@@ -134,16 +133,12 @@ def stochastic_accept(
         row_mass[parents[row]] += mass[row]
     if min(row_mass) <= 0:
         raise ValueError("target_probs: every row needs positive mass")
-    uniforms = torch.rand(
-        num_rows, generator=generator, dtype=torch.float64, device=generator.device
-    ).tolist()
+    uniforms = torch.rand(num_rows, generator=generator, dtype=torch.float64, device=generator.device).tolist()
 
     path = [ROOT_ROW]
     while True:
         row = path[-1]
-        accepted = _accept_child(
-            children[row], [tokens[c] for c in children[row]], mass, outside[row], uniforms
-        )
+        accepted = _accept_child(children[row], [tokens[c] for c in children[row]], mass, outside[row], uniforms)
         if accepted is None:
             frontier = torch.multinomial(residual[row].to(generator.device), 1, generator=generator)
             return AcceptDecision(
@@ -185,8 +180,7 @@ def _accept_child(
     return None
 
 
-def decide(v: Verified, prompt_ids: list[int], sampling: SamplingParams,
-           generator: torch.Generator) -> AcceptDecision:
+def decide(v: Verified, prompt_ids: list[int], sampling: SamplingParams, generator: torch.Generator) -> AcceptDecision:
     """The accept step: a pure function of the verified rows (seed 0x05C). A prefill accepts every
     prompt row and draws the frontier from the last row; a verify accepts greedily or by the
     stochastic rule below."""

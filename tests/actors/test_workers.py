@@ -3,6 +3,7 @@
 The decode loop runs over ``LocalTransport`` (the Verifier messages to an in-process TargetWorker),
 so everything here is the code the Ray actors run, minus the process boundary.
 """
+
 from __future__ import annotations
 
 import threading
@@ -67,8 +68,9 @@ class Flaky:
 
 def test_a_drafter_that_dies_mid_request_is_reseeded_and_the_output_is_unchanged(tiny_target, worker, drafter_engine):
     flaky = Flaky(drafter_engine, fail_at={3})
-    out = generate_remote(RemoteVerifier(LocalTransport(worker)), PROMPT, max_new_tokens=30, drafter=flaky, tree=TREE,
-                          request_id="reseed")
+    out = generate_remote(
+        RemoteVerifier(LocalTransport(worker)), PROMPT, max_new_tokens=30, drafter=flaky, tree=TREE, request_id="reseed"
+    )
     assert out.token_ids == baseline(tiny_target)
     assert out.drafter_reseeds == 1 and not out.drafter_fallback
     # the round whose propose failed went plain (the round step's rule); the next reseeded and drafted
@@ -82,8 +84,14 @@ def test_a_drafter_that_stays_down_falls_back_to_target_only_with_the_same_token
     # one failure more than the reseeds allowed, in a row (each reseed's next propose fails again)
     in_a_row = set(range(2, 2 + MAX_DRAFTER_RESEEDS + 1))
     for flaky in (Flaky(drafter_engine, fail_at=in_a_row), Flaky(drafter_engine, always=True)):
-        out = generate_remote(RemoteVerifier(LocalTransport(worker)), PROMPT, max_new_tokens=30, drafter=flaky,
-                              tree=TREE, request_id="fallback")
+        out = generate_remote(
+            RemoteVerifier(LocalTransport(worker)),
+            PROMPT,
+            max_new_tokens=30,
+            drafter=flaky,
+            tree=TREE,
+            request_id="fallback",
+        )
         assert out.token_ids == baseline(tiny_target)
         assert out.drafter_fallback
         assert out.rounds[-1].tree_nodes == 0
@@ -124,13 +132,28 @@ def test_cancel_stops_at_a_round_boundary_and_releases_every_session(tiny_target
         if len(seen) == 3:
             cancel.set()
 
-    out = generate_remote(RemoteVerifier(LocalTransport(worker)), PROMPT, max_new_tokens=40, drafter=drafter_engine,
-                          tree=TREE, request_id="cancel", cancel=cancel, on_tokens=on_tokens)
+    out = generate_remote(
+        RemoteVerifier(LocalTransport(worker)),
+        PROMPT,
+        max_new_tokens=40,
+        drafter=drafter_engine,
+        tree=TREE,
+        request_id="cancel",
+        cancel=cancel,
+        on_tokens=on_tokens,
+    )
     assert out.finish_reason == "cancelled" and len(out.rounds) == 2
-    assert out.token_ids == baseline(tiny_target)[:len(out.token_ids)]
-    assert worker.leak_check() | {"worker": None} == {"worker": None, "live_sessions": 0, "kv_slots_allocated": 0,
-                                                      "kv_slots_live": 0, "kv_bytes_allocated": 0, "orphans": [],
-                                                      "last_expert_bytes": 0, "ok": True}
+    assert out.token_ids == baseline(tiny_target)[: len(out.token_ids)]
+    assert worker.leak_check() | {"worker": None} == {
+        "worker": None,
+        "live_sessions": 0,
+        "kv_slots_allocated": 0,
+        "kv_slots_live": 0,
+        "kv_bytes_allocated": 0,
+        "orphans": [],
+        "last_expert_bytes": 0,
+        "ok": True,
+    }
     assert not drafter_engine.sessions
 
 
@@ -139,13 +162,21 @@ def test_an_error_mid_request_releases_every_session(worker, drafter_engine):
         raise RuntimeError("client handler failed")
 
     with pytest.raises(RuntimeError):
-        generate_remote(RemoteVerifier(LocalTransport(worker)), PROMPT, max_new_tokens=20, drafter=drafter_engine,
-                        tree=TREE, request_id="boom", on_tokens=boom)
+        generate_remote(
+            RemoteVerifier(LocalTransport(worker)),
+            PROMPT,
+            max_new_tokens=20,
+            drafter=drafter_engine,
+            tree=TREE,
+            request_id="boom",
+            on_tokens=boom,
+        )
     assert worker.leak_check()["ok"] and worker.leak_check()["live_sessions"] == 0 and not drafter_engine.sessions
 
 
-def test_a_publish_that_fails_half_way_changes_nothing_and_can_be_retried(tiny_target, worker, drafter_engine,
-                                                                          monkeypatch):
+def test_a_publish_that_fails_half_way_changes_nothing_and_can_be_retried(
+    tiny_target, worker, drafter_engine, monkeypatch
+):
     verifier = RemoteVerifier(LocalTransport(worker))
     taps = tuple((t.layers_applied, t.normed) for t in drafter_engine.taps)
     verifier.open_session("atomic", PROMPT, 30, TREE.max_candidates + 1, taps=taps)
@@ -158,8 +189,14 @@ def test_a_publish_that_fails_half_way_changes_nothing_and_can_be_retried(tiny_t
         engine = worker.sessions["atomic"].engine
         t = engine.sessions["atomic"]
         if verdict.decision.accept_length and not failed:
-            before = (engine.committed_kv("atomic")[0].clone(), t.committed_len, list(t.tokens), t.round,
-                      len(t.features), t.frontier_token)
+            before = (
+                engine.committed_kv("atomic")[0].clone(),
+                t.committed_len,
+                list(t.tokens),
+                t.round,
+                len(t.features),
+                t.frontier_token,
+            )
 
             def broken(*_a, **_k):
                 raise RuntimeError("device error during the KV gather")
@@ -168,8 +205,14 @@ def test_a_publish_that_fails_half_way_changes_nothing_and_can_be_retried(tiny_t
             with pytest.raises(RuntimeError):
                 verifier.publish("atomic", verdict.round)
             monkeypatch.undo()
-            after = (engine.committed_kv("atomic")[0], t.committed_len, list(t.tokens), t.round,
-                     len(t.features), t.frontier_token)
+            after = (
+                engine.committed_kv("atomic")[0],
+                t.committed_len,
+                list(t.tokens),
+                t.round,
+                len(t.features),
+                t.frontier_token,
+            )
             assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
             failed += 1
         seed, ack = verifier.publish("atomic", verdict.round)  # the retry commits the same decision
@@ -239,19 +282,27 @@ def test_the_object_calls_decide_what_the_messages_do_and_refuse_each_item_alone
     try:
         tree = drafter_engine.propose("a", pub.seed, TREE)
         _, (ver, ghost) = objects.step([], [("a", tree), ("ghost", tree)])
-        flat = wire.flat_tree_to_proto(ver.flat, request_id="a", round=ver.round, base_position=ver.flat.positions[0].item())
+        flat = wire.flat_tree_to_proto(
+            ver.flat, request_id="a", round=ver.round, base_position=ver.flat.positions[0].item()
+        )
         _, (ver_msg,) = messages.round_batch([], [flat])
         assert isinstance(ghost, Refusal) and ghost.not_found and ghost.message.startswith("request_id: ")
         assert torch.equal(ver.decision.accepted_tokens, wire.decision_from_proto(ver_msg).accepted_tokens)
         _, (again,) = objects.step([], [("a", tree)])
-        assert isinstance(again, Refusal) and again.message.startswith(f"round: {ver.round} of 'a' is not yet published")
+        assert isinstance(again, Refusal) and again.message.startswith(
+            f"round: {ver.round} of 'a' is not yet published"
+        )
         objects.publish_rounds([("a", ver.round)])
-        over = tree.__class__(torch.zeros(20, dtype=torch.int64), torch.arange(-1, 19), torch.arange(1, 21),
-                              torch.full((20,), 0.5))
+        over = tree.__class__(
+            torch.zeros(20, dtype=torch.int64), torch.arange(-1, 19), torch.arange(1, 21), torch.full((20,), 0.5)
+        )
         _, (refused,) = objects.step([], [("a", over)])
         assert isinstance(refused, Refusal) and refused.message.startswith("tree_budget: 21 rows exceed")
         seed = objects.committed_seed("a")
-        assert seed.start_position == 0 and seed.features.shape[0] == objects.sessions["a"].engine.sessions["a"].committed_len
+        assert (
+            seed.start_position == 0
+            and seed.features.shape[0] == objects.sessions["a"].engine.sessions["a"].committed_len
+        )
     finally:
         drafter_engine.close_session("a")
         objects.close("a"), messages.close("a")

@@ -1,4 +1,5 @@
 """Autoscaling policies (eyas.autoscale.policy): pure functions of (metrics, state, config, now)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,14 +29,28 @@ def spread(n: int, now: float = 0.0, **totals: float) -> list[ReplicaMetrics]:
 
 
 def tcfg(**kw) -> TargetScalingConfig:
-    base = dict(min_replicas=1, max_replicas=10, target_verify_rows_per_replica=100, upscale_delay_s=0,
-                downscale_delay_s=0, downscale_tolerance=0.1, max_step_up=None, max_step_down=None)
+    base = dict(
+        min_replicas=1,
+        max_replicas=10,
+        target_verify_rows_per_replica=100,
+        upscale_delay_s=0,
+        downscale_delay_s=0,
+        downscale_tolerance=0.1,
+        max_step_up=None,
+        max_step_down=None,
+    )
     return TargetScalingConfig(**{**base, **kw})
 
 
 def dcfg(**kw) -> DrafterScalingConfig:
-    base = dict(min_replicas=1, max_replicas=10, target_draft_rows_per_replica=100, upscale_delay_s=0,
-                downscale_delay_s=0, downscale_tolerance=0.1)
+    base = dict(
+        min_replicas=1,
+        max_replicas=10,
+        target_draft_rows_per_replica=100,
+        upscale_delay_s=0,
+        downscale_delay_s=0,
+        downscale_tolerance=0.1,
+    )
     return DrafterScalingConfig(**{**base, **kw})
 
 
@@ -115,8 +130,9 @@ def test_never_above_max_never_below_min():
 
 def test_a_count_outside_the_bounds_is_corrected_at_once():
     """The config changed under a running fleet: bounds are hard, no delay, no step limit."""
-    cfg = tcfg(min_replicas=3, max_replicas=4, upscale_delay_s=1e6, downscale_delay_s=1e6, max_step_up=1,
-               max_step_down=1)
+    cfg = tcfg(
+        min_replicas=3, max_replicas=4, upscale_delay_s=1e6, downscale_delay_s=1e6, max_step_up=1, max_step_down=1
+    )
     n, state = decide_target_replicas(spread(1, pending_verify_rows=0), ScalingState.initial(1), cfg, now=7)
     assert (n, state.last_decision_at) == (3, 7)
     n, _ = decide_target_replicas(spread(9, pending_verify_rows=10_000), ScalingState.initial(9), cfg, now=7)
@@ -126,21 +142,33 @@ def test_a_count_outside_the_bounds_is_corrected_at_once():
 
 
 @settings(max_examples=150, deadline=None)
-@given(lo=st.integers(1, 4), extra=st.integers(0, 6), start=st.integers(0, 12),
-       step_up=st.none() | st.integers(1, 3), step_down=st.none() | st.integers(1, 3),
-       loads=st.lists(st.floats(0, 5000, allow_nan=False), min_size=1, max_size=30),
-       drafter_lo=st.integers(0, 3))
+@given(
+    lo=st.integers(1, 4),
+    extra=st.integers(0, 6),
+    start=st.integers(0, 12),
+    step_up=st.none() | st.integers(1, 3),
+    step_down=st.none() | st.integers(1, 3),
+    loads=st.lists(st.floats(0, 5000, allow_nan=False), min_size=1, max_size=30),
+    drafter_lo=st.integers(0, 3),
+)
 def test_bounds_hold_for_any_load_sequence(lo, extra, start, step_up, step_down, loads, drafter_lo):
     hi = lo + extra
-    cfg = tcfg(min_replicas=lo, max_replicas=hi, max_step_up=step_up, max_step_down=step_down, upscale_delay_s=1,
-               downscale_delay_s=2)
+    cfg = tcfg(
+        min_replicas=lo,
+        max_replicas=hi,
+        max_step_up=step_up,
+        max_step_down=step_down,
+        upscale_delay_s=1,
+        downscale_delay_s=2,
+    )
     dhi = max(hi, drafter_lo)
     dc = dcfg(min_replicas=drafter_lo, max_replicas=dhi, max_step_up=step_up, max_step_down=step_down)
     ts, ds = ScalingState.initial(start), ScalingState.initial(start)
     for t, load in enumerate(loads):
         before = ts.current_replicas
-        n, ts = decide_target_replicas(spread(3, t, pending_verify_rows=load, kv_bytes_used=load,
-                                              kv_bytes_capacity=3000), ts, cfg, now=float(t))
+        n, ts = decide_target_replicas(
+            spread(3, t, pending_verify_rows=load, kv_bytes_used=load, kv_bytes_capacity=3000), ts, cfg, now=float(t)
+        )
         assert lo <= n <= hi and n == ts.current_replicas
         if lo <= before <= hi:  # inside the bounds, every change respects the step limits
             assert before - (step_down or 99) <= n <= before + (step_up or 99)
@@ -214,8 +242,9 @@ def _oscillate(cfg: TargetScalingConfig, start: int, boundary: float, calls: int
     state, counts = ScalingState.initial(start), []
     for i in range(calls):
         load = boundary * (0.95 + 0.10 * ((i * 7919) % 101) / 100)
-        n, state = decide_target_replicas(spread(max(1, state.current_replicas), i, pending_verify_rows=load),
-                                          state, cfg, now=float(i))
+        n, state = decide_target_replicas(
+            spread(max(1, state.current_replicas), i, pending_verify_rows=load), state, cfg, now=float(i)
+        )
         counts.append(n)
     return counts
 
@@ -253,8 +282,7 @@ def test_load_clearly_below_the_band_still_scales_down():
 def test_drafter_policy_ignores_target_signals_and_vice_versa():
     """Heavy verify / KV / expert load with no draft rows: targets go up, drafters go down to min.
     Heavy draft rows with an idle target: drafters go up, targets go down."""
-    heavy_target = spread(2, pending_verify_rows=1000, kv_bytes_used=1900, kv_bytes_capacity=2000,
-                          expert_bytes=1e12)
+    heavy_target = spread(2, pending_verify_rows=1000, kv_bytes_used=1900, kv_bytes_capacity=2000, expert_bytes=1e12)
     tc, dc = tcfg(target_expert_bytes_per_replica=1e9), dcfg(min_replicas=1)
     assert decide_target_replicas(heavy_target, ScalingState.initial(2), tc, now=0)[0] == 10
     assert decide_drafter_replicas(heavy_target, ScalingState.initial(4), dc, now=0)[0] == 1
@@ -336,26 +364,29 @@ def test_module_does_not_import_ray():
 
 
 # --- validation ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cls, kwargs, field", [
-    (TargetScalingConfig, dict(min_replicas=3, max_replicas=2), "max_replicas"),
-    (TargetScalingConfig, dict(min_replicas=5), "max_replicas"),  # above the default max of 4
-    (TargetScalingConfig, dict(min_replicas=0), "min_replicas"),
-    (TargetScalingConfig, dict(upscale_delay_s=-1), "upscale_delay_s"),
-    (TargetScalingConfig, dict(downscale_delay_s=-0.5), "downscale_delay_s"),
-    (TargetScalingConfig, dict(max_kv_utilisation=1.5), "max_kv_utilisation"),
-    (TargetScalingConfig, dict(max_kv_utilisation=0), "max_kv_utilisation"),
-    (TargetScalingConfig, dict(target_verify_rows_per_replica=0), "target_verify_rows_per_replica"),
-    (TargetScalingConfig, dict(target_expert_bytes_per_replica=-1), "target_expert_bytes_per_replica"),
-    (TargetScalingConfig, dict(downscale_tolerance=1.0), "downscale_tolerance"),
-    (TargetScalingConfig, dict(max_step_up=0), "max_step_up"),
-    (TargetScalingConfig, dict(max_step_down=0), "max_step_down"),
-    (TargetScalingConfig, dict(target_draft_rows_per_replica=10), "target_draft_rows_per_replica"),  # extra
-    (DrafterScalingConfig, dict(min_replicas=9, max_replicas=3), "max_replicas"),
-    (DrafterScalingConfig, dict(downscale_delay_s=-1), "downscale_delay_s"),
-    (DrafterScalingConfig, dict(target_draft_rows_per_replica=-5), "target_draft_rows_per_replica"),
-    (DrafterScalingConfig, dict(max_kv_utilisation=0.5), "max_kv_utilisation"),  # extra: a target knob
-    (DrafterScalingConfig, dict(min_replicas=-1), "min_replicas"),
-])
+@pytest.mark.parametrize(
+    "cls, kwargs, field",
+    [
+        (TargetScalingConfig, dict(min_replicas=3, max_replicas=2), "max_replicas"),
+        (TargetScalingConfig, dict(min_replicas=5), "max_replicas"),  # above the default max of 4
+        (TargetScalingConfig, dict(min_replicas=0), "min_replicas"),
+        (TargetScalingConfig, dict(upscale_delay_s=-1), "upscale_delay_s"),
+        (TargetScalingConfig, dict(downscale_delay_s=-0.5), "downscale_delay_s"),
+        (TargetScalingConfig, dict(max_kv_utilisation=1.5), "max_kv_utilisation"),
+        (TargetScalingConfig, dict(max_kv_utilisation=0), "max_kv_utilisation"),
+        (TargetScalingConfig, dict(target_verify_rows_per_replica=0), "target_verify_rows_per_replica"),
+        (TargetScalingConfig, dict(target_expert_bytes_per_replica=-1), "target_expert_bytes_per_replica"),
+        (TargetScalingConfig, dict(downscale_tolerance=1.0), "downscale_tolerance"),
+        (TargetScalingConfig, dict(max_step_up=0), "max_step_up"),
+        (TargetScalingConfig, dict(max_step_down=0), "max_step_down"),
+        (TargetScalingConfig, dict(target_draft_rows_per_replica=10), "target_draft_rows_per_replica"),  # extra
+        (DrafterScalingConfig, dict(min_replicas=9, max_replicas=3), "max_replicas"),
+        (DrafterScalingConfig, dict(downscale_delay_s=-1), "downscale_delay_s"),
+        (DrafterScalingConfig, dict(target_draft_rows_per_replica=-5), "target_draft_rows_per_replica"),
+        (DrafterScalingConfig, dict(max_kv_utilisation=0.5), "max_kv_utilisation"),  # extra: a target knob
+        (DrafterScalingConfig, dict(min_replicas=-1), "min_replicas"),
+    ],
+)
 def test_config_validation_names_the_field(cls, kwargs, field):
     with pytest.raises(ValidationError) as err:
         cls(**kwargs)
@@ -379,8 +410,9 @@ def test_defaults_are_valid_and_documented():
     assert TargetScalingConfig.model_validate({"min_replicas": 2, "max_replicas": 6}).max_replicas == 6
 
 
-@pytest.mark.parametrize("field", ["pending_verify_rows", "draft_rows", "kv_bytes_used", "kv_bytes_capacity",
-                                   "expert_bytes"])
+@pytest.mark.parametrize(
+    "field", ["pending_verify_rows", "draft_rows", "kv_bytes_used", "kv_bytes_capacity", "expert_bytes"]
+)
 def test_replica_metrics_reject_negative_or_nan(field):
     with pytest.raises(ValueError, match=field):
         ReplicaMetrics(**{field: -1})
@@ -389,7 +421,8 @@ def test_replica_metrics_reject_negative_or_nan(field):
 
 
 def test_replica_metrics_stats_round_trip():
-    m = ReplicaMetrics(pending_verify_rows=3, draft_rows=4, kv_bytes_used=5, kv_bytes_capacity=6, expert_bytes=7,
-                       timestamp=8)
+    m = ReplicaMetrics(
+        pending_verify_rows=3, draft_rows=4, kv_bytes_used=5, kv_bytes_capacity=6, expert_bytes=7, timestamp=8
+    )
     assert ReplicaMetrics.from_stats(m.as_stats(), timestamp=8) == m
     assert ReplicaMetrics.from_stats({"draft_rows": 2, "other": 1}, 0) == ReplicaMetrics(draft_rows=2)

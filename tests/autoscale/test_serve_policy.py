@@ -3,6 +3,7 @@
 Every test drives a policy with real ``ray.serve.config.AutoscalingContext`` objects built by hand
 (plain strings as replica ids), the way Serve's controller calls it on each tick: no Ray cluster.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ from eyas.autoscale.serve_policy import (
 
 TARGET_PATH = "eyas.autoscale.serve_policy:TargetTreeWorkPolicy"
 # the policy_kwargs of the module docstring's example: 64 rows a replica, 2 s up, 10 s down, 1..4
-KWARGS = dict(target_verify_rows_per_replica=64, upscale_delay_s=2, downscale_delay_s=10,
-              min_replicas=1, max_replicas=4)
+KWARGS = dict(
+    target_verify_rows_per_replica=64, upscale_delay_s=2, downscale_delay_s=10, min_replicas=1, max_replicas=4
+)
 INSTANT = dict(KWARGS, upscale_delay_s=0, downscale_delay_s=0)  # the same without delays
 
 
@@ -46,8 +48,9 @@ def spread(replicas: int, **totals: float) -> dict[str, dict[str, float]]:
     return {name: {f"r{i}": total / replicas for i in range(replicas)} for name, total in totals.items()}
 
 
-def make_ctx(target: int, metrics=None, *, now: float | None = 100.0, policy_state=None, lo: int = 1,
-             hi: int = 4, config=None) -> AutoscalingContext:
+def make_ctx(
+    target: int, metrics=None, *, now: float | None = 100.0, policy_state=None, lo: int = 1, hi: int = 4, config=None
+) -> AutoscalingContext:
     """One tick's context as Serve's controller builds it (``target`` replicas, all running)."""
     return AutoscalingContext(
         deployment_id=DeploymentID(name="target", app_name="eyas"),
@@ -79,8 +82,14 @@ class Controller:
         self.policy_state: dict = {}
 
     def tick(self, now: float, **totals: float) -> int:
-        ctx = make_ctx(self.replicas, spread(self.replicas, **totals), now=now,
-                       policy_state=self.policy_state, lo=self.lo, hi=self.hi)
+        ctx = make_ctx(
+            self.replicas,
+            spread(self.replicas, **totals),
+            now=now,
+            policy_state=self.policy_state,
+            lo=self.lo,
+            hi=self.hi,
+        )
         self.replicas, self.policy_state = self.policy(ctx)
         return self.replicas
 
@@ -101,8 +110,14 @@ def test_scale_up_waits_for_the_delay_then_steps_across_ticks():
     got = [c.tick(t, pending_verify_rows=200) for t in (100.0, 101.0)]
     assert got == [1, 1] and c.ours["above_since"] == 100.0
     assert c.tick(102.0, pending_verify_rows=200) == 3
-    assert c.ours == {"current_replicas": 3, "above_since": 102.0, "below_since": None,
-                      "last_decision_at": 102.0, "needs": {"verify_rows": 3.125}, "decided_at": 102.0}
+    assert c.ours == {
+        "current_replicas": 3,
+        "above_since": 102.0,
+        "below_since": None,
+        "last_decision_at": 102.0,
+        "needs": {"verify_rows": 3.125},
+        "decided_at": 102.0,
+    }
     assert [c.tick(t, pending_verify_rows=200) for t in (103.0, 104.0, 105.0)] == [3, 4, 4]
     assert c.ours["above_since"] is None and c.ours["last_decision_at"] == 104.0
 
@@ -174,14 +189,23 @@ def test_a_huge_load_never_exceeds_the_max():
 
 
 # --- missing and bad metrics ---------------------------------------------------------------------------
-@pytest.mark.parametrize("metrics", [None, {}, {"pending_verify_rows": {}}, {"qps": {"r0": 5.0}}],
-                         ids=["none", "empty", "no-replicas", "only-other-metrics"])
+@pytest.mark.parametrize(
+    "metrics",
+    [None, {}, {"pending_verify_rows": {}}, {"qps": {"r0": 5.0}}],
+    ids=["none", "empty", "no-replicas", "only-other-metrics"],
+)
 def test_no_metrics_keeps_the_count(metrics):
     """No Eyas metric from any replica: keep ctx.target_num_replicas (3), with no needs and no clocks."""
     n, state = TargetTreeWorkPolicy(**INSTANT)(make_ctx(3, metrics))
     assert n == 3
-    assert state[STATE_KEY] == {"current_replicas": 3, "above_since": None, "below_since": None,
-                                "last_decision_at": None, "needs": {}, "decided_at": 100.0}
+    assert state[STATE_KEY] == {
+        "current_replicas": 3,
+        "above_since": None,
+        "below_since": None,
+        "last_decision_at": None,
+        "needs": {},
+        "decided_at": 100.0,
+    }
 
 
 def test_a_tick_without_metrics_restarts_the_upscale_clock():
@@ -189,9 +213,13 @@ def test_a_tick_without_metrics_restarts_the_upscale_clock():
     policy = TargetTreeWorkPolicy(**KWARGS)
     state: dict = {}
     got = []
-    for t, metrics in ((100.0, spread(1, pending_verify_rows=200)), (101.0, None),
-                       (102.0, spread(1, pending_verify_rows=200)), (103.0, spread(1, pending_verify_rows=200)),
-                       (104.0, spread(1, pending_verify_rows=200))):
+    for t, metrics in (
+        (100.0, spread(1, pending_verify_rows=200)),
+        (101.0, None),
+        (102.0, spread(1, pending_verify_rows=200)),
+        (103.0, spread(1, pending_verify_rows=200)),
+        (104.0, spread(1, pending_verify_rows=200)),
+    ):
         n, state = policy(make_ctx(1 if not got else got[-1], metrics, now=t, policy_state=state))
         got.append(n)
     assert got == [1, 1, 1, 1, 3]
@@ -214,12 +242,20 @@ def test_negative_and_non_finite_values_read_as_zero_and_warn_once(caplog):
 def test_metrics_from_context_one_report_per_replica():
     """Golden: r0 sends only verify rows, r1 also draft rows, "qps" is not ours and r2 only sends it;
     a None value reads as 0."""
-    got = metrics_from_context({"pending_verify_rows": {"r0": 10.0, "r1": 20.0},
-                                "draft_rows": {"r1": 5.0},
-                                "kv_bytes_used": {"r0": None},
-                                "qps": {"r2": 1.0}}, now=7.0, warned=set())
-    assert got == [ReplicaMetrics(pending_verify_rows=10.0, timestamp=7.0),
-                   ReplicaMetrics(pending_verify_rows=20.0, draft_rows=5.0, timestamp=7.0)]
+    got = metrics_from_context(
+        {
+            "pending_verify_rows": {"r0": 10.0, "r1": 20.0},
+            "draft_rows": {"r1": 5.0},
+            "kv_bytes_used": {"r0": None},
+            "qps": {"r2": 1.0},
+        },
+        now=7.0,
+        warned=set(),
+    )
+    assert got == [
+        ReplicaMetrics(pending_verify_rows=10.0, timestamp=7.0),
+        ReplicaMetrics(pending_verify_rows=20.0, draft_rows=5.0, timestamp=7.0),
+    ]
     assert metrics_from_context(None, now=7.0) == []
 
 
@@ -235,8 +271,9 @@ def test_drafter_policy_ignores_verify_rows_kv_and_experts():
     """2 drafters reporting 90 draft rows in all (100 a replica): need 0.9, ceil(0.9 / 0.9) = 1, so 1
     replica, however many verify rows, KV bytes or expert bytes the same reports carry. The target
     policy reading the same reports scales up (max 4)."""
-    metrics = spread(2, draft_rows=90, pending_verify_rows=10_000, kv_bytes_used=1e12,
-                     kv_bytes_capacity=2e9, expert_bytes=1e12)
+    metrics = spread(
+        2, draft_rows=90, pending_verify_rows=10_000, kv_bytes_used=1e12, kv_bytes_capacity=2e9, expert_bytes=1e12
+    )
     drafter = DrafterTreeWorkPolicy(target_draft_rows_per_replica=100, upscale_delay_s=0, downscale_delay_s=0)
     n, state = drafter(make_ctx(2, metrics))
     assert n == 1 and state[STATE_KEY]["needs"] == pytest.approx({"draft_rows": 0.9})
@@ -251,15 +288,18 @@ def test_drafters_scale_up_on_draft_rows():
 
 
 # --- policy_kwargs -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cls, kwargs, field", [
-    (TargetTreeWorkPolicy, {"target_verify_rows_per_replica": 0}, "target_verify_rows_per_replica"),
-    (TargetTreeWorkPolicy, {"target_verify_rows_per_replica": "lots"}, "target_verify_rows_per_replica"),
-    (TargetTreeWorkPolicy, {"bogus": 1}, "bogus"),
-    (TargetTreeWorkPolicy, {"min_replicas": 5, "max_replicas": 2}, "max_replicas"),
-    (TargetTreeWorkPolicy, {"min_replicas": 0}, "min_replicas"),
-    (DrafterTreeWorkPolicy, {"target_verify_rows_per_replica": 64}, "target_verify_rows_per_replica"),
-    (DrafterTreeWorkPolicy, {"downscale_tolerance": 1.0}, "downscale_tolerance"),
-])
+@pytest.mark.parametrize(
+    "cls, kwargs, field",
+    [
+        (TargetTreeWorkPolicy, {"target_verify_rows_per_replica": 0}, "target_verify_rows_per_replica"),
+        (TargetTreeWorkPolicy, {"target_verify_rows_per_replica": "lots"}, "target_verify_rows_per_replica"),
+        (TargetTreeWorkPolicy, {"bogus": 1}, "bogus"),
+        (TargetTreeWorkPolicy, {"min_replicas": 5, "max_replicas": 2}, "max_replicas"),
+        (TargetTreeWorkPolicy, {"min_replicas": 0}, "min_replicas"),
+        (DrafterTreeWorkPolicy, {"target_verify_rows_per_replica": 64}, "target_verify_rows_per_replica"),
+        (DrafterTreeWorkPolicy, {"downscale_tolerance": 1.0}, "downscale_tolerance"),
+    ],
+)
 def test_bad_policy_kwargs_raise_value_error_naming_the_field(cls, kwargs, field):
     with pytest.raises(ValueError, match=rf"policy_kwargs\.{field}: "):
         cls(**kwargs)
@@ -316,8 +356,7 @@ def test_docstring_example_through_serves_own_wrapper():
     wrapped = _apply_autoscaling_config(_resolve_policy_callable(config.policy))
     replicas, state, got = 1, {}, []
     for t in (100.0, 101.0, 102.0, 103.0, 104.0):
-        ctx = make_ctx(replicas, spread(replicas, pending_verify_rows=200), now=t, policy_state=state,
-                       config=config)
+        ctx = make_ctx(replicas, spread(replicas, pending_verify_rows=200), now=t, policy_state=state, config=config)
         replicas, state = wrapped(ctx)
         got.append(replicas)
     assert got == [1, 1, 3, 3, 4]
@@ -332,15 +371,13 @@ def test_serves_default_delays_would_hold_the_decision_back():
     wrapped = _apply_autoscaling_config(_resolve_policy_callable(config.policy))
     state: dict = {}
     for t in (100.0, 101.0, 102.0):
-        n, state = wrapped(make_ctx(1, spread(1, pending_verify_rows=200), now=t, policy_state=state,
-                                    config=config))
+        n, state = wrapped(make_ctx(1, spread(1, pending_verify_rows=200), now=t, policy_state=state, config=config))
     assert n == 1
 
 
 def test_policy_state_keeps_serves_keys_and_the_input_untouched():
     """Serve's internal keys (and any other) go back as they came; ours live under "eyas" only."""
-    given = {SERVE_AUTOSCALING_DECISION_COUNTERS_KEY: 2, SERVE_AUTOSCALING_DECISION_TIMESTAMP_KEY: 99.0,
-             "other": "x"}
+    given = {SERVE_AUTOSCALING_DECISION_COUNTERS_KEY: 2, SERVE_AUTOSCALING_DECISION_TIMESTAMP_KEY: 99.0, "other": "x"}
     snapshot = dict(given)
     _, state = TargetTreeWorkPolicy(**KWARGS)(make_ctx(2, spread(2, pending_verify_rows=100), policy_state=given))
     assert given == snapshot
@@ -359,15 +396,18 @@ def test_state_round_trip_and_override():
     assert state_from_dict({**d, "needs": {"kv": 1.0}}, current_replicas=5) == ScalingState(5, 102.0, None, 102.0)
 
 
-@pytest.mark.parametrize("stored", ["junk", {"current_replicas": 1, "above_since": "soon"},
-                                    {"current_replicas": 1, "below_since": float("nan")}])
+@pytest.mark.parametrize(
+    "stored",
+    ["junk", {"current_replicas": 1, "above_since": "soon"}, {"current_replicas": 1, "below_since": float("nan")}],
+)
 def test_malformed_stored_state_starts_afresh(stored, caplog):
     """A malformed "eyas" entry raises in state_from_dict, but a tick starts afresh (and logs) instead
     of crashing Serve's controller."""
     with pytest.raises(ValueError, match=re.escape(f"policy_state[{STATE_KEY!r}]")):
         state_from_dict(stored, current_replicas=2)
     with caplog.at_level(logging.WARNING, logger="eyas.autoscale.serve_policy"):
-        n, state = TargetTreeWorkPolicy(**KWARGS)(make_ctx(2, spread(2, pending_verify_rows=100),
-                                                           policy_state={STATE_KEY: stored}))
+        n, state = TargetTreeWorkPolicy(**KWARGS)(
+            make_ctx(2, spread(2, pending_verify_rows=100), policy_state={STATE_KEY: stored})
+        )
     assert n == 2 and state[STATE_KEY]["below_since"] is None
     assert any("malformed" in r.getMessage() for r in caplog.records)

@@ -6,6 +6,7 @@ host to grow its tree (the top children's ids and confidences); on meta those re
 values of the right shape (``HostReadsOnMeta``), so the whole growth runs: context rows, every depth's
 packed pass, the LM head and the tree's selection. Seeds arrive on the CPU, as decoded from the wire.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,9 @@ def test_drafting_stays_on_the_drafter_device():
     target = ours_from_hf(tiny_hf_llama()).to("meta")
     cfg = target.cfg
     for method, taps in (("eagle1", eagle1_feature_address(cfg)), ("eagle3", eagle3_feature_address(cfg))):
-        engine = DrafterEngine(init_drafter(DrafterConfig.for_target(method, cfg)).to("meta"), target.embed,
-                               target.lm_head, taps=taps)
+        engine = DrafterEngine(
+            init_drafter(DrafterConfig.for_target(method, cfg)).to("meta"), target.embed, target.lm_head, taps=taps
+        )
         width = len(taps) * cfg.hidden_size
         trees = {"a": TreeSpec(expand_width=2, max_depth=3, verify_budget=5), "b": TreeSpec(kind="chain", max_depth=2)}
         guard = HostReadsOnMeta()
@@ -49,13 +51,15 @@ def test_drafting_stays_on_the_drafter_device():
             start = {"a": 0, "b": 0}
             for round_ in range(2):
                 rows = {"a": 5 if round_ == 0 else 2, "b": 3 if round_ == 0 else 1}
-                seeds = [(rid, Seed(torch.randn(rows[rid], width), torch.arange(rows[rid]), start[rid], round_),
-                          trees[rid]) for rid in trees]   # host tensors, as decoded from the wire
+                seeds = [
+                    (rid, Seed(torch.randn(rows[rid], width), torch.arange(rows[rid]), start[rid], round_), trees[rid])
+                    for rid in trees
+                ]  # host tensors, as decoded from the wire
                 out = engine.propose_batch(seeds)
                 for rid in trees:
                     engine.publish(rid)
                     start[rid] += rows[rid]
                 assert [t.num_nodes for t in out] == [5, 2]
-                assert {t.tokens.device.type for t in out} == {"cpu"}   # a tree is host data (it is flattened there)
+                assert {t.tokens.device.type for t in out} == {"cpu"}  # a tree is host data (it is flattened there)
         assert guard.ops > 50
         assert engine.kv.k.device.type == "meta"

@@ -1,4 +1,5 @@
 """The drafter engine: tree rows attend exactly to their context and ancestors."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,15 +30,22 @@ def reference_branch_probs(drafter, model, seed: Seed, branch: list[int]) -> tor
     last, start = h[-1], n
     for tok in branch[:-1]:  # each ancestor node becomes a draft row at the next position
         mask = torch.ones(1, 1, start + 1, dtype=torch.bool)
-        last = drafter(last[None, None], model.embed(torch.tensor([[tok]])), torch.tensor([[start]]), cache, start,
-                       mask)[0, 0]
+        last = drafter(
+            last[None, None], model.embed(torch.tensor([[tok]])), torch.tensor([[start]]), cache, start, mask
+        )[0, 0]
         start += 1
     return torch.softmax(drafter.logits(last, model.lm_head), dim=-1)
 
 
 @pytest.mark.parametrize("method", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("tree", [TreeSpec(expand_width=3, max_depth=4, verify_budget=10),
-                                  TreeSpec(kind="static"), TreeSpec(kind="chain", max_depth=3)])
+@pytest.mark.parametrize(
+    "tree",
+    [
+        TreeSpec(expand_width=3, max_depth=4, verify_budget=10),
+        TreeSpec(kind="static"),
+        TreeSpec(kind="chain", max_depth=3),
+    ],
+)
 @torch.inference_mode()
 def test_tree_confidences_equal_per_branch_forwards(tiny_target, method, tree):
     """Every node's confidence equals its probability under a plain causal forward of its branch."""
@@ -107,18 +115,24 @@ def test_batched_drafting_equals_drafting_each_request_alone(tiny_target):
                 p.mul_(20)  # peaked draft distributions, so trees are not ties
     alone, batched = (DrafterEngine(drafter, tiny_target.embed, tiny_target.lm_head) for _ in range(2))
     g = torch.Generator().manual_seed(0)
-    specs = {"a": TreeSpec(expand_width=2, max_depth=3, verify_budget=6), "b": TreeSpec(kind="chain", max_depth=4),
-             "c": TreeSpec(kind="static")}
+    specs = {
+        "a": TreeSpec(expand_width=2, max_depth=3, verify_budget=6),
+        "b": TreeSpec(kind="chain", max_depth=4),
+        "c": TreeSpec(kind="static"),
+    }
     seeds = {}
     for rid, n in (("a", 3), ("b", 7), ("c", 12)):
-        seeds[rid] = Seed(torch.randn(n, cfg.hidden_size, generator=g), torch.randint(0, cfg.vocab_size, (n,), generator=g),
-                          0, 0)
+        seeds[rid] = Seed(
+            torch.randn(n, cfg.hidden_size, generator=g), torch.randint(0, cfg.vocab_size, (n,), generator=g), 0, 0
+        )
         for e in (alone, batched):
             e.open_session(rid, 128)
+
     def assert_batched_equals_alone(round_seeds: dict[str, Seed]) -> None:
         singles = {rid: alone.propose(rid, round_seeds[rid], specs[rid]) for rid in round_seeds}
-        together = dict(zip(round_seeds, batched.propose_batch([(rid, round_seeds[rid], specs[rid])
-                                                                for rid in round_seeds])))
+        together = dict(
+            zip(round_seeds, batched.propose_batch([(rid, round_seeds[rid], specs[rid]) for rid in round_seeds]))
+        )
         for rid in round_seeds:
             a, b = singles[rid], together[rid]
             assert a.num_nodes > 0 and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
@@ -136,8 +150,9 @@ def test_batched_drafting_equals_drafting_each_request_alone(tiny_target):
         for e in (alone, batched):
             e.publish(rid)
         n = batched.sessions[rid].committed_len
-        nxt[rid] = Seed(torch.randn(2, cfg.hidden_size, generator=g), torch.randint(0, cfg.vocab_size, (2,), generator=g),
-                        n, 1)
+        nxt[rid] = Seed(
+            torch.randn(2, cfg.hidden_size, generator=g), torch.randint(0, cfg.vocab_size, (2,), generator=g), n, 1
+        )
     assert_batched_equals_alone(nxt)
     for rid in ("b", "c"):
         batched.close_session(rid)
@@ -148,13 +163,16 @@ def test_a_seed_or_tree_beyond_the_session_slots_is_refused_naming_the_field(tin
     drafter = init_drafter(DrafterConfig.for_target("eagle1", tiny_target.cfg))
     engine = DrafterEngine(drafter, tiny_target.embed, tiny_target.lm_head)
     engine.open_session("r", 8)
-    with pytest.raises(ValueError, match="^seed: 0 committed \\+ 9 new context rows \\+ the tree's 0 draft rows "
-                                         "exceed the draft session's 8 slots"):
+    with pytest.raises(
+        ValueError,
+        match="^seed: 0 committed \\+ 9 new context rows \\+ the tree's 0 draft rows "
+        "exceed the draft session's 8 slots",
+    ):
         engine.propose("r", make_seed(tiny_target, "eagle1", n=9), TreeSpec(kind="chain", max_depth=0))
     with pytest.raises(ValueError, match="^seed: 0 committed \\+ 6 new context rows \\+ the tree's 16 draft rows"):
         engine.propose("r", make_seed(tiny_target, "eagle1", n=6), TreeSpec())
     s = engine.sessions["r"]
-    assert s.committed_len == 0 and s.provisional_len == 0   # refused before any write
+    assert s.committed_len == 0 and s.provisional_len == 0  # refused before any write
 
 
 def test_measure_cost_times_each_depth_and_leaves_no_session():
@@ -166,8 +184,9 @@ def test_measure_cost_times_each_depth_and_leaves_no_session():
 
     model = ours_from_hf(tiny_hf_llama())
     engine = tiny_eagle1_engine(model)
-    points = engine.measure_cost(TreeSpec(expand_width=2, max_depth=4, verify_budget=6), depths=(1, 2, 4),
-                                 repeats=2, prefix=8, batch=3)
+    points = engine.measure_cost(
+        TreeSpec(expand_width=2, max_depth=4, verify_budget=6), depths=(1, 2, 4), repeats=2, prefix=8, batch=3
+    )
     assert [(d, r) for d, r, _ in points] == [(1, 2), (2, 4), (4, 8), (4, 24)]
     assert all(ms > 0 for _, _, ms in points)
     assert engine.sessions == {} and engine.kv_slots_allocated() == 0

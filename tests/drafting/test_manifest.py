@@ -1,4 +1,5 @@
 """Drafter checkpoints: round trip, fingerprint refusal, bad files named by field."""
+
 from __future__ import annotations
 
 import json
@@ -80,8 +81,9 @@ def test_bad_draft_vocab_map_is_refused(saved):
 def test_manifest_without_layout_is_eyas_v1(tiny_target, tmp_path, method):
     """Checkpoints written before layouts existed (the first shipped drafters) load as eyas-v1,
     whose tensors (a fuse projection over normed inputs) the reference layout does not have."""
-    cfg = DrafterConfig.for_target(method, tiny_target.cfg, draft_vocab_size=16 if method == "eagle3" else None,
-                                   layout=EYAS_V1)
+    cfg = DrafterConfig.for_target(
+        method, tiny_target.cfg, draft_vocab_size=16 if method == "eagle3" else None, layout=EYAS_V1
+    )
     drafter = init_drafter(cfg, seed=3)
     save_drafter(tmp_path, drafter, manifest_for(method, drafter, FP, drafter_feature_address(cfg, tiny_target.cfg)))
     raw = json.loads((tmp_path / "manifest.json").read_text())

@@ -154,9 +154,7 @@ def test_dynamic_selection_is_global_top_budget(width, depth, budget, data):
         assert parents == sorted(layer, key=key)[:width]
         tokens, probs = [], []
         for _ in parents:
-            tokens.append(
-                data.draw(st.lists(st.integers(0, 40), min_size=width, max_size=width, unique=True))
-            )
+            tokens.append(data.draw(st.lists(st.integers(0, 40), min_size=width, max_size=width, unique=True)))
             conf = data.draw(st.lists(CONFIDENCE, min_size=width, max_size=width))
             if sum(conf) > 1.0:
                 conf = [c / sum(conf) for c in conf]
@@ -232,9 +230,7 @@ def test_add_children_rejects_invalid_records(parents, tokens, probs, problem):
 def test_add_children_rejects_wrong_dtypes():
     builder = DynamicTreeBuilder(expand_width=1, verify_budget=4, max_depth=2)
     with pytest.raises(ValueError, match="tokens"):
-        builder.add_children(
-            [PARENT_IS_SEED], torch.tensor([[1]], dtype=torch.int32), torch.tensor([[0.5]])
-        )
+        builder.add_children([PARENT_IS_SEED], torch.tensor([[1]], dtype=torch.int32), torch.tensor([[0.5]]))
     with pytest.raises(ValueError, match="probs"):
         builder.add_children([PARENT_IS_SEED], torch.tensor([[1]]), torch.tensor([[1]]))
 

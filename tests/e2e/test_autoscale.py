@@ -6,6 +6,7 @@ ray_configs/fake_cluster.yaml (each node another raylet on this machine; target 
 small burst is enough, replays tests/e2e/workloads/tiny_burst.yaml and checks every answer against
 in-process greedy target-only decoding. It runs first in tests/e2e (no other Ray may run beside it).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,10 +37,27 @@ def test_a_burst_adds_a_node_and_a_target_replica_and_idle_removes_them(tmp_path
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump(serve))
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "eyas.cli", "experiment", "autoscale", "--workload",
-                          str(ROOT / "tests/e2e/workloads/tiny_burst.yaml"), "--serve-config", str(config),
-                          "--out", str(out), "--plan-rates", "100"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eyas.cli",
+            "experiment",
+            "autoscale",
+            "--workload",
+            str(ROOT / "tests/e2e/workloads/tiny_burst.yaml"),
+            "--serve-config",
+            str(config),
+            "--out",
+            str(out),
+            "--plan-rates",
+            "100",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads((out / "timeline.json").read_text())
     s = doc["meta"]["summary"]

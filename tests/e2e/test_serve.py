@@ -2,6 +2,7 @@
 
 Ordered: the last tests kill the drafter replica, then the target replica (twice).
 """
+
 from __future__ import annotations
 
 import time
@@ -22,8 +23,10 @@ def reference(real_eyas):
     """In-process greedy target-only tokens of each prompt (the exactness reference)."""
     from eyas.protocol.schema import parse_request
 
-    return {p: real_eyas.generate(parse_request(prompt=p, method="target", max_new_tokens=N))[1]["token_ids"]
-            for p in PROMPTS}
+    return {
+        p: real_eyas.generate(parse_request(prompt=p, method="target", max_new_tokens=N))[1]["token_ids"]
+        for p in PROMPTS
+    }
 
 
 def test_greedy_over_grpc_is_token_identical_to_target_only_for_every_method(client, reference, no_leaks):
@@ -46,17 +49,26 @@ def test_a_message_list_over_grpc_and_http_answers_as_in_process(client, http_ur
 
     from eyas.protocol.schema import parse_request
 
-    turns = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a planet."},
-             {"role": "assistant", "content": "Mars."}, {"role": "user", "content": "Another one?"}]
+    turns = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a planet."},
+        {"role": "assistant", "content": "Mars."},
+        {"role": "user", "content": "Another one?"},
+    ]
     here = real_eyas.generate(parse_request(messages=turns, method="target", max_new_tokens=16))[1]["token_ids"]
     assert client.generate(messages=turns, method="eagle3", max_new_tokens=16)["token_ids"] == here
-    status, report = _http(http_url + "/", json.dumps({"messages": turns, "method": "eagle3",
-                                                        "max_new_tokens": 16}).encode())
+    status, report = _http(
+        http_url + "/", json.dumps({"messages": turns, "method": "eagle3", "max_new_tokens": 16}).encode()
+    )
     assert status == 200 and report["token_ids"] == here
     with pytest.raises(grpc.RpcError) as err:
-        client.stub.Generate(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="Hi"),
-                                                          pb.ChatMessage(role="assistant", content="Hello")]),
-                             metadata=client.metadata, timeout=60)
+        client.stub.Generate(
+            pb.GenerateRequest(
+                messages=[pb.ChatMessage(role="user", content="Hi"), pb.ChatMessage(role="assistant", content="Hello")]
+            ),
+            metadata=client.metadata,
+            timeout=60,
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("messages.1.role: ")
     no_leaks(client)
 
@@ -75,14 +87,17 @@ def test_stream_chunks_add_up_to_the_unary_answer(client):
     chunks = list(client.stream(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N))
     assert [t for c in chunks for t in c.token_ids] == report["token_ids"]
     assert "".join(c.text for c in chunks) == report["text"]
-    assert chunks[-1].finish_reason == report["finish_reason"] and chunks[-1].stats.new_tokens == len(report["token_ids"])
+    assert chunks[-1].finish_reason == report["finish_reason"] and chunks[-1].stats.new_tokens == len(
+        report["token_ids"]
+    )
     assert all(not c.finish_reason for c in chunks[:-1]) and len(chunks) >= 3
     # rounds may differ between the two runs: the tree-work scheduler picks each round's tree from live timings
     assert chunks[-1].stats.tau >= 1.0 and chunks[-1].stats.rounds >= 1
 
 
 def test_a_short_request_beside_a_2000_token_prompt_gets_its_first_token_while_that_prompt_prefills(
-        client, real_eyas, reference, no_leaks):
+    client, real_eyas, reference, no_leaks
+):
     """Chunked prefill through the real app: a 2,000-token prompt (its answer one token) prefills
     128 rows a round (the default); a short streaming request sent once it is running gets its first token while
     that prompt is still prefilling, not after it. Both answers equal target-only's in-process."""
@@ -123,23 +138,26 @@ def test_stop_strings_end_the_answer(client):
     assert full["text"].startswith(cut["text"]) and len(cut["token_ids"]) < len(full["token_ids"])
 
 
-@pytest.mark.parametrize("fields, field", [
-    (dict(prompt="hi", max_new_tokens=-3), "max_new_tokens"),
-    (dict(prompt="hi", method="medusa"), "method"),
-    (dict(prompt_ids=[1, 10 ** 8]), "prompt_ids"),
-    (dict(prompt="hi", temperature=-1.0), "temperature"),
-    (dict(prompt="hi", max_new_tokens=100_000), "max_new_tokens"),
-    (dict(), "prompt"),
-    (dict(prompt="   "), "prompt"),
-    (dict(prompt="hi", top_p=1.5), "top_p"),
-    (dict(prompt="hi", top_p=0.0), "top_p"),
-    (dict(prompt_ids=[1] * 8200), "prompt_ids"),                 # past the context: refused at the front door
-    (dict(prompt="hi", max_new_tokens=9000), "max_new_tokens"),
-    (dict(prompt="hi", temperature=1e-300), "temperature"),      # was a run-time "probs: ..." error
-    (dict(prompt="hi", tree_depth=10 ** 6), "tree_depth"),
-    (dict(prompt="hi", tree_budget=10 ** 6), "tree_budget"),     # was blamed on max_new_tokens
-    (dict(prompt="hi", prompt_ids=[1, 2]), "prompt_ids"),        # both given: was prompt_ids silently
-])
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        (dict(prompt="hi", max_new_tokens=-3), "max_new_tokens"),
+        (dict(prompt="hi", method="medusa"), "method"),
+        (dict(prompt_ids=[1, 10**8]), "prompt_ids"),
+        (dict(prompt="hi", temperature=-1.0), "temperature"),
+        (dict(prompt="hi", max_new_tokens=100_000), "max_new_tokens"),
+        (dict(), "prompt"),
+        (dict(prompt="   "), "prompt"),
+        (dict(prompt="hi", top_p=1.5), "top_p"),
+        (dict(prompt="hi", top_p=0.0), "top_p"),
+        (dict(prompt_ids=[1] * 8200), "prompt_ids"),  # past the context: refused at the front door
+        (dict(prompt="hi", max_new_tokens=9000), "max_new_tokens"),
+        (dict(prompt="hi", temperature=1e-300), "temperature"),  # was a run-time "probs: ..." error
+        (dict(prompt="hi", tree_depth=10**6), "tree_depth"),
+        (dict(prompt="hi", tree_budget=10**6), "tree_budget"),  # was blamed on max_new_tokens
+        (dict(prompt="hi", prompt_ids=[1, 2]), "prompt_ids"),  # both given: was prompt_ids silently
+    ],
+)
 def test_bad_requests_get_invalid_argument_naming_the_field_and_nothing_changes(client, fields, field, no_leaks):
     for call in (client.stub.Generate, lambda r, **kw: list(client.stub.GenerateStream(r, **kw))):
         with pytest.raises(grpc.RpcError) as err:
@@ -151,7 +169,8 @@ def test_bad_requests_get_invalid_argument_naming_the_field_and_nothing_changes(
 
 
 def test_32_clients_against_max_batch_16_run_16_at_once_queue_the_rest_and_refuse_past_the_bound(
-        serve_address, client, reference, no_leaks):
+    serve_address, client, reference, no_leaks
+):
     """32 clients at once against one target replica (max_batch 16) behind an ingress bound of
     ``max_inflight_requests`` 24: the replica's rounds take exactly 16 at once (never more) while
     it holds more, the rest waiting where the scheduler and autoscaler count them (``live`` beyond
@@ -200,10 +219,10 @@ def test_32_clients_against_max_batch_16_run_16_at_once_queue_the_rest_and_refus
             assert tokens == reference[prompt][:16], (prompt, method, stream)
     for err, waited_s in refused:
         assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and str(err).startswith("overloaded: "), err
-        assert waited_s < 10, waited_s   # at once, not after a wait
+        assert waited_s < 10, waited_s  # at once, not after a wait
     assert 1 <= len(refused) <= clients - E2E_MAX_INFLIGHT, len(refused)
-    assert peak["batch"] == 16, peak         # max_batch, reached and never passed
-    assert peak["held"] > 16, peak           # the rest waited where the scheduler and autoscaler count them
+    assert peak["batch"] == 16, peak  # max_batch, reached and never passed
+    assert peak["held"] > 16, peak  # the rest waited where the scheduler and autoscaler count them
     no_leaks(client)
 
 
@@ -246,8 +265,11 @@ def test_a_raw_grpc_client_that_only_closes_its_stream_cancels_its_request_every
     finishes = []
     for _ in range(16):
         before = client.finish_counts()
-        call = client.stub.GenerateStream(client.request(prompt=long_answer, method="eagle3", max_new_tokens=64),
-                                          metadata=client.metadata, timeout=300)
+        call = client.stub.GenerateStream(
+            client.request(prompt=long_answer, method="eagle3", max_new_tokens=64),
+            metadata=client.metadata,
+            timeout=300,
+        )
         next(call), next(call)
         call.cancel()
         deadline, new = time.monotonic() + 120, {}
@@ -265,8 +287,12 @@ def test_cancel_stops_a_named_request_whose_stream_stays_open(client, no_leaks):
     import uuid
 
     name = f"cancel-me-{uuid.uuid4().hex}"
-    request = client.request(prompt="Count from 1 to 300, one number per line, and say nothing else.",
-                             method="eagle3", max_new_tokens=400, request_id=name)
+    request = client.request(
+        prompt="Count from 1 to 300, one number per line, and say nothing else.",
+        method="eagle3",
+        max_new_tokens=400,
+        request_id=name,
+    )
     chunks = client.stub.GenerateStream(request, metadata=client.metadata, timeout=300)
     first = next(chunks)
     assert first.token_ids and not first.finish_reason
@@ -294,14 +320,14 @@ def test_a_passed_deadline_stops_the_request_in_its_replica(client, no_leaks):
         before = _cancelled_count(client)
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
-            call(request, metadata=budget, timeout=120)   # the call's own deadline is far away
+            call(request, metadata=budget, timeout=120)  # the call's own deadline is far away
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
         assert err.value.details().startswith("deadline: "), err.value.details()
-        assert time.monotonic() - started < 30   # the 400 tokens alone take longer here
+        assert time.monotonic() - started < 30  # the 400 tokens alone take longer here
         assert _wait_for(lambda: _live_requests(client) == 0, 30)
         assert _wait_for(lambda before=before: _cancelled_count(client) == before + 1, 30)
         no_leaks(client)
-    for bad in ("soon", "0", "-5", "1.5", str(10 ** 12)):
+    for bad in ("soon", "0", "-5", "1.5", str(10**12)):
         with pytest.raises(grpc.RpcError) as err:
             client.stub.Generate(request, metadata=client.metadata + ((TIMEOUT_METADATA, bad),), timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -323,7 +349,7 @@ def test_a_calls_own_grpc_deadline_also_stops_the_request_in_its_replica(client,
         started = time.monotonic()
         assert _wait_for(lambda: _live_requests(client) == 0, 30)
         assert _wait_for(lambda before=before: _cancelled_count(client) == before + 1, 30)
-        assert time.monotonic() - started < 20   # the rest of the 400 tokens alone take longer here
+        assert time.monotonic() - started < 20  # the rest of the 400 tokens alone take longer here
         no_leaks(client)
 
 
@@ -343,8 +369,9 @@ def _http(url: str, body: bytes | None = None) -> tuple[int, object]:
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url, data=body, method="GET" if body is None else "POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=body, method="GET" if body is None else "POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             return response.status, json.loads(response.read())
@@ -352,22 +379,25 @@ def _http(url: str, body: bytes | None = None) -> tuple[int, object]:
         return err.code, json.loads(err.read())
 
 
-@pytest.mark.parametrize("body, error", [
-    (b'{"prompt": "hi", "top_p": 0}', "top_p: "),
-    (b'{"prompt": "hi", "max_new_tokens": "many"}', "max_new_tokens: "),
-    (b'{"prompt": "hi", "colour": "red"}', "colour: "),
-    (b'{"prompt": "hi", "method": "medusa"}', "method: "),
-    (b'{"prompt_ids": [99999999]}', "prompt_ids: "),
-    (b'["hi"]', "request: the body must be a JSON object"),
-    (b'{"prompt": "hi"', "request: the body is not JSON"),
-    (b'{"prompt": "hi", "max_new_tokens": 3000000000}', "max_new_tokens: "),   # was "Value out of range"
-    (b'{"prompt": "hi", "seed": 18446744073709551616}', "seed: "),
-    (b'{"prompt": "hi", "max_new_tokens": true}', "max_new_tokens: "),         # was coerced to 1
-    (b'{"prompt": "hi", "raw": "yes"}', "raw: "),                              # was coerced to true
-    (b'{"prompt": "hi", "top_p": 1e-300, "temperature": 1e-300}', "temperature: "),
-    (b'[' * 100_000 + b']' * 100_000, "request: the body nests too deeply"),     # was a 500 (RecursionError)
-    (b'{"prompt_ids": [' + b'1,' * 8199 + b'1]}', "prompt_ids: 8200 tokens do not fit"),
-])
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        (b'{"prompt": "hi", "top_p": 0}', "top_p: "),
+        (b'{"prompt": "hi", "max_new_tokens": "many"}', "max_new_tokens: "),
+        (b'{"prompt": "hi", "colour": "red"}', "colour: "),
+        (b'{"prompt": "hi", "method": "medusa"}', "method: "),
+        (b'{"prompt_ids": [99999999]}', "prompt_ids: "),
+        (b'["hi"]', "request: the body must be a JSON object"),
+        (b'{"prompt": "hi"', "request: the body is not JSON"),
+        (b'{"prompt": "hi", "max_new_tokens": 3000000000}', "max_new_tokens: "),  # was "Value out of range"
+        (b'{"prompt": "hi", "seed": 18446744073709551616}', "seed: "),
+        (b'{"prompt": "hi", "max_new_tokens": true}', "max_new_tokens: "),  # was coerced to 1
+        (b'{"prompt": "hi", "raw": "yes"}', "raw: "),  # was coerced to true
+        (b'{"prompt": "hi", "top_p": 1e-300, "temperature": 1e-300}', "temperature: "),
+        (b"[" * 100_000 + b"]" * 100_000, "request: the body nests too deeply"),  # was a 500 (RecursionError)
+        (b'{"prompt_ids": [' + b"1," * 8199 + b"1]}", "prompt_ids: 8200 tokens do not fit"),
+    ],
+)
 def test_http_bad_requests_get_400_naming_the_field(http_url, client, body, error, no_leaks):
     """The HTTP route validates as gRPC does: one line that starts with the field, status 400."""
     status, reply = _http(http_url + "/", body)
@@ -378,32 +408,70 @@ def test_http_bad_requests_get_400_naming_the_field(http_url, client, body, erro
 
 # --- the hostile fuzz: each case is (fields that break exactly one rule, the field that must be named) --
 _BAD_BOTH = [  # expressible over gRPC (proto types) and HTTP (JSON)
-    ({"max_new_tokens": 0}, "max_new_tokens"), ({"max_new_tokens": -7}, "max_new_tokens"),
-    ({"max_new_tokens": 9000}, "max_new_tokens"), ({"temperature": -1.0}, "temperature"),
-    ({"temperature": 1e-300}, "temperature"), ({"temperature": 5e-324}, "temperature"),
-    ({"temperature": 1e-45}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": -0.1}, "top_p"),
-    ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"), ({"method": "medusa"}, "method"),
-    ({"method": "EAGLE3"}, "method"), ({"tree_kind": "bushy"}, "tree_kind"), ({"tree_depth": -1}, "tree_depth"),
-    ({"tree_depth": 33}, "tree_depth"), ({"tree_depth": 10 ** 6}, "tree_depth"), ({"tree_width": 0}, "tree_width"),
-    ({"tree_width": 65}, "tree_width"), ({"tree_budget": -1}, "tree_budget"), ({"tree_budget": 513}, "tree_budget"),
-    ({"prompt": ""}, "prompt"), ({"prompt": "   "}, "prompt"), ({"request_id": "x" * 300}, "request_id"),
-    ({"request_id": "   "}, "request_id"), ({"prompt_ids": [10 ** 8]}, "prompt_ids"),
-    ({"prompt_ids": [-1]}, "prompt_ids"), ({"prompt_ids": [1] * 8200}, "prompt_ids"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": -7}, "max_new_tokens"),
+    ({"max_new_tokens": 9000}, "max_new_tokens"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": 1e-300}, "temperature"),
+    ({"temperature": 5e-324}, "temperature"),
+    ({"temperature": 1e-45}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"method": "medusa"}, "method"),
+    ({"method": "EAGLE3"}, "method"),
+    ({"tree_kind": "bushy"}, "tree_kind"),
+    ({"tree_depth": -1}, "tree_depth"),
+    ({"tree_depth": 33}, "tree_depth"),
+    ({"tree_depth": 10**6}, "tree_depth"),
+    ({"tree_width": 0}, "tree_width"),
+    ({"tree_width": 65}, "tree_width"),
+    ({"tree_budget": -1}, "tree_budget"),
+    ({"tree_budget": 513}, "tree_budget"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "   "}, "prompt"),
+    ({"request_id": "x" * 300}, "request_id"),
+    ({"request_id": "   "}, "request_id"),
+    ({"prompt_ids": [10**8]}, "prompt_ids"),
+    ({"prompt_ids": [-1]}, "prompt_ids"),
+    ({"prompt_ids": [1] * 8200}, "prompt_ids"),
     ({"prompt_ids": [1, 2], "prompt": "both"}, "prompt_ids"),
 ]
 _BAD_HTTP = [  # JSON only: wrong types and numbers past the proto's fields
-    ({"max_new_tokens": True}, "max_new_tokens"), ({"max_new_tokens": "8"}, "max_new_tokens"),
-    ({"max_new_tokens": 1.5}, "max_new_tokens"), ({"max_new_tokens": 3_000_000_000}, "max_new_tokens"),
-    ({"temperature": "hot"}, "temperature"), ({"top_k": 2 ** 31}, "top_k"), ({"seed": 2 ** 64}, "seed"),
-    ({"seed": -2 ** 63 - 1}, "seed"), ({"raw": "yes"}, "raw"), ({"raw": 1}, "raw"), ({"stop": "x"}, "stop"),
-    ({"stop": [1]}, "stop"), ({"colour": "red"}, "colour"), ({"prompt": ["a"]}, "prompt"),
-    ({"prompt_ids": "1,2"}, "prompt_ids"), ({"prompt_ids": [1.5]}, "prompt_ids"), ({"method": None}, "method"),
+    ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"max_new_tokens": "8"}, "max_new_tokens"),
+    ({"max_new_tokens": 1.5}, "max_new_tokens"),
+    ({"max_new_tokens": 3_000_000_000}, "max_new_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"raw": "yes"}, "raw"),
+    ({"raw": 1}, "raw"),
+    ({"stop": "x"}, "stop"),
+    ({"stop": [1]}, "stop"),
+    ({"colour": "red"}, "colour"),
+    ({"prompt": ["a"]}, "prompt"),
+    ({"prompt_ids": "1,2"}, "prompt_ids"),
+    ({"prompt_ids": [1.5]}, "prompt_ids"),
+    ({"method": None}, "method"),
 ]
-_VALID_CONTEXTS = [{"prompt": "Hi", "method": "target"},
-                   {"prompt": "Hi", "temperature": 0.7, "seed": 3, "raw": True, "max_new_tokens": 4},
-                   {"prompt_ids": [1, 2, 3], "tree_kind": "chain", "tree_depth": 2}]
-_BAD_BODIES = [b"", b"{", b"[1, 2]", b'"text"', b"\xff\xfe\x00", b"[" * 100_000, b"{" * 50_000,
-               b'{"prompt": "' + b"a" * (2 * 1024 ** 2) + b'"}']
+_VALID_CONTEXTS = [
+    {"prompt": "Hi", "method": "target"},
+    {"prompt": "Hi", "temperature": 0.7, "seed": 3, "raw": True, "max_new_tokens": 4},
+    {"prompt_ids": [1, 2, 3], "tree_kind": "chain", "tree_depth": 2},
+]
+_BAD_BODIES = [
+    b"",
+    b"{",
+    b"[1, 2]",
+    b'"text"',
+    b"\xff\xfe\x00",
+    b"[" * 100_000,
+    b"{" * 50_000,
+    b'{"prompt": "' + b"a" * (2 * 1024**2) + b'"}',
+]
 
 
 def _corrupt_messages() -> list[tuple[bytes, str]]:
@@ -411,8 +479,14 @@ def _corrupt_messages() -> list[tuple[bytes, str]]:
     good = pb.GenerateRequest(prompt="Hi there", max_new_tokens=4, request_id="fuzz-corrupt").SerializeToString()
     bad_utf8_prompt = pb.GenerateRequest(prompt="Hi", max_new_tokens=4).SerializeToString().replace(b"Hi", b"\xff\xfe")
     bad_utf8_id = pb.GenerateRequest(prompt="Hi", request_id="ab").SerializeToString().replace(b"ab", b"\xc3\x28")
-    return [(bad_utf8_prompt, "prompt"), (bad_utf8_id, "request_id"), (good[:-3], "request"), (b"\x0a\xff", "request"),
-            (b"\xff" * 12, "request"), (bytes([0x0A, 0x80, 0x80, 0x80, 0x80, 0x10]), "request")]
+    return [
+        (bad_utf8_prompt, "prompt"),
+        (bad_utf8_id, "request_id"),
+        (good[:-3], "request"),
+        (b"\x0a\xff", "request"),
+        (b"\xff" * 12, "request"),
+        (bytes([0x0A, 0x80, 0x80, 0x80, 0x80, 0x10]), "request"),
+    ]
 
 
 def _send_corrupt_protobuf(client) -> int:
@@ -422,9 +496,13 @@ def _send_corrupt_protobuf(client) -> int:
         path = f"/eyas.v1.Eyas/{method}"
         make = client.channel.unary_stream if streaming else client.channel.unary_unary
         call = make(path, request_serializer=None, response_deserializer=None)
-        cases = {"Cancel": [(pb.CancelRequest(request_id="ab").SerializeToString().replace(b"ab", b"\xff\xff"),
-                             "request_id"), (b"\x0a\x05ab", "request")],
-                 "Stats": [(b"\x0a\x05ab", "request"), (b"\xff" * 12, "request")]}.get(method) or _corrupt_messages()
+        cases = {
+            "Cancel": [
+                (pb.CancelRequest(request_id="ab").SerializeToString().replace(b"ab", b"\xff\xff"), "request_id"),
+                (b"\x0a\x05ab", "request"),
+            ],
+            "Stats": [(b"\x0a\x05ab", "request"), (b"\xff" * 12, "request")],
+        }.get(method) or _corrupt_messages()
         for data, field in cases:
             with pytest.raises(grpc.RpcError) as err:
                 reply = call(data, metadata=client.metadata, timeout=60)
@@ -464,7 +542,7 @@ def test_hostile_fuzz_gets_clean_errors_naming_the_field_and_changes_nothing(cli
                 sent += 1
         for bad, field in _BAD_BOTH + _BAD_HTTP:
             status, reply = _http(http_url + "/", json.dumps(_contextual(bad, context)).encode())
-            named = reply.get("error", "").split(":")[0].split(".")[0]   # "prompt_ids.0: ..." names prompt_ids
+            named = reply.get("error", "").split(":")[0].split(".")[0]  # "prompt_ids.0: ..." names prompt_ids
             assert status == 400 and named == field, (bad, status, reply)
             assert "\n" not in reply["error"] and "Traceback" not in reply["error"]
             sent += 1
@@ -483,8 +561,9 @@ def test_http_generate_cancel_and_stats(http_url, client, reference, no_leaks):
     request_id for a blank one, 200 for an unknown one); GET /stats reports the workers."""
     import json
 
-    status, report = _http(http_url + "/", json.dumps({"prompt": PROMPTS[0], "method": "eagle3",
-                                                        "max_new_tokens": N}).encode())
+    status, report = _http(
+        http_url + "/", json.dumps({"prompt": PROMPTS[0], "method": "eagle3", "max_new_tokens": N}).encode()
+    )
     assert status == 200 and report["token_ids"] == reference[PROMPTS[0]]
     assert _http(http_url + "/cancel", b'{"request_id": "nobody-by-this-name"}') == (200, {})
     status, reply = _http(http_url + "/cancel", b'{"request_id": "  "}')
@@ -509,8 +588,11 @@ def _wait_for(predicate, timeout_s: float = 60.0) -> bool:
     return True
 
 
-COUNT_300 = {"prompt": "Count from 1 to 300, one number per line, and say nothing else.", "method": "eagle3",
-             "max_new_tokens": 400}
+COUNT_300 = {
+    "prompt": "Count from 1 to 300, one number per line, and say nothing else.",
+    "method": "eagle3",
+    "max_new_tokens": 400,
+}
 
 
 def test_http_cancel_by_name_ends_a_running_http_request(http_url, client, no_leaks):
@@ -522,8 +604,11 @@ def test_http_cancel_by_name_ends_a_running_http_request(http_url, client, no_le
 
     name = f"http-{uuid.uuid4().hex}"
     answer = {}
-    thread = threading.Thread(target=lambda: answer.update(
-        zip(("status", "report"), _http(http_url + "/", json.dumps({**COUNT_300, "request_id": name}).encode()))))
+    thread = threading.Thread(
+        target=lambda: answer.update(
+            zip(("status", "report"), _http(http_url + "/", json.dumps({**COUNT_300, "request_id": name}).encode()))
+        )
+    )
     thread.start()
     assert _wait_for(lambda: _live_requests(client) == 1)
     assert _http(http_url + "/cancel", json.dumps({"request_id": name}).encode()) == (200, {})
@@ -560,8 +645,15 @@ def test_stats_reports_round_spans_and_speculation_metrics(client):
     names = {s["name"] for s in stats["spans"]}
     assert {"eyas.round", "draft", "pack", "verify", "accept", "publish"} <= names
     m = stats["metrics"]
-    for key in ("eyas.accept_length", "eyas.tree_nodes", "eyas.verify_rows", "eyas.draft.proposed",
-                "eyas.draft.accepted", "eyas.draft.confidence.proposed", "eyas.kv_bytes"):
+    for key in (
+        "eyas.accept_length",
+        "eyas.tree_nodes",
+        "eyas.verify_rows",
+        "eyas.draft.proposed",
+        "eyas.draft.accepted",
+        "eyas.draft.confidence.proposed",
+        "eyas.kv_bytes",
+    ):
         assert key in m, key
     assert sum(p["value"] for p in m["eyas.draft.accepted"]) > 0
     assert {w["kind"] for w in stats["workers"]} == {"target", "drafter"}
@@ -570,7 +662,7 @@ def test_stats_reports_round_spans_and_speculation_metrics(client):
     assert {"pending_verify_rows", "draft_rows", "kv_bytes_used", "kv_bytes_capacity", "expert_bytes"} <= set(target)
 
 
-MODEL = "smollm2-135m"   # the OpenAI API's model id: the target's name
+MODEL = "smollm2-135m"  # the OpenAI API's model id: the target's name
 
 
 def _openai(http_url, api_key: str = "no-key-needed", prefix: str = ""):
@@ -585,8 +677,9 @@ def _error_body(err) -> dict:
     return body.get("error", body)
 
 
-def test_openai_chat_and_completions_equal_target_only_with_exact_usage(http_url, client, reference, real_eyas,
-                                                                         no_leaks):
+def test_openai_chat_and_completions_equal_target_only_with_exact_usage(
+    http_url, client, reference, real_eyas, no_leaks
+):
     """The real openai client: /v1/models lists the target; a greedy chat answer, streamed or not,
     is the in-process target-only text; usage counts the prompt and answer tokens exactly; the eyas
     extension reports the speculation; /v1/completions feeds a raw prompt like ``eyas generate --raw``."""
@@ -599,16 +692,25 @@ def test_openai_chat_and_completions_equal_target_only_with_exact_usage(http_url
     want = tok.decode(reference[PROMPTS[0]], skip_special_tokens=True)
     messages = [{"role": "user", "content": PROMPTS[0]}]
     prompt_tokens = len(encode_prompt(tok, PROMPTS[0]))
-    r = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=N, temperature=0,
-                                   extra_body={"method": "eagle3"})
+    r = oa.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=N, temperature=0, extra_body={"method": "eagle3"}
+    )
     assert r.choices[0].message.content == want and r.choices[0].finish_reason in ("stop", "length")
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, len(reference[PROMPTS[0]]))
     spec = r.model_extra["eyas"]
     assert spec["method"] == "eagle3" and spec["num_spec_steps"] > 0
-    assert sum(spec["acceptance_histogram"]) == spec["num_accepted_tokens"]   # per depth, adding up
-    chunks = list(oa.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=N, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"method": "eagle1", "tree_kind": "chain"}))
+    assert sum(spec["acceptance_histogram"]) == spec["num_accepted_tokens"]  # per depth, adding up
+    chunks = list(
+        oa.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_completion_tokens=N,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"method": "eagle1", "tree_kind": "chain"},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
@@ -617,29 +719,33 @@ def test_openai_chat_and_completions_equal_target_only_with_exact_usage(http_url
     ref = real_eyas.generate(parse_request(prompt=raw, raw=True, method="target", max_new_tokens=16))[1]
     done = oa.completions.create(model=MODEL, prompt=raw, max_tokens=16, temperature=0)
     assert done.choices[0].text == ref["text"]
-    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(encode_prompt(tok, raw, True)),
-                                                                        ref["new_tokens"])
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (
+        len(encode_prompt(tok, raw, True)),
+        ref["new_tokens"],
+    )
     streamed = oa.completions.create(model=MODEL, prompt=raw, max_tokens=16, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == ref["text"]
     no_leaks(client)
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"n": 2}, "n"),
-    ({"logprobs": True}, "logprobs"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"temperature": 5}, "temperature"),
-    ({"extra_body": {"tree_depth": -1}}, "tree_depth"),
-    ({"extra_body": {"method": "medusa"}}, "method"),
-    ({"extra_body": {"surprise": 1}}, "surprise"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": 5}, "temperature"),
+        ({"extra_body": {"tree_depth": -1}}, "tree_depth"),
+        ({"extra_body": {"method": "medusa"}}, "method"),
+        ({"extra_body": {"surprise": 1}}, "surprise"),
+    ],
+)
 def test_openai_bad_parameters_get_400_naming_them(http_url, client, kwargs, param, no_leaks):
     """OpenAI's error shape, status 400, ``param`` naming the parameter; nothing is opened for it."""
     import openai
 
     with pytest.raises(openai.BadRequestError) as info:
-        _openai(http_url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                  **kwargs)
+        _openai(http_url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], **kwargs)
     body = _error_body(info.value)
     assert body["param"].split(".")[0] == param and body["type"] == "invalid_request_error", body
     no_leaks(client)
@@ -664,8 +770,13 @@ def test_openai_a_closed_stream_cancels_its_request(http_url, client, no_leaks):
     cancelled and leaves no session."""
     before = _cancelled_count(client)
     stream = _openai(http_url).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": COUNT_300["prompt"]}], max_tokens=400, temperature=0,
-        stream=True, extra_body={"method": "eagle3"})
+        model=MODEL,
+        messages=[{"role": "user", "content": COUNT_300["prompt"]}],
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"method": "eagle3"},
+    )
     got = [c for _, c in zip(range(3), stream)]
     # the replica reports its live requests every half second or so: wait for the report, not the first chunks
     assert got and _wait_for(lambda: _live_requests(client) == 1, timeout_s=30)
@@ -686,8 +797,14 @@ def test_an_api_key_guards_http_and_grpc_and_a_full_server_says_overloaded(serve
     from eyas.serve.client import EyasClient
 
     key = "e2e-secret-key"
-    keyed = {"methods": [], "drafter_replicas": 0, "target_replicas": 1, "torch_threads": 1, "api_key": key,
-             "max_inflight_requests": 1}
+    keyed = {
+        "methods": [],
+        "drafter_replicas": 0,
+        "target_replicas": 1,
+        "torch_threads": 1,
+        "api_key": key,
+        "max_inflight_requests": 1,
+    }
     serve.run(build_app(keyed), name="eyas-keyed", route_prefix="/keyed")
     try:
         for wrong in ("no-key-needed", key + "x"):
@@ -695,24 +812,36 @@ def test_an_api_key_guards_http_and_grpc_and_a_full_server_says_overloaded(serve
                 _openai(http_url, api_key=wrong, prefix="/keyed").models.list()
             assert _error_body(info.value)["code"] == "invalid_api_key" and key not in str(info.value)
         r = _openai(http_url, api_key=key, prefix="/keyed").chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
-            extra_body={"method": "target"})
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"method": "target"},
+        )
         assert r.usage.completion_tokens >= 1
         with EyasClient(f"127.0.0.1:{serve_ports['grpc']}", application="eyas-keyed", timeout_s=120) as c:
             with pytest.raises(ServerRejected) as rejected:
                 c.generate(prompt="Hi", method="target", max_new_tokens=2)
             assert rejected.value.code == grpc.StatusCode.UNAUTHENTICATED
-        with EyasClient(f"127.0.0.1:{serve_ports['grpc']}", application="eyas-keyed", timeout_s=120,
-                        api_key=key) as c:
+        with EyasClient(f"127.0.0.1:{serve_ports['grpc']}", application="eyas-keyed", timeout_s=120, api_key=key) as c:
             assert c.generate(prompt="Hi", method="target", max_new_tokens=2)["new_tokens"] == 2
             oa = _openai(http_url, api_key=key, prefix="/keyed")
-            long = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": COUNT_300["prompt"]}],
-                                              max_tokens=400, temperature=0, stream=True,
-                                              extra_body={"method": "target"})
-            assert next(iter(long)).choices          # the first chunk: the request holds the only slot
+            long = oa.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": COUNT_300["prompt"]}],
+                max_tokens=400,
+                temperature=0,
+                stream=True,
+                extra_body={"method": "target"},
+            )
+            assert next(iter(long)).choices  # the first chunk: the request holds the only slot
             with pytest.raises(openai.InternalServerError) as full:
-                oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                           extra_body={"method": "target"})
+                oa.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "Hi"}],
+                    max_tokens=2,
+                    extra_body={"method": "target"},
+                )
             assert full.value.status_code == 503 and _error_body(full.value)["code"] == "overloaded"
             with pytest.raises(ServerRejected) as busy:
                 c.generate(prompt="Hi", method="target", max_new_tokens=2)
@@ -749,19 +878,24 @@ def test_metrics_endpoint_parses_and_its_counters_move(http_url, client):
                     out[s.name] = out.get(s.name, 0.0) + s.value
         return out
 
-    names = ("eyas_requests_total", "eyas_spec_decode_num_drafts_total", "eyas_spec_decode_num_draft_tokens_total",
-             "eyas_request_duration_seconds_count", "eyas_request_time_to_first_token_seconds_count",
-             "eyas_verify_duration_seconds_count")
+    names = (
+        "eyas_requests_total",
+        "eyas_spec_decode_num_drafts_total",
+        "eyas_spec_decode_num_draft_tokens_total",
+        "eyas_request_duration_seconds_count",
+        "eyas_request_time_to_first_token_seconds_count",
+        "eyas_verify_duration_seconds_count",
+    )
     before = scrape()
     client.generate(prompt=PROMPTS[1], method="eagle3", max_new_tokens=8)
-    assert _wait_for(lambda: scrape().get("eyas_requests_total", 0) > before.get("eyas_requests_total", 0),
-                     timeout_s=30)
+    assert _wait_for(
+        lambda: scrape().get("eyas_requests_total", 0) > before.get("eyas_requests_total", 0), timeout_s=30
+    )
     after = scrape()
     assert all(after.get(n, 0) > before.get(n, 0) for n in names), {n: (before.get(n), after.get(n)) for n in names}
 
 
-def test_a_drafter_replica_killed_mid_request_stalls_no_stream_and_the_answer_is_unchanged(client, reference,
-                                                                                           no_leaks):
+def test_a_drafter_replica_killed_mid_request_stalls_no_stream_and_the_answer_is_unchanged(client, reference, no_leaks):
     """The stream goes on target-only at once while Serve replaces the drafter replica: its longest
     gap between chunks after the kill is under half the time the replacement took to answer (it used
     to wait for the replacement, 13.8 s); the answer is target-only's; afterwards speculative requests
@@ -811,8 +945,11 @@ def test_an_experiment_replay_cancels_what_is_still_running_when_it_ends(serve_a
     from eyas.experiments.workload import Arrival, load_workload
 
     workload = load_workload(Path(__file__).parent / "workloads" / "tiny_burst.yaml")
-    replay = Replay(serve_address, workload, [Arrival(0.0, "long", "Count from 1 to 300, one number per line, "
-                                                                    "and say nothing else.", 400, 0)])
+    replay = Replay(
+        serve_address,
+        workload,
+        [Arrival(0.0, "long", "Count from 1 to 300, one number per line, and say nothing else.", 400, 0)],
+    )
     replay.start()
     deadline = time.monotonic() + 120
     while not replay.token_times and time.monotonic() < deadline:  # the answer is streaming
@@ -842,7 +979,7 @@ def test_a_target_replica_killed_mid_stream_resumes_with_no_token_lost_or_repeat
     tokens = [t for c in chunks for t in c.token_ids]
     assert tokens == reference[PROMPTS[1]]
     assert chunks[-1].finish_reason in ("length", "stop") and chunks[-1].stats.new_tokens == len(tokens)
-    assert chunks[-1].stats.resumes >= 1   # it did die under the request, and the request resumed
+    assert chunks[-1].stats.resumes >= 1  # it did die under the request, and the request resumed
     assert "".join(c.text for c in chunks).strip()
     no_leaks(client)
     # The replacement asked the drafter for its measured draft cost at start-up, off its event loop
@@ -852,11 +989,13 @@ def test_a_target_replica_killed_mid_stream_resumes_with_no_token_lost_or_repeat
     def measured() -> bool:
         loops = client.stats()["scheduler"]["loops"]
         return any(r != dead and loop["draft_cost"]["observations"] > 0 for r, loop in loops.items())
+
     assert _wait_for(measured, timeout_s=60), client.stats()["scheduler"]["loops"]
 
 
 def test_a_killed_target_replicas_draft_sessions_are_reclaimed_and_its_speculative_streams_resume(
-        client, reference, no_leaks):
+    client, reference, no_leaks
+):
     """Last again (a second kill), two EAGLE-3 streams on the replica that dies, both of which resume
     with the same greedy tokens:
     - A is named (EyasClient.stream): its resumed attempt opens a draft session under the same id,
@@ -871,12 +1010,14 @@ def test_a_killed_target_replicas_draft_sessions_are_reclaimed_and_its_speculati
     target = next(w for w in client.stats()["workers"] if w["kind"] == "target" and w.get("ok"))
     actor = ray.get_actor(target["actor_name"], namespace=target["namespace"])
     named = client.stream(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N)
-    unnamed = client.stub.GenerateStream(pb.GenerateRequest(prompt=PROMPTS[1], method="eagle3", max_new_tokens=N),
-                                         metadata=client.metadata, timeout=300)
+    unnamed = client.stub.GenerateStream(
+        pb.GenerateRequest(prompt=PROMPTS[1], method="eagle3", max_new_tokens=N), metadata=client.metadata, timeout=300
+    )
     a, b = [next(named)], [next(unnamed)]
     ray.kill(actor)
-    assert _wait_for(lambda: any(w.get("stranded_sessions", 0) > 0 for w in client.stats()["workers"]),
-                     timeout_s=30), client.stats()["workers"]
+    assert _wait_for(lambda: any(w.get("stranded_sessions", 0) > 0 for w in client.stats()["workers"]), timeout_s=30), (
+        client.stats()["workers"]
+    )
     a += list(named)
     b += list(unnamed)
     assert [t for c in a for t in c.token_ids] == reference[PROMPTS[0]]

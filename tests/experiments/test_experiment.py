@@ -1,5 +1,6 @@
 """The autoscaling experiment's pure parts: node typing, replica start-up, the calibrated simulator,
 and the cluster configs (validated against Ray's own cluster schema)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,9 +17,11 @@ CONFIGS = Path(__file__).resolve().parents[2] / "ray_configs"
 
 def test_nodes_are_typed_by_the_custom_resource_they_offer_and_dead_ones_do_not_count():
     """Worked example: head {CPU: 2}; a live and a dead target_host node -> head 1, target_host 1, drafter_host 0."""
-    nodes = [{"Alive": True, "Resources": {"CPU": 2.0}},
-             {"Alive": True, "Resources": {"CPU": 1.0, "target_host": 1.0}},
-             {"Alive": False, "Resources": {"CPU": 1.0, "target_host": 1.0}}]
+    nodes = [
+        {"Alive": True, "Resources": {"CPU": 2.0}},
+        {"Alive": True, "Resources": {"CPU": 1.0, "target_host": 1.0}},
+        {"Alive": False, "Resources": {"CPU": 1.0, "target_host": 1.0}},
+    ]
     assert count_nodes(nodes, ["target_host", "drafter_host"]) == {"head": 1, "target_host": 1, "drafter_host": 0}
 
 
@@ -29,17 +32,25 @@ def test_replica_startup_runs_from_asked_for_to_running():
     assert replica_startup_s([(0, 1, 0), (1, 1, 1), (2, 1, 0)]) is None  # cancelled before it ran
 
 
-CAL = Calibration(verify_ms={1: 40.0, 64: 120.0}, tokens_per_round=1.5, rows_per_request=4.0,
-                  draft_ms_per_round=10.0, hop_ms_per_round=5.0, prompt_len=30.0, startup_s=20.0)
+CAL = Calibration(
+    verify_ms={1: 40.0, 64: 120.0},
+    tokens_per_round=1.5,
+    rows_per_request=4.0,
+    draft_ms_per_round=10.0,
+    hop_ms_per_round=5.0,
+    prompt_len=30.0,
+    startup_s=20.0,
+)
 
 
 def test_the_calibrated_simulator_scales_up_for_a_burst_and_back_down_after_it():
-    policy = TargetScalingConfig(min_replicas=1, max_replicas=4, target_verify_rows_per_replica=20,
-                                 upscale_delay_s=1, downscale_delay_s=5)
-    burst = [Arrival(10 + i * 0.1, "k", "p", 20, 1) for i in range(200)]   # 10 req/s for 20 s
+    policy = TargetScalingConfig(
+        min_replicas=1, max_replicas=4, target_verify_rows_per_replica=20, upscale_delay_s=1, downscale_delay_s=5
+    )
+    burst = [Arrival(10 + i * 0.1, "k", "p", 20, 1) for i in range(200)]  # 10 req/s for 20 s
     r = predict(burst, CAL, policy, max_batch=8, initial_replicas=1, until_s=120)
     assert r.unfinished == 0 and r.peak_replicas > 1
-    assert r.timeline[-1].replicas == 1   # idle at the end: back to min_replicas
+    assert r.timeline[-1].replicas == 1  # idle at the end: back to min_replicas
 
 
 def test_planning_far_above_this_machine_gives_replicas_in_proportion_to_the_rate():

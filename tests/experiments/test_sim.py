@@ -3,6 +3,7 @@ batching, autoscaling with drains, and speed.
 
 Units: times in seconds unless a name says ``_ms``; lengths in tokens; rates per second.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,6 +26,7 @@ MS = 1e-3  # seconds per millisecond
 
 
 # ------------------------------------------------------------------------------------------ curve
+
 
 def test_curve_interpolates_clamps_and_extrapolates_never_decreasing():
     """Knots {1: 10, 5: 30} ms: 3 rows -> 20 ms (midway), 0 rows -> 10 (clamped to the first knot),
@@ -53,10 +55,10 @@ def test_percentile_matches_linear_interpolation():
 
 # ---------------------------------------------------------------------------------- M/D/1 check
 
-MD1_SERVICE_MS = 100.0          # S: one round of one row, the whole service of a 1-token request
+MD1_SERVICE_MS = 100.0  # S: one round of one row, the whole service of a 1-token request
 MD1_REQUESTS = 20_000
-MD1_WQ_REL_TOL = 0.10           # |Wq_sim - Wq_PK| / Wq_PK
-MD1_UTIL_ABS_TOL = 0.02         # |utilisation - rho|
+MD1_WQ_REL_TOL = 0.10  # |Wq_sim - Wq_PK| / Wq_PK
+MD1_UTIL_ABS_TOL = 0.02  # |utilisation - rho|
 
 
 @pytest.mark.parametrize("rho", [0.5, 0.8])
@@ -70,8 +72,7 @@ def test_md1_waiting_time_matches_pollaczek_khinchine(rho):
     Wq error +1.6 % (rho 0.5) and -1.5 % (rho 0.8); utilisation 0.4986 and 0.7977.
     """
     s = MD1_SERVICE_MS * MS
-    model = ReplicaModel(Curve.from_points({1: MD1_SERVICE_MS}), tokens_per_round=1.0, rows_per_request=1,
-                         max_batch=1)
+    model = ReplicaModel(Curve.from_points({1: MD1_SERVICE_MS}), tokens_per_round=1.0, rows_per_request=1, max_batch=1)
     work = Workload(Arrivals.poisson(rho / s, count=MD1_REQUESTS), output_len=1, prompt_len=1)
     r = simulate(work, model, seed=1, sample_interval_s=100.0)
 
@@ -89,12 +90,15 @@ def test_md1_waiting_time_matches_pollaczek_khinchine(rho):
 ROUND_MS = 100.0
 
 
-@pytest.mark.parametrize("curve, first_tokens, finishes", [
-    # flat 100 ms rounds: A, B run [0, .1], [.1, .2]; C waits for a free slot, runs [.2, .3], [.3, .4]
-    ({1: ROUND_MS, 2: ROUND_MS}, (0.1, 0.1, 0.3), (0.2, 0.2, 0.4)),
-    # 2 rows cost 150 ms: A, B run [0, .15], [.15, .3]; C alone runs [.3, .4], [.4, .5]
-    ({1: ROUND_MS, 2: 150.0}, (0.15, 0.15, 0.4), (0.3, 0.3, 0.5)),
-])
+@pytest.mark.parametrize(
+    "curve, first_tokens, finishes",
+    [
+        # flat 100 ms rounds: A, B run [0, .1], [.1, .2]; C waits for a free slot, runs [.2, .3], [.3, .4]
+        ({1: ROUND_MS, 2: ROUND_MS}, (0.1, 0.1, 0.3), (0.2, 0.2, 0.4)),
+        # 2 rows cost 150 ms: A, B run [0, .15], [.15, .3]; C alone runs [.3, .4], [.4, .5]
+        ({1: ROUND_MS, 2: 150.0}, (0.15, 0.15, 0.4), (0.3, 0.3, 0.5)),
+    ],
+)
 def test_three_requests_two_rounds_each_by_hand(curve, first_tokens, finishes):
     """3 requests at t=0, one replica, max_batch 2, tau 1 and 2-token outputs (so 2 rounds each).
     Requests 0 and 1 fill the batch; request 2 joins at the first round boundary with a free slot,
@@ -123,8 +127,14 @@ def test_round_time_adds_drafter_and_verify_and_prefill_rows():
     With prefill 0.5 rows per prompt token and a 32-token prompt the first round verifies
     17 + 16 = 33 rows (30 ms), so it takes 35 ms: TTFT 35 ms, latency 35 + 3 * 25 = 110 ms.
     """
-    base = dict(verify_ms=Curve.from_points({1: 10.0, 33: 30.0}), tokens_per_round=3.0, rows_per_request=17,
-                draft_ms=Curve.from_points({0: 1.0, 16: 5.0}), draft_rows_per_request=16, max_batch=4)
+    base = dict(
+        verify_ms=Curve.from_points({1: 10.0, 33: 30.0}),
+        tokens_per_round=3.0,
+        rows_per_request=17,
+        draft_ms=Curve.from_points({0: 1.0, 16: 5.0}),
+        draft_rows_per_request=16,
+        max_batch=4,
+    )
     work = Workload(Arrivals.explicit([1.0]), output_len=10, prompt_len=32)
 
     r = simulate(work, ReplicaModel(**base))
@@ -140,8 +150,8 @@ def test_round_time_adds_drafter_and_verify_and_prefill_rows():
 # -------------------------------------------------------------------------------------- batching
 
 FLAT_CURVE = {1: 100.0, 64: 101.0}  # rows cost almost nothing: a round is ~100 ms at any batch
-BATCH_OUTPUT_LEN = 10               # tokens, tau 1 -> 10 rounds, ~1 s per request
-BATCH_RATE = 50.0                   # requests/s, far above one request/s
+BATCH_OUTPUT_LEN = 10  # tokens, tau 1 -> 10 rounds, ~1 s per request
+BATCH_RATE = 50.0  # requests/s, far above one request/s
 BATCH_REQUESTS = 200
 
 
@@ -151,8 +161,7 @@ def test_batching_multiplies_throughput_under_a_flat_latency_curve():
     serves up to 32 at once: at most 32 * 1 token / 0.1 s = 320 tokens/s (a bit less: 101 ms rounds
     when full). Expect > 10x the throughput of max_batch 1, below that bound.
     """
-    work = Workload(Arrivals.deterministic(BATCH_RATE, count=BATCH_REQUESTS), output_len=BATCH_OUTPUT_LEN,
-                    prompt_len=8)
+    work = Workload(Arrivals.deterministic(BATCH_RATE, count=BATCH_REQUESTS), output_len=BATCH_OUTPUT_LEN, prompt_len=8)
 
     def throughput(max_batch):
         model = ReplicaModel(Curve.from_points(FLAT_CURVE), tokens_per_round=1.0, max_batch=max_batch)
@@ -171,8 +180,8 @@ MIN_REPLICAS, MAX_REPLICAS = 1, 8
 QUEUE_PER_REPLICA = 10
 CONTROL_S = 1.0
 STARTUP_S = 3.0
-BURST_RATE, BURST_S = 40.0, 20.0   # requests/s for 20 s; one replica serves ~4/s (max_batch 4, 1 s each)
-WATCH_UNTIL_S = 120.0              # keep simulating after the burst to watch the scale-down
+BURST_RATE, BURST_S = 40.0, 20.0  # requests/s for 20 s; one replica serves ~4/s (max_batch 4, 1 s each)
+WATCH_UNTIL_S = 120.0  # keep simulating after the burst to watch the scale-down
 NODE_SIZE = 4
 PRICE_PER_REPLICA_HOUR = 2.0
 
@@ -192,11 +201,15 @@ def test_autoscaling_grows_for_a_burst_then_drains_without_dropping_requests():
     """
     model = ReplicaModel(Curve.from_points(FLAT_CURVE), tokens_per_round=1.0, max_batch=4)
     work = Workload(Arrivals.poisson(BURST_RATE, duration_s=BURST_S), output_len=BATCH_OUTPUT_LEN, prompt_len=16)
-    cluster = ClusterModel(replicas=MIN_REPLICAS, node_size=NODE_SIZE, cost_per_replica_hour=PRICE_PER_REPLICA_HOUR,
-                           autoscaling=Autoscaling(queue_policy, control_interval_s=CONTROL_S,
-                                                   startup_delay_s=STARTUP_S))
-    r = simulate(work, model, cluster, seed=3, sample_interval_s=CONTROL_S, until_s=WATCH_UNTIL_S,
-                 horizon_s=WATCH_UNTIL_S)  # a hard stop: requests left unfinished would show below
+    cluster = ClusterModel(
+        replicas=MIN_REPLICAS,
+        node_size=NODE_SIZE,
+        cost_per_replica_hour=PRICE_PER_REPLICA_HOUR,
+        autoscaling=Autoscaling(queue_policy, control_interval_s=CONTROL_S, startup_delay_s=STARTUP_S),
+    )
+    r = simulate(
+        work, model, cluster, seed=3, sample_interval_s=CONTROL_S, until_s=WATCH_UNTIL_S, horizon_s=WATCH_UNTIL_S
+    )  # a hard stop: requests left unfinished would show below
     fixed = simulate(work, model, ClusterModel(replicas=MIN_REPLICAS), seed=3)
 
     # no request dropped: all finished, none faster than its rounds allow
@@ -209,13 +222,13 @@ def test_autoscaling_grows_for_a_burst_then_drains_without_dropping_requests():
     assert all(p.ready == MIN_REPLICAS for p in tl if p.time_s < CONTROL_S + STARTUP_S)  # startup delay
     assert any(p.ready > MIN_REPLICAS for p in tl if p.time_s <= CONTROL_S + STARTUP_S + CONTROL_S)
     assert r.peak_replicas == MAX_REPLICAS and all(p.replicas <= MAX_REPLICAS for p in tl)
-    assert any(p.draining > 0 for p in tl)                       # drained with requests still live
+    assert any(p.draining > 0 for p in tl)  # drained with requests still live
     assert tl[-1].time_s == WATCH_UNTIL_S and r.end_s == WATCH_UNTIL_S
     assert tl[-1].replicas == MIN_REPLICAS and tl[-1].running == 0 and tl[-1].queued == 0
     assert all(p.nodes == math.ceil(p.replicas / NODE_SIZE) for p in tl)
     assert r.peak_nodes == MAX_REPLICAS // NODE_SIZE
 
-    riemann = sum(p.replicas * CONTROL_S for p in tl[:-1])       # left sum over [0, 120)
+    riemann = sum(p.replicas * CONTROL_S for p in tl[:-1])  # left sum over [0, 120)
     assert r.replica_seconds == pytest.approx(riemann, rel=0.03)
     assert r.cost == pytest.approx(r.replica_seconds / 3600 * PRICE_PER_REPLICA_HOUR)
     assert 0 < r.busy_replica_seconds <= r.serving_replica_seconds <= r.replica_seconds
@@ -230,8 +243,9 @@ def test_scale_to_zero_queues_until_a_replica_is_ready():
     so 3 requests that arrived at 0.5..0.7 s wait in the pool queue until 4 s, then share the new
     replica's first 100 ms round (max_batch 4): all finish at 4.1 s."""
     model = ReplicaModel(Curve.from_points({1: ROUND_MS, 4: ROUND_MS}), max_batch=4)
-    cluster = ClusterModel(replicas=0, autoscaling=Autoscaling(lambda s: 1, control_interval_s=CONTROL_S,
-                                                               startup_delay_s=STARTUP_S))
+    cluster = ClusterModel(
+        replicas=0, autoscaling=Autoscaling(lambda s: 1, control_interval_s=CONTROL_S, startup_delay_s=STARTUP_S)
+    )
     r = simulate(Workload(Arrivals.explicit([0.5, 0.6, 0.7]), output_len=1, prompt_len=1), model, cluster)
     assert [q.finish_s for q in r.requests] == pytest.approx([CONTROL_S + STARTUP_S + ROUND_MS * MS] * 3)
     at_1s = r.timeline[1]  # after the first tick: the requests wait in the pool queue, one replica starts
@@ -239,6 +253,7 @@ def test_scale_to_zero_queues_until_a_replica_is_ready():
 
 
 # ---------------------------------------------------------------------------- workload, seeding
+
 
 def test_output_lengths_follow_the_given_distribution_and_the_seed():
     """Lengths 10 (p 0.25) and 30 (p 0.75) over 4,000 requests: the share of 10s is 0.25 within 0.03
@@ -267,18 +282,23 @@ def test_invalid_inputs_are_rejected():
 
 # ------------------------------------------------------------------------------------------ speed
 
-SPEED_RATE = 1000.0     # requests/s
-SPEED_S = 30.0          # simulated seconds of arrivals
-SPEED_REPLICAS = 160    # ~98 % utilised at this load
+SPEED_RATE = 1000.0  # requests/s
+SPEED_S = 30.0  # simulated seconds of arrivals
+SPEED_REPLICAS = 160  # ~98 % utilised at this load
 
 
 def test_thousand_requests_per_second_for_30_s_on_160_replicas():
     """~30,000 requests (mean output 160 tokens, tau 3, 16-node trees, max_batch 32) on 160 replicas
     (a few seconds of wall time; no wall-clock assertion, tests assert behaviour). In the steady state (10..30 s) the pool emits what arrives:
     1000 req/s * 160 tokens = 160,000 tokens/s, within 5 %."""
-    model = ReplicaModel(Curve.from_points({1: 20.0, 64: 25.0, 256: 40.0, 1024: 120.0}), tokens_per_round=3.0,
-                         rows_per_request=17, max_batch=32, draft_ms=Curve.from_points({1: 2.0, 512: 6.0}),
-                         draft_rows_per_request=16)
+    model = ReplicaModel(
+        Curve.from_points({1: 20.0, 64: 25.0, 256: 40.0, 1024: 120.0}),
+        tokens_per_round=3.0,
+        rows_per_request=17,
+        max_batch=32,
+        draft_ms=Curve.from_points({1: 2.0, 512: 6.0}),
+        draft_rows_per_request=16,
+    )
     lengths = ((64, 0.5), (256, 0.5))
     work = Workload(Arrivals.poisson(SPEED_RATE, duration_s=SPEED_S), output_len=lengths, prompt_len=128)
     r = simulate(work, model, ClusterModel(replicas=SPEED_REPLICAS, node_size=8), seed=0)
@@ -309,8 +329,9 @@ def test_thousands_of_replicas_rebuild_the_routing_table_once_per_control_tick(m
     monkeypatch.setattr(sim._Sim, "set_active", lambda self: (rebuilds.append(1), real(self))[1])
     model = ReplicaModel(Curve.from_points({1: ROUND_MS}), max_batch=4)
     policy = lambda s: MANY_REPLICAS if s.time_s < 6 else 1  # noqa: E731
-    cluster = ClusterModel(replicas=1, autoscaling=Autoscaling(policy, control_interval_s=CONTROL_S,
-                                                               startup_delay_s=STARTUP_S))
+    cluster = ClusterModel(
+        replicas=1, autoscaling=Autoscaling(policy, control_interval_s=CONTROL_S, startup_delay_s=STARTUP_S)
+    )
     work = Workload(Arrivals.explicit([0.5 * i for i in range(20)]), output_len=4, prompt_len=4)
     r = simulate(work, model, cluster, until_s=12.0)
     ready = {p.time_s: p.ready for p in r.timeline}

@@ -1,4 +1,5 @@
 """Autoscaling-experiment building blocks (eyas.experiments.workload): workloads, arrivals, timelines."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,11 @@ SHIPPED = ("step_burst.yaml", "diurnal.yaml", "short_to_long.yaml")
 
 def mix(*kinds: tuple[str, float], max_new_tokens: int = 8) -> dict:
     """A mix dict with one prompt kind per ``(name, weight)``."""
-    return {"prompts": [{"name": n, "weight": w, "prompt": f"Question {n}?", "max_new_tokens": max_new_tokens}
-                        for n, w in kinds]}
+    return {
+        "prompts": [
+            {"name": n, "weight": w, "prompt": f"Question {n}?", "max_new_tokens": max_new_tokens} for n, w in kinds
+        ]
+    }
 
 
 def workload(phases: list[dict], seed: int = 0, mixes: dict | None = None, **kw) -> Workload:
@@ -38,6 +42,7 @@ def workload(phases: list[dict], seed: int = 0, mixes: dict | None = None, **kw)
 
 
 # ---- arrivals ----------------------------------------------------------------------------------------
+
 
 def test_arrivals_deterministic_per_seed():
     """The same seed gives the identical list; another seed a different one. Both sorted, in range."""
@@ -87,12 +92,28 @@ def test_rate_at_ramps():
     2 * (1 - cos(pi/4)) / 2 = 0.2929, at f = 0.5 the midpoint 1.0. Phases are half-open
     ``[start, end)``: at t = 10 the second phase's start (0.0) applies; outside [0, 25) the rate is 0.
     """
-    w = workload([{"duration_s": 10, "rate_start": 1.0, "rate_end": 3.0},
-                  {"duration_s": 10, "rate_start": 0.0, "rate_end": 2.0, "shape": "cosine"},
-                  {"duration_s": 5, "rate_start": 0.5}])
+    w = workload(
+        [
+            {"duration_s": 10, "rate_start": 1.0, "rate_end": 3.0},
+            {"duration_s": 10, "rate_start": 0.0, "rate_end": 2.0, "shape": "cosine"},
+            {"duration_s": 5, "rate_start": 0.5},
+        ]
+    )
     assert total_duration(w) == 25.0
-    expected = {0.0: 1.0, 2.5: 1.5, 5.0: 2.0, 9.999: 2.9998, 10.0: 0.0, 12.5: 1 - math.cos(math.pi / 4),
-                15.0: 1.0, 17.5: 1 + math.cos(math.pi / 4), 20.0: 0.5, 24.9: 0.5, 25.0: 0.0, -1.0: 0.0}
+    expected = {
+        0.0: 1.0,
+        2.5: 1.5,
+        5.0: 2.0,
+        9.999: 2.9998,
+        10.0: 0.0,
+        12.5: 1 - math.cos(math.pi / 4),
+        15.0: 1.0,
+        17.5: 1 + math.cos(math.pi / 4),
+        20.0: 0.5,
+        24.9: 0.5,
+        25.0: 0.0,
+        -1.0: 0.0,
+    }
     for t, rate in expected.items():
         assert rate_at(w, t) == pytest.approx(rate, abs=1e-9), t
 
@@ -107,8 +128,11 @@ def test_mix_weights_respected():
     400 s): chi-square goodness of fit with 1 degree of freedom must stay below 10.83 (p = 0.001).
     A second phase naming mix "other" draws only its own kind."""
     mixes = {"main": mix(("common", 3.0), ("rare", 1.0)), "other": mix(("only", 1.0))}
-    w = workload([{"duration_s": 400, "rate_start": 10.0}, {"duration_s": 20, "rate_start": 1.0, "mix": "other"}],
-                 mixes=mixes, seed=11)
+    w = workload(
+        [{"duration_s": 400, "rate_start": 10.0}, {"duration_s": 20, "rate_start": 1.0, "mix": "other"}],
+        mixes=mixes,
+        seed=11,
+    )
     arr = arrivals(w)
     first = [a.kind for a in arr if a.phase == 0]
     n = len(first)
@@ -120,6 +144,7 @@ def test_mix_weights_respected():
 
 
 # ---- workload files ----------------------------------------------------------------------------------
+
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / name
@@ -146,20 +171,37 @@ def test_good_yaml_loads(tmp_path):
     assert w.name == "ok" and len(w.phases) == 3 and w.method == "eagle3" and w.drain_s == 30
 
 
-@pytest.mark.parametrize("name, text, field", [
-    ("mix.yaml", GOOD.replace("MIXNAME", "long"), "phases.2.mix: unknown mix 'long'; known: ['short']"),
-    ("default.yaml", GOOD.replace("MIXNAME", "short").replace("default_mix: short", "default_mix: nope"),
-     "default_mix: unknown mix 'nope'"),
-    ("negative.yaml", GOOD.replace("MIXNAME", "short").replace("{duration_s: 5, rate_start: 1}",
-                                                                 "{duration_s: -5, rate_start: 1}"),
-     "phases.0.duration_s: "),
-    ("extra.yaml", GOOD.replace("MIXNAME", "short") + "colour: blue\n", "colour: "),
-    ("tokens.yaml", GOOD.replace("MIXNAME", "short").replace("max_new_tokens: 4", "max_new_tokens: 0"),
-     "mixes.short.prompts.0.max_new_tokens: "),
-    ("shape.yaml", GOOD.replace("MIXNAME", "short").replace("rate_start: 1, mix: short}",
-                                                              "rate_start: 1, mix: short, shape: square}"),
-     "phases.1.shape: "),
-])
+@pytest.mark.parametrize(
+    "name, text, field",
+    [
+        ("mix.yaml", GOOD.replace("MIXNAME", "long"), "phases.2.mix: unknown mix 'long'; known: ['short']"),
+        (
+            "default.yaml",
+            GOOD.replace("MIXNAME", "short").replace("default_mix: short", "default_mix: nope"),
+            "default_mix: unknown mix 'nope'",
+        ),
+        (
+            "negative.yaml",
+            GOOD.replace("MIXNAME", "short").replace(
+                "{duration_s: 5, rate_start: 1}", "{duration_s: -5, rate_start: 1}"
+            ),
+            "phases.0.duration_s: ",
+        ),
+        ("extra.yaml", GOOD.replace("MIXNAME", "short") + "colour: blue\n", "colour: "),
+        (
+            "tokens.yaml",
+            GOOD.replace("MIXNAME", "short").replace("max_new_tokens: 4", "max_new_tokens: 0"),
+            "mixes.short.prompts.0.max_new_tokens: ",
+        ),
+        (
+            "shape.yaml",
+            GOOD.replace("MIXNAME", "short").replace(
+                "rate_start: 1, mix: short}", "rate_start: 1, mix: short, shape: square}"
+            ),
+            "phases.1.shape: ",
+        ),
+    ],
+)
 def test_bad_yaml_names_file_and_field(tmp_path, name, text, field):
     path = write(tmp_path, name, text)
     with pytest.raises(ValueError) as info:
@@ -194,11 +236,22 @@ def test_shipped_step_burst_shape():
 
 # ---- timeline ----------------------------------------------------------------------------------------
 
+
 def sample(t: float, replicas: int = 1, nodes: int = 1, p99: float | None = None, completed: int = 0) -> Sample:
-    return Sample(t=t, request_rate=0.5, in_flight=2, completed=completed, pending_verify_rows=10.0,
-                  draft_rows=4.0, kv_bytes_used=1e6, replicas={"EyasServer": 1, "TargetWorker": replicas},
-                  nodes={"head": 1, "cpu_worker": nodes}, p50_latency_s=None if p99 is None else p99 / 2,
-                  p99_latency_s=p99, tokens_per_s=12.5)
+    return Sample(
+        t=t,
+        request_rate=0.5,
+        in_flight=2,
+        completed=completed,
+        pending_verify_rows=10.0,
+        draft_rows=4.0,
+        kv_bytes_used=1e6,
+        replicas={"EyasServer": 1, "TargetWorker": replicas},
+        nodes={"head": 1, "cpu_worker": nodes},
+        p50_latency_s=None if p99 is None else p99 / 2,
+        p99_latency_s=p99,
+        tokens_per_s=12.5,
+    )
 
 
 def hand_built() -> Timeline:

@@ -1,4 +1,5 @@
 """The msgpack tensor codec: round trips and strict rejection naming the field (docs/architecture.md, "The wire contract")."""
+
 from __future__ import annotations
 
 import msgpack
@@ -17,8 +18,21 @@ def pack(**fields) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bool, torch.float16, torch.bfloat16,
-                                   torch.int32, torch.uint8, torch.int8, torch.int16, torch.float64])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.int64,
+        torch.float32,
+        torch.bool,
+        torch.float16,
+        torch.bfloat16,
+        torch.int32,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.float64,
+    ],
+)
 @pytest.mark.parametrize("shape", [(0,), (5,), (3, 4), (2, 0, 3), ()])
 def test_round_trip_is_bit_exact(dtype, shape):
     g = torch.Generator().manual_seed(0)
@@ -52,29 +66,32 @@ def test_decoded_tensor_owns_its_memory():
 GOOD = dict(dtype="int64", shape=[2], data=bytes(16))
 
 
-@pytest.mark.parametrize("blob, kwargs, why", [
-    (b"", {}, "missing"),
-    (b"\xc1garbage", {}, "not a msgpack-encoded tensor"),
-    (pack(**GOOD) + b"\x00", {}, "not a msgpack-encoded tensor"),
-    (msgpack.packb([1, 2]), {}, "expected a map"),
-    (pack(dtype="int64", shape=[2]), {}, "expected a map"),
-    (pack(**GOOD, extra=1), {}, "expected a map"),
-    (pack(dtype="complex64", shape=[2], data=bytes(16)), {}, "unknown dtype"),
-    (pack(dtype=7, shape=[2], data=bytes(16)), {}, "unknown dtype"),
-    (pack(dtype="int64", shape=[-2], data=bytes(16)), {}, "shape"),
-    (pack(dtype="int64", shape=[True], data=bytes(8)), {}, "shape"),
-    (pack(dtype="int64", shape=2, data=bytes(16)), {}, "shape"),
-    (pack(dtype="int64", shape=[1] * 9, data=bytes(8)), {}, "shape"),
-    (pack(dtype="int64", shape=[2], data="text"), {}, "data is str"),
-    (pack(dtype="int64", shape=[2], data=bytes(15)), {}, "15 data bytes"),
-    (pack(dtype="int64", shape=[3], data=bytes(16)), {}, "16 data bytes"),
-    (pack(**GOOD), {"dtype": torch.int32}, "expected dtype int32, got int64"),
-    (pack(**GOOD), {"shape": (3,)}, "expected shape (3,), got (2,)"),
-    (pack(**GOOD), {"shape": (2, ANY_DIM)}, "expected shape (2, '*')"),
-    (pack(**GOOD), {"max_numel": 1}, "2 elements exceed the limit of 1"),
-    (pack(dtype="int64", shape=[1 << 40], data=b""), {}, "exceed the limit"),
-    (pack(dtype="bool", shape=[2], data=b"\x01\x02"), {}, "bool data"),
-])
+@pytest.mark.parametrize(
+    "blob, kwargs, why",
+    [
+        (b"", {}, "missing"),
+        (b"\xc1garbage", {}, "not a msgpack-encoded tensor"),
+        (pack(**GOOD) + b"\x00", {}, "not a msgpack-encoded tensor"),
+        (msgpack.packb([1, 2]), {}, "expected a map"),
+        (pack(dtype="int64", shape=[2]), {}, "expected a map"),
+        (pack(**GOOD, extra=1), {}, "expected a map"),
+        (pack(dtype="complex64", shape=[2], data=bytes(16)), {}, "unknown dtype"),
+        (pack(dtype=7, shape=[2], data=bytes(16)), {}, "unknown dtype"),
+        (pack(dtype="int64", shape=[-2], data=bytes(16)), {}, "shape"),
+        (pack(dtype="int64", shape=[True], data=bytes(8)), {}, "shape"),
+        (pack(dtype="int64", shape=2, data=bytes(16)), {}, "shape"),
+        (pack(dtype="int64", shape=[1] * 9, data=bytes(8)), {}, "shape"),
+        (pack(dtype="int64", shape=[2], data="text"), {}, "data is str"),
+        (pack(dtype="int64", shape=[2], data=bytes(15)), {}, "15 data bytes"),
+        (pack(dtype="int64", shape=[3], data=bytes(16)), {}, "16 data bytes"),
+        (pack(**GOOD), {"dtype": torch.int32}, "expected dtype int32, got int64"),
+        (pack(**GOOD), {"shape": (3,)}, "expected shape (3,), got (2,)"),
+        (pack(**GOOD), {"shape": (2, ANY_DIM)}, "expected shape (2, '*')"),
+        (pack(**GOOD), {"max_numel": 1}, "2 elements exceed the limit of 1"),
+        (pack(dtype="int64", shape=[1 << 40], data=b""), {}, "exceed the limit"),
+        (pack(dtype="bool", shape=[2], data=b"\x01\x02"), {}, "bool data"),
+    ],
+)
 def test_malformed_bytes_are_rejected_naming_the_field(blob, kwargs, why):
     with pytest.raises(ValueError) as err:
         decode_tensor(blob, name="flat.tokens", **kwargs)

@@ -1,4 +1,5 @@
 """Protocol dataclasses: seeds that concatenate across plain rounds."""
+
 from __future__ import annotations
 
 import pytest

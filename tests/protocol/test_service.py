@@ -1,4 +1,5 @@
 """The raw-bytes registration of ``eyas.v1.Eyas`` and the ingress's decoder (eyas.protocol.service)."""
+
 from __future__ import annotations
 
 from concurrent import futures
@@ -25,8 +26,15 @@ def test_a_string_field_that_is_not_utf8_is_named(field):
         decode_message(pb.GenerateRequest, data)
 
 
-@pytest.mark.parametrize("data", [b"\x0a\xff", b"\xff" * 9, pb.GenerateRequest(prompt="abc").SerializeToString()[:-1],
-                                  bytes([0x0A, 0x80, 0x80, 0x80, 0x80, 0x10])])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x0a\xff",
+        b"\xff" * 9,
+        pb.GenerateRequest(prompt="abc").SerializeToString()[:-1],
+        bytes([0x0A, 0x80, 0x80, 0x80, 0x80, 0x10]),
+    ],
+)
 def test_corrupt_framing_is_a_request_error(data):
     with pytest.raises(ValueError, match=r"^request: not a valid eyas\.v1\.GenerateRequest protobuf message$"):
         decode_message(pb.GenerateRequest, data)
@@ -39,6 +47,7 @@ def test_a_wrong_type_is_refused():
 
 class _Echo:
     """Answers with the Python type the handler was given (the bytes a client sent, undecoded)."""
+
     def Generate(self, request, context):
         return pb.GenerateResponse(text=type(request).__name__, token_ids=list(request[:4]))
 
@@ -88,7 +97,7 @@ class _ProxyStream:
     def __init__(self, num_replies: int):
         self.num_replies = num_replies
         self.cancelled_in_wait = False
-        self.next_reply = None   # asyncio.Event, made on the loop
+        self.next_reply = None  # asyncio.Event, made on the loop
 
     async def __call__(self, request, context):
         import asyncio
@@ -128,10 +137,10 @@ async def _leave_during_the_second_write(handler, stream):
     context = _StuckWriteContext()
     task = asyncio.ensure_future(handler(b"", context))
     await asyncio.wait_for(context.in_second_write.wait(), 10)
-    task.cancel()   # what grpc does when the client cancels
+    task.cancel()  # what grpc does when the client cancels
     await asyncio.wait([task], timeout=10)
     for _ in range(10):
-        await asyncio.sleep(0)   # let the cancelled tasks unwind
+        await asyncio.sleep(0)  # let the cancelled tasks unwind
     return context
 
 
@@ -201,6 +210,7 @@ def test_on_serves_proxy_server_only_the_streaming_handler_is_wrapped_and_the_fa
         async def stream(request, context):
             for i in range(3):
                 yield pb.GenerateChunk(text=f"{service_method} {i}").SerializeToString()
+
         handler = stream if streaming_type.name == "UNARY_STREAM" else unary
         made.setdefault((service_method, streaming_type.name), []).append(handler)
         return handler

@@ -1,4 +1,5 @@
 """The committed gRPC stubs are what eyas.proto generates (eyas/protocol/stubs.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +17,8 @@ def test_committed_stubs_are_fresh(tmp_path):
         committed = stubs.PROTOCOL_DIR / name
         assert committed.exists(), f"{name}: not committed; run python -m eyas.protocol.stubs"
         assert stubs.normalize(committed.read_text()) == stubs.normalize(path.read_text()), (
-            f"{name}: stale; run python -m eyas.protocol.stubs")
+            f"{name}: stale; run python -m eyas.protocol.stubs"
+        )
 
 
 def test_grpc_module_imports_messages_through_the_package():
@@ -33,9 +35,11 @@ def test_grpc_module_imports_messages_through_the_package():
 def test_bare_import_is_rewritten_and_version_lines_are_ignored():
     fixed = stubs._fix_imports("eyas_pb2_grpc.py", "import grpc\nimport eyas_pb2 as eyas__pb2\n")
     assert fixed == "import grpc\nfrom eyas.protocol import eyas_pb2 as eyas__pb2\n"
-    a = ("# source: x\n# Protobuf Python Version: 7.35.1\nimport a\n"
-         "_runtime_version.ValidateProtobufRuntimeVersion(\n    _runtime_version.Domain.PUBLIC,\n"
-         "    7,\n    35,\n    1,\n    '',\n    'eyas/protocol/eyas.proto'\n)\nGRPC_GENERATED_VERSION = '1.85.1'\nX = 1\n")
+    a = (
+        "# source: x\n# Protobuf Python Version: 7.35.1\nimport a\n"
+        "_runtime_version.ValidateProtobufRuntimeVersion(\n    _runtime_version.Domain.PUBLIC,\n"
+        "    7,\n    35,\n    1,\n    '',\n    'eyas/protocol/eyas.proto'\n)\nGRPC_GENERATED_VERSION = '1.85.1'\nX = 1\n"
+    )
     b = a.replace("7.35.1", "8.0.0").replace("    35,", "    0,").replace("1.85.1", "2.0.0")
     assert stubs.normalize(a) == stubs.normalize(b) == "# source: x\nimport a\nX = 1\n"
     assert stubs.normalize(a) != stubs.normalize(a.replace("X = 1", "X = 2"))

@@ -36,7 +36,6 @@ def seed_fixture_tree() -> DraftTree:
     )
 
 
-
 def test_flatten_seed_fixture_worked_example():
     """Rows [root=3, A, A1, B, B1] at base position 10:
 
@@ -200,8 +199,12 @@ def test_a_draft_tree_pickles_through_lists_and_arrives_equal_and_validated():
 
     from eyas.protocol import tree as tree_module
 
-    t = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([PARENT_IS_SEED, PARENT_IS_SEED, 0]),
-                  torch.tensor([1, 1, 2]), torch.tensor([0.7, 0.1, 1 / 3], dtype=torch.float32))
+    t = DraftTree(
+        torch.tensor([5, 6, 7]),
+        torch.tensor([PARENT_IS_SEED, PARENT_IS_SEED, 0]),
+        torch.tensor([1, 1, 2]),
+        torch.tensor([0.7, 0.1, 1 / 3], dtype=torch.float32),
+    )
     blob = pickle.dumps(t)
     assert len(blob) < 400  # lists, not four pickled tensors (about 1.5 kB)
     back = pickle.loads(blob)

@@ -1,4 +1,5 @@
 """Converters between protobuf messages and the internal types; inbound validation (docs/architecture.md, "The wire contract")."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,12 @@ A, A1, B, B1 = 10, 11, 20, 21
 
 def tree() -> DraftTree:
     """The seed 0x06C tree [A, A1, B, B1] (parents [SEED, 0, SEED, 2])."""
-    return DraftTree(torch.tensor([A, A1, B, B1]), torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED, 2]),
-                     torch.tensor([1, 2, 1, 2]), torch.tensor([0.6, 0.8, 0.4, 0.95]))
+    return DraftTree(
+        torch.tensor([A, A1, B, B1]),
+        torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED, 2]),
+        torch.tensor([1, 2, 1, 2]),
+        torch.tensor([0.6, 0.8, 0.4, 0.95]),
+    )
 
 
 def good(**overrides) -> pb.FlatTree:
@@ -31,8 +36,9 @@ def good(**overrides) -> pb.FlatTree:
 
 
 def inbound(msg: pb.FlatTree):
-    return wire.flat_tree_from_proto(msg, vocab_size=VOCAB, max_rows=MAX_ROWS, base_position=BASE,
-                                     round=ROUND, frontier_token=FRONTIER)
+    return wire.flat_tree_from_proto(
+        msg, vocab_size=VOCAB, max_rows=MAX_ROWS, base_position=BASE, round=ROUND, frontier_token=FRONTIER
+    )
 
 
 def rows(*values, dtype=torch.int64) -> bytes:
@@ -42,8 +48,9 @@ def rows(*values, dtype=torch.int64) -> bytes:
 @pytest.mark.parametrize("include_derived", [False, True])
 def test_flat_tree_round_trip_and_back_to_the_draft_tree(include_derived):
     flat = flatten_tree(tree(), FRONTIER, BASE)
-    msg = wire.flat_tree_to_proto(flat, request_id="r", round=ROUND, base_position=BASE,
-                                  include_derived=include_derived)
+    msg = wire.flat_tree_to_proto(
+        flat, request_id="r", round=ROUND, base_position=BASE, include_derived=include_derived
+    )
     assert msg.HasField("tree_mask") == include_derived
     back = inbound(pb.FlatTree.FromString(msg.SerializeToString()))
     for field in ("tokens", "positions", "parents", "depths", "tree_mask", "retrieve", "draft_probs"):
@@ -54,45 +61,49 @@ def test_flat_tree_round_trip_and_back_to_the_draft_tree(include_derived):
 
 
 def test_root_only_tree_round_trips():
-    msg = wire.draft_tree_to_proto(DraftTree.empty(), frontier_token=FRONTIER, request_id="r", round=ROUND,
-                                   base_position=BASE)
+    msg = wire.draft_tree_to_proto(
+        DraftTree.empty(), frontier_token=FRONTIER, request_id="r", round=ROUND, base_position=BASE
+    )
     flat = inbound(msg)
     assert flat.num_rows == 1 and wire.draft_tree_from_flat(flat).num_nodes == 0
 
 
-@pytest.mark.parametrize("overrides, field, why", [
-    ({"parents": rows(ROOT, 2, 0, 0, 3)}, "parents", "must precede children"),
-    ({"parents": rows(ROOT, 0, 9, 0, 3)}, "parents", "not ancestor-closed"),
-    ({"parents": rows(ROOT, 0, -5, 0, 3)}, "parents", "not ancestor-closed"),
-    ({"parents": rows(0, 0, 1, 0, 3)}, "parents", "root"),
-    ({"parents": rows(ROOT, 1, 1, 0, 3)}, "parents", "must precede children"),  # a self-loop
-    ({"depths": rows(0, 1, 3, 1, 2)}, "depths", "parent depth + 1"),
-    ({"positions": rows(10, 11, 13, 11, 12)}, "positions", "base_position + depth"),
-    ({"tokens": rows(FRONTIER, A, A1, B, VOCAB)}, "tokens", "outside [0, 32)"),
-    ({"tokens": rows(FRONTIER, A, A1, B, -1)}, "tokens", "outside [0, 32)"),
-    ({"tokens": rows(FRONTIER, A, A1, A, B1)}, "tokens", "duplicate token"),
-    ({"tokens": rows(FRONTIER + 1, A, A1, B, B1)}, "tokens", "not the frontier token"),
-    ({"tokens": rows(FRONTIER, A, A1, B, B1, dtype=torch.int32)}, "tokens", "expected dtype int64"),
-    ({"tokens": rows(*range(MAX_ROWS + 1))}, "tokens", "exceed the limit of 8"),
-    ({"tokens": rows()}, "tokens", "at least the root"),
-    ({"tokens": b"\x93garbage"}, "tokens", "not a msgpack-encoded tensor"),
-    ({"tokens": b""}, "tokens", "missing"),
-    ({"parents": rows(ROOT, 0, -1, 0)}, "parents", "expected shape (5,)"),
-    ({"parents": encode_tensor(torch.tensor([[-1, 0, 1, 0, 3]]))}, "parents", "expected shape (5,)"),
-    ({"draft_probs": rows(1.0, .6, .8, .4, .95, dtype=torch.float64)}, "draft_probs", "expected dtype float32"),
-    ({"draft_probs": rows(1.0, .6, 1.8, .4, .95, dtype=torch.float32)}, "draft_probs", "in [0, 1]"),
-    ({"draft_probs": rows(1.0, .6, float("nan"), .4, .95, dtype=torch.float32)}, "draft_probs", "in [0, 1]"),
-    ({"tree_mask": encode_tensor(torch.eye(5, dtype=torch.bool))}, "tree_mask", "ancestor-or-self"),
-    ({"tree_mask": encode_tensor(torch.eye(5, 4, dtype=torch.bool))}, "tree_mask", "expected shape (5, 5)"),
-    ({"tree_mask": encode_tensor(torch.eye(5, dtype=torch.uint8))}, "tree_mask", "expected dtype bool"),
-    ({"retrieve": rows(0, 1, 2)}, "retrieve", "expected shape ('*', '*')"),
-    ({"retrieve": encode_tensor(torch.tensor([[0, 1, 2], [0, 3, 5]]))}, "retrieve", "root->leaf paths"),
-    ({"round": ROUND - 1}, "round", "stale or from the future"),
-    ({"round": ROUND + 1}, "round", "stale or from the future"),
-    ({"base_position": BASE + 1}, "base_position", "not the committed length"),
-    ({"request_id": ""}, "request_id", "non-empty string of at most 256 characters"),
-    ({"request_id": "  "}, "request_id", "non-empty string of at most 256 characters"),
-])
+@pytest.mark.parametrize(
+    "overrides, field, why",
+    [
+        ({"parents": rows(ROOT, 2, 0, 0, 3)}, "parents", "must precede children"),
+        ({"parents": rows(ROOT, 0, 9, 0, 3)}, "parents", "not ancestor-closed"),
+        ({"parents": rows(ROOT, 0, -5, 0, 3)}, "parents", "not ancestor-closed"),
+        ({"parents": rows(0, 0, 1, 0, 3)}, "parents", "root"),
+        ({"parents": rows(ROOT, 1, 1, 0, 3)}, "parents", "must precede children"),  # a self-loop
+        ({"depths": rows(0, 1, 3, 1, 2)}, "depths", "parent depth + 1"),
+        ({"positions": rows(10, 11, 13, 11, 12)}, "positions", "base_position + depth"),
+        ({"tokens": rows(FRONTIER, A, A1, B, VOCAB)}, "tokens", "outside [0, 32)"),
+        ({"tokens": rows(FRONTIER, A, A1, B, -1)}, "tokens", "outside [0, 32)"),
+        ({"tokens": rows(FRONTIER, A, A1, A, B1)}, "tokens", "duplicate token"),
+        ({"tokens": rows(FRONTIER + 1, A, A1, B, B1)}, "tokens", "not the frontier token"),
+        ({"tokens": rows(FRONTIER, A, A1, B, B1, dtype=torch.int32)}, "tokens", "expected dtype int64"),
+        ({"tokens": rows(*range(MAX_ROWS + 1))}, "tokens", "exceed the limit of 8"),
+        ({"tokens": rows()}, "tokens", "at least the root"),
+        ({"tokens": b"\x93garbage"}, "tokens", "not a msgpack-encoded tensor"),
+        ({"tokens": b""}, "tokens", "missing"),
+        ({"parents": rows(ROOT, 0, -1, 0)}, "parents", "expected shape (5,)"),
+        ({"parents": encode_tensor(torch.tensor([[-1, 0, 1, 0, 3]]))}, "parents", "expected shape (5,)"),
+        ({"draft_probs": rows(1.0, 0.6, 0.8, 0.4, 0.95, dtype=torch.float64)}, "draft_probs", "expected dtype float32"),
+        ({"draft_probs": rows(1.0, 0.6, 1.8, 0.4, 0.95, dtype=torch.float32)}, "draft_probs", "in [0, 1]"),
+        ({"draft_probs": rows(1.0, 0.6, float("nan"), 0.4, 0.95, dtype=torch.float32)}, "draft_probs", "in [0, 1]"),
+        ({"tree_mask": encode_tensor(torch.eye(5, dtype=torch.bool))}, "tree_mask", "ancestor-or-self"),
+        ({"tree_mask": encode_tensor(torch.eye(5, 4, dtype=torch.bool))}, "tree_mask", "expected shape (5, 5)"),
+        ({"tree_mask": encode_tensor(torch.eye(5, dtype=torch.uint8))}, "tree_mask", "expected dtype bool"),
+        ({"retrieve": rows(0, 1, 2)}, "retrieve", "expected shape ('*', '*')"),
+        ({"retrieve": encode_tensor(torch.tensor([[0, 1, 2], [0, 3, 5]]))}, "retrieve", "root->leaf paths"),
+        ({"round": ROUND - 1}, "round", "stale or from the future"),
+        ({"round": ROUND + 1}, "round", "stale or from the future"),
+        ({"base_position": BASE + 1}, "base_position", "not the committed length"),
+        ({"request_id": ""}, "request_id", "non-empty string of at most 256 characters"),
+        ({"request_id": "  "}, "request_id", "non-empty string of at most 256 characters"),
+    ],
+)
 def test_inbound_flat_tree_is_rejected_naming_the_field(overrides, field, why):
     with pytest.raises(WireError) as err:
         inbound(good(**overrides))
@@ -139,20 +150,23 @@ def test_seed_and_ack_round_trip():
     assert (seed2.start_position, seed2.round, seed2.frontier_token) == (10, ROUND, 7)
 
 
-@pytest.mark.parametrize("mutate, field", [
-    (lambda m: setattr(m, "committed_len", 14), "seed.start_position"),
-    (lambda m: m.output_tokens.__setitem__(-1, 8), "seed.advanced_tokens"),
-    (lambda m: m.output_tokens.__setitem__(0, VOCAB), "output_tokens"),
-    (lambda m: m.ClearField("output_tokens"), "output_tokens"),
-    (lambda m: m.ClearField("seed"), "seed"),
-    (lambda m: setattr(m.seed, "round", ROUND - 1), "seed.round"),
-    (lambda m: setattr(m.seed, "request_id", "q"), "seed.request_id"),
-    (lambda m: setattr(m.seed, "features", encode_tensor(torch.randn(3, 5))), "seed.features"),
-    (lambda m: setattr(m.seed, "features", encode_tensor(torch.ones(3, 6, dtype=torch.int64))), "seed.features"),
-    (lambda m: setattr(m.seed, "advanced_tokens", rows(6, 7)), "seed.features"),
-    (lambda m: setattr(m.seed, "advanced_tokens", rows()), "seed.features"),
-    (lambda m: setattr(m, "round", ROUND + 1), "round"),
-])
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda m: setattr(m, "committed_len", 14), "seed.start_position"),
+        (lambda m: m.output_tokens.__setitem__(-1, 8), "seed.advanced_tokens"),
+        (lambda m: m.output_tokens.__setitem__(0, VOCAB), "output_tokens"),
+        (lambda m: m.ClearField("output_tokens"), "output_tokens"),
+        (lambda m: m.ClearField("seed"), "seed"),
+        (lambda m: setattr(m.seed, "round", ROUND - 1), "seed.round"),
+        (lambda m: setattr(m.seed, "request_id", "q"), "seed.request_id"),
+        (lambda m: setattr(m.seed, "features", encode_tensor(torch.randn(3, 5))), "seed.features"),
+        (lambda m: setattr(m.seed, "features", encode_tensor(torch.ones(3, 6, dtype=torch.int64))), "seed.features"),
+        (lambda m: setattr(m.seed, "advanced_tokens", rows(6, 7)), "seed.features"),
+        (lambda m: setattr(m.seed, "advanced_tokens", rows()), "seed.features"),
+        (lambda m: setattr(m, "round", ROUND + 1), "round"),
+    ],
+)
 def test_inconsistent_ack_is_rejected(mutate, field):
     msg = wire.ack_to_proto(*reversed(seed_and_ack()))
     mutate(msg)
@@ -166,9 +180,13 @@ def test_session_spec_defaults_and_rejections():
     spec = wire.session_spec_from_proto(msg, vocab_size=VOCAB)
     assert (spec.temperature, spec.top_p, spec.top_k, spec.seed) == (0.0, 1.0, 0, 0)
     assert wire.session_spec_from_proto(wire.session_spec_to_proto(spec), vocab_size=VOCAB) == spec
-    for overrides, field in [({"prompt_ids": []}, "prompt_ids"), ({"prompt_ids": [1, VOCAB]}, "prompt_ids"),
-                             ({"max_new_tokens": 0}, "max_new_tokens"), ({"max_tree_rows": 0}, "max_tree_rows"),
-                             ({"request_id": "x" * 257}, "request_id")]:
+    for overrides, field in [
+        ({"prompt_ids": []}, "prompt_ids"),
+        ({"prompt_ids": [1, VOCAB]}, "prompt_ids"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_tree_rows": 0}, "max_tree_rows"),
+        ({"request_id": "x" * 257}, "request_id"),
+    ]:
         bad = pb.OpenSessionRequest(request_id="r", prompt_ids=[1, 2], max_new_tokens=4, max_tree_rows=3)
         for name, value in overrides.items():
             if name == "prompt_ids":
@@ -190,16 +208,19 @@ def test_generate_request_round_trip_keeps_unset_fields_unset():
     assert bare.max_new_tokens == 128 and bare.top_p == 1.0 and bare.tree_budget is None
 
 
-@pytest.mark.parametrize("msg, field", [
-    (pb.GenerateRequest(), "prompt"),
-    (pb.GenerateRequest(prompt="hi", max_new_tokens=0), "max_new_tokens"),
-    (pb.GenerateRequest(prompt="hi", top_p=0.0), "top_p"),
-    (pb.GenerateRequest(prompt="hi", method="eagle9"), "method"),
-    (pb.GenerateRequest(prompt="hi", tree_kind="bushy"), "tree_kind"),
-    (pb.GenerateRequest(prompt_ids=[1, -2]), "prompt_ids"),
-    (pb.GenerateRequest(prompt="hi", request_id=" "), "request_id"),
-    (pb.GenerateRequest(prompt="hi", request_id="r" * 257), "request_id"),
-])
+@pytest.mark.parametrize(
+    "msg, field",
+    [
+        (pb.GenerateRequest(), "prompt"),
+        (pb.GenerateRequest(prompt="hi", max_new_tokens=0), "max_new_tokens"),
+        (pb.GenerateRequest(prompt="hi", top_p=0.0), "top_p"),
+        (pb.GenerateRequest(prompt="hi", method="eagle9"), "method"),
+        (pb.GenerateRequest(prompt="hi", tree_kind="bushy"), "tree_kind"),
+        (pb.GenerateRequest(prompt_ids=[1, -2]), "prompt_ids"),
+        (pb.GenerateRequest(prompt="hi", request_id=" "), "request_id"),
+        (pb.GenerateRequest(prompt="hi", request_id="r" * 257), "request_id"),
+    ],
+)
 def test_generate_request_rejections_name_the_field(msg, field):
     with pytest.raises(WireError, match=f"^{field}: "):
         wire.generate_request_from_proto(msg)

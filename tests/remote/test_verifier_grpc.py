@@ -3,6 +3,7 @@
 docs/architecture.md, "The wire contract": every inbound message is validated before use; a bad one gets
 INVALID_ARGUMENT naming the field and never touches the committed state.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -50,8 +51,9 @@ def test_greedy_decode_over_grpc_equals_in_process_target_only(tiny_target, clie
     for i, prompt in enumerate(PROMPTS):
         base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=30)
         for j, tree in enumerate((TREE, TreeSpec(kind="static"))):
-            remote = generate_remote(client, prompt, max_new_tokens=30, drafter=drafter, tree=tree,
-                                     request_id=f"greedy-{i}-{j}")
+            remote = generate_remote(
+                client, prompt, max_new_tokens=30, drafter=drafter, tree=tree, request_id=f"greedy-{i}-{j}"
+            )
             assert remote.token_ids == base.token_ids
             assert remote.finish_reason == base.finish_reason
             accepted += sum(r.accept_length for r in remote.rounds)
@@ -65,8 +67,16 @@ def test_sampled_decode_over_grpc_equals_in_process(tiny_target, client, drafter
     sampling = SamplingParams(temperature=0.8, top_p=0.95)
     local = TargetEngine(tiny_target, eagle1_feature_address(tiny_target.cfg))
     here = generate(local, PROMPTS[1], max_new_tokens=24, sampling=sampling, drafter=drafter, tree=TREE, seed=5)
-    there = generate_remote(client, PROMPTS[1], max_new_tokens=24, sampling=sampling, drafter=drafter, tree=TREE,
-                            seed=5, request_id="sampled")
+    there = generate_remote(
+        client,
+        PROMPTS[1],
+        max_new_tokens=24,
+        sampling=sampling,
+        drafter=drafter,
+        tree=TREE,
+        seed=5,
+        request_id="sampled",
+    )
     assert there.token_ids == here.token_ids
     assert [r.accept_length for r in there.rounds] == [r.accept_length for r in here.rounds]
 
@@ -80,9 +90,18 @@ def committed_state(server, request_id: str) -> dict:
     """Everything a bad message must leave alone: the whole KV cache and the session's bookkeeping."""
     s = server.servicer.worker.sessions[request_id]
     t = s.engine.sessions[request_id]
-    return dict(k=s.engine.kv.k[:, t.kv_row].clone(), v=s.engine.kv.v[:, t.kv_row].clone(), committed_len=t.committed_len, tokens=list(t.tokens),
-                frontier=t.frontier_token, round=t.round, pending=t.pending, last_ack=t.last_ack,
-                server_pending=s.pending, server_published=s.published)
+    return dict(
+        k=s.engine.kv.k[:, t.kv_row].clone(),
+        v=s.engine.kv.v[:, t.kv_row].clone(),
+        committed_len=t.committed_len,
+        tokens=list(t.tokens),
+        frontier=t.frontier_token,
+        round=t.round,
+        pending=t.pending,
+        last_ack=t.last_ack,
+        server_pending=s.pending,
+        server_published=s.published,
+    )
 
 
 def assert_same_state(before: dict, after: dict) -> None:
@@ -105,7 +124,9 @@ def expect_rejection(call, code: grpc.StatusCode, field: str, label: str = "") -
 def open_and_advance(client, drafter, request_id: str, rounds: int):
     """A session one prefill and ``rounds`` speculation rounds in; returns (drafter seed, output so far)."""
     prompt = PROMPTS[1]
-    client.open_session(request_id, prompt, 40, TREE.max_candidates + 1, taps=tuple((t.layers_applied, t.normed) for t in drafter.taps))
+    client.open_session(
+        request_id, prompt, 40, TREE.max_candidates + 1, taps=tuple((t.layers_applied, t.normed) for t in drafter.taps)
+    )
     drafter.open_session(request_id, len(prompt) + 40 + TREE.max_candidates + 1 + TREE.max_draft_rows + 1)
     seed, ack = client.publish(request_id, client.prefill(request_id).round)
     out = list(ack.output_tokens)
@@ -118,7 +139,7 @@ def open_and_advance(client, drafter, request_id: str, rounds: int):
 
 
 def chain(n: int, token: int = 5) -> DraftTree:
-    return DraftTree(torch.full((n,), token), torch.arange(-1, n - 1), torch.arange(1, n + 1), torch.full((n,), .5))
+    return DraftTree(torch.full((n,), token), torch.arange(-1, n - 1), torch.arange(1, n + 1), torch.full((n,), 0.5))
 
 
 def test_malformed_messages_are_refused_and_touch_nothing(tiny_target, server, client, drafter):
@@ -126,12 +147,15 @@ def test_malformed_messages_are_refused_and_touch_nothing(tiny_target, server, c
     seed, out = open_and_advance(client, drafter, rid, rounds=2)
     s = client.sessions[rid]
     vocab, base, frontier, rnd = s.info.vocab_size, s.committed_len, s.frontier_token, s.round + 1
-    tree = DraftTree(torch.tensor([4, 9, 6]), torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED]),
-                     torch.tensor([1, 2, 1]), torch.tensor([.5, .5, .5]))
+    tree = DraftTree(
+        torch.tensor([4, 9, 6]),
+        torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED]),
+        torch.tensor([1, 2, 1]),
+        torch.tensor([0.5, 0.5, 0.5]),
+    )
 
     def flat_msg(t: DraftTree = tree, **overrides) -> pb.FlatTree:
-        msg = wire.flat_tree_to_proto(flatten_tree(t, frontier, base), request_id=rid, round=rnd,
-                                      base_position=base)
+        msg = wire.flat_tree_to_proto(flatten_tree(t, frontier, base), request_id=rid, round=rnd, base_position=base)
         for name, value in overrides.items():
             setattr(msg, name, value)
         return msg
@@ -147,7 +171,7 @@ def test_malformed_messages_are_refused_and_touch_nothing(tiny_target, server, c
         ("wrong tensor shape", flat_msg(depths=ints(0, 1, 2)), "depths"),
         ("wrong 2-D shape", flat_msg(tree_mask=encode_tensor(torch.ones(4, 3, dtype=torch.bool))), "tree_mask"),
         ("wrong dtype", flat_msg(tokens=ints(frontier, 4, 9, 6, dtype=torch.int32)), "tokens"),
-        ("wrong float dtype", flat_msg(draft_probs=ints(1, .5, .5, .5, dtype=torch.float16)), "draft_probs"),
+        ("wrong float dtype", flat_msg(draft_probs=ints(1, 0.5, 0.5, 0.5, dtype=torch.float16)), "draft_probs"),
         ("out-of-vocabulary token", flat_msg(tokens=ints(frontier, 4, vocab, 6)), "tokens"),
         ("stale round", flat_msg(round=rnd - 1), "round"),
         ("future round", flat_msg(round=rnd + 1), "round"),
@@ -159,19 +183,37 @@ def test_malformed_messages_are_refused_and_touch_nothing(tiny_target, server, c
     ]
     before = committed_state(server, rid)
     for label, msg, field in bad_trees:
-        expect_rejection(lambda msg=msg: client.transport.stub.Verify(msg, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, field, label)
+        expect_rejection(
+            lambda msg=msg: client.transport.stub.Verify(msg, timeout=30),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            field,
+            label,
+        )
         assert_same_state(before, committed_state(server, rid))
     for bad_round in (rnd - 2, rnd + 5, rnd):  # stale, future, and the undecided next round
-        expect_rejection(lambda bad_round=bad_round: client.transport.stub.Publish(
-            pb.PublishRequest(request_id=rid, round=bad_round), timeout=30),
-                         grpc.StatusCode.INVALID_ARGUMENT, "round")
+        expect_rejection(
+            lambda bad_round=bad_round: client.transport.stub.Publish(
+                pb.PublishRequest(request_id=rid, round=bad_round), timeout=30
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "round",
+        )
         assert_same_state(before, committed_state(server, rid))
-    expect_rejection(lambda: client.transport.stub.Verify(flat_msg(request_id="nobody"), timeout=30),
-                     grpc.StatusCode.NOT_FOUND, "request_id")
-    expect_rejection(lambda: client.transport.stub.Publish(pb.PublishRequest(request_id="nobody", round=1), timeout=30),
-                     grpc.StatusCode.NOT_FOUND, "request_id")
-    expect_rejection(lambda: client.transport.stub.Prefill(pb.PrefillRequest(request_id=rid), timeout=30),
-                     grpc.StatusCode.INVALID_ARGUMENT, "request_id")  # already prefilled
+    expect_rejection(
+        lambda: client.transport.stub.Verify(flat_msg(request_id="nobody"), timeout=30),
+        grpc.StatusCode.NOT_FOUND,
+        "request_id",
+    )
+    expect_rejection(
+        lambda: client.transport.stub.Publish(pb.PublishRequest(request_id="nobody", round=1), timeout=30),
+        grpc.StatusCode.NOT_FOUND,
+        "request_id",
+    )
+    expect_rejection(
+        lambda: client.transport.stub.Prefill(pb.PrefillRequest(request_id=rid), timeout=30),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "request_id",
+    )  # already prefilled
     assert_same_state(before, committed_state(server, rid))
 
     # The session is intact: the decode continues and matches the in-process target-only output.
@@ -210,13 +252,19 @@ def test_retried_verify_gets_the_same_decision_and_another_tree_is_refused(serve
     seed, _ = open_and_advance(client, drafter, rid, rounds=0)
     s = client.sessions[rid]
     flat = flatten_tree(drafter.propose(rid, seed, TREE), s.frontier_token, s.committed_len)
-    msg = wire.flat_tree_to_proto(flat, request_id=rid, round=s.round + 1, base_position=s.committed_len,
-                                  include_derived=True)
+    msg = wire.flat_tree_to_proto(
+        flat, request_id=rid, round=s.round + 1, base_position=s.committed_len, include_derived=True
+    )
     first = client.transport.stub.Verify(msg, timeout=30)
     pending = committed_state(server, rid)
     assert client.transport.stub.Verify(msg, timeout=30) == first
-    other = wire.draft_tree_to_proto(chain(2, token=1), frontier_token=s.frontier_token, request_id=rid,
-                                     round=s.round + 1, base_position=s.committed_len)
+    other = wire.draft_tree_to_proto(
+        chain(2, token=1),
+        frontier_token=s.frontier_token,
+        request_id=rid,
+        round=s.round + 1,
+        base_position=s.committed_len,
+    )
     expect_rejection(lambda: client.transport.stub.Verify(other, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, "round")
     assert_same_state(pending, committed_state(server, rid))
     client.publish(rid, first.round)
@@ -229,16 +277,24 @@ def test_client_raises_value_errors_and_sessions_are_checked(client):
     with pytest.raises(RemoteRejected) as err:
         client.open_session("bad-prompt", [1, 10_000], 4, 1)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and str(err.value).startswith("prompt_ids: ")
-    expect_rejection(lambda: client.transport.stub.OpenSession(pb.OpenSessionRequest(
-        request_id="bad-sampling", prompt_ids=[1, 2], max_new_tokens=4, max_tree_rows=1, temperature=-1.0),
-        timeout=30), grpc.StatusCode.INVALID_ARGUMENT, "temperature")
+    expect_rejection(
+        lambda: client.transport.stub.OpenSession(
+            pb.OpenSessionRequest(
+                request_id="bad-sampling", prompt_ids=[1, 2], max_new_tokens=4, max_tree_rows=1, temperature=-1.0
+            ),
+            timeout=30,
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature",
+    )
     with pytest.raises(RemoteRejected, match="^max_new_tokens: "):
         client.open_session("too-long", [1, 2], 10_000, 1)
     client.open_session("twice", [1, 2], 4, 1)
     with pytest.raises(RemoteRejected, match="^request_id: "):
         client.open_session("twice", [1, 2], 4, 1)
-    early = wire.draft_tree_to_proto(DraftTree.empty(), frontier_token=0, request_id="twice", round=1,
-                                     base_position=0)  # verify before the prefill is published
+    early = wire.draft_tree_to_proto(
+        DraftTree.empty(), frontier_token=0, request_id="twice", round=1, base_position=0
+    )  # verify before the prefill is published
     expect_rejection(lambda: client.transport.stub.Verify(early, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, "round")
     with pytest.raises(ValueError, match="^request_id: "):  # the client knows no such session
         client.verify("nobody", DraftTree.empty())

@@ -1,4 +1,5 @@
 """The expert-traffic part of the cost model (seed 0x09A): worked examples, an exact expectation, calibration."""
+
 from __future__ import annotations
 
 import itertools
@@ -36,13 +37,13 @@ def test_skewed_routing_calibrates_the_prediction_down_but_never_below_one_rows_
     the prediction for 8 rows from 8 * (1 - 0.75**8) = 7.2 toward 3 experts a layer; one row still reads 2."""
     x = ExpertTraffic(moe_layers=2, num_experts=8, experts_per_token=2, bytes_per_expert=MB)
     before = x.predict(8)
-    assert before == round(2 * 8 * (1 - 0.75 ** 8) * MB)
+    assert before == round(2 * 8 * (1 - 0.75**8) * MB)
     for _ in range(40):
         x.observe(8, 2 * 3 * MB)
     assert x.observations == 40
     assert x.predict(8) == pytest.approx(6 * MB, rel=0.01)
-    assert x.predict(1) == 4 * MB            # a row always reads its own top-k
-    assert x.to_dict()["skew"] == pytest.approx(3 / (8 * (1 - 0.75 ** 8)), rel=0.01)
+    assert x.predict(1) == 4 * MB  # a row always reads its own top-k
+    assert x.to_dict()["skew"] == pytest.approx(3 / (8 * (1 - 0.75**8)), rel=0.01)
 
 
 def test_a_dense_target_predicts_no_expert_bytes_and_ignores_observations():

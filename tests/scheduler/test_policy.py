@@ -1,4 +1,5 @@
 """The cost model, the latency curve and the two policies (pure; worked examples in docstrings)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,8 @@ from eyas.scheduler.cost import PLAIN, ExpertTraffic, TreeShape, batch_work, rou
 from eyas.scheduler.latency import DraftCost, LatencyCurve, measure_curve
 from eyas.scheduler.policy import AcceptanceEstimate, Budgets, Candidate, PromptLengthPolicy, TreeWorkPolicy
 
-FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 128: 120.0})     # rows nearly free (GPU-like)
-STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 16: 700.0, 64: 2000.0})   # each row costs a forward
+FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 128: 120.0})  # rows nearly free (GPU-like)
+STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 16: 700.0, 64: 2000.0})  # each row costs a forward
 
 
 def cand(rid, arrival=0.0, prompt=10, committed=10, rates=None):
@@ -102,7 +103,7 @@ def test_an_expert_bytes_budget_keeps_an_moe_verify_small():
     assert capped.shapes["good"].speculates and capped.verify_rows <= 8
     assert capped.expert_bytes <= WIDE_MOE.predict(8) == 14
     assert capped.work[0].expert_bytes == WIDE_MOE.predict(capped.verify_rows)
-    assert TreeWorkPolicy().plan([good], FLAT).expert_bytes == 0          # a dense target reads no experts
+    assert TreeWorkPolicy().plan([good], FLAT).expert_bytes == 0  # a dense target reads no experts
 
 
 def test_an_expert_bytes_budget_bounds_admission_oldest_first_and_never_starves_the_oldest():
@@ -114,8 +115,12 @@ def test_an_expert_bytes_budget_bounds_admission_oldest_first_and_never_starves_
 
 
 def test_the_prompt_length_baseline_batches_similar_prompts_with_one_fixed_tree():
-    reqs = [cand("short1", 0, prompt=10), cand("long", 1, prompt=900), cand("short2", 2, prompt=12),
-            cand("mid", 3, prompt=300)]
+    reqs = [
+        cand("short1", 0, prompt=10),
+        cand("long", 1, prompt=900),
+        cand("short2", 2, prompt=12),
+        cand("mid", 3, prompt=300),
+    ]
     plan = PromptLengthPolicy(Budgets(max_batch=2)).plan(reqs, STEEP)
     assert set(plan.shapes) == {"short1", "short2"}
     assert all(s == TreeShape(4, 5, 16) for s in plan.shapes.values())  # fixed, even on a steep curve
@@ -164,7 +169,7 @@ def test_draft_cost_from_start_up_points():
     assert d.predict(0, 48) == 0.0 and len(d.history) == 4
     d.observe(3, 44.0, 8)
     assert d.predict(4, 12) == pytest.approx(56.0) and len(d.history) == 5
-    flat = DraftCost.from_points([(1, 0, 20.0), (3, 8, 40.0)])     # no depth at two row counts
+    flat = DraftCost.from_points([(1, 0, 20.0), (3, 8, 40.0)])  # no depth at two row counts
     assert flat.per_row_ms == 0.0 and flat.predict(5, 100) == pytest.approx(60.0)
     for bad in ([(0, 0, 5.0)], [(2, 0, -1.0)], [(2.5, 0, 3.0)], [(2, -1, 3.0)]):
         with pytest.raises(ValueError, match="^draft_cost.points: "):

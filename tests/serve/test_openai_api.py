@@ -1,5 +1,6 @@
 """The OpenAI front door's translation (no Ray): requests to Eyas requests, refusals naming the
 parameter, per-request speculative statistics, stop strings in a stream, the API key."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,48 +17,68 @@ def tok():
 
 
 def chat(tok, **body):
-    return oai.parse_openai(oai.CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], **body},
-                            tok, MODEL)
+    return oai.parse_openai(
+        oai.CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], **body}, tok, MODEL
+    )
 
 
 def test_a_chat_request_is_the_templated_conversation(tok):
     parsed = chat(tok, max_completion_tokens=7, temperature=0, seed=3, stop="\n", tree_depth=2, method="eagle1")
-    assert parsed.prompt_ids == encode_prompt(tok, "Hi!")     # one user turn: what `eyas generate` sends
+    assert parsed.prompt_ids == encode_prompt(tok, "Hi!")  # one user turn: what `eyas generate` sends
     r = parsed.request
     assert (r.max_new_tokens, r.temperature, r.seed, r.stop, r.tree_depth, r.method) == (7, 0.0, 3, ["\n"], 2, "eagle1")
     assert parsed.kind == oai.CHAT and not parsed.stream
-    multi = chat(tok, messages=[{"role": "system", "content": "Be brief."},
-                                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]},
-                                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}])
+    multi = chat(
+        tok,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Again"},
+        ],
+    )
     text = tok.decode(multi.prompt_ids)
     assert "Be brief." in text and "Hi!" in text and "Hello." in text and text.endswith("assistant\n")
-    done = oai.parse_openai(oai.COMPLETION, {"model": MODEL, "prompt": "Once upon", "max_tokens": 5,
-                                             "stream": True, "stream_options": {"include_usage": True}}, tok, MODEL)
+    done = oai.parse_openai(
+        oai.COMPLETION,
+        {
+            "model": MODEL,
+            "prompt": "Once upon",
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        tok,
+        MODEL,
+    )
     assert done.prompt_ids == encode_prompt(tok, "Once upon", raw=True)
     assert done.stream and done.include_usage and done.request.max_new_tokens == 5
     assert chat(tok).request.temperature == 1.0 and chat(tok).request.max_new_tokens == oai.DEFAULT_MAX_TOKENS
 
 
-@pytest.mark.parametrize("body,param,status", [
-    ({"n": 2}, "n", 400),
-    ({"logprobs": True}, "logprobs", 400),
-    ({"tools": [{"type": "function"}]}, "tools", 400),
-    ({"frequency_penalty": 0.5}, "frequency_penalty", 400),
-    ({"mystery": 1}, "mystery", 400),
-    ({"model": "gpt-4o"}, "model", 404),
-    ({"max_tokens": True}, "max_tokens", 400),
-    ({"max_tokens": 0}, "max_tokens", 400),
-    ({"max_completion_tokens": 3, "max_tokens": 3}, "max_tokens", 400),
-    ({"temperature": 3}, "temperature", 400),
-    ({"temperature": "0"}, "temperature", 400),
-    ({"top_p": 0}, "top_p", 400),
-    ({"messages": []}, "messages", 400),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages", 400),
-    ({"stream_options": {"include_usage": True}}, "stream_options", 400),
-    ({"tree_depth": -1}, "tree_depth", 400),
-    ({"method": "medusa"}, "method", 400),
-    ({"seed": 1.5}, "seed", 400),
-])
+@pytest.mark.parametrize(
+    "body,param,status",
+    [
+        ({"n": 2}, "n", 400),
+        ({"logprobs": True}, "logprobs", 400),
+        ({"tools": [{"type": "function"}]}, "tools", 400),
+        ({"frequency_penalty": 0.5}, "frequency_penalty", 400),
+        ({"mystery": 1}, "mystery", 400),
+        ({"model": "gpt-4o"}, "model", 404),
+        ({"max_tokens": True}, "max_tokens", 400),
+        ({"max_tokens": 0}, "max_tokens", 400),
+        ({"max_completion_tokens": 3, "max_tokens": 3}, "max_tokens", 400),
+        ({"temperature": 3}, "temperature", 400),
+        ({"temperature": "0"}, "temperature", 400),
+        ({"top_p": 0}, "top_p", 400),
+        ({"messages": []}, "messages", 400),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages", 400),
+        ({"stream_options": {"include_usage": True}}, "stream_options", 400),
+        ({"tree_depth": -1}, "tree_depth", 400),
+        ({"method": "medusa"}, "method", 400),
+        ({"seed": 1.5}, "seed", 400),
+    ],
+)
 def test_bad_parameters_are_refused_naming_them(tok, body, param, status):
     with pytest.raises(oai.OpenAIError) as info:
         chat(tok, **body)
@@ -75,14 +96,22 @@ def test_a_completion_needs_a_prompt(tok):
 
 
 def test_spec_stats_follow_the_rounds():
-    rounds = [{"accept_length": 0, "tree_nodes": 0},                       # prefill / target-only round
-              {"accept_length": 2, "tree_nodes": 4}, {"accept_length": 0, "tree_nodes": 4},
-              {"accept_length": 3, "tree_nodes": 6}]
-    report = {"method": "eagle3", "rounds": rounds, "accept_length_mean": 2.0, "target_forwards": 4,
-              "drafter_fallback": False}
+    rounds = [
+        {"accept_length": 0, "tree_nodes": 0},  # prefill / target-only round
+        {"accept_length": 2, "tree_nodes": 4},
+        {"accept_length": 0, "tree_nodes": 4},
+        {"accept_length": 3, "tree_nodes": 6},
+    ]
+    report = {
+        "method": "eagle3",
+        "rounds": rounds,
+        "accept_length_mean": 2.0,
+        "target_forwards": 4,
+        "drafter_fallback": False,
+    }
     s = oai.spec_stats(report)
     assert (s["num_spec_steps"], s["num_draft_tokens"], s["num_accepted_tokens"]) == (3, 14, 5)
-    assert s["acceptance_histogram"] == [2, 2, 1]            # depth 1: two steps, depth 2: two, depth 3: one
+    assert s["acceptance_histogram"] == [2, 2, 1]  # depth 1: two steps, depth 2: two, depth 3: one
     assert s["mean_acceptance_length"] == pytest.approx(1 + 5 / 3)
     assert s["draft_acceptance_rate"] == pytest.approx(5 / 14)
     none = oai.spec_stats({**report, "rounds": rounds[:1]})
@@ -94,7 +123,7 @@ def test_stream_text_never_sends_what_a_stop_string_will_cut():
     stop string arrives split across rounds."""
     text = oai.StreamText(["\n\n", "END"])
     deltas = [text.delta(full) for full in ("Hello", "Hello\n", "Hello\nwor", "Hello\nworld E", "Hello\nworld EN")]
-    assert "".join(deltas) == "Hello\nworld "              # "E", "EN" held back; "\n" sent once "wor" came
+    assert "".join(deltas) == "Hello\nworld "  # "E", "EN" held back; "\n" sent once "wor" came
     deltas.append(text.delta("Hello\nworld END and more", final=True))
     assert "".join(deltas) == "Hello\nworld "
     plain = oai.StreamText([])
@@ -102,7 +131,7 @@ def test_stream_text_never_sends_what_a_stop_string_will_cut():
 
 
 def test_api_key():
-    oai.check_api_key(None, None)                          # no key configured: open
+    oai.check_api_key(None, None)  # no key configured: open
     oai.check_api_key("s3cret", "Bearer s3cret")
     for header in (None, "", "Bearer wrong", "s3cret", "Basic s3cret"):
         with pytest.raises(oai.OpenAIError) as info:

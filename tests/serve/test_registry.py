@@ -1,4 +1,5 @@
 """The registry's named-cancel book and the rule that decides which in-flight requests a cancel stops."""
+
 from __future__ import annotations
 
 from eyas.serve.registry import CancelBook, cancels_due

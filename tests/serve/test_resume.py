@@ -2,6 +2,7 @@
 streams: the prefix is sent again with the tokens still owed, the report covers the whole answer,
 and past the resume timeout the client gets a clean ``ReplicaLost``. (The e2e twin kills a real
 replica: tests/e2e/test_serve.py.)"""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,6 +37,7 @@ class Scripted:
 def run(stream) -> list[dict]:
     async def collect():
         return [item async for item in stream]
+
     return asyncio.run(collect())
 
 
@@ -47,9 +49,15 @@ def tokenizer():
 def test_a_lost_replica_resumes_from_the_committed_prefix(tokenizer, monkeypatch):
     monkeypatch.setattr(app, "RESUME_BACKOFF_S", 0.0)
     calls, released = [], []
-    scripts = [Scripted([{"tokens": [10, 11]}, {"tokens": [12]}], ActorDiedError()),
-               Scripted([{"tokens": [13, 14]}, {"report": {"token_ids": [13, 14], "new_tokens": 2, "text": "x",
-                                                           "finish_reason": "length"}}])]
+    scripts = [
+        Scripted([{"tokens": [10, 11]}, {"tokens": [12]}], ActorDiedError()),
+        Scripted(
+            [
+                {"tokens": [13, 14]},
+                {"report": {"token_ids": [13, 14], "new_tokens": 2, "text": "x", "finish_reason": "length"}},
+            ]
+        ),
+    ]
 
     def start(req, ids):
         calls.append((req.max_new_tokens, req.seed, list(ids)))
@@ -58,21 +66,27 @@ def test_a_lost_replica_resumes_from_the_committed_prefix(tokenizer, monkeypatch
     req = parse_request(prompt="hi", max_new_tokens=5, seed=7, temperature=0.5)
     stream = app._Resuming(start, req, [1, 2], tokenizer, lambda: released.append(1), resume_timeout_s=5)
     items = run(stream)
-    assert calls == [(5, 7, [1, 2]), (2, 10, [1, 2, 10, 11, 12])]   # owed 2; seed + 3 sent
+    assert calls == [(5, 7, [1, 2]), (2, 10, [1, 2, 10, 11, 12])]  # owed 2; seed + 3 sent
     assert [t for i in items if "tokens" in i for t in i["tokens"]] == [10, 11, 12, 13, 14]
     report = items[-1]["report"]
     assert report["token_ids"] == [10, 11, 12, 13, 14] and report["new_tokens"] == 5 and report["resumes"] == 1
     assert report["text"] == tokenizer.decode([10, 11, 12, 13, 14], skip_special_tokens=True)
     assert scripts[0].cancelled
     stream.cancel(), stream.cancel()
-    assert released == [1]   # the admission slot is released once
+    assert released == [1]  # the admission slot is released once
 
 
 def test_no_replica_in_time_is_a_clean_error(tokenizer, monkeypatch):
     monkeypatch.setattr(app, "RESUME_BACKOFF_S", 0.01)
     died = ActorDiedError()
-    stream = app._Resuming(lambda req, ids: Scripted([], died), parse_request(prompt="hi", max_new_tokens=4),
-                           [1], tokenizer, lambda: None, resume_timeout_s=0.05)
+    stream = app._Resuming(
+        lambda req, ids: Scripted([], died),
+        parse_request(prompt="hi", max_new_tokens=4),
+        [1],
+        tokenizer,
+        lambda: None,
+        resume_timeout_s=0.05,
+    )
     with pytest.raises(app.ReplicaLost) as err:
         run(stream)
     message = app._client_error(err.value)

@@ -1,4 +1,5 @@
 """RoundLoop over in-process workers: batched rounds for many requests, exact output, failures isolated."""
+
 from __future__ import annotations
 
 import threading
@@ -24,8 +25,9 @@ STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 64: 3200.0})
 
 @pytest.fixture()
 def workers(tiny_target):
-    return TargetWorker(tiny_target), DrafterWorker({"eagle1": tiny_eagle1_engine(tiny_target)},
-                                                    tiny_target.cfg.vocab_size)
+    return TargetWorker(tiny_target), DrafterWorker(
+        {"eagle1": tiny_eagle1_engine(tiny_target)}, tiny_target.cfg.vocab_size
+    )
 
 
 class FlakyDrafter:
@@ -48,14 +50,17 @@ class FlakyDrafter:
 
 def prompts(n):
     g = torch.Generator().manual_seed(11)
-    return [torch.randint(1, 60, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(1, 60, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def run_all(loop, jobs, n=20):
     """Submit every (prompt, method) job, wait for all, and close the loop whatever happens."""
     try:
-        futures = [loop.submit(f"r{i}", p, n, method, TreeSpec(), SamplingParams(), 0)
-                   for i, (p, method) in enumerate(jobs)]
+        futures = [
+            loop.submit(f"r{i}", p, n, method, TreeSpec(), SamplingParams(), 0) for i, (p, method) in enumerate(jobs)
+        ]
         return [f.result(timeout=120) for f in futures]
     finally:
         loop.close()
@@ -71,8 +76,13 @@ def assert_target_only_output(target_model, jobs, results, n):
 @pytest.mark.parametrize("policy", [TreeWorkPolicy(Budgets(max_batch=8)), PromptLengthPolicy(Budgets(max_batch=4))])
 def test_many_requests_in_batched_rounds_are_token_identical_to_target_only(tiny_target, workers, policy):
     target, drafter = workers
-    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
-                     drafter.info(), policy, FLAT.copy())
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(drafter, 30, local=True, drafter=True),
+        drafter.info(),
+        policy,
+        FLAT.copy(),
+    )
     jobs = [(p, "eagle1" if i % 3 else "target") for i, p in enumerate(prompts(8))]
     results = run_all(loop, jobs)
     assert_target_only_output(tiny_target, jobs, results, 20)
@@ -86,8 +96,13 @@ def test_a_drafter_that_dies_is_reseeded_then_given_up_and_no_token_changes(tiny
     flaky = FlakyDrafter(drafter, fail_calls={3, 6, 7, 8, 9, 10})
     # the fixed-tree policy drafts every round, so the drafter's failing calls land where counted (the
     # tree-work policy may stop drafting once it has measured what drafting costs)
-    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(flaky, 30, local=True, drafter=True),
-                     drafter.info(), PromptLengthPolicy(), FLAT.copy())
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(flaky, 30, local=True, drafter=True),
+        drafter.info(),
+        PromptLengthPolicy(),
+        FLAT.copy(),
+    )
     jobs = [(p, "eagle1") for p in prompts(4)]
     results = run_all(loop, jobs, n=30)
     assert_target_only_output(tiny_target, jobs, results, 30)
@@ -121,11 +136,13 @@ class DownDrafter:
                     self.down = self.probes < self.probes_down
                 raise DrafterUnavailable("drafter: the replica is gone (test)")
             return attr(*args)
+
         return call
 
 
-def test_a_drafter_that_goes_down_makes_rounds_plain_at_once_and_comes_back_by_reseeding(tiny_target, workers,
-                                                                                        monkeypatch):
+def test_a_drafter_that_goes_down_makes_rounds_plain_at_once_and_comes_back_by_reseeding(
+    tiny_target, workers, monkeypatch
+):
     """While the drafter is down the rounds go on target-only with no drafter call in them (the
     streams do not wait for a replacement); only the loop's probe asks, and once it answers every
     request still running reseeds and drafts again; no token changes and nobody is given up."""
@@ -134,22 +151,32 @@ def test_a_drafter_that_goes_down_makes_rounds_plain_at_once_and_comes_back_by_r
     monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
     target, drafter = workers
     down = DownDrafter(drafter, down_at=3, probes_down=4)
-    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(down, 30, local=True, drafter=True),
-                     drafter.info(), PromptLengthPolicy(), FLAT.copy())
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(down, 30, local=True, drafter=True),
+        drafter.info(),
+        PromptLengthPolicy(),
+        FLAT.copy(),
+    )
     jobs = [(p, "eagle1") for p in prompts(4)]
     results = run_all(loop, jobs, n=60)
     assert_target_only_output(tiny_target, jobs, results, 60)
     assert down.calls_while_down[0] == "propose_batch" and set(down.calls_while_down[1:]) == {"info"}
     assert down.probes == 4 and sum(r.drafter_reseeds for r in results) >= 1
     assert not any(r.drafter_fallback for r in results)
-    assert any(x.tree_nodes > 0 for r in results for x in r.rounds[-5:])   # drafting again at the end
+    assert any(x.tree_nodes > 0 for r in results for x in r.rounds[-5:])  # drafting again at the end
     assert not target.sessions and not drafter.session_method
 
 
 def test_cancel_and_bad_requests_leave_the_others_alone(tiny_target, workers):
     target, drafter = workers
-    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
-                     drafter.info(), TreeWorkPolicy(), FLAT.copy())
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(drafter, 30, local=True, drafter=True),
+        drafter.info(),
+        TreeWorkPolicy(),
+        FLAT.copy(),
+    )
     cancel = threading.Event()
     try:
         bad = loop.submit("bad", [1, 10_000], 8, "eagle1", TreeSpec(), SamplingParams(), 0)
@@ -166,8 +193,10 @@ def test_cancel_and_bad_requests_leave_the_others_alone(tiny_target, workers):
         with pytest.raises(ValueError, match="^prompt_ids: "):
             bad.result(timeout=60)
         assert gone.result(timeout=60).finish_reason == "cancelled"
-        assert ok.result(timeout=60).token_ids == generate(TargetEngine(tiny_target, ()), [4, 5, 6],
-                                                           max_new_tokens=20).token_ids
+        assert (
+            ok.result(timeout=60).token_ids
+            == generate(TargetEngine(tiny_target, ()), [4, 5, 6], max_new_tokens=20).token_ids
+        )
     finally:
         loop.close()
     assert target.leak_check()["ok"] and not target.sessions and not drafter.session_method
@@ -190,17 +219,34 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
     target, drafter = workers
     loop = RoundLoop(WorkerCalls(target, 30, local=True), None, {}, TreeWorkPolicy(Budgets()), FLAT.copy())
     try:
-        assert loop.work() == {"pending_verify_rows": 0.0, "draft_rows": 0.0, "expert_bytes": 0.0, "live": 0,
-                               "pending": 0, "batch": 0}
+        assert loop.work() == {
+            "pending_verify_rows": 0.0,
+            "draft_rows": 0.0,
+            "expert_bytes": 0.0,
+            "live": 0,
+            "pending": 0,
+            "batch": 0,
+        }
 
         def live(rid, prompt, max_new):
-            return Live(request_id=rid, method="eagle1", prompt_ids=prompt, max_new_tokens=max_new, tree=TreeSpec(),
-                        sampling=SamplingParams(), seed_value=0, on_tokens=None, future=concurrent.futures.Future(),
-                        cancel=threading.Event(), arrival=time.perf_counter(), acceptance=AcceptanceEstimate())
+            return Live(
+                request_id=rid,
+                method="eagle1",
+                prompt_ids=prompt,
+                max_new_tokens=max_new,
+                tree=TreeSpec(),
+                sampling=SamplingParams(),
+                seed_value=0,
+                on_tokens=None,
+                future=concurrent.futures.Future(),
+                cancel=threading.Event(),
+                arrival=time.perf_counter(),
+                acceptance=AcceptanceEstimate(),
+            )
 
         running = live("a", [1, 2, 3], 16)
         running.out, running.prompt_done, running.seed = [5, 6, 7, 8], 3, object()
-        halfway = live("h", list(range(1, 11)), 8)   # a prompt 4 of 10 rows into its chunked prefill
+        halfway = live("h", list(range(1, 11)), 8)  # a prompt 4 of 10 rows into its chunked prefill
         halfway.prompt_done = 4
         running.rounds = [RoundStats(accept_length=1, new_tokens=2, tree_nodes=2, draft_s=0.0, verify_s=0.0)] * 2
         with loop.lock:  # hold the loop: this test places the requests itself
@@ -260,13 +306,20 @@ def test_arrivals_between_rounds_are_prefilled_together_in_one_forward(tiny_targ
     the five valid ones, prefills them in ONE batched call, and every output is target-only's."""
     target, drafter = workers
     counting = CountingTarget(target)
-    loop = RoundLoop(WorkerCalls(counting, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
-                     drafter.info(), TreeWorkPolicy(Budgets(max_batch=8)), FLAT.copy())
+    loop = RoundLoop(
+        WorkerCalls(counting, 30, local=True),
+        WorkerCalls(drafter, 30, local=True, drafter=True),
+        drafter.info(),
+        TreeWorkPolicy(Budgets(max_batch=8)),
+        FLAT.copy(),
+    )
     jobs = [(p, "eagle1" if i % 2 else "target") for i, p in enumerate(prompts(5))]
     try:
         with loop.lock:  # the loop thread waits: every request below arrives before its next look
-            futures = [loop.submit(f"r{i}", p, 12, method, TreeSpec(), SamplingParams(), 0)
-                       for i, (p, method) in enumerate(jobs)]
+            futures = [
+                loop.submit(f"r{i}", p, 12, method, TreeSpec(), SamplingParams(), 0)
+                for i, (p, method) in enumerate(jobs)
+            ]
             bad = loop.submit("bad", [1, 10_000], 12, "target", TreeSpec(), SamplingParams(), 0)
         results = [f.result(timeout=120) for f in futures]
         with pytest.raises(ValueError, match="^prompt_ids: "):
@@ -292,9 +345,15 @@ def test_an_moe_target_reports_expert_bytes_per_request_and_per_round_and_the_bu
     experts = ExpertTraffic(**target.engine_for(()).expert_traffic_shape())
     budget = None if budget_rows is None else experts.predict(budget_rows)
     records = []
-    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
-                     drafter.info(), TreeWorkPolicy(Budgets(max_batch=8, max_expert_bytes=budget)), FLAT.copy(),
-                     on_round=records.append, experts=experts)
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(drafter, 30, local=True, drafter=True),
+        drafter.info(),
+        TreeWorkPolicy(Budgets(max_batch=8, max_expert_bytes=budget)),
+        FLAT.copy(),
+        on_round=records.append,
+        experts=experts,
+    )
     jobs = [(p, "eagle1") for p in prompts(4)]
     results = run_all(loop, jobs, n=12)
     assert_target_only_output(moe, jobs, results, 12)
@@ -306,7 +365,7 @@ def test_an_moe_target_reports_expert_bytes_per_request_and_per_round_and_the_bu
     for r in records:
         by_round.setdefault(r.start_ns, []).append(r)
     if budget_rows is None:
-        assert max(len(rs) for rs in by_round.values()) > 1          # rounds were shared
+        assert max(len(rs) for rs in by_round.values()) > 1  # rounds were shared
     else:
         assert all(len(rs) == 1 and rs[0].flat is None for rs in by_round.values())  # one plain row a round
         assert all(r.batch_expert_bytes == r.expert_bytes for r in records)
@@ -319,12 +378,20 @@ def test_stats_merge_every_replicas_report():
     from eyas.serve.app import merge_reports
 
     point = {"attributes": {"finish_reason": "length"}, "value": 2}
-    target = {"replica": "t1", "kind": "target", "worker": {"live_sessions": 0, "ok": True},
-              "loop": {"rounds": 7}, "autoscaling": {"pending_verify_rows": 12.0},
-              "telemetry": {"metrics": {"eyas.requests": [point]}, "spans": [{"name": "eyas.round"}]}}
-    drafter = {"replica": "d1", "kind": "drafter", "worker": {"live_sessions": 0, "ok": True,
-                                                              "kv_bytes_allocated": 4096},
-               "autoscaling": {"draft_rows": 3.0}}
+    target = {
+        "replica": "t1",
+        "kind": "target",
+        "worker": {"live_sessions": 0, "ok": True},
+        "loop": {"rounds": 7},
+        "autoscaling": {"pending_verify_rows": 12.0},
+        "telemetry": {"metrics": {"eyas.requests": [point]}, "spans": [{"name": "eyas.round"}]},
+    }
+    drafter = {
+        "replica": "d1",
+        "kind": "drafter",
+        "worker": {"live_sessions": 0, "ok": True, "kv_bytes_allocated": 4096},
+        "autoscaling": {"draft_rows": 3.0},
+    }
     stats = merge_reports([target, dict(target, replica="t2"), drafter], "tree-work")
     assert stats["replicas"] == {"target": 2, "drafter": 1}
     assert [p["replica"] for p in stats["metrics"]["eyas.requests"]] == ["t1", "t2"]
@@ -341,8 +408,13 @@ def test_plain_rounds_skip_the_drafter_and_its_seeds_catch_up_exactly(tiny_targe
     target, drafter = workers
     counting = FlakyDrafter(drafter, fail_calls=set())
     policy = EveryThirdRoundPolicy()
-    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(counting, 30, local=True, drafter=True),
-                     drafter.info(), policy, FLAT.copy())
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(counting, 30, local=True, drafter=True),
+        drafter.info(),
+        policy,
+        FLAT.copy(),
+    )
     jobs = [(p, "eagle1") for p in prompts(3)]
     results = run_all(loop, jobs, n=24)
     assert_target_only_output(tiny_target, jobs, results, 24)
@@ -366,6 +438,7 @@ class _TorchCallsOnThisThread:
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 names.append(getattr(func, "__name__", str(func)))
                 return func(*args, **(kwargs or {}))
+
         self.mode = Mode()
 
 
@@ -377,23 +450,28 @@ def test_the_loops_own_thread_joins_no_seeds_so_no_second_openmp_team_slows_the_
     thread runs no torch.cat, and the output is target-only's."""
     target, drafter = workers
     calls = _TorchCallsOnThisThread()
-    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
-                     drafter.info(), EveryThirdRoundPolicy(), FLAT.copy())
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(drafter, 30, local=True, drafter=True),
+        drafter.info(),
+        EveryThirdRoundPolicy(),
+        FLAT.copy(),
+    )
     round_ = loop._round
 
     def watched_round():
         with calls.mode:
             round_()
+
     loop._round = watched_round
     jobs = [(p, "eagle1") for p in prompts(3)]
     results = run_all(loop, jobs, n=24)
     assert_target_only_output(tiny_target, jobs, results, 24)
-    assert sum(x.tree_nodes > 0 for r in results for x in r.rounds) > 0   # it drafted from joined seeds
+    assert sum(x.tree_nodes > 0 for r in results for x in r.rounds) > 0  # it drafted from joined seeds
     assert calls.names and "cat" not in calls.names, sorted(set(calls.names))
 
 
-def test_the_loop_starts_from_the_drafters_measured_cost_and_skips_a_drafter_that_does_not_pay(tiny_target,
-                                                                                                workers):
+def test_the_loop_starts_from_the_drafters_measured_cost_and_skips_a_drafter_that_does_not_pay(tiny_target, workers):
     """The drafter worker's start-up measurement (``measure_costs``) reaches the loop through ``info``:
     the loop's draft cost starts fitted to it, not at the optimistic 0. When that cost is far above a
     verify forward (here 1,000 ms per depth, written into the worker's measurement), the tree-work
@@ -402,8 +480,13 @@ def test_the_loop_starts_from_the_drafters_measured_cost_and_skips_a_drafter_tha
     target, drafter = workers
     measured = drafter.measure_costs(repeats=1)
     assert set(measured) == {"eagle1"} and [d for d, _, _ in measured["eagle1"]] == [1, 3, 5, 5]
-    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
-                     drafter.info(), TreeWorkPolicy(Budgets()), FLAT.copy())
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(drafter, 30, local=True, drafter=True),
+        drafter.info(),
+        TreeWorkPolicy(Budgets()),
+        FLAT.copy(),
+    )
     # fitted to the measurement itself (not the optimistic 0); a timing-free check, since a loaded
     # machine can measure any shape of costs
     assert loop.draft_cost.to_dict() == DraftCost.from_points(measured["eagle1"]).to_dict()
@@ -412,8 +495,13 @@ def test_the_loop_starts_from_the_drafters_measured_cost_and_skips_a_drafter_tha
 
     drafter.draft_points["eagle1"] = [(1, 0, 1000.0), (3, 8, 3000.0), (5, 16, 5000.0)]
     counting = FlakyDrafter(drafter, fail_calls=set())
-    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(counting, 30, local=True, drafter=True),
-                     drafter.info(), TreeWorkPolicy(Budgets()), FLAT.copy())
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(counting, 30, local=True, drafter=True),
+        drafter.info(),
+        TreeWorkPolicy(Budgets()),
+        FLAT.copy(),
+    )
     assert loop.draft_cost.predict(5) == pytest.approx(5000.0)
     jobs = [(p, "eagle1") for p in prompts(2)]
     results = run_all(loop, jobs, n=12)
@@ -429,9 +517,14 @@ def test_a_steep_latency_curve_turns_speculation_off_in_the_loop(tiny_target, wo
     target, drafter = workers
     counting = FlakyDrafter(drafter, fail_calls=set())
     rows = []
-    loop = RoundLoop(WorkerCalls(target, 30, local=True), WorkerCalls(counting, 30, local=True, drafter=True),
-                     drafter.info(), TreeWorkPolicy(Budgets()), STEEP.copy(),
-                     on_round=lambda rec: rows.append(rec.flat))
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(counting, 30, local=True, drafter=True),
+        drafter.info(),
+        TreeWorkPolicy(Budgets()),
+        STEEP.copy(),
+        on_round=lambda rec: rows.append(rec.flat),
+    )
     loop.curve.observe = lambda rows, ms, weight=0: None  # keep the curve steep whatever this CPU measures
     jobs = [(p, "eagle1") for p in prompts(3)]
     results = run_all(loop, jobs, n=10)
@@ -446,8 +539,14 @@ def test_a_short_request_beside_a_long_prompt_gets_its_first_token_within_three_
     within 3 rounds of arriving, long before the long prompt's; every output is target-only's."""
     target, drafter = workers
     counting = CountingTarget(target)
-    loop = RoundLoop(WorkerCalls(counting, 30, local=True), WorkerCalls(drafter, 30, local=True, drafter=True),
-                     drafter.info(), TreeWorkPolicy(Budgets()), FLAT.copy(), max_prefill_rows=16)
+    loop = RoundLoop(
+        WorkerCalls(counting, 30, local=True),
+        WorkerCalls(drafter, 30, local=True, drafter=True),
+        drafter.info(),
+        TreeWorkPolicy(Budgets()),
+        FLAT.copy(),
+        max_prefill_rows=16,
+    )
     long, short = [(5 * i + 3) % 60 + 1 for i in range(200)], [3, 1, 4, 1, 5]
     first_token_call, submitted = {}, {}
 
@@ -455,12 +554,17 @@ def test_a_short_request_beside_a_long_prompt_gets_its_first_token_within_three_
         def seen(tokens):
             first_token_call.setdefault(rid, counting.calls)
             return False
+
         return seen
 
     def arrive_in_round_two(call):
         if call == 2 and "short" not in submitted:
-            submitted["short"] = (call, loop.submit("short", short, 8, "target", TreeSpec(), SamplingParams(), 0,
-                                                    on_tokens=first_token("short")))
+            submitted["short"] = (
+                call,
+                loop.submit(
+                    "short", short, 8, "target", TreeSpec(), SamplingParams(), 0, on_tokens=first_token("short")
+                ),
+            )
 
     counting.during_call = arrive_in_round_two
     try:
@@ -470,8 +574,8 @@ def test_a_short_request_beside_a_long_prompt_gets_its_first_token_within_three_
         r_short = f_short.result(timeout=120)
     finally:
         loop.close()
-    assert first_token_call["long"] == -(-200 // 16)       # the long prompt took 13 prefill rounds
-    assert first_token_call["short"] - arrived + 1 <= 3     # the short one: its first token within 3 rounds
+    assert first_token_call["long"] == -(-200 // 16)  # the long prompt took 13 prefill rounds
+    assert first_token_call["short"] - arrived + 1 <= 3  # the short one: its first token within 3 rounds
     assert first_token_call["short"] < first_token_call["long"]
     assert all(max(rows.values(), default=0) <= 16 and sum(rows.values()) <= 16 for rows in counting.prefill_rows)
     assert_target_only_output(tiny_target, [(long, "eagle1"), (short, "target")], [r_long, r_short], 8)

@@ -1,4 +1,5 @@
 """Telemetry: per-round spans and the speculation metrics, from one hand-built round."""
+
 from __future__ import annotations
 
 import torch
@@ -12,18 +13,38 @@ from eyas.serve.telemetry import Telemetry, acceptance_by, confidence_bucket
 def one_round() -> RoundRecord:
     """Tree: A (depth 1, p .95) -> A1 (depth 2, p .45); B (depth 1, p .05). Flat rows [root, A, A1, B].
     The target accepts A only: accepted_rows [0, 1], frontier 42."""
-    tree = DraftTree(torch.tensor([10, 11, 20]), torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED]),
-                     torch.tensor([1, 2, 1]), torch.tensor([.95, .45, .05]))
+    tree = DraftTree(
+        torch.tensor([10, 11, 20]),
+        torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED]),
+        torch.tensor([1, 2, 1]),
+        torch.tensor([0.95, 0.45, 0.05]),
+    )
     flat = flatten_tree(tree, 5, 100)
     assert flat.tokens.tolist() == [5, 10, 11, 20]
     decision = AcceptDecision(torch.tensor([0, 1]), torch.tensor([10]), 42)
-    return RoundRecord(request_id="r1", round=3, flat=flat, decision=decision, start_ns=1_000_000_000, draft_s=.010, pack_s=.001, verify_s=.030,
-                       accept_s=.002, publish_s=.003, fallback=False)
+    return RoundRecord(
+        request_id="r1",
+        round=3,
+        flat=flat,
+        decision=decision,
+        start_ns=1_000_000_000,
+        draft_s=0.010,
+        pack_s=0.001,
+        verify_s=0.030,
+        accept_s=0.002,
+        publish_s=0.003,
+        fallback=False,
+    )
 
 
 def test_confidence_buckets():
-    assert [confidence_bucket(p) for p in (0.0, 0.05, 0.45, 0.95, 1.0)] == \
-        ["0.0-0.1", "0.0-0.1", "0.4-0.5", "0.9-1.0", "0.9-1.0"]
+    assert [confidence_bucket(p) for p in (0.0, 0.05, 0.45, 0.95, 1.0)] == [
+        "0.0-0.1",
+        "0.0-0.1",
+        "0.4-0.5",
+        "0.9-1.0",
+        "0.9-1.0",
+    ]
 
 
 def test_one_round_gives_acceptance_by_depth_and_by_confidence():
@@ -34,8 +55,11 @@ def test_one_round_gives_acceptance_by_depth_and_by_confidence():
     t.record_request("eagle3", "length", fallback=False)
     m = t.metrics()
     assert acceptance_by(m, "eyas.draft.proposed", "eyas.draft.accepted", "depth") == {"1": 0.5, "2": 0.0}
-    assert acceptance_by(m, "eyas.draft.confidence.proposed", "eyas.draft.confidence.accepted", "bucket") == \
-        {"0.0-0.1": 0.0, "0.4-0.5": 0.0, "0.9-1.0": 1.0}
+    assert acceptance_by(m, "eyas.draft.confidence.proposed", "eyas.draft.confidence.accepted", "bucket") == {
+        "0.0-0.1": 0.0,
+        "0.4-0.5": 0.0,
+        "0.9-1.0": 1.0,
+    }
     (rows,) = m["eyas.verify_rows"]
     assert rows["count"] == 1 and rows["sum"] == 4
     assert m["eyas.accept_length"][0]["sum"] == 1
@@ -51,7 +75,7 @@ def test_one_round_gives_a_span_tree_with_every_step():
     root = spans["eyas.round"]
     assert root["parent"] is None and root["attributes"]["eyas.accept_length"] == 1
     assert all(spans[n]["parent"] == root["span_id"] for n in ("draft", "pack", "verify", "accept", "publish"))
-    assert abs(root["duration_ms"] - 44.0) < 1e-6   # draft + pack + verify + publish; accept lies inside verify
+    assert abs(root["duration_ms"] - 44.0) < 1e-6  # draft + pack + verify + publish; accept lies inside verify
     assert abs(spans["accept"]["duration_ms"] - 2.0) < 1e-6
 
 
@@ -69,16 +93,23 @@ def test_prometheus_text_has_vllms_spec_decode_counters_and_latencies():
     t.record_round(one_round())
     t.record_latency("eagle3", 1.5, 0.2)
     fam = _families(t.prometheus_text())
-    value = {name: fam[name].samples[0].value for name in ("eyas_spec_decode_num_drafts",
-                                                           "eyas_spec_decode_num_draft_tokens",
-                                                           "eyas_spec_decode_num_accepted_tokens")}
-    assert value == {"eyas_spec_decode_num_drafts": 1, "eyas_spec_decode_num_draft_tokens": 3,
-                     "eyas_spec_decode_num_accepted_tokens": 1}
+    value = {
+        name: fam[name].samples[0].value
+        for name in (
+            "eyas_spec_decode_num_drafts",
+            "eyas_spec_decode_num_draft_tokens",
+            "eyas_spec_decode_num_accepted_tokens",
+        )
+    }
+    assert value == {
+        "eyas_spec_decode_num_drafts": 1,
+        "eyas_spec_decode_num_draft_tokens": 3,
+        "eyas_spec_decode_num_accepted_tokens": 1,
+    }
     per_pos = {s.labels["position"]: s.value for s in fam["eyas_spec_decode_num_accepted_tokens_per_pos"].samples}
     assert per_pos == {"0": 1}
     assert fam["eyas_queue_depth"].samples[0].value == 2
-    hist = {s.name: s.value for s in fam["eyas_request_time_to_first_token_seconds"].samples
-            if not s.labels.get("le")}
+    hist = {s.name: s.value for s in fam["eyas_request_time_to_first_token_seconds"].samples if not s.labels.get("le")}
     assert hist["eyas_request_time_to_first_token_seconds_count"] == 1
     assert hist["eyas_request_time_to_first_token_seconds_sum"] == 0.2
     assert fam["eyas_verify_duration_seconds"].type == "histogram"

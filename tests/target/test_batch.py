@@ -1,4 +1,5 @@
 """Batched ragged verification: several requests' trees in one forward equal each verified alone."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ PROMPTS = {"a": [1, 2, 3], "b": [7, 7, 7, 7, 7, 9, 30, 11], "c": [5, 4, 3, 2, 1,
 
 def tree(tokens, parents, depths) -> DraftTree:
     n = len(tokens)
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.full((n,), .5))
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.full((n,), 0.5))
 
 
 TREES = {  # different sizes and shapes per request
@@ -127,7 +128,7 @@ def test_a_batched_prefill_refuses_a_bad_member_and_prefills_the_others(tiny_tar
     e = TargetEngine(tiny_target, ())
     for rid in ("a", "c"):
         e.open_session(rid, PROMPTS[rid], 8, 8)
-    e.prefill("c")                                   # c is already prefilled
+    e.prefill("c")  # c is already prefilled
     res = e.prefill_batch(["a", "ghost", "c"])
     assert isinstance(res[1], ValueError) and str(res[1]).startswith("request_id: 'ghost'")
     assert isinstance(res[2], ValueError) and "already prefilled" in str(res[2])

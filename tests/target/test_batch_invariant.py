@@ -1,5 +1,6 @@
 """Half precision made batch-invariant: a verify row computes bit for bit what a one-row decode of
 the same token computes (make_batch_invariant), so greedy speculative output equals target-only."""
+
 from __future__ import annotations
 
 import copy
@@ -26,13 +27,19 @@ def chain_logits(model, prompt: list[int], chain: list[int]) -> tuple[torch.Tens
     n, T = len(prompt), len(chain)
     cache = model.allocate_cache(1, n + T)
     with torch.no_grad():
-        model(torch.tensor([prompt]), torch.arange(n)[None], cache, 0, torch.ones(n, n, dtype=torch.bool).tril()[None], ())
+        model(
+            torch.tensor([prompt]), torch.arange(n)[None], cache, 0, torch.ones(n, n, dtype=torch.bool).tril()[None], ()
+        )
         alone = copy.deepcopy(cache)
         mask = torch.ones(1, T, n + T, dtype=torch.bool)
         mask[0, :, n:] = torch.ones(T, T, dtype=torch.bool).tril()
         verify = model(torch.tensor([chain]), torch.arange(n, n + T)[None], cache, n, mask, ()).logits[0]
-        decode = torch.stack([model(torch.tensor([[t]]), torch.tensor([[n + i]]), alone, n + i, None, ()).logits[0, 0]
-                              for i, t in enumerate(chain)])
+        decode = torch.stack(
+            [
+                model(torch.tensor([[t]]), torch.tensor([[n + i]]), alone, n + i, None, ()).logits[0, 0]
+                for i, t in enumerate(chain)
+            ]
+        )
     return verify, decode
 
 

@@ -2,6 +2,7 @@
 (per-expert tensors for the MoE kinds, Mixtral's ``block_sparse_moe``, sharded safetensors with an
 index), loaded by ``load_target`` and compared with HF: logits, greedy continuations, the expert-union
 accounting; the streamed load's dtype, fingerprint and refusals."""
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,16 @@ from tests.testing import (
     tiny_hf_qwen3_moe,
 )
 
-KINDS = {"llama": tiny_hf_llama, "mistral": lambda: tiny_hf_mistral(sliding_window=64),  # within its window
-         "qwen2": tiny_hf_qwen2, "qwen3": tiny_hf_qwen3,
-         "mixtral": tiny_hf_mixtral, "olmoe": tiny_hf_olmoe, "qwen2_moe": tiny_hf_qwen2_moe,
-         "qwen3_moe": tiny_hf_qwen3_moe}
+KINDS = {
+    "llama": tiny_hf_llama,
+    "mistral": lambda: tiny_hf_mistral(sliding_window=64),  # within its window
+    "qwen2": tiny_hf_qwen2,
+    "qwen3": tiny_hf_qwen3,
+    "mixtral": tiny_hf_mixtral,
+    "olmoe": tiny_hf_olmoe,
+    "qwen2_moe": tiny_hf_qwen2_moe,
+    "qwen3_moe": tiny_hf_qwen3_moe,
+}
 MOE = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 TOL = 1e-4
 
@@ -52,13 +59,16 @@ def causal(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0)
 
 
-def logits(model, ids: torch.Tensor) -> torch.Tensor:   # ids [1, T] -> [1, T, V]
+def logits(model, ids: torch.Tensor) -> torch.Tensor:  # ids [1, T] -> [1, T, V]
     T = ids.shape[1]
     return model(ids, torch.arange(T)[None], model.allocate_cache(1, T), 0, causal(T), ()).logits
 
 
-@pytest.fixture(scope="module", params=[(k, shard) for k in KINDS for shard in (False, True)],
-                ids=lambda p: f"{p[0]}{'-sharded' if p[1] else ''}")
+@pytest.fixture(
+    scope="module",
+    params=[(k, shard) for k in KINDS for shard in (False, True)],
+    ids=lambda p: f"{p[0]}{'-sharded' if p[1] else ''}",
+)
 def loaded(request, tmp_path_factory):
     kind, shard = request.param
     hf = KINDS[kind]()
@@ -89,8 +99,13 @@ def test_a_saved_checkpoint_scores_and_decodes_as_hf(loaded):
     assert (logits(target.model, ids) - ref).abs().max().item() < TOL
     prompt = [3, 17, 5, 42, 8, 1]
     with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                           do_sample=False, max_new_tokens=16, min_new_tokens=16)[0, len(prompt):].tolist()
+        want = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            do_sample=False,
+            max_new_tokens=16,
+            min_new_tokens=16,
+        )[0, len(prompt) :].tolist()
     assert generate(TargetEngine(target.model, ()), prompt, max_new_tokens=16).token_ids == want
 
 
@@ -157,8 +172,11 @@ def test_a_target_that_does_not_fit_is_refused_before_the_load_naming_both_sizes
 
     folder = saved(tiny_hf_llama(), tmp_path / "ckpt")
     monkeypatch.setattr(loader, "available_memory", lambda device: 1000)
-    with pytest.raises(ValueError, match=r"^checkpoint: the target needs 0\.\d+ GB at float32 on cpu, and 0\.00 GB "
-                                         r"is free there"):
+    with pytest.raises(
+        ValueError,
+        match=r"^checkpoint: the target needs 0\.\d+ GB at float32 on cpu, and 0\.00 GB "
+        r"is free there",
+    ):
         load_target(folder)
 
 
@@ -167,6 +185,7 @@ def test_a_missing_shard_is_named(tmp_path):
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     gone = sorted(set(index["weight_map"].values()))[-1]
     (folder / gone).unlink()
-    with pytest.raises(ValueError, match=f"checkpoint: shard '{gone}' named in model.safetensors.index.json is "
-                                         "missing"):
+    with pytest.raises(
+        ValueError, match=f"checkpoint: shard '{gone}' named in model.safetensors.index.json is missing"
+    ):
         load_target(folder)

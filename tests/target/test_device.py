@@ -7,6 +7,7 @@ into device K/V, a CPU mask beside device scores, and the like: the mistakes a C
 raise on. Host-side bookkeeping (flattening a tree, building masks) stays on the CPU, and is moved
 once, when a round's plan is built.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,7 @@ from tests.testing import NoDeviceMix, ours_from_hf, tiny_hf_llama
 
 def test_the_mode_catches_what_meta_alone_lets_through():
     k = torch.ones(4, 3, device="meta")
-    k.index_select(0, torch.tensor([0, 1]))   # meta alone: no error
+    k.index_select(0, torch.tensor([0, 1]))  # meta alone: no error
     with NoDeviceMix(), pytest.raises(AssertionError, match="operands on"):
         k.index_select(0, torch.tensor([0, 1]))
 
@@ -32,8 +33,9 @@ def test_prefill_chunks_verify_and_publish_stay_on_the_model_device():
     tensor the engine holds or returns is on meta (logits, features, the K/V store)."""
     model = ours_from_hf(tiny_hf_llama()).to("meta")
     e = TargetEngine(model, eagle3_feature_address(model.cfg))
-    tree = DraftTree(torch.tensor([3, 4, 5]), torch.tensor([-1, 0, 0]), torch.tensor([1, 2, 2]),
-                     torch.tensor([.5, .4, .3]))
+    tree = DraftTree(
+        torch.tensor([3, 4, 5]), torch.tensor([-1, 0, 0]), torch.tensor([1, 2, 2]), torch.tensor([0.5, 0.4, 0.3])
+    )
     guard = NoDeviceMix()
     with guard:
         e.open_session("a", [1, 2, 3, 4, 5, 6], 8, 4)
@@ -41,7 +43,7 @@ def test_prefill_chunks_verify_and_publish_stay_on_the_model_device():
         (a,), _ = e.step(["a"], [])
         e.publish("a", a.round, AcceptDecision(torch.arange(6), torch.tensor([2, 3, 4, 5, 6]), 11))
         e.open_session("c", list(range(1, 21)), 8, 4)
-        pre, ver = e.step(["b", "c"], [("a", tree)], max_prefill_rows=8)   # b whole, c 5 of 20 rows
+        pre, ver = e.step(["b", "c"], [("a", tree)], max_prefill_rows=8)  # b whole, c 5 of 20 rows
         assert isinstance(pre[1], PrefillProgress) and pre[1].prefilled == 5
         e.publish("a", ver[0].round, AcceptDecision(torch.tensor([0, 2]), torch.tensor([4]), 12))
         e.publish("b", pre[0].round, AcceptDecision(torch.arange(3), torch.tensor([8, 9]), 13))
@@ -54,7 +56,7 @@ def test_prefill_chunks_verify_and_publish_stay_on_the_model_device():
         held = [e.kv.k, e.kv.v, seed.features] + [t for v in out for t in (v.logits, v.features)]
         held += [f for s in e.sessions.values() for f in s.features]
         e.publish("c", out[2].round, AcceptDecision(torch.tensor([0]), torch.tensor([], dtype=torch.int64), 15))
-        e.close_session("b")                     # c's row moves into b's place
+        e.close_session("b")  # c's row moves into b's place
         lone = e.verify("c", DraftTree.empty())
     assert guard.ops > 100
     assert {t.device.type for t in held + [lone.logits, lone.features, e.kv.k]} == {"meta"}

@@ -1,4 +1,5 @@
 """The target engine's publish transaction (seed 0x05D)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,7 @@ PROMPT = [5, 9, 2, 33, 17]
 
 
 def tree(tokens, parents, depths):
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths),
-                     torch.full((len(tokens),), 0.5))
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.full((len(tokens),), 0.5))
 
 
 def prefilled(model, rid="r"):
@@ -55,8 +55,8 @@ def test_publication_fixture_rows_0_and_2(tiny_target):
     s = eng.sessions["r"]
     n, root = s.committed_len, s.frontier_token
     v = eng.verify("r", tree([20, 21], [PARENT_IS_SEED, PARENT_IS_SEED], [1, 1]))
-    row_k = eng.kv.k[:, s.kv_row]                  # [L, H_kv, slots, hd]: this request's KV row
-    prov_k = row_k[:, :, n:n + 3].clone()
+    row_k = eng.kv.k[:, s.kv_row]  # [L, H_kv, slots, hd]: this request's KV row
+    prov_k = row_k[:, :, n : n + 3].clone()
     features = v.features.clone()
     decision = AcceptDecision(torch.tensor([0, 2]), torch.tensor([21]), frontier_token=7)
     seed, ack = eng.publish("r", v.round, decision)
@@ -64,7 +64,7 @@ def test_publication_fixture_rows_0_and_2(tiny_target):
     assert torch.equal(row_k[:, :, n + 1], prov_k[:, :, 2])
     assert torch.equal(seed.features, features[[0, 2]])
     assert ack.output_tokens == (21, 7) and s.committed_len == n + 2 and s.frontier_token == 7
-    assert s.tokens[-2:] == [root, 21]               # the frontier 7 is emitted, not committed
+    assert s.tokens[-2:] == [root, 21]  # the frontier 7 is emitted, not committed
     assert seed.advanced_tokens.tolist() == [21, 7] and seed.start_position == n
 
 
@@ -95,9 +95,11 @@ def test_bad_decision_leaves_committed_state_unchanged(tiny_target, bad):
     eng, _, _ = prefilled(tiny_target)
     v = eng.verify("r", tree([20, 21], [PARENT_IS_SEED, 0], [1, 2]))
     before = snapshot(eng)
-    d = {"rows_past_tree": AcceptDecision(torch.tensor([0, 1, 5]), torch.tensor([20, 21]), 3),
-         "tokens_mismatch": AcceptDecision(torch.tensor([0, 1]), torch.tensor([99]), 3),
-         "frontier_oov": AcceptDecision(torch.tensor([0, 1]), torch.tensor([20]), 10 ** 6)}[bad]
+    d = {
+        "rows_past_tree": AcceptDecision(torch.tensor([0, 1, 5]), torch.tensor([20, 21]), 3),
+        "tokens_mismatch": AcceptDecision(torch.tensor([0, 1]), torch.tensor([99]), 3),
+        "frontier_oov": AcceptDecision(torch.tensor([0, 1]), torch.tensor([20]), 10**6),
+    }[bad]
     with pytest.raises(ValueError):
         eng.publish("r", v.round, d)
     assert same(before, snapshot(eng))
@@ -111,11 +113,11 @@ def test_session_input_validation(tiny_target):
     with pytest.raises(ValueError, match="prompt"):
         eng.open_session("a", [], 4, 1)
     with pytest.raises(ValueError, match="vocabulary"):
-        eng.open_session("a", [1, 10 ** 6], 4, 1)
+        eng.open_session("a", [1, 10**6], 4, 1)
     with pytest.raises(ValueError, match="max_new_tokens"):
         eng.open_session("a", [1], 0, 1)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        eng.open_session("a", [1], 10 ** 6, 1)
+        eng.open_session("a", [1], 10**6, 1)
     assert eng.sessions == {}
 
 

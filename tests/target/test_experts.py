@@ -1,4 +1,5 @@
 """Expert-union accounting per request inside a batched verify (seed 0x09A), on a tiny random Mixtral."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,11 +13,16 @@ from tests.testing import ours_from_hf, tiny_hf_mixtral
 
 PROMPTS = {"a": [1, 2, 3, 4, 5], "b": [9, 8, 7], "c": [20, 21, 22, 23, 24, 25, 26]}
 TREES = {  # a: a 4-node tree of two branches; b: plain (root row only); c: a chain of 2
-    "a": DraftTree(torch.tensor([10, 11, 12, 13]), torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED, 2]),
-                   torch.tensor([1, 2, 1, 2]), torch.full((4,), .5)),
+    "a": DraftTree(
+        torch.tensor([10, 11, 12, 13]),
+        torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED, 2]),
+        torch.tensor([1, 2, 1, 2]),
+        torch.full((4,), 0.5),
+    ),
     "b": DraftTree.empty(),
-    "c": DraftTree(torch.tensor([30, 31]), torch.tensor([PARENT_IS_SEED, 0]), torch.tensor([1, 2]),
-                   torch.full((2,), .5)),
+    "c": DraftTree(
+        torch.tensor([30, 31]), torch.tensor([PARENT_IS_SEED, 0]), torch.tensor([1, 2]), torch.full((2,), 0.5)
+    ),
 }
 
 
@@ -54,8 +60,9 @@ def test_each_request_in_a_batched_verify_gets_the_bytes_of_its_own_rows(moe):
         alone[rid] = (e.last_expert_union, e.last_expert_bytes)
         assert e.last_request_expert_bytes == {rid: e.last_expert_bytes}
     assert batched.last_request_expert_bytes == {rid: b for rid, (_, b) in alone.items()}
-    union = tuple(tuple(sorted(set().union(*(alone[rid][0][layer] for rid in TREES))))
-                  for layer in range(moe.cfg.num_layers))
+    union = tuple(
+        tuple(sorted(set().union(*(alone[rid][0][layer] for rid in TREES)))) for layer in range(moe.cfg.num_layers)
+    )
     assert batched.last_expert_union == union
     assert batched.last_expert_bytes == expert_bytes(union, per_expert)
     assert max(b for _, b in alone.values()) <= batched.last_expert_bytes <= sum(b for _, b in alone.values())
@@ -72,6 +79,10 @@ def test_a_refused_member_adds_no_expert_bytes(moe):
 
 def test_expert_traffic_shape_describes_the_moe_layers(moe, tiny_target):
     shape = TargetEngine(moe, ()).expert_traffic_shape()
-    assert shape == {"moe_layers": moe.cfg.num_layers, "num_experts": 16, "experts_per_token": 2,
-                     "bytes_per_expert": moe.cfg.expert_bytes_per_expert}
+    assert shape == {
+        "moe_layers": moe.cfg.num_layers,
+        "num_experts": 16,
+        "experts_per_token": 2,
+        "bytes_per_expert": moe.cfg.expert_bytes_per_expert,
+    }
     assert set(TargetEngine(tiny_target, ()).expert_traffic_shape().values()) == {0}

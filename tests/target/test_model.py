@@ -1,4 +1,5 @@
 """The compact target forward: equal to HF transformers, tree rows equal per-branch forwards."""
+
 from __future__ import annotations
 
 import pytest
@@ -62,12 +63,19 @@ def test_an_unconsumed_checkpoint_tensor_is_refused():
     hf = tiny_hf_qwen2()
     as_llama = TargetConfig.from_hf({**hf.config.to_dict(), "model_type": "llama"})
     assert not as_llama.qkv_bias
-    with pytest.raises(ValueError, match=r"^checkpoint: tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' .*"
-                                         r"\(and 5 more\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^checkpoint: tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' .*"
+        r"\(and 5 more\)",
+    ):
         TargetModel(as_llama).load_hf_state_dict(hf.state_dict())
     tied = tiny_hf_llama(tie=True)
-    sd = {**tied.state_dict(), "model.rotary_emb.inv_freq": torch.ones(4),
-          "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4), "lm_head.weight": tied.lm_head.weight}
+    sd = {
+        **tied.state_dict(),
+        "model.rotary_emb.inv_freq": torch.ones(4),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),
+        "lm_head.weight": tied.lm_head.weight,
+    }
     TargetModel(TargetConfig.from_hf(tied.config)).load_hf_state_dict(sd)
     with pytest.raises(ValueError, match="^checkpoint: tensor 'model.extra.weight' is not used"):
         TargetModel(TargetConfig.from_hf(tied.config)).load_hf_state_dict({**sd, "model.extra.weight": torch.ones(1)})
@@ -79,10 +87,10 @@ def test_qwen2_int8_keeps_the_qkv_bias():
     within the bias's own size."""
     hf = tiny_hf_qwen2(seed=3)
     fp, q = ours_from_hf(hf), quantize_int8(ours_from_hf(hf))
-    bias = fp.layers[0].attn.wqkv.bias                                     # [(H + 2 H_kv) hd]
+    bias = fp.layers[0].attn.wqkv.bias  # [(H + 2 H_kv) hd]
     assert torch.equal(q.layers[0].attn.wqkv.qlinear.bias(), bias)
     ids = torch.randint(0, hf.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
-    x = fp.layers[0].attn_norm(fp.embed(ids))                               # [1, T, d]
+    x = fp.layers[0].attn_norm(fp.embed(ids))  # [1, T, d]
     err = (q.layers[0].attn.wqkv(x) - fp.layers[0].attn.wqkv(x)).abs().max().item()
     assert err < 0.2 * bias.abs().max().item()
     assert full_forward(q, ids[0].tolist()).logits.isfinite().all()
@@ -102,16 +110,19 @@ def test_fp16w_keeps_fp16_weights_computes_in_fp32_and_stays_close_to_fp32():
         assert isinstance(h.lm_head, DynamicLinear) and isinstance(h.layers[0].attn.wqkv, DynamicLinear)
         assert torch.equal(h.embed.weight, embed)
         ids = torch.randint(0, hf.config.vocab_size, (21,), generator=torch.Generator().manual_seed(1)).tolist()
-        a, b = full_forward(fp, ids).logits, full_forward(h, ids).logits    # [1, T, V]
+        a, b = full_forward(fp, ids).logits, full_forward(h, ids).logits  # [1, T, V]
         assert b.dtype == torch.float32
         assert 0 < (a - b).abs().max().item() < 1e-2 * a.abs().max().item()
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-@pytest.mark.parametrize("build, digest", [
-    (tiny_hf_llama, "171a82362ee775fac9625994d2df98c8b76e0b82b85a4fb09a3eab885a53bfca"),
-    (lambda: tiny_hf_llama(tie=True), "c06621e60ba0e99cd65184ec70b02671631b65762ba2efd1eb586eb424789773"),
-])
+@pytest.mark.parametrize(
+    "build, digest",
+    [
+        (tiny_hf_llama, "171a82362ee775fac9625994d2df98c8b76e0b82b85a4fb09a3eab885a53bfca"),
+        (lambda: tiny_hf_llama(tie=True), "c06621e60ba0e99cd65184ec70b02671631b65762ba2efd1eb586eb424789773"),
+    ],
+)
 def test_dense_config_digests_are_pinned(build, digest):
     """Digests computed before Qwen2 support: new config fields must not move a dense Llama fingerprint."""
     assert TargetConfig.from_hf(build().config).digest() == digest
@@ -120,11 +131,23 @@ def test_dense_config_digests_are_pinned(build, digest):
 def test_the_default_targets_config_digest_is_pinned():
     """SmolLM2-135M's config (the fields its config.json sets; no weights are loaded) hashes to the
     digest the shipped drafters in drafters/*/manifest.json record."""
-    smollm2 = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-               "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-               "max_position_embeddings": 8192, "rms_norm_eps": 9.999999747378752e-06, "tie_word_embeddings": True,
-               "eos_token_id": 2, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
-               "attention_bias": False, "mlp_bias": False}
+    smollm2 = {
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 9.999999747378752e-06,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+        "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
     assert TargetConfig.from_hf(smollm2).digest() == "42f05d7e81184a0c52bba08e0105fd6c97ff3f224b5424e4533bbf4d6f17b92a"
 
 
@@ -139,13 +162,23 @@ def test_feature_taps_equal_hf_hidden_states(tiny_pair):
     feats = full_forward(ours, ids, taps).features[0]
     d = ours.cfg.hidden_size
     for i, ref in enumerate([hs[0][0], hs[1][0], hs[L][0]]):
-        assert (feats[:, i * d:(i + 1) * d] - ref).abs().max().item() < TOL
+        assert (feats[:, i * d : (i + 1) * d] - ref).abs().max().item() < TOL
 
 
 def test_default_feature_addresses():
-    cfg = TargetConfig(vocab_size=10, hidden_size=8, num_layers=30, num_heads=2, num_kv_heads=1, head_dim=4,
-                       intermediate_size=16, rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=64,
-                       tie_word_embeddings=True)
+    cfg = TargetConfig(
+        vocab_size=10,
+        hidden_size=8,
+        num_layers=30,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        intermediate_size=16,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     assert eagle1_feature_address(cfg) == (FeatureTap(30, True),)
     assert [t.layers_applied for t in eagle3_feature_address(cfg)] == [2, 15, 27]
 
@@ -158,7 +191,7 @@ def test_tree_rows_equal_per_branch_forwards(tiny_target):
     """
     m = tiny_target
     prefix = [5, 9, 2, 33, 17, 8, 40]
-    rows = [11, 21, 22, 31]           # r, a, b, c
+    rows = [11, 21, 22, 31]  # r, a, b, c
     parents = [-1, 0, 0, 1]
     depth = [0, 1, 1, 2]
     n, R = len(prefix), len(rows)
@@ -186,7 +219,7 @@ def test_kv_commit_by_index_equals_fresh_prefill(tiny_target):
     """KV rollback: keep rows [0, 2] of a 4-row tree, then the next forward equals a fresh prefill."""
     m = tiny_target
     prefix = [3, 4, 5, 6]
-    rows = [10, 11, 12, 13]   # r, a, b (child of r), d (child of b): parents -1, 0, 0, 2
+    rows = [10, 11, 12, 13]  # r, a, b (child of r), d (child of b): parents -1, 0, 0, 2
     n, R = len(prefix), len(rows)
     cache = m.allocate_cache(1, n + R + 1)
     m(torch.tensor([prefix]), torch.arange(n)[None], cache, 0, causal(n), ())
@@ -210,9 +243,17 @@ def test_mask_shape_is_checked(tiny_target):
 
 def test_config_rejects_unsupported_rope():
     with pytest.raises(ValueError, match="^config.rope_parameters.rope_type: 'longrope'"):
-        TargetConfig.from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
-                              "num_attention_heads": 2, "intermediate_size": 8,
-                              "rope_scaling": {"rope_type": "longrope", "factor": 8.0}})
+        TargetConfig.from_hf(
+            {
+                "model_type": "llama",
+                "vocab_size": 8,
+                "hidden_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 8,
+                "rope_scaling": {"rope_type": "longrope", "factor": 8.0},
+            }
+        )
 
 
 def test_a_sliding_window_caps_the_context():
@@ -227,16 +268,16 @@ def test_a_sliding_window_caps_the_context():
     assert (ours.cfg.sliding_window, ours.cfg.max_position_embeddings, ours.cfg.max_context) == (8, 256, 8)
     ids = torch.randint(0, hf.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ref = hf(ids).logits                                               # [1, 12, V]
-    out = full_forward(ours, ids[0].tolist()).logits                       # [1, 12, V]
+        ref = hf(ids).logits  # [1, 12, V]
+    out = full_forward(ours, ids[0].tolist()).logits  # [1, 12, V]
     assert (out[:, :8] - ref[:, :8]).abs().max().item() < TOL
     assert (out[:, 8:] - ref[:, 8:]).abs().amax(-1).min().item() > 100 * TOL
     engine = TargetEngine(ours, ())
-    engine.open_session("fits", [1, 2, 3], max_new_tokens=2, max_tree_rows=2)   # 3 + 2 + 2 + 1 = 8 slots
+    engine.open_session("fits", [1, 2, 3], max_new_tokens=2, max_tree_rows=2)  # 3 + 2 + 2 + 1 = 8 slots
     with pytest.raises(ValueError, match=r"^max_new_tokens: .*context \(8, the checkpoint's sliding window\)"):
         engine.open_session("long", [1, 2, 3], max_new_tokens=5, max_tree_rows=0)
     with pytest.raises(ValueError, match=r"^tree_budget: .*2 rows exceed the context \(8, the checkpoint's sliding"):
-        engine.open_session("long", [1, 2, 3], max_new_tokens=3, max_tree_rows=2)   # the answer fits, the tree not
+        engine.open_session("long", [1, 2, 3], max_new_tokens=3, max_tree_rows=2)  # the answer fits, the tree not
     with pytest.raises(ValueError, match=r"^prompt: 8 tokens do not fit"):
         engine.open_session("long", list(range(8)), max_new_tokens=1, max_tree_rows=0)
     assert set(engine.sessions) == {"fits"}
@@ -246,11 +287,14 @@ def test_a_sliding_window_caps_the_context():
     assert ours.cfg.digest() != unwindowed.digest()
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("sliding_window", 0, "^config.sliding_window: must be a positive integer"),
-    ("sliding_window", 4.5, "^config.sliding_window"),
-    ("hidden_act", "gelu", "^config.hidden_act: 'gelu'"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("sliding_window", 0, "^config.sliding_window: must be a positive integer"),
+        ("sliding_window", 4.5, "^config.sliding_window"),
+        ("hidden_act", "gelu", "^config.hidden_act: 'gelu'"),
+    ],
+)
 def test_config_refuses_what_the_forward_cannot_run(field, value, match):
     with pytest.raises(ValueError, match=match):
         TargetConfig.from_hf({**tiny_hf_mistral().config.to_dict(), field: value})
@@ -259,10 +303,16 @@ def test_config_refuses_what_the_forward_cannot_run(field, value, match):
 def test_qwen2_window_only_under_use_sliding_window():
     raw = tiny_hf_qwen2().config.to_dict()
     assert TargetConfig.from_hf({**raw, "sliding_window": 8}).sliding_window is None
-    assert TargetConfig.from_hf({**raw, "use_sliding_window": True, "sliding_window": 8,
-                                 "layer_types": None}).max_context == 8
-    assert TargetConfig.from_hf({**raw, "use_sliding_window": True, "sliding_window": 8,
-                                 "layer_types": ["full_attention"] * 2}).sliding_window is None
+    assert (
+        TargetConfig.from_hf({**raw, "use_sliding_window": True, "sliding_window": 8, "layer_types": None}).max_context
+        == 8
+    )
+    assert (
+        TargetConfig.from_hf(
+            {**raw, "use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention"] * 2}
+        ).sliding_window
+        is None
+    )
 
 
 def test_head_rows_is_the_heads_product():
@@ -271,13 +321,13 @@ def test_head_rows_is_the_heads_product():
     counts the head's inputs through a hook) get head(x) itself, bit for bit."""
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 300, bias=False)
-    x = torch.randn(2, 7, 16)                                                     # [B, T, d]
+    x = torch.randn(2, 7, 16)  # [B, T, d]
     with torch.inference_mode():
         out = head_rows(head, x)
         assert out.shape == (2, 7, 300) and out.is_contiguous()
         assert torch.allclose(out, head(x), atol=1e-5)
         assert torch.equal(head_rows(head, x[:1, :1]), head(x[:1, :1]))
-        head.forward = None                         # several rows outside autograd never call the module
+        head.forward = None  # several rows outside autograd never call the module
         assert torch.equal(head_rows(head, x), out)
         del head.forward
     seen = []
@@ -286,7 +336,7 @@ def test_head_rows_is_the_heads_product():
         head_rows(head, x)
     hook.remove()
     assert seen == [(2, 7, 16)]
-    y = head_rows(head, x.requires_grad_())                                       # training: autograd path
+    y = head_rows(head, x.requires_grad_())  # training: autograd path
     y.sum().backward()
     assert head.weight.grad is not None and x.grad is not None
 

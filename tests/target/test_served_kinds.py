@@ -3,6 +3,7 @@ transformers' own config classes: Llama-3.x rope scaling (``llama3``) and ``line
 and ``yarn``; Qwen3 dense (per-head q/k RMSNorm, ``head_dim`` set apart from hidden / heads);
 Qwen3-MoE. Logits and greedy continuations equal HF's; feature taps and both drafter kinds keep
 greedy speculative output equal to target-only on each."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,18 +18,27 @@ from tests.testing import ours_from_hf, tiny_hf_llama_scaled, tiny_hf_qwen3, tin
 
 TOL = 1e-4
 SCALED = {  # rope_parameters (rope_theta aside) as the checkpoints write them
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
     "linear": {"rope_type": "linear", "factor": 4.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 96},
 }
-KINDS = {**{f"llama-{k}": (lambda v=v: tiny_hf_llama_scaled(v)) for k, v in SCALED.items()},
-         "qwen3": tiny_hf_qwen3, "qwen3-tied": lambda: tiny_hf_qwen3(tie=True, seed=2),
-         "qwen3_moe": tiny_hf_qwen3_moe,
-         # decoder_sparse_step 2 over 4 layers: dense, sparse, dense, sparse; top-k weights not renormalised
-         "qwen3_moe-step": lambda: tiny_hf_qwen3_moe(layers=4, mlp_only_layers=(), decoder_sparse_step=2,
-                                                     norm_topk_prob=False, seed=1)}
+KINDS = {
+    **{f"llama-{k}": (lambda v=v: tiny_hf_llama_scaled(v)) for k, v in SCALED.items()},
+    "qwen3": tiny_hf_qwen3,
+    "qwen3-tied": lambda: tiny_hf_qwen3(tie=True, seed=2),
+    "qwen3_moe": tiny_hf_qwen3_moe,
+    # decoder_sparse_step 2 over 4 layers: dense, sparse, dense, sparse; top-k weights not renormalised
+    "qwen3_moe-step": lambda: tiny_hf_qwen3_moe(
+        layers=4, mlp_only_layers=(), decoder_sparse_step=2, norm_topk_prob=False, seed=1
+    ),
+}
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -41,7 +51,7 @@ def causal(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0)
 
 
-def logits(model, ids: torch.Tensor) -> torch.Tensor:   # ids [1, T] -> [1, T, V]
+def logits(model, ids: torch.Tensor) -> torch.Tensor:  # ids [1, T] -> [1, T, V]
     T = ids.shape[1]
     return model(ids, torch.arange(T)[None], model.allocate_cache(1, T), 0, causal(T), ()).logits
 
@@ -58,8 +68,13 @@ def test_greedy_continuations_equal_hf_generate(pair):
     _, hf, ours = pair
     prompt = [3, 17, 5, 42, 8, 1]
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                          do_sample=False, max_new_tokens=24, min_new_tokens=24)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            do_sample=False,
+            max_new_tokens=24,
+            min_new_tokens=24,
+        )[0, len(prompt) :].tolist()
     assert generate(TargetEngine(ours, ()), prompt, max_new_tokens=24).token_ids == ref
 
 
@@ -73,16 +88,22 @@ def test_taps_and_drafters_keep_greedy_speculative_output_exact(pair, method):
     for tree in (TreeSpec(), TreeSpec(kind="chain", max_depth=3)):
         spec = generate(TargetEngine(ours, taps), prompt, max_new_tokens=24, drafter=drafter, tree=tree)
         assert spec.token_ids == base.token_ids, tree
-    with torch.no_grad():   # the taps are HF's hidden states (EAGLE-3 taps: entering layers 2, L//2, L-3)
+    with torch.no_grad():  # the taps are HF's hidden states (EAGLE-3 taps: entering layers 2, L//2, L-3)
         hidden = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
-    out = ours(torch.tensor([prompt]), torch.arange(len(prompt))[None], ours.allocate_cache(1, len(prompt)), 0,
-               causal(len(prompt)), taps)
+    out = ours(
+        torch.tensor([prompt]),
+        torch.arange(len(prompt))[None],
+        ours.allocate_cache(1, len(prompt)),
+        0,
+        causal(len(prompt)),
+        taps,
+    )
     d = ours.cfg.hidden_size
     for i, tap in enumerate(taps):
-        ref = hidden[tap.layers_applied]     # HF's last hidden state is already through the final norm
+        ref = hidden[tap.layers_applied]  # HF's last hidden state is already through the final norm
         if tap.normed and tap.layers_applied < ours.cfg.num_layers:
             continue
-        assert (out.features[..., i * d:(i + 1) * d] - ref).abs().max().item() < TOL, tap
+        assert (out.features[..., i * d : (i + 1) * d] - ref).abs().max().item() < TOL, tap
 
 
 @pytest.mark.parametrize("kind", ["llama3", "linear", "yarn"])
@@ -119,15 +140,24 @@ def test_qwen3_norms_each_head_and_keeps_its_own_head_dim():
     ids = torch.randint(0, 64, (1, 21), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits
-    for layer in ours.layers:      # drop the per-head norms' weights: the logits move
+    for layer in ours.layers:  # drop the per-head norms' weights: the logits move
         layer.attn.q_norm.weight.fill_(1.0)
     assert (logits(ours, ids) - ref).abs().max().item() > 100 * TOL
 
 
-@pytest.mark.parametrize("rope, match", [
-    ({"rope_type": "longrope", "factor": 2.0}, r"^config\.rope_parameters\.rope_type: 'longrope' is not supported yet"),
-    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, r"^config\.rope_parameters\.partial_rotary"),
-])
+@pytest.mark.parametrize(
+    "rope, match",
+    [
+        (
+            {"rope_type": "longrope", "factor": 2.0},
+            r"^config\.rope_parameters\.rope_type: 'longrope' is not supported yet",
+        ),
+        (
+            {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
+            r"^config\.rope_parameters\.partial_rotary",
+        ),
+    ],
+)
 def test_an_unsupported_rope_is_refused_naming_the_field(rope, match):
     raw = tiny_hf_llama_scaled(SCALED["linear"]).config.to_dict()
     with pytest.raises(ValueError, match=match):

@@ -1,4 +1,5 @@
 """Rendering training conversations with the tokenizer's own chat template (the real tokenizer)."""
+
 from __future__ import annotations
 
 import copy
@@ -7,12 +8,18 @@ import pytest
 
 from eyas.training.data import assistant_spans, render
 
-CONVERSATION = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, like the sea."},
-                {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green."}]
+CONVERSATION = [
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue, like the sea."},
+    {"role": "user", "content": "Another?"},
+    {"role": "assistant", "content": "Green."},
+]
 # Llama-3's chat template, in short: a header per turn, <|eot_id|> closing each
-LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-                   "{{ m['content'] }}<|eot_id|>{% endfor %}"
-                   "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
 """The feature cache: resumable extraction, exact features, refusal of a stale cache."""
+
 from __future__ import annotations
 
 import pytest
@@ -53,8 +54,15 @@ def test_extraction_resumes_and_matches_a_plain_forward(tmp_path, monkeypatch):
     assert [g.sample_id for g in got] == [s.sample_id for s in data]
     for g, s in zip(got, data):
         n = len(s.input_ids)
-        ref = model(s.input_ids[None], s.position_id[None], model.allocate_cache(1, n), 0,
-                    torch.ones(n, n, dtype=torch.bool).tril()[None], taps, logits_rows="none").features[0]
+        ref = model(
+            s.input_ids[None],
+            s.position_id[None],
+            model.allocate_cache(1, n),
+            0,
+            torch.ones(n, n, dtype=torch.bool).tril()[None],
+            taps,
+            logits_rows="none",
+        ).features[0]
         assert torch.equal(g.input_ids, s.input_ids) and torch.equal(g.loss_mask, s.loss_mask)
         assert torch.allclose(g.features.float(), ref, atol=2e-3, rtol=1e-3)
 

@@ -46,10 +46,10 @@ def test_loss_fixture():
 def test_smooth_l1_worked_example():
     """beta = 1, residuals r = pred - target, d = 2, mask = [1, 1, 0]:
 
-        row 0: r = [0.5, -2.0] -> [0.5^2 / 2, 2.0 - 0.5] = [0.125, 1.5]  -> mean 0.8125
-        row 1: r = [1.0,  0.0] -> [1.0 - 0.5, 0]  (|r| = beta is linear) -> mean 0.25
-        row 2: unsupervised; holds NaN, which must not reach the loss
-        L_reg = (0.8125 + 0.25) / 2 = 0.53125
+    row 0: r = [0.5, -2.0] -> [0.5^2 / 2, 2.0 - 0.5] = [0.125, 1.5]  -> mean 0.8125
+    row 1: r = [1.0,  0.0] -> [1.0 - 0.5, 0]  (|r| = beta is linear) -> mean 0.25
+    row 2: unsupervised; holds NaN, which must not reach the loss
+    L_reg = (0.8125 + 0.25) / 2 = 0.53125
     """
     target = torch.zeros(3, 2)
     pred = torch.tensor([[0.5, -2.0], [1.0, 0.0], [float("nan"), 0.0]])
@@ -68,9 +68,7 @@ def test_smooth_l1_matches_piecewise_formula_with_beta():
     r = (pred - target).double()
     elem = torch.where(r.abs() < beta, r**2 / (2 * beta), r.abs() - beta / 2)
     expected = elem.mean(dim=1)[mask].mean()
-    assert float(masked_smooth_l1(pred, target, mask, beta=beta)) == pytest.approx(
-        float(expected), rel=1e-6
-    )
+    assert float(masked_smooth_l1(pred, target, mask, beta=beta)) == pytest.approx(float(expected), rel=1e-6)
 
 
 def test_soft_cross_entropy_is_entropy_plus_kl():
@@ -163,10 +161,10 @@ def test_invalid_inputs_name_the_field():
 def test_topk_distillation_is_not_renormalised():
     """One row, V = 4, K = 2, uniform draft p = 1/4 everywhere:
 
-        q = [0.5, 0.3, 0.15, 0.05] -> top-2 = {0, 1}, Z_K = 0.8
-        L_topK     = -(0.5 + 0.3) log(1/4) = 0.8 log 4
-        renormalised: -(0.625 + 0.375) log(1/4) = log 4
-        L_topK = Z_K * renormalised, and the two differ.
+    q = [0.5, 0.3, 0.15, 0.05] -> top-2 = {0, 1}, Z_K = 0.8
+    L_topK     = -(0.5 + 0.3) log(1/4) = 0.8 log 4
+    renormalised: -(0.625 + 0.375) log(1/4) = log 4
+    L_topK = Z_K * renormalised, and the two differ.
     """
     q = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = torch.zeros(1, 4)
@@ -236,8 +234,8 @@ def test_build_draft_vocab_with_ties():
 def test_draft_vocab_targets_renormalise_over_draft_vocab():
     """target logits log([0.1, 0.2, 0.3, 0.4]), d2t = [1, 3]:
 
-        restricted mass [0.2, 0.4] renormalised -> [1/3, 2/3] (the pinned contract).
-        Row 2 has its full-vocab argmax (id 0) outside the draft vocab -> pinned mask drops it.
+    restricted mass [0.2, 0.4] renormalised -> [1/3, 2/3] (the pinned contract).
+    Row 2 has its full-vocab argmax (id 0) outside the draft vocab -> pinned mask drops it.
     """
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]]))
     d2t = torch.tensor([1, 3])
@@ -287,11 +285,11 @@ def test_noise_none_dtype_and_unknown_kind():
 def test_topk_accuracy():
     """Target argmax per row: [2, 0, 1, 3]; draft ranking per row (best first):
 
-        row 0: [2, 1, 0, 3] -> top-1 hit
-        row 1: [3, 0, 1, 2] -> top-3 hit only
-        row 2: [0, 2, 3, 1] -> miss for k <= 3
-        row 3: masked out (would be a hit)
-        top-1 = 1/3, top-3 = 2/3
+    row 0: [2, 1, 0, 3] -> top-1 hit
+    row 1: [3, 0, 1, 2] -> top-3 hit only
+    row 2: [0, 2, 3, 1] -> miss for k <= 3
+    row 3: masked out (would be a hit)
+    top-1 = 1/3, top-3 = 2/3
     """
     q = F.one_hot(torch.tensor([2, 0, 1, 3]), 4).float()
     logits = torch.tensor(
@@ -314,7 +312,7 @@ def test_row_soft_cross_entropy_equals_autograd_through_log_softmax_in_value_and
     from eyas.training.losses import row_soft_cross_entropy
 
     g = torch.Generator().manual_seed(3)
-    rows, vocab = 150, 97                      # more rows than one chunk (64)
+    rows, vocab = 150, 97  # more rows than one chunk (64)
     z = torch.randn(rows, vocab, generator=g, dtype=torch.float64, requires_grad=True)
     q = torch.softmax(torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 3, -1)
     w = torch.rand(rows, generator=g, dtype=torch.float64)

@@ -49,9 +49,7 @@ def build_nodes(segment: list[int], steps: int) -> dict[Node, RolloutNode]:
     return nodes
 
 
-def brute_force_visible(
-    nodes: dict[Node, RolloutNode], row_valid: list[bool], query: Node
-) -> set[Node]:
+def brute_force_visible(nodes: dict[Node, RolloutNode], row_valid: list[bool], query: Node) -> set[Node]:
     """Target prefix + draft ancestors (walked through parent pointers) + the node itself."""
     node = nodes[query]
     seen = {query}
@@ -234,9 +232,7 @@ def test_rollout_valid_golden():
         s = 1: i + 2 <= 4 -> rows 0..2          -> [0, 1, 1, 0, 0, 0]
         s = 2: i + 3 <= 4 -> rows 0..1          -> [0, 1, 0, 0, 0, 0]
     """
-    out = rollout_valid(
-        bool_t([1, 1, 1, 1, 1, 0]), long_t([0] * 6), bool_t([0, 1, 1, 1, 1, 1]), steps=3
-    )
+    out = rollout_valid(bool_t([1, 1, 1, 1, 1, 0]), long_t([0] * 6), bool_t([0, 1, 1, 1, 1, 1]), steps=3)
     assert out.tolist() == [
         [False, True, True, True, False, False],
         [False, True, True, False, False, False],
@@ -247,8 +243,8 @@ def test_rollout_valid_golden():
 def test_rollout_valid_stops_at_segment_boundary():
     """segment = [0, 0, 0, 1, 1, 1], all valid and supervised, steps = 2.
 
-        s = 0: [1, 1, 0, 1, 1, 0]    (pair (2, 3) crosses the boundary)
-        s = 1: [1, 0, 0, 1, 0, 0]    (row 1 would read slot 3 of the next sample)
+    s = 0: [1, 1, 0, 1, 1, 0]    (pair (2, 3) crosses the boundary)
+    s = 1: [1, 0, 0, 1, 0, 0]    (row 1 would read slot 3 of the next sample)
     """
     out = rollout_valid(
         torch.ones(6, dtype=torch.bool),

@@ -1,4 +1,5 @@
 """Batched regeneration of training answers with the target (a tiny random model, the real tokenizer)."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ def test_answers_are_the_models_greedy_continuations_and_a_rerun_resumes(model_f
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "answers.jsonl"
-    s = regenerate_batched(model_folder, iter(CONVERSATIONS), out, limit=2, batch_size=2, max_new_tokens=5,
-                           max_prompt_tokens=64)
+    s = regenerate_batched(
+        model_folder, iter(CONVERSATIONS), out, limit=2, batch_size=2, max_new_tokens=5, max_prompt_tokens=64
+    )
     recs = read_regenerated(out)
     assert (s.prompts, s.resumed, s.new_tokens, s.truncated) == (2, 0, 10, 2)
     assert sorted(r["id"] for r in recs) == ["c0", "c1"]
@@ -46,13 +48,15 @@ def test_answers_are_the_models_greedy_continuations_and_a_rerun_resumes(model_f
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
     for r in recs:
         assert [m["role"] for m in r["messages"]] == ["user", "assistant"] and r["truncated"]
-        enc = tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True, return_tensors="pt",
-                                      return_dict=True)   # with its attention mask: <|im_end|> is the pad id
+        enc = tok.apply_chat_template(
+            r["messages"][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )  # with its attention mask: <|im_end|> is the pad id
         alone = model.generate(**enc, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
         n = enc["input_ids"].shape[1]
         assert r["messages"][1]["content"] == tok.decode(alone[0, n:], skip_special_tokens=True)
-    again = regenerate_batched(model_folder, iter(CONVERSATIONS), out, limit=3, batch_size=2, max_new_tokens=5,
-                               max_prompt_tokens=64)
+    again = regenerate_batched(
+        model_folder, iter(CONVERSATIONS), out, limit=3, batch_size=2, max_new_tokens=5, max_prompt_tokens=64
+    )
     assert (again.prompts, again.resumed) == (1, 2)
     assert sorted(r["id"] for r in read_regenerated(out)) == ["c0", "c1", "c4"]
     with out.open("a") as f:  # a run killed mid-write: the partial last line is ignored

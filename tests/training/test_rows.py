@@ -53,14 +53,14 @@ def positions_for(segment_id: torch.Tensor) -> torch.Tensor:  # [B, S] position 
 def test_row_oracle_golden():
     """Seed 0x09 row oracle (zero-based storage indices).
 
-        tokens:     [11, 12, 13, 14, 15, 16]
-        valid:      [1,  1,  1,  1,  1,  0]
-        soft rows:  4 (sources 0, 1, 2, 3; all supervised)
-        hard rows:  3 (sources 0, 1, 2)
-        first row:  f_0 + token 12 -> f_1 (+ q_2)
-        last soft:  f_3 + token 15 -> f_4 (+ q_5); q_5 comes from f_4
-        slot 5 is invalid and never read: features[..., 5, :] = NaN and tokens[..., 5] = huge id,
-        yet every gathered output is finite and free of the huge id.
+    tokens:     [11, 12, 13, 14, 15, 16]
+    valid:      [1,  1,  1,  1,  1,  0]
+    soft rows:  4 (sources 0, 1, 2, 3; all supervised)
+    hard rows:  3 (sources 0, 1, 2)
+    first row:  f_0 + token 12 -> f_1 (+ q_2)
+    last soft:  f_3 + token 15 -> f_4 (+ q_5); q_5 comes from f_4
+    slot 5 is invalid and never read: features[..., 5, :] = NaN and tokens[..., 5] = huge id,
+    yet every gathered output is finite and free of the huge id.
     """
     tokens = long_t([[11, 12, 13, 14, 15, 16]])
     valid = bool_t([[1, 1, 1, 1, 1, 0]])
@@ -144,7 +144,12 @@ def test_padding_is_never_planned_or_read():
     supervise = torch.ones(2, 5, dtype=torch.bool)
     plan = compile_soft_rows(valid, segment, supervise, positions_for(segment))
     assert list(zip(plan.batch_index.tolist(), plan.source.tolist())) == [
-        (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1),
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (0, 3),
+        (1, 0),
+        (1, 1),
     ]
     assert plan.supervise_hard.tolist() == [True, True, True, False, True, False]
 
@@ -310,11 +315,7 @@ def test_dense_gather_replaces_invalid_rows():
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.integers(0, 2), st.booleans(), st.booleans()), min_size=1, max_size=9
-    )
-)
+@given(st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.booleans()), min_size=1, max_size=9))
 def test_plan_matches_brute_force(slots):
     """Random (segment, valid, supervise) rows: the plan equals an explicit per-t enumeration."""
     segment = long_t([[s for s, _, _ in slots]])

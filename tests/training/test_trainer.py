@@ -1,4 +1,5 @@
 """The trainer on a tiny random target: losses fall, resume is exact, ownership and fingerprints hold."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,7 +25,7 @@ def synthetic_samples(n: int, vocab: int, seed: int) -> list[Sample]:
         start, stride = int(torch.randint(0, vocab, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
         ids = (start + stride * torch.arange(S)) % vocab
         mask = torch.zeros(S, dtype=torch.bool)
-        mask[S // 3:] = True
+        mask[S // 3 :] = True
         out.append(Sample(f"s{i}", ids, mask, torch.zeros(S, dtype=torch.int64), torch.arange(S)))
     return out
 
@@ -44,8 +45,17 @@ def tiny_setup(tmp_path_factory):
 def make(cfg_kwargs, tiny_setup, out):
     cfg_kwargs = {"lr": 3e-3, **cfg_kwargs}
     model, train, heldout = tiny_setup
-    cfg = TrainConfig(batch_samples=4, warmup_steps=2, eval_every=1000, checkpoint_every=1000,
-                      draft_vocab_size=32, hass_steps=2, ttt_steps=3, out=str(out), **cfg_kwargs)
+    cfg = TrainConfig(
+        batch_samples=4,
+        warmup_steps=2,
+        eval_every=1000,
+        checkpoint_every=1000,
+        draft_vocab_size=32,
+        hass_steps=2,
+        ttt_steps=3,
+        out=str(out),
+        **cfg_kwargs,
+    )
     return DrafterTrainer(cfg, model, FINGERPRINT, train, heldout)
 
 
@@ -89,8 +99,10 @@ def test_no_supervised_rows_skips_the_step(tiny_setup, tmp_path):
     """With every loss mask off, a step changes nothing (weight decay included)."""
     model, train, heldout = tiny_setup
     trainer = make({"method": "eagle1", "epochs": 1, "weight_decay": 0.1}, tiny_setup, tmp_path)
-    trainer.train_data = [FeatureBatch(fb.sample_id, fb.input_ids, torch.zeros_like(fb.loss_mask), fb.features)
-                          for fb in trainer.train_data]
+    trainer.train_data = [
+        FeatureBatch(fb.sample_id, fb.input_ids, torch.zeros_like(fb.loss_mask), fb.features)
+        for fb in trainer.train_data
+    ]
     before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
     assert trainer.train_step() is None
     assert all(torch.equal(before[k], v) for k, v in trainer.drafter.state_dict().items())
@@ -129,7 +141,7 @@ def test_warm_start_takes_the_weights_and_vocabulary_and_refuses_another_method(
             torch.testing.assert_close(second.drafter.state_dict()[name], p.half().float(), rtol=0, atol=0)
     before = second.evaluate()
     assert before["loss"][0] == pytest.approx(first.evaluate()["loss"][0], rel=1e-2)  # it starts where the first ended
-    summary = second.fit()   # a warm start reports its held-out accuracy before the first step
+    summary = second.fit()  # a warm start reports its held-out accuracy before the first step
     assert summary["heldout_at_start"] == before and "heldout_at_start" not in first.fit()
     with pytest.raises(ValueError, match="^config.init_from: .* is a eagle3 drafter, not eagle1"):
         make({"method": "eagle1", "epochs": 1, "init_from": str(folder)}, tiny_setup, tmp_path / "c")
@@ -142,8 +154,9 @@ def test_a_run_trains_on_a_prefix_of_a_larger_cache(tiny_setup, tmp_path):
     from eyas.training.losses import build_draft_vocab
     from eyas.training.prepare import cache_dirs
 
-    trainer = make({"method": "eagle3", "epochs": 1, "data": {"train_samples": 8, "cache_samples": 24}},
-                   tiny_setup, tmp_path)
+    trainer = make(
+        {"method": "eagle3", "epochs": 1, "data": {"train_samples": 8, "cache_samples": 24}}, tiny_setup, tmp_path
+    )
     full = tiny_setup[1].samples()
     assert [fb.sample_id for fb in trainer.train_data] == [fb.sample_id for fb in full[:8]]
     assert cache_dirs(trainer.cfg)[0].name.startswith("train-24-")
@@ -181,8 +194,10 @@ def test_a_packed_step_equals_its_samples_one_by_one(tiny_setup, tmp_path, metho
 def test_packs_keep_the_order_and_the_token_bound():
     from eyas.training.trainer import packs
 
-    fbs = [FeatureBatch(f"s{i}", torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool),
-                        torch.zeros(n, 4)) for i, n in enumerate([30, 40, 50, 200, 10])]
+    fbs = [
+        FeatureBatch(f"s{i}", torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool), torch.zeros(n, 4))
+        for i, n in enumerate([30, 40, 50, 200, 10])
+    ]
     assert [[fb.sample_id for fb in p] for p in packs(fbs, 100)] == [["s0", "s1"], ["s2"], ["s3"], ["s4"]]
     assert [len(p) for p in packs(fbs, None)] == [1] * 5
 
@@ -190,8 +205,9 @@ def test_packs_keep_the_order_and_the_token_bound():
 def test_bfloat16_autocast_trains_and_a_bad_device_names_the_field(tiny_setup, tmp_path):
     """`dtype: bfloat16` runs the drafter under autocast (float32 weights and losses) and the loss
     still falls; a device that does not parse is refused naming `device`."""
-    trainer = make({"method": "eagle1", "epochs": 40, "lr": 1e-2, "noise": "none", "dtype": "bfloat16"}, tiny_setup,
-                   tmp_path)
+    trainer = make(
+        {"method": "eagle1", "epochs": 40, "lr": 1e-2, "noise": "none", "dtype": "bfloat16"}, tiny_setup, tmp_path
+    )
     before = sum(trainer.evaluate(trainer.train_data)["loss"])
     trainer.fit()
     after = sum(trainer.evaluate(trainer.train_data)["loss"])
@@ -235,8 +251,14 @@ def test_wsd_branches_at_each_point_export_drafters_and_a_killed_run_resumes_to_
     lr = unbroken.cfg.lr
     # warmup (2 steps), constant, then branch 1 (steps 4..5: 1, 1/2), main resumes at 4, branch 2 (8..11)
     assert rates[:2] == [(0, False, lr / 2), (1, False, lr)]
-    assert [r for r in rates if r[1]] == [(4, True, lr), (5, True, lr / 2),
-                                          (8, True, lr), (9, True, lr * 3 / 4), (10, True, lr / 2), (11, True, lr / 4)]
+    assert [r for r in rates if r[1]] == [
+        (4, True, lr),
+        (5, True, lr / 2),
+        (8, True, lr),
+        (9, True, lr * 3 / 4),
+        (10, True, lr / 2),
+        (11, True, lr / 4),
+    ]
     assert [r[0] for r in rates if not r[1]] == list(range(8))
     for p in points:
         assert (tmp_path / "a" / f"point-{p}" / "model.safetensors").exists()
@@ -244,9 +266,9 @@ def test_wsd_branches_at_each_point_export_drafters_and_a_killed_run_resumes_to_
     assert state["step"] == 8 and state["branch"] is None
 
     broken = make(kwargs, tiny_setup, tmp_path / "b")
-    assert broken.fit(stop_after=5) == {"stopped_at": 5}          # inside the first branch (step 5)
+    assert broken.fit(stop_after=5) == {"stopped_at": 5}  # inside the first branch (step 5)
     resumed = make(kwargs, tiny_setup, tmp_path / "b")
-    assert resumed.fit(stop_after=4) == {"stopped_at": 7}         # branch 1 done, main run 4 -> 7
+    assert resumed.fit(stop_after=4) == {"stopped_at": 7}  # branch 1 done, main run 4 -> 7
     make(kwargs, tiny_setup, tmp_path / "b").fit()
     for p in points:
         a = load_file(tmp_path / "a" / f"point-{p}" / "model.safetensors")
@@ -255,12 +277,11 @@ def test_wsd_branches_at_each_point_export_drafters_and_a_killed_run_resumes_to_
 
 
 def test_wsd_refuses_a_decay_point_past_the_data(tiny_setup, tmp_path):
-    trainer = make({"method": "eagle3", "epochs": 1, "schedule": "wsd", "decay_points": [10 ** 9]},
-                   tiny_setup, tmp_path)
+    trainer = make({"method": "eagle3", "epochs": 1, "schedule": "wsd", "decay_points": [10**9]}, tiny_setup, tmp_path)
     with pytest.raises(ValueError, match="config.decay_points"):
         trainer.fit()
     with pytest.raises(ValueError, match="decay_points"):
-        TrainConfig(decay_points=[100])                               # a cosine schedule does not branch
+        TrainConfig(decay_points=[100])  # a cosine schedule does not branch
 
 
 def test_online_features_are_the_caches_and_train_alike(tiny_setup, tmp_path):

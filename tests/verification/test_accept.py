@@ -101,9 +101,7 @@ def test_publication_fixture_accepts_rows_0_2_and_frontier_separately():
     logits = logits_with_argmax([8, 0, 9])
     for decision in (
         greedy_accept(flat, logits),
-        stochastic_accept(
-            flat, target_probs(logits, SamplingParams()), torch.Generator().manual_seed(0)
-        ),
+        stochastic_accept(flat, target_probs(logits, SamplingParams()), torch.Generator().manual_seed(0)),
     ):
         assert decision.accepted_rows.tolist() == [0, 2]
         assert decision.accepted_tokens.tolist() == [8]
@@ -131,9 +129,7 @@ def trees_with_argmax(draw) -> tuple[FlatTree, list[int]]:
     for row in range(flat.num_rows):
         child_tokens = [flat.tokens[c].item() for c, p in enumerate(flat_parents) if p == row]
         any_token = st.integers(0, VOCAB - 1)
-        argmax.append(
-            draw(st.sampled_from(child_tokens) | any_token if child_tokens else any_token)
-        )
+        argmax.append(draw(st.sampled_from(child_tokens) | any_token if child_tokens else any_token))
     return flat, argmax
 
 
@@ -153,13 +149,9 @@ def test_greedy_path_properties_and_stochastic_one_hot_agrees(case, seed):
     for parent_row, row in zip(rows, rows[1:]):
         assert parents[row] == parent_row and tokens[row] == argmax[parent_row]
     assert decision.frontier_token == argmax[rows[-1]]
-    assert all(
-        tokens[c] != argmax[rows[-1]] for c in range(1, flat.num_rows) if parents[c] == rows[-1]
-    )
+    assert all(tokens[c] != argmax[rows[-1]] for c in range(1, flat.num_rows) if parents[c] == rows[-1])
 
-    exact = stochastic_accept(
-        flat, target_probs(logits, SamplingParams()), torch.Generator().manual_seed(seed)
-    )
+    exact = stochastic_accept(flat, target_probs(logits, SamplingParams()), torch.Generator().manual_seed(seed))
     assert exact.accepted_rows.tolist() == rows
     assert exact.frontier_token == decision.frontier_token
 
@@ -199,9 +191,7 @@ def _inexact_accept_without_residual_update(
     parents = flat.parents.tolist()
     tokens = flat.tokens.tolist()
     p = probs.double().tolist()
-    uniforms = iter(
-        torch.rand(2 * flat.num_rows + 1, generator=generator, dtype=torch.float64).tolist()
-    )
+    uniforms = iter(torch.rand(2 * flat.num_rows + 1, generator=generator, dtype=torch.float64).tolist())
     path = [0]
     while True:
         row = path[-1]
@@ -215,9 +205,7 @@ def _inexact_accept_without_residual_update(
                 u -= p[row][frontier]
                 frontier += 1
             rows = torch.tensor(path)
-            return AcceptDecision(
-                accepted_rows=rows, accepted_tokens=flat.tokens[rows[1:]], frontier_token=frontier
-            )
+            return AcceptDecision(accepted_rows=rows, accepted_tokens=flat.tokens[rows[1:]], frontier_token=frontier)
 
 
 def run_trials(accept, trials: int = TRIALS) -> tuple[Counter, Counter]:

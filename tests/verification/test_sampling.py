@@ -31,17 +31,13 @@ def test_temperature_scales_logits():
 
 def test_top_k_keeps_k_largest():
     """Logits [1, 3, 2, 0], k = 2: keep tokens 1 and 2 -> softmax([3, 2]) on them, 0 elsewhere."""
-    got = target_probs(
-        torch.tensor([[1.0, 3.0, 2.0, 0.0]]), SamplingParams(temperature=1.0, top_k=2)
-    )
+    got = target_probs(torch.tensor([[1.0, 3.0, 2.0, 0.0]]), SamplingParams(temperature=1.0, top_k=2))
     kept = torch.softmax(torch.tensor([3.0, 2.0]), dim=0)
     assert torch.allclose(got, torch.tensor([[0.0, kept[0], kept[1], 0.0]]))
 
 
 def test_top_k_keeps_ties_with_kth_and_ignores_k_above_vocab():
-    got = target_probs(
-        torch.tensor([[1.0, 2.0, 2.0, 0.0]]), SamplingParams(temperature=1.0, top_k=1)
-    )
+    got = target_probs(torch.tensor([[1.0, 2.0, 2.0, 0.0]]), SamplingParams(temperature=1.0, top_k=1))
     assert torch.allclose(got, torch.tensor([[0.0, 0.5, 0.5, 0.0]]))
     logits = torch.tensor([[1.0, 2.0, 0.5]])
     got = target_probs(logits, SamplingParams(temperature=1.0, top_k=10))
@@ -59,9 +55,7 @@ def test_top_k_keeps_ties_with_kth_and_ignores_k_above_vocab():
 )
 def test_top_p_keeps_smallest_set_reaching_mass(top_p, expected):
     """Probabilities [0.5, 0.3, 0.15, 0.05]: keep the fewest most probable tokens, mass >= top_p."""
-    got = target_probs(
-        log_probs(0.5, 0.3, 0.15, 0.05), SamplingParams(temperature=1.0, top_p=top_p)
-    )
+    got = target_probs(log_probs(0.5, 0.3, 0.15, 0.05), SamplingParams(temperature=1.0, top_p=top_p))
     assert got.tolist()[0] == pytest.approx(expected, abs=1e-6)
 
 
@@ -92,7 +86,7 @@ def test_target_probs_is_fp32_and_normalised():
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=float("inf")), "temperature"),
         (dict(temperature=True), "temperature"),
-        (dict(temperature=1e-300), "temperature"),   # 0 in fp32: logits / T would be inf
+        (dict(temperature=1e-300), "temperature"),  # 0 in fp32: logits / T would be inf
         (dict(temperature=5e-324), "temperature"),
         (dict(top_k=-1), "top_k"),
         (dict(top_k=2.0), "top_k"),
