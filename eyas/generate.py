@@ -1,6 +1,6 @@
 """The in-process decode loop: target-only and speculative decoding share everything but the drafting.
 
-Each round is the one round step (``eyas.step.round_step``, seed 0x05A-0x05D):
+Each round is the one round step (``eyas.step.round_step``, design 0x05A-0x05D):
 
     propose  -> the drafter grows a tree behind the frontier token    (target-only: an empty tree)
     verify   -> the target runs the frontier + tree rows in one forward
@@ -50,7 +50,7 @@ class RoundRecord:
     publish_s: float  # the Publish call
     fallback: bool  # the drafter was given up before this round
     expert_bytes: int = 0  # MoE target: expert weights this request's own verify rows routed to
-    batch_expert_bytes: int = 0  # MoE target: the union over the whole batched verify (seed 0x09A)
+    batch_expert_bytes: int = 0  # MoE target: the union over the whole batched verify (design 0x09A)
 
 
 @dataclass(frozen=True, kw_only=True)

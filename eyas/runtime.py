@@ -35,7 +35,7 @@ from eyas.verification.sampling import SamplingParams
 
 REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
 DEFAULT_DRAFTER_DIRS = {"eagle1": "smollm2-135m-eagle1", "hass": "smollm2-135m-hass", "eagle3": "smollm2-135m-eagle3"}
-# A serving method's drafter architecture: HASS changes training only (seed 0x07C), so it serves as EAGLE-1.
+# A serving method's drafter architecture: HASS changes training only (design 0x07C), so it serves as EAGLE-1.
 ARCHITECTURE = {"eagle1": "eagle1", "hass": "eagle1", "eagle3": "eagle3"}
 # The default tree at fp16w (fbgemm, CPU only), in place of a manifest's larger one: there a verify
 # of r rows costs about 1 + r/16 one-row forwards up to ~5 rows and climbs faster beyond, so a

@@ -38,7 +38,7 @@ from eyas.target.engine import PrefillProgress
 log = logging.getLogger("eyas.step")
 
 # The one reseed rule of every decode loop: a request reseeds its draft session from the target's
-# committed state (seed 0x05D) at most this many times before it goes on target-only: once for a
+# committed state (design 0x05D) at most this many times before it goes on target-only: once for a
 # drafter that died, and again whenever a drafter deployment moved it to a replica that does not
 # hold its session (scale-up, scale-down, a replaced replica).
 MAX_DRAFTER_RESEEDS = 4
@@ -86,7 +86,7 @@ class Decided:
     accept_s: float = 0.0  # of which the decision
     pack_s: float = 0.0  # flattening and encoding the rows, where a side does it
     expert_bytes: int = 0  # MoE: expert weights this request's rows routed to
-    batch_expert_bytes: int = 0  # MoE: the union over the whole forward (seed 0x09A)
+    batch_expert_bytes: int = 0  # MoE: the union over the whole forward (design 0x09A)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,7 +273,7 @@ def propose(
 
 
 def reseed(target: TargetSide, drafter: DrafterSide, s: DraftState) -> bool:
-    """Rebuild ``s``'s draft session from the target's committed state (seed 0x05D), or give the
+    """Rebuild ``s``'s draft session from the target's committed state (design 0x05D), or give the
     drafter up for it (the reseed rule). -> whether the drafter was unavailable."""
     if not may_reseed(s.reseeds):
         s.fallback, s.needs_reseed = True, False

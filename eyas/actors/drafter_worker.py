@@ -3,9 +3,9 @@
 A plain class; each ``EyasDrafter`` Serve replica owns one (eyas/serve/deployments.py). Per request it holds one draft session in the :class:`DrafterEngine` of the request's
 method. A round: ``propose(request_id, seed, tree)`` first discards the previous round's provisional
 tree rows (the seed proves that round was published), appends the seed's verified context rows and
-grows the next tree (seed 0x05B, 0x06B). The seed arrives as the wire message (``pb.Seed``) and is
+grows the next tree (design 0x05B, 0x06B). The seed arrives as the wire message (``pb.Seed``) and is
 validated before use. A drafter that lost a session is reseeded with a seed that covers every
-committed row from position 0 (seed 0x05D); it never builds context on an unverified feature.
+committed row from position 0 (design 0x05D); it never builds context on an unverified feature.
 """
 
 from __future__ import annotations

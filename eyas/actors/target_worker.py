@@ -5,11 +5,11 @@ It is a plain class. Each ``EyasTarget`` Serve replica owns one (eyas/serve/depl
 two ways: objects for a caller in its own process (the replica's round loop: ``open``, ``step``,
 ``publish_rounds``, ``committed_seed``, ``close``), and the protobuf messages of ``eyas.proto`` for
 one across a process boundary (the ``Verifier`` rpcs and their batched forms), which are decoded
-and checked, then run through the same object calls (seed 0x05A-0x05D, the wire contract).
+and checked, then run through the same object calls (design 0x05A-0x05D, the wire contract).
 
 State it owns: the target weights, and per request one session (through :class:`TargetEngine`:
 committed KV, provisional branch KV) plus the session's sampler and the decided-but-unpublished
-verdict. A round (seed 0x05A-0x05D):
+verdict. A round (design 0x05A-0x05D):
 
     OpenSession -> Prefill -> Publish(0) -> [Verify(FlatTree) -> Publish(round)]* -> CloseSession
 
@@ -424,7 +424,7 @@ class TargetWorker:
             "kv_slots_live": expected,
             "kv_bytes_allocated": sum(e.kv_bytes_allocated() for e in self.engines.values()),
             "orphans": sorted(engine_ids ^ set(self.sessions)),
-            "last_expert_bytes": sum(e.last_expert_bytes for e in self.engines.values()),  # MoE (seed 0x09A)
+            "last_expert_bytes": sum(e.last_expert_bytes for e in self.engines.values()),  # MoE (design 0x09A)
             "ok": allocated == expected and engine_ids == set(self.sessions),
         }
 
@@ -455,7 +455,7 @@ class TargetWorker:
         t1 = time.perf_counter()
         decision = decide(verified, s.prompt_ids, s.sampling, s.generator)
         t2 = time.perf_counter()
-        moe = verified.flat is not None and s.engine.cfg.num_experts  # MoE: what this verify read (seed 0x09A)
+        moe = verified.flat is not None and s.engine.cfg.num_experts  # MoE: what this verify read (design 0x09A)
         s.pending = Verdict(
             Decided(
                 request_id=verified.request_id,

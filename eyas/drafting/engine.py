@@ -2,11 +2,11 @@
 
 Every live request's draft K/V lives in one padded store (``BatchKV``, as the target engine's:
 ``eyas.target.batch_kv``); a :class:`DraftSession` owns one row of it. Its slots ``[0, committed_len)``
-are *context rows*: draft rows whose state is a verified target feature (seed 0x05D: the drafter
+are *context rows*: draft rows whose state is a verified target feature (design 0x05D: the drafter
 never commits a row built on an unverified feature). A round:
 
 1. :meth:`DrafterEngine.propose` appends the new context rows of the :class:`~eyas.target.engine.Seed`
-   (the features of the rows the target just committed), then grows a tree (seed 0x05B, 0x06B):
+   (the features of the rows the target just committed), then grows a tree (design 0x05B, 0x06B):
    the seed's last context row proposes the depth-1 candidates; each expanded node becomes one
    draft row in a *provisional* slot, reading its parent's output state and its own token, and
    attending to the context rows plus its tree ancestors. Its output proposes its children.
@@ -24,7 +24,7 @@ import torch.nn as nn
 from eyas.drafting.model import Drafter
 from eyas.drafting.tree import DEFAULT_STATIC_CHOICES, DynamicTreeBuilder, StaticTreeBuilder, chain_choices
 from eyas.protocol.messages import Seed
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
 from eyas.target.batch_kv import RowGroup
 from eyas.target.model import FeatureTap
 
@@ -33,7 +33,7 @@ TREE_KINDS = ("dynamic", "static", "chain")
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """The tree a drafter grows per round. EAGLE-2's three knobs stay separate (seed 0x06D)."""
+    """The tree a drafter grows per round. EAGLE-2's three knobs stay separate (design 0x06D)."""
 
     kind: str = "dynamic"
     expand_width: int = 4  # dynamic: nodes expanded per depth, and children per expanded node
@@ -160,11 +160,11 @@ class DrafterEngine:
             raise ValueError("request_id: a request appears twice in one drafting batch")
         # checks first; a seed decoded from the wire (on the CPU) moves to the drafter's device here
         growths = [_Growth(self._session(rid), seed, tree, self.device) for rid, seed, tree in items]
-        # 1. context rows from verified target features (seed 0x05A/0x05D) ----------------------
+        # 1. context rows from verified target features (design 0x05A/0x05D) ----------------------
         hidden = self.drafter.forward_batch(self.kv, [g.context_rows(self.drafter, self.embed) for g in growths])
         for g, h in zip(growths, hidden):
             g.start_tree(h)
-        # 2. grow the trees over provisional rows (seed 0x05B, 0x06B), all requests in lockstep ------
+        # 2. grow the trees over provisional rows (design 0x05B, 0x06B), all requests in lockstep ------
         while active := [g for g in growths if g.parent_hidden is not None]:
             k = max(g.builder.children_per_parent for g in active)
             tokens, conf = self._top_children(torch.cat([g.parent_hidden for g in active]), k)
@@ -185,7 +185,7 @@ class DrafterEngine:
         return [g.result() for g in growths]
 
     def publish(self, request_id: str) -> None:
-        """Discard this round's provisional tree rows (seed 0x05D)."""
+        """Discard this round's provisional tree rows (design 0x05D)."""
         self._session(request_id).provisional_len = 0
 
     def measure_cost(
@@ -245,7 +245,7 @@ class DrafterEngine:
 
 
 class _Growth:
-    """One request's tree growth inside :meth:`DrafterEngine.propose_batch` (seed 0x05B, 0x06B).
+    """One request's tree growth inside :meth:`DrafterEngine.propose_batch` (design 0x05B, 0x06B).
 
     Draft rows are written into the request's own session: the seed's context rows at
     ``[committed_len, committed_len + A)`` (they become committed), then each expanded node as one
@@ -285,7 +285,7 @@ class _Growth:
         self.last_position = self.s.committed_len - 1  # position of the seed's row; depth-k rows sit at +k
         self.grows = self.builder is not None and not self.builder.done
         if self.grows:
-            self.parents, self.parent_hidden = [PARENT_IS_SEED], hidden[-1:]
+            self.parents, self.parent_hidden = [PARENT_IS_ROOT], hidden[-1:]
 
     def add_children(self, tokens: torch.Tensor, conf: torch.Tensor):
         """Add the parents' top children; -> the next rows (state, device tokens, RowGroup) or None when done."""
@@ -306,7 +306,7 @@ class _Growth:
         mask[:, : self.base] = True
         for i, node in enumerate(parents):  # ancestors' rows and the row itself
             walk = node
-            while walk != PARENT_IS_SEED:
+            while walk != PARENT_IS_ROOT:
                 mask[i, self.node_slot[walk]] = True
                 walk = b.node(walk).parent
         tokens_ = torch.tensor([b.node(x).token for x in parents], dtype=torch.int64)  # [P] host

@@ -1,4 +1,4 @@
-"""Drafter checkpoints: ``model.safetensors`` plus a JSON manifest (seed 0x01A).
+"""Drafter checkpoints: ``model.safetensors`` plus a JSON manifest (design 0x01A).
 
 A drafter fits only the target it was trained on. The manifest records the target fingerprint
 (config, weight and tokenizer digests), the feature address (which taps, pre- or post-norm), the
@@ -37,7 +37,7 @@ class TapSpec(BaseModel):
 
 
 class TreeABI(BaseModel):
-    """How a tree built by this drafter is laid out for the verifier (seed 0x05C)."""
+    """How a tree built by this drafter is laid out for the verifier (design 0x05C)."""
 
     model_config = ConfigDict(extra="forbid")
     root_row: Literal["frontier_token"] = "frontier_token"
@@ -72,7 +72,7 @@ def _pydantic_error(err: ValidationError, prefix: str) -> ValueError:
 def check_compatible(
     manifest: DrafterManifest, fingerprint: TargetFingerprint, taps: tuple[FeatureTap, ...] | None = None
 ) -> None:
-    """Refuse a drafter whose target fingerprint (or feature address) differs (seed 0x01A)."""
+    """Refuse a drafter whose target fingerprint (or feature address) differs (design 0x01A)."""
     for name in ("config_digest", "weight_digest", "tokenizer_digest"):
         want, have = getattr(manifest.target_fingerprint, name), getattr(fingerprint, name)
         if want != have:

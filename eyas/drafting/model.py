@@ -1,4 +1,4 @@
-"""Drafter networks: EAGLE-1 (seed 0x03) and EAGLE-3 (seed 0x08B), in two layouts.
+"""Drafter networks: EAGLE-1 (design 0x03) and EAGLE-3 (design 0x08B), in two layouts.
 
 Terms:
 - *state*: the d-wide vector a draft row reads besides its token. For a row whose feature comes
@@ -20,7 +20,7 @@ Terms:
     norm(E(x))]`` (2d -> d) then a standard pre-norm decoder layer; EAGLE-3 taps through the
     target's final norm. No reference can load it; it stays loadable for those checkpoints.
 
-The frozen target embedding and LM head are passed in; the drafter owns neither (seed 0x03A).
+The frozen target embedding and LM head are passed in; the drafter owns neither (design 0x03A).
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ class Drafter(nn.Module):
         if cfg.layout == EYAS_V1 or reference_eagle3:
             # The state and the token embedding are normalised (EAGLE-3's reference does it, and so
             # did eyas-v1 for both methods): on SmolLM2 a tapped state has RMS 2-55 against 0.14 for
-            # an embedding, and an unnormalised concatenation drowns the token (seed 0x02).
+            # an embedding, and an unnormalised concatenation drowns the token (design 0x02).
             self.state_norm = RMSNorm(d, cfg.rms_norm_eps)  # reference: hidden_norm
             self.embed_norm = RMSNorm(d, cfg.rms_norm_eps)  # reference: input_layernorm
         else:

@@ -1,20 +1,20 @@
 """Draft trees: the candidate nodes a drafter proposes, and the builders that grow them.
 
-Terms (seed 0x05B, 0x06A, 0x06B):
+Terms (design 0x05B, 0x06A, 0x06B):
 
 - **seed**: the context anchor of a round -- the frontier token the target just produced, at
   depth 0 with log path value 0. It is *not* a node of a `DraftTree` and is never counted in the
-  verification budget. A node whose parent is the seed has `parents[i] == PARENT_IS_SEED`.
+  verification budget. A node whose parent is the seed has `parents[i] == PARENT_IS_ROOT`.
 - **confidence** `c_u`: the drafter's conditional probability of token `u` given its parent's
   prefix. It is *not* renormalised over the retained children; omitted vocabulary mass is allowed,
   so sibling confidences sum to at most 1.
 - **path value** `V(u) = prod_{j in path(u)} c_j`, accumulated in log space as
-  `log V(u) = sum_j log(max(c_j, CONFIDENCE_FLOOR))` (seed 0x06A). Because `c <= 1`,
+  `log V(u) = sum_j log(max(c_j, CONFIDENCE_FLOOR))` (design 0x06A). Because `c <= 1`,
   `V(child) <= V(parent)`.
 - **ranking key** `(-log V(u), depth(u), node_id(u))`: higher value first, shallower first on ties,
   then build order. With the monotonicity above, every prefix of this global order is
   ancestor-closed, so the top-`verify_budget` nodes form a connected tree with no post-hoc repair.
-- **expansion width / maximum depth / verification budget**: three separate knobs (seed 0x06D).
+- **expansion width / maximum depth / verification budget**: three separate knobs (design 0x06D).
   Width bounds how many nodes of the latest layer are expanded per step (and how many children
   each proposes), depth bounds the number of drafting steps, and the budget bounds how many nodes
   are finally sent to the target.
@@ -24,7 +24,7 @@ on integer node ids)::
 
     builder = DynamicTreeBuilder(expand_width=W, verify_budget=B, max_depth=D)
     while not builder.done:
-        parents = builder.expandable()          # first step: [PARENT_IS_SEED]
+        parents = builder.expandable()          # first step: [PARENT_IS_ROOT]
         k = builder.children_per_parent
         # drafter: top-k tokens and conditional probabilities per parent, descending -> [P, k]
         new_ids = builder.add_children(parents, tokens, probs)
@@ -44,10 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
 
 CONFIDENCE_FLOOR: float = 1e-12  # ranking floor inside log(); stored confidences are unchanged
-SIBLING_MASS_TOLERANCE: float = 1e-12  # seed 0x06B slack on sibling mass for float64 confidences
+SIBLING_MASS_TOLERANCE: float = 1e-12  # design 0x06B slack on sibling mass for float64 confidences
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def _check_children_args(
     expandable: list[int],
     children_per_parent: int,
 ) -> tuple[list[int], list[list[int]], list[list[float]]]:
-    """Validate one `add_children` call (seed 0x06B); return python lists (parents, tokens, probs).
+    """Validate one `add_children` call (design 0x06B); return python lists (parents, tokens, probs).
 
     Every record (parent, token, confidence) must have: a parent from the current expandable set,
     a finite confidence in [0, 1], a token not already proposed under that parent, and sibling
@@ -116,12 +116,12 @@ class BuiltNode:
     """One node as a builder recorded it. `column` locates it in the `add_children` call that
     created it: row = position of `parent` in that call's parents, column = `column`."""
 
-    parent: int  # builder node id of the parent, or PARENT_IS_SEED
+    parent: int  # builder node id of the parent, or PARENT_IS_ROOT
     column: int  # column in its add_children call's [P, k] inputs (the rank, for static trees)
     token: int
     depth: int  # >= 1
     confidence: float  # conditional draft confidence as given (float32 value widened to float)
-    log_value: float  # log path value, seed 0x06A
+    log_value: float  # log path value, design 0x06A
 
 
 class _NodeStore:
@@ -129,18 +129,18 @@ class _NodeStore:
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self.parents: list[int] = []  # builder node id of the parent, or PARENT_IS_SEED
+        self.parents: list[int] = []  # builder node id of the parent, or PARENT_IS_ROOT
         self.columns: list[int] = []
         self.depths: list[int] = []
         self.confidences: list[float] = []
-        self.log_values: list[float] = []  # log path value, seed 0x06A
+        self.log_values: list[float] = []  # log path value, design 0x06A
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def add(self, parent: int, column: int, token: int, confidence: float) -> int:
-        parent_log = 0.0 if parent == PARENT_IS_SEED else self.log_values[parent]
-        parent_depth = 0 if parent == PARENT_IS_SEED else self.depths[parent]
+        parent_log = 0.0 if parent == PARENT_IS_ROOT else self.log_values[parent]
+        parent_depth = 0 if parent == PARENT_IS_ROOT else self.depths[parent]
         self.tokens.append(token)
         self.parents.append(parent)
         self.columns.append(column)
@@ -163,8 +163,8 @@ class _NodeStore:
 
     def rank_key(self, node: int) -> tuple[float, int, int]:
         """Ranking key (-log value, depth, node_id): best first, shallow first on ties."""
-        if node == PARENT_IS_SEED:
-            return (-0.0, 0, PARENT_IS_SEED)
+        if node == PARENT_IS_ROOT:
+            return (-0.0, 0, PARENT_IS_ROOT)
         return (-self.log_values[node], self.depths[node], node)
 
     def to_tree(self, node_ids: list[int], device: torch.device | str) -> DraftTree:
@@ -173,8 +173,8 @@ class _NodeStore:
         parents = []
         for node in node_ids:
             p = self.parents[node]
-            if p == PARENT_IS_SEED:
-                parents.append(PARENT_IS_SEED)
+            if p == PARENT_IS_ROOT:
+                parents.append(PARENT_IS_ROOT)
                 continue
             assert p in position, f"selection not ancestor-closed: node {node} lacks parent {p}"
             assert position[p] < position[node], f"parent {p} ranked after its child {node}"
@@ -193,7 +193,7 @@ class _NodeStore:
 
 
 class DynamicTreeBuilder:
-    """EAGLE-2 context-aware dynamic tree: expand by path value, then rerank globally (seed 0x06B).
+    """EAGLE-2 context-aware dynamic tree: expand by path value, then rerank globally (design 0x06B).
 
     Each step expands the top `expand_width` nodes of the latest generated layer by the ranking
     key, each proposing `expand_width` children. After at most `max_depth` steps, `select()` takes
@@ -214,7 +214,7 @@ class DynamicTreeBuilder:
         self.verify_budget = verify_budget
         self.max_depth = max_depth
         self._nodes = _NodeStore()
-        self._frontier: list[int] = [PARENT_IS_SEED]  # the latest generated layer
+        self._frontier: list[int] = [PARENT_IS_ROOT]  # the latest generated layer
         self._steps = 0  # layers generated so far == depth of the frontier
 
     @property
@@ -329,10 +329,10 @@ class StaticTreeBuilder:
         self.choices: frozenset[tuple[int, ...]] = frozenset(paths)
         self._nodes = _NodeStore()
         self._paths: list[tuple[int, ...]] = []  # rank path of each built node
-        self._frontier: list[int] = [PARENT_IS_SEED] if paths else []
+        self._frontier: list[int] = [PARENT_IS_ROOT] if paths else []
 
     def _path(self, node: int) -> tuple[int, ...]:
-        return () if node == PARENT_IS_SEED else self._paths[node]
+        return () if node == PARENT_IS_ROOT else self._paths[node]
 
     def _child_ranks(self, node: int) -> list[int]:
         prefix = self._path(node)

@@ -237,7 +237,7 @@ class Eyas:
 
 
 class VerifierStub:
-    """The draft/verify round over one target (seed 0x05A-0x05D): a drafter drives it; the target
+    """The draft/verify round over one target (design 0x05A-0x05D): a drafter drives it; the target
     verifies, decides acceptance and owns the committed state.
     """
 
@@ -280,7 +280,7 @@ class VerifierStub:
 
 
 class VerifierServicer:
-    """The draft/verify round over one target (seed 0x05A-0x05D): a drafter drives it; the target
+    """The draft/verify round over one target (design 0x05A-0x05D): a drafter drives it; the target
     verifies, decides acceptance and owns the committed state.
     """
 
@@ -320,7 +320,7 @@ class VerifierServicer:
 
     def Reseed(self, request, context):
         """Every committed row's verified feature from position 0, for a drafter that lost its session
-        (seed 0x05D: a drafter reseeds from committed state only).
+        (design 0x05D: a drafter reseeds from committed state only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -368,7 +368,7 @@ def add_VerifierServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Verifier:
-    """The draft/verify round over one target (seed 0x05A-0x05D): a drafter drives it; the target
+    """The draft/verify round over one target (design 0x05A-0x05D): a drafter drives it; the target
     verifies, decides acceptance and owns the committed state.
     """
 

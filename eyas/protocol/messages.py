@@ -1,8 +1,8 @@
 """The per-round messages of the wire contract (docs/architecture.md, "One round").
 
-- `Seed`: what the target hands the drafter after a publish (seed 0x05A, 0x05D).
-- `AcceptDecision`: the verifier's choice of one accepted path and the frontier token (seed 0x05C).
-- `PublishAck`: the receipt of the publish transaction keyed by `(request_id, round)` (seed 0x05D).
+- `Seed`: what the target hands the drafter after a publish (design 0x05A, 0x05D).
+- `AcceptDecision`: the verifier's choice of one accepted path and the frontier token (design 0x05C).
+- `PublishAck`: the receipt of the publish transaction keyed by `(request_id, round)` (design 0x05D).
 
 Frozen dataclasses over tensors; the gRPC codec and pydantic models wrap these at process edges.
 """
@@ -18,9 +18,9 @@ ROOT_ROW: int = 0  # flat row of the root (the previous frontier token); starts 
 
 @dataclass(frozen=True)
 class AcceptDecision:
-    """One round's verdict (seed 0x05C): the accepted path and the target's next token.
+    """One round's verdict (design 0x05C): the accepted path and the target's next token.
 
-    Publication gathers target KV and features through `accepted_rows` (seed 0x05D), outputs
+    Publication gathers target KV and features through `accepted_rows` (design 0x05D), outputs
     `accepted_tokens` then `frontier_token`, and marks the frontier as append-required.
     """
 
@@ -63,7 +63,7 @@ class AcceptDecision:
 
 @dataclass(frozen=True)
 class Seed:
-    """What the drafter needs to (re)seed after a publish (seed 0x05A, 0x05D).
+    """What the drafter needs to (re)seed after a publish (design 0x05A, 0x05D).
 
     Draft row ``t`` reads the verified target feature ``f_t`` and the advanced token ``x_{t+1}``.
     """
@@ -118,7 +118,7 @@ class Seed:
 
         A request that decodes plainly for a few rounds need not call its drafter each round: the
         seeds of those rounds are contiguous (each starts where the last ended), so they concatenate
-        into one, which the drafter consumes when the request drafts again (seed 0x05A).
+        into one, which the drafter consumes when the request drafts again (design 0x05A).
         Worked example: rows [5, 7) then [7, 8) -> rows [5, 8), the later round and frontier token."""
         return Seed.join([self, later])
 

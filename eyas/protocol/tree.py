@@ -3,7 +3,7 @@
 Both are validated on construction; `validate_flat_tree` adds the checks an inbound message needs
 (docs/architecture.md, "The wire contract"). Pure tensor code: no model, no Ray.
 
-Flatten a draft tree into the rows the target verifies in one forward pass (seed 0x05C).
+Flatten a draft tree into the rows the target verifies in one forward pass (design 0x05C).
 
 Terms:
 
@@ -17,7 +17,7 @@ Terms:
 - **retrieve map**: one line per leaf (a row with no children), listing the rows of the
   root->leaf path, padded with RETRIEVE_PAD to `max_depth + 1` columns. Acceptance picks one line;
   the accepted KV and feature rows are gathered through it, never rebuilt from token equality
-  (seed 0x05D), because the same token id can occupy several rows.
+  (design 0x05D), because the same token id can occupy several rows.
 
 An empty tree flattens to the root alone, which is how target-only decoding verifies.
 """
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-PARENT_IS_SEED: int = -1  # DraftTree.parents value: the node is a child of the seed (the frontier token)
+PARENT_IS_ROOT: int = -1  # DraftTree.parents value: the node is a child of the root row (the frontier token)
 ROW_IS_ROOT: int = -1  # parents[0]: the root row has no parent row
 RETRIEVE_PAD: int = -1  # padding after the leaf in a retrieve-map line
 
@@ -41,14 +41,14 @@ RETRIEVE_PAD: int = -1  # padding after the leaf in a retrieve-map line
 
 @dataclass(frozen=True)
 class DraftTree:
-    """Candidate nodes proposed by a drafter, seed excluded (seed 0x05B).
+    """Candidate nodes proposed by a drafter, seed excluded (design 0x05B).
 
     Nodes are stored in an order where every parent precedes its children, which also makes the
     tree ancestor-closed: every parent index refers to an earlier node of this tree.
     """
 
     tokens: torch.Tensor  # [N] int64 candidate token ids, >= 0
-    parents: torch.Tensor  # [N] int64 parent node index or PARENT_IS_SEED; parents[i] < i
+    parents: torch.Tensor  # [N] int64 parent node index or PARENT_IS_ROOT; parents[i] < i
     depths: torch.Tensor  # [N] int64 >= 1; parent's depth + 1 (seed children: 1)
     draft_probs: torch.Tensor  # [N] float32 conditional draft confidence in [0, 1]
 
@@ -78,12 +78,12 @@ class DraftTree:
         seen: set[tuple[int, int]] = set()
         for i in range(n):
             p = parents[i]
-            if p != PARENT_IS_SEED and not 0 <= p < i:
+            if p != PARENT_IS_ROOT and not 0 <= p < i:
                 raise ValueError(
-                    f"parents: node {i} has parent {p}; a parent must be PARENT_IS_SEED or an "
+                    f"parents: node {i} has parent {p}; a parent must be PARENT_IS_ROOT or an "
                     f"earlier node (parents precede children, ancestor-closed)"
                 )
-            expected_depth = 1 if p == PARENT_IS_SEED else depths[p] + 1
+            expected_depth = 1 if p == PARENT_IS_ROOT else depths[p] + 1
             if depths[i] != expected_depth:
                 raise ValueError(
                     f"depths: node {i} has depth {depths[i]}, expected {expected_depth} "
@@ -130,9 +130,9 @@ class DraftTree:
         return int(self.depths.max().item()) if self.num_nodes else 0
 
     def children_of(self, node: int) -> list[int]:
-        """Indices of the children of `node` (PARENT_IS_SEED for the seed), in node order."""
-        if type(node) is not int or not (node == PARENT_IS_SEED or 0 <= node < self.num_nodes):
-            raise ValueError(f"node: {node!r} is not PARENT_IS_SEED or a node index of this tree")
+        """Indices of the children of `node` (PARENT_IS_ROOT for the seed), in node order."""
+        if type(node) is not int or not (node == PARENT_IS_ROOT or 0 <= node < self.num_nodes):
+            raise ValueError(f"node: {node!r} is not PARENT_IS_ROOT or a node index of this tree")
         return [i for i, p in enumerate(self.parents.tolist()) if p == node]
 
 
@@ -149,7 +149,7 @@ def _draft_tree_from_lists(
 
 @dataclass(frozen=True)
 class FlatTree:
-    """Verify rows of one request's tree (seed 0x05C). Construction checks layout only (dtype,
+    """Verify rows of one request's tree (design 0x05C). Construction checks layout only (dtype,
     ndim, shapes); `validate_flat_tree` checks the semantics an inbound message must satisfy."""
 
     tokens: torch.Tensor  # [R] int64; row 0 the frontier token (root), rows 1.. the tree nodes
@@ -223,9 +223,9 @@ def retrieve_from_parents(parents: list[int], depths: list[int]) -> list[list[in
 def flatten_tree(tree: DraftTree, frontier_token: int, base_position: int) -> FlatTree:
     """Rows, positions, ancestry mask and retrieve map of `tree` under the root `frontier_token`.
 
-    Worked example (seed 0x06C tree, selected [A, A1, B, B1], base_position 10)::
+    Worked example (design 0x06C tree, selected [A, A1, B, B1], base_position 10)::
 
-        tree parents  [-1, 0, -1, 2]           (A, A1, B, B1; PARENT_IS_SEED = -1)
+        tree parents  [-1, 0, -1, 2]           (A, A1, B, B1; PARENT_IS_ROOT = -1)
         rows          [root, A, A1, B, B1]
         parents       [ROW_IS_ROOT, 0, 1, 0, 3]
         positions     [10, 11, 12, 11, 12]
@@ -236,7 +236,7 @@ def flatten_tree(tree: DraftTree, frontier_token: int, base_position: int) -> Fl
     if type(base_position) is not int or base_position < 0:
         raise ValueError(f"base_position: expected a nonnegative int, got {base_position!r}")
     device = tree.tokens.device
-    parents = [ROW_IS_ROOT] + [0 if p == PARENT_IS_SEED else p + 1 for p in tree.parents.tolist()]
+    parents = [ROW_IS_ROOT] + [0 if p == PARENT_IS_ROOT else p + 1 for p in tree.parents.tolist()]
     depths = [0] + tree.depths.tolist()
     as_long = dict(dtype=torch.int64, device=device)
     return FlatTree(

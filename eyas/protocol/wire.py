@@ -26,7 +26,7 @@ from eyas.protocol.codec import ANY_DIM, DEFAULT_MAX_NUMEL, decode_tensor, encod
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.schema import CancelRequest, GenerateRequest, parse_cancel, parse_request, request_id_problem
 from eyas.protocol.tree import (
-    PARENT_IS_SEED,
+    PARENT_IS_ROOT,
     ROW_IS_ROOT,
     DraftTree,
     FlatTree,
@@ -110,7 +110,7 @@ def flat_tree_to_proto(
 def draft_tree_to_proto(
     tree: DraftTree, *, frontier_token: int, request_id: str, round: int, base_position: int
 ) -> pb.FlatTree:
-    """Flatten ``tree`` behind the frontier token (seed 0x05C) into its wire form."""
+    """Flatten ``tree`` behind the frontier token (design 0x05C) into its wire form."""
     return flat_tree_to_proto(
         flatten_tree(tree, frontier_token, base_position),
         request_id=request_id,
@@ -196,16 +196,16 @@ def flat_tree_from_proto(
 
 
 def draft_tree_from_flat(flat: FlatTree) -> DraftTree:
-    """The candidate nodes of a validated FlatTree: rows 1.., the root dropped (seed 0x05B/0x05C).
+    """The candidate nodes of a validated FlatTree: rows 1.., the root dropped (design 0x05B/0x05C).
 
     The inverse of ``flatten_tree``: row ``p`` is node ``p - 1``; the root row becomes
-    PARENT_IS_SEED.
+    PARENT_IS_ROOT.
     """
     parent_rows = flat.parents[1:]  # [N] int64, every entry a row >= 0
     with _inbound():
         return DraftTree(
             tokens=flat.tokens[1:].clone(),
-            parents=torch.where(parent_rows == 0, torch.full_like(parent_rows, PARENT_IS_SEED), parent_rows - 1),
+            parents=torch.where(parent_rows == 0, torch.full_like(parent_rows, PARENT_IS_ROOT), parent_rows - 1),
             depths=flat.depths[1:].clone(),
             draft_probs=flat.draft_probs[1:].clone(),
         )

@@ -10,9 +10,9 @@ committed length and the frontier token from the acks, so a caller hands ``verif
 
 ``generate_remote`` is ``eyas.generate.generate`` with the target behind that transport
 (:class:`VerifierTarget`) and the drafter local or remote: the same round step
-(``eyas.step.round_step``: propose -> verify (+ the target's accept) -> publish, seed 0x05A-0x05D).
+(``eyas.step.round_step``: propose -> verify (+ the target's accept) -> publish, design 0x05A-0x05D).
 A round whose drafter fails or times out goes plain; the request then reseeds from the target's
-committed state (seed 0x05D) under the one reseed rule, and after that goes on target-only: the
+committed state (design 0x05D) under the one reseed rule, and after that goes on target-only: the
 same greedy tokens, ``drafter_fallback``.
 """
 

@@ -1,7 +1,7 @@
 """The scheduler's cost model: the work one request's round puts on the drafter and the target.
 
 Seed 0x09 ("Scheduler-visible work"): draft rows, draft-tree nodes, draft KV bytes, target
-verification rows, temporary target branch-KV bytes, accepted progress; seed 0x09A: for a
+verification rows, temporary target branch-KV bytes, accepted progress; design 0x09A: for a
 mixture-of-experts target, the expert weights the verify rows route to.
 
 Pure functions over counts: no model, no Ray.
@@ -16,7 +16,7 @@ ROOT_ROWS = 1  # every verify carries the frontier token as its root row
 
 @dataclass(frozen=True)
 class TreeShape:
-    """A tree the scheduler may give a request for one round (EAGLE-2's three knobs, seed 0x06D).
+    """A tree the scheduler may give a request for one round (EAGLE-2's three knobs, design 0x06D).
 
     ``verify_budget == 0`` is plain decoding: no drafting, one verify row.
     """
@@ -66,7 +66,7 @@ DEFAULT_PREFILL_CHUNK = (
 
 @dataclass(frozen=True)
 class RoundWork:
-    """What one request's round costs (seed 0x09)."""
+    """What one request's round costs (design 0x09)."""
 
     request_id: str
     tree_nodes: int
@@ -135,7 +135,7 @@ EXPERT_EMA = 0.2  # how fast the routing skew follows live rounds
 
 @dataclass
 class ExpertTraffic:
-    """Bytes of expert weights a verify of R rows reads on a mixture-of-experts target (seed 0x09A).
+    """Bytes of expert weights a verify of R rows reads on a mixture-of-experts target (design 0x09A).
 
     Terms: each of ``moe_layers`` layers routes every row to ``experts_per_token`` (k) of its
     ``num_experts`` (E) experts; a verify reads the *union* of the experts its rows route to, each

@@ -18,7 +18,7 @@ is paid once per round (its part per draft row by each request), so where one re
 pay for it the whole batch's may. When verify rows are expensive (a steep curve), drafting is slow
 or a request's drafts are rarely accepted, no upgrade pays and speculation shrinks to plain
 decoding, for that request or all. On a mixture-of-experts target a verify reads the union of the
-experts its rows route to (seed 0x09A), which grows with the batch's rows (:class:`ExpertTraffic`);
+experts its rows route to (design 0x09A), which grows with the batch's rows (:class:`ExpertTraffic`);
 ``Budgets.max_expert_bytes`` caps it, for admissions and tree upgrades alike.
 
 ``PromptLengthPolicy`` (the baseline, selectable by config): batches of requests with similar prompt
@@ -100,7 +100,7 @@ class Budgets:
     max_kv_bytes: int = 1 << 34
     target_kv_bytes_per_row: int = 0
     draft_kv_bytes_per_row: int = 0
-    max_expert_bytes: int | None = None  # MoE: expert weights one verify may read (None: no cap; seed 0x09A)
+    max_expert_bytes: int | None = None  # MoE: expert weights one verify may read (None: no cap; design 0x09A)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class ServeConfig(BaseModel):
     # prompt rows one round prefills, all requests together (chunked prefill): a long prompt takes
     # several rounds while the others keep decoding in the same forwards
     max_prefill_rows: int = Field(DEFAULT_PREFILL_CHUNK, ge=1)
-    # MoE targets: expert weights one batched verify may read (the union its rows route to; seed 0x09A);
+    # MoE targets: expert weights one batched verify may read (the union its rows route to; design 0x09A);
     # None = no cap. Ignored for a dense target.
     max_expert_bytes: int | None = Field(None, ge=1)
     curve_repeats: int = Field(3, ge=1)  # timings per row count when the latency curve is measured

@@ -18,7 +18,7 @@
     model-multiplexing router keeps one target replica's draft sessions on one drafter replica. When
     the router moves them anyway (a drafter replica was added, removed or replaced), the new replica
     does not hold the session and answers with a refusal; the request then reseeds its draft session
-    from the target's committed state (seed 0x05D: every committed feature from position 0) on the
+    from the target's committed state (design 0x05D: every committed feature from position 0) on the
     new replica. Greedy tokens never change: the target decides each one.
 
 Both report their tree work through ``record_autoscaling_stats()`` (see

@@ -19,13 +19,13 @@ The loop is the one owner of the per-request scheduling state (:class:`Live`); t
 
 Greedy requests get the tree the policy plans (within their own knobs); a sampled request always
 gets its own tree, so that its draws, and so its tokens, are reproducible for a seed and equal the
-in-process loop's (the target's distribution is matched either way: seed 0x05C).
+in-process loop's (the target's distribution is matched either way: design 0x05C).
 
 Failures: a request the target refuses finishes with an error (the others go on). A dead or slow
 drafter makes the rounds plain for everyone at once, with no further drafter call in the round path
 (``drafter_down``), while a probe thread asks it for its ``info`` every ``DRAFTER_PROBE_S``; once it
 answers (typically a replacement replica), each request reseeds its draft session from the target's
-committed state (seed 0x05D), up to ``MAX_DRAFTER_RESEEDS`` times in all (``eyas.step.may_reseed``,
+committed state (design 0x05D), up to ``MAX_DRAFTER_RESEEDS`` times in all (``eyas.step.may_reseed``,
 the rule of every decode loop), after which it goes on target-only
 (``drafter_fallback``). Greedy tokens never change: the target decides every one.
 """
@@ -87,7 +87,7 @@ class Live(DraftState):
     max_new_tokens: int
     tree: TreeSpec  # the request's own knobs: the largest tree it may get
     sampling: SamplingParams
-    seed_value: int
+    rng_seed: int
     on_tokens: Callable[[list[int]], bool] | None
     future: concurrent.futures.Future
     cancel: threading.Event
@@ -251,7 +251,7 @@ class RoundLoop:
             max_new_tokens=max_new_tokens,
             tree=tree,
             sampling=sampling,
-            seed_value=seed,
+            rng_seed=seed,
             on_tokens=on_tokens,
             future=concurrent.futures.Future(),
             cancel=cancel or threading.Event(),
@@ -356,7 +356,7 @@ class RoundLoop:
             live.sampling.temperature,
             live.sampling.top_p,
             live.sampling.top_k,
-            live.seed_value,
+            live.rng_seed,
             taps,
         )
         try:
@@ -530,7 +530,7 @@ class RoundLoop:
 
     def _drafter_lost(self) -> None:
         """Plain rounds for everyone from now on, and a probe that lifts that once the drafter (a
-        replacement replica, typically) answers; seed 0x05D reseeds then bring each request back."""
+        replacement replica, typically) answers; design 0x05D reseeds then bring each request back."""
         if self.drafter_down.is_set():
             return
         self.drafter_down.set()

@@ -1,4 +1,4 @@
-"""Observability with opentelemetry-sdk (seed 0x0C): per-round spans and speculation metrics.
+"""Observability with opentelemetry-sdk (design 0x0C): per-round spans and speculation metrics.
 
 No collector is needed. Spans go to an in-memory exporter (the newest ``max_spans`` are kept) and
 metrics to an ``InMemoryMetricReader``; :meth:`Telemetry.snapshot` turns both into the JSON that the
@@ -128,7 +128,7 @@ class Telemetry:
         self.accept_length = meter.create_histogram("eyas.accept_length", unit="{token}")
         self.tree_nodes = meter.create_histogram("eyas.tree_nodes", unit="{node}")
         self.verify_rows = meter.create_histogram("eyas.verify_rows", unit="{row}")
-        # MoE targets (seed 0x09A): expert weights a request's own verify rows read (the batch's union is a
+        # MoE targets (design 0x09A): expert weights a request's own verify rows read (the batch's union is a
         # round span attribute and the loop's ``work()["expert_bytes"]``)
         self.expert_bytes = meter.create_histogram("eyas.verify_expert_bytes", unit="By")
         self.proposed = meter.create_counter("eyas.draft.proposed", unit="{node}")
@@ -181,7 +181,7 @@ class Telemetry:
         return [Observation(n, {"side": side}) for side, n in totals.items()]
 
     def record_round(self, rec: RoundRecord) -> None:
-        """Spans and metrics of one round (seed 0x0C)."""
+        """Spans and metrics of one round (design 0x0C)."""
         d = rec.decision
         attrs = {
             "eyas.request_id": rec.request_id,

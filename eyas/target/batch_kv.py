@@ -1,6 +1,6 @@
 """One K/V store for every live request of a target engine, and the plan of one batched forward.
 
-Terms (seed 0x05C, 0x05D):
+Terms (design 0x05C, 0x05D):
 - *KV row*: one request's place in the store's batch dimension. Its slots ``[0, committed)`` hold
   committed K/V; the slots after them are provisional (a verify's tree rows, a prompt's prefill
   chunks) until the publish transaction gathers the accepted ones onto the committed prefix.

@@ -2,11 +2,11 @@
 
 Per request it keeps a :class:`TargetSession`. A round is
 
-1. :meth:`TargetEngine.verify` -- flatten the draft tree behind the frontier token (seed 0x05C),
+1. :meth:`TargetEngine.verify` -- flatten the draft tree behind the frontier token (design 0x05C),
    write every tree row's K/V into *provisional* slots after the committed prefix, and return the
    target logits and features of every row.
 2. acceptance -- a pure function of the :class:`Verified` (``eyas.verification.accept``).
-3. :meth:`TargetEngine.publish` -- the publish transaction (seed 0x05D), keyed by
+3. :meth:`TargetEngine.publish` -- the publish transaction (design 0x05D), keyed by
    ``(request_id, round)``: gather the accepted rows' K/V onto the committed prefix by the
    verification's own row map (never by token equality), keep their features for the drafter's
    reseed, emit the frontier token and mark it *append required*: its K/V and feature come from
@@ -161,7 +161,7 @@ class TargetEngine:
 
     def committed_seed(self, request_id: str) -> Seed:
         """A reseed for a drafter that lost its state: every committed row's verified feature from
-        position 0 (seed 0x05D: a drafter reseeds from committed state, never an unverified row)."""
+        position 0 (design 0x05D: a drafter reseeds from committed state, never an unverified row)."""
         s = self._session(request_id)
         if s.frontier_token is None or not s.features:
             raise ValueError(f"request_id: {request_id!r} has nothing committed yet (prefill and publish first)")
@@ -193,7 +193,7 @@ class TargetEngine:
         return self.step(request_ids, [], max_prefill_rows)[0]
 
     def verify(self, request_id: str, tree: DraftTree) -> Verified:
-        """Run the frontier token plus ``tree`` as one forward over provisional slots (seed 0x05C)."""
+        """Run the frontier token plus ``tree`` as one forward over provisional slots (design 0x05C)."""
         _, (out,) = self.step([], [(request_id, tree)])
         if isinstance(out, ValueError):
             raise out
@@ -209,7 +209,7 @@ class TargetEngine:
     ) -> tuple[list[Verified | PrefillProgress | ValueError], list[Verified | ValueError]]:
         """ONE forward for a round: the next chunk of each prompt in ``prefills`` (in order, at most
         ``max_prefill_rows`` prompt rows in all, None: no bound) and the frontier token plus tree of
-        each of ``verifies`` (seed 0x05C), with one attention call per layer over the K/V store.
+        each of ``verifies`` (design 0x05C), with one attention call per layer over the K/V store.
 
         A request that cannot take part (unknown, already prefilled, a bad tree, twice in the round)
         gets its ``ValueError`` in its place and is left out; every other is computed as if alone.
@@ -294,7 +294,7 @@ class TargetEngine:
     def _account_experts(self, members: list[tuple[str, int]]) -> None:
         """Record the union of experts the forward's rows routed to, and its weight bytes, for the
         whole forward and for each member request's own rows (``members``: (request id, rows) in
-        packed order) (seed 0x09A)."""
+        packed order) (design 0x09A)."""
         if self.cfg.num_experts:
             routing = self.model.expert_routing()
             self.last_expert_union = expert_union(routing)
@@ -322,7 +322,7 @@ class TargetEngine:
         mask = torch.cat([torch.ones(rows, n, dtype=torch.bool), flat.tree_mask], dim=1) if rows > 1 else None
         return s, flat, mask
 
-    # --- the publish transaction (seed 0x05D) ------------------------------------------------------
+    # --- the publish transaction (design 0x05D) ------------------------------------------------------
     def publish(self, request_id: str, round: int, decision: AcceptDecision) -> tuple[Seed, PublishAck]:
         """Commit the accepted rows of round ``round``; idempotent; a stale or future round is refused.
 

@@ -1,4 +1,4 @@
-"""Expert-union accounting for mixture-of-experts targets (seed 0x09A), pure over routing tensors.
+"""Expert-union accounting for mixture-of-experts targets (design 0x09A), pure over routing tensors.
 
 For a dense model a verify of more rows reads the same weights; for an MoE target the candidate rows
 may route to a wider union of experts:  E_verify = U_{u in rows} E_u. The scheduler's cost model
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def expert_union(routing: list, rows: slice = slice(None)) -> tuple[tuple[int, ...], ...]:
-    """Per MoE layer, the sorted union of experts that any row (of ``rows``) routed to (seed 0x09A).
+    """Per MoE layer, the sorted union of experts that any row (of ``rows``) routed to (design 0x09A).
 
     routing: per layer a [N, k] int64 tensor (row -> its top-k experts), as
     ``TargetModel.expert_routing()`` returns after a verify; ``rows`` picks one request's rows of a

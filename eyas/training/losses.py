@@ -1,17 +1,17 @@
-"""Draft training losses, feature noise and the EAGLE-3 draft vocabulary (seed 0x04, 0x07A, 0x08C).
+"""Draft training losses, feature noise and the EAGLE-3 draft vocabulary (design 0x04, 0x07A, 0x08C).
 
 Terms:
 
-- ``R`` rows, each a draft row of seed 0x02A; ``mask [R]`` bool is the loss mask ``m``
+- ``R`` rows, each a draft row of design 0x02A; ``mask [R]`` bool is the loss mask ``m``
   (``m_soft`` from `eyas.training.rows`). Every normalised loss divides by ``sum m`` and raises
   ``ValueError`` naming ``mask`` when it is 0: the trainer skips that optimizer step instead.
 - ``p`` = draft distribution ``softmax(draft_logits)``; ``q`` = target distribution
-  (``target_probs``), the frozen target's soft distribution, not a one-hot label (seed 0x04B).
-- Reductions (seed 0x04A): mean over the feature width ``d`` per row, then a masked mean over
+  (``target_probs``), the frozen target's soft distribution, not a one-hot label (design 0x04B).
+- Reductions (design 0x04A): mean over the feature width ``d`` per row, then a masked mean over
   rows. Masked-out rows are *selected away* before any arithmetic, so a NaN in an unsupervised
   row cannot reach the loss (``0 * NaN = NaN``).
 
-Dtype (seed 0x04D): inputs may be BF16; softmax, log-softmax, the accumulation and the
+Dtype (design 0x04D): inputs may be BF16; softmax, log-softmax, the accumulation and the
 normalising denominator are computed in fp32, and every loss is returned as an fp32 scalar.
 """
 
@@ -25,13 +25,13 @@ from torch import Tensor
 
 from eyas.protocol.checks import check_tensor as _check
 
-LOSS_DTYPE = torch.float32  # declared accumulation dtype of every loss (seed 0x04D)
+LOSS_DTYPE = torch.float32  # declared accumulation dtype of every loss (design 0x04D)
 
-EAGLE1_REG_WEIGHT: float = 1.0  # v_w, paper + pinned code (seed 0x04B)
+EAGLE1_REG_WEIGHT: float = 1.0  # v_w, paper + pinned code (design 0x04B)
 EAGLE1_CLS_WEIGHT: float = 0.1  # p_w, weights classification, not regression
-TTT_DECAY: float = 0.8  # pinned EAGLE-3 per-step weight base: w_s = 0.8 ** s (seed 0x08C)
+TTT_DECAY: float = 0.8  # pinned EAGLE-3 per-step weight base: w_s = 0.8 ** s (design 0x08C)
 
-PAPER_NOISE_HALF_WIDTH: float = 0.1  # EAGLE paper: U(-0.1, 0.1) (seed 0x04E)
+PAPER_NOISE_HALF_WIDTH: float = 0.1  # EAGLE paper: U(-0.1, 0.1) (design 0x04E)
 PINNED_NOISE_REFERENCE_LENGTH: int = 512  # pinned code: (rand - 0.5) * 0.2 * 512 / S
 NOISE_KINDS: tuple[str, ...] = ("paper", "pinned", "none")
 
@@ -80,7 +80,7 @@ def _as_scalar(value: Tensor | float, name: str) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# EAGLE-1 objective (seed 0x04A-0x04B)
+# EAGLE-1 objective (design 0x04A-0x04B)
 # --------------------------------------------------------------------------------------------
 
 
@@ -90,7 +90,7 @@ def masked_smooth_l1(
     mask: Tensor,  # [R] bool m_soft
     beta: float = 1.0,
 ) -> Tensor:  # [] fp32
-    """Feature regression ``L_reg`` (seed 0x04A).
+    """Feature regression ``L_reg`` (design 0x04A).
 
     ``smoothL1_beta(r) = r^2 / (2 beta)`` if ``|r| < beta`` else ``|r| - beta / 2``, with
     ``r = pred - target``; mean over ``d`` per row, mean over the masked rows.
@@ -110,7 +110,7 @@ def soft_cross_entropy(
     target_probs: Tensor,  # [R, V] q, rows sum to 1
     mask: Tensor,  # [R] bool m_soft
 ) -> Tensor:  # [] fp32
-    """Token classification ``L_cls = -(1 / sum m) sum_t m_t sum_v q_t(v) log p_t(v)`` (seed 0x04B).
+    """Token classification ``L_cls = -(1 / sum m) sum_t m_t sum_v q_t(v) log p_t(v)`` (design 0x04B).
 
     Equals ``H(q) + KL(q || p)``; with ``q`` fixed by the frozen target, minimising it over the
     drafter minimises the forward KL.
@@ -179,15 +179,15 @@ def eagle1_loss(
     reg_weight: float = EAGLE1_REG_WEIGHT,
     cls_weight: float = EAGLE1_CLS_WEIGHT,
 ) -> Tensor:  # [] fp32
-    """``L = v_w L_reg + p_w L_cls``; paper/pinned ``v_w = 1.0``, ``p_w = 0.1`` (seed 0x04B).
+    """``L = v_w L_reg + p_w L_cls``; paper/pinned ``v_w = 1.0``, ``p_w = 0.1`` (design 0x04B).
 
-    Fixture (seed 0x09): ``L_reg = 0.6, L_cls = 2.4 -> 0.6 + 0.1 * 2.4 = 0.84``.
+    Fixture (design 0x09): ``L_reg = 0.6, L_cls = 2.4 -> 0.6 + 0.1 * 2.4 = 0.84``.
     """
     return reg_weight * _as_scalar(l_reg, "l_reg") + cls_weight * _as_scalar(l_cls, "l_cls")
 
 
 # --------------------------------------------------------------------------------------------
-# HASS top-K distillation (seed 0x07A)
+# HASS top-K distillation (design 0x07A)
 # --------------------------------------------------------------------------------------------
 
 
@@ -197,7 +197,7 @@ def topk_distillation(
     mask: Tensor,  # [R] bool
     k: int,
 ) -> Tensor:  # [] fp32
-    """HASS top-K loss ``-sum_{v in top-K(q)} q(v) log p(v)``, masked mean over rows (seed 0x07A).
+    """HASS top-K loss ``-sum_{v in top-K(q)} q(v) log p(v)``, masked mean over rows (design 0x07A).
 
     The target mass is *not* renormalised over the top-K set: with ``Z_K = sum_{top-K} q < 1``
     the loss is ``Z_K`` times the renormalised one, so omitted mass also scales the row's
@@ -215,7 +215,7 @@ def topk_distillation(
 
 
 # --------------------------------------------------------------------------------------------
-# EAGLE-3 training-time test (seed 0x08C)
+# EAGLE-3 training-time test (design 0x08C)
 # --------------------------------------------------------------------------------------------
 
 
@@ -223,7 +223,7 @@ def ttt_loss(
     step_losses: Sequence[Tensor],  # each [] L_s, the normalised loss of rollout step s
     decay: float = TTT_DECAY,
 ) -> Tensor:  # [] fp32
-    """``L_E3 = sum_s decay**s * L_s`` over rollout steps ``s = 0, 1, ...`` (seed 0x08C).
+    """``L_E3 = sum_s decay**s * L_s`` over rollout steps ``s = 0, 1, ...`` (design 0x08C).
 
     Each ``L_s`` is already normalised by its own ``sum_t m_t^(s)``; no feature-regression addend.
     """
@@ -241,7 +241,7 @@ def draft_vocab_targets(
     target_logits: Tensor,  # [R, V] target logits over the full vocabulary
     d2t: Tensor,  # [Vd] int64 target-vocabulary id of each draft-vocabulary slot
 ) -> Tensor:  # [R, Vd] fp32 probabilities over the draft vocabulary
-    """Target distribution over the EAGLE-3 draft vocabulary (pinned implementation, seed 0x08C).
+    """Target distribution over the EAGLE-3 draft vocabulary (pinned implementation, design 0x08C).
 
     ``q_d(i) = softmax_i(target_logits[:, d2t])``: the target logits are *restricted* to the draft
     vocabulary and then softmaxed, i.e. the target mass is renormalised over the draft vocabulary,
@@ -310,7 +310,7 @@ def build_draft_vocab(
 
 
 # --------------------------------------------------------------------------------------------
-# noise (seed 0x04E)
+# noise (design 0x04E)
 # --------------------------------------------------------------------------------------------
 
 
@@ -319,7 +319,7 @@ def feature_noise(
     kind: str,
     generator: torch.Generator | None = None,
 ) -> Tensor:  # same shape, dtype and device as features
-    """Additive training noise ``epsilon`` for ``f~ = f + epsilon`` (seed 0x04E).
+    """Additive training noise ``epsilon`` for ``f~ = f + epsilon`` (design 0x04E).
 
     - ``"paper"``: ``U(-0.1, 0.1)`` as the EAGLE paper reports;
     - ``"pinned"``: ``(rand - 0.5) * 0.2 * 512 / S`` with ``S = features.shape[-2]``, the pinned

@@ -1,11 +1,11 @@
-"""Rollout visibility for HASS alignment (seed 0x07B) and EAGLE-3 training-time test (seed 0x08C).
+"""Rollout visibility for HASS alignment (design 0x07B) and EAGLE-3 training-time test (design 0x08C).
 
 Rollout layout for one batch row of ``S`` draft rows unrolled for ``steps`` steps:
 
 - **node (s, i)**: step ``s`` in ``[0, steps)``, row ``i`` in ``[0, S)``; flat key index
   ``s * S + i`` of the concatenated ``steps * S`` keys.
 - **step 0** is native training: node ``(0, i)`` reads teacher feature ``f_i`` and token
-  ``x_{i+1}`` (draft row ``i`` of seed 0x02A).
+  ``x_{i+1}`` (draft row ``i`` of design 0x02A).
 - **node (s, i), s >= 1** is the depth-``s`` draft node of a chain rooted at row ``i``: it reads
   the drafter's own output state of ``(s-1, i)`` and token ``x_{i+s+1}``, and predicts
   ``x_{i+s+2}`` with target distribution ``q`` from teacher feature ``f_{i+s+1}``.
@@ -15,11 +15,11 @@ Rollout layout for one batch row of ``S`` draft rows unrolled for ``steps`` step
 - **position id** of ``(s, i)``: ``position_id[i] + s``, matching serving, where a depth-``k``
   node sits at ``last_context_position + k`` (`rollout_position_ids`).
 
-Visibility (seed 0x08C): ``A[(s, i), (s', j)] = 1`` iff ``(s', j)`` is in the target prefix of
+Visibility (design 0x08C): ``A[(s, i), (s', j)] = 1`` iff ``(s', j)`` is in the target prefix of
 ``(s, i)``, a draft ancestor of it, or ``(s, i)`` itself. Siblings ``(s', j)``, ``s' >= 1``,
 ``j != i`` belong to other chains and must stay invisible, as must later step-0 rows, other
 segments and later steps: a dense causal mask over the physically concatenated rows would
-train dependencies that do not exist at inference (seed 0x07B).
+train dependencies that do not exist at inference (design 0x07B).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def rollout_visibility(
     row_valid: Tensor,  # [S] bool b_i of the step-0 rows
     steps: int,
 ) -> Tensor:  # [steps, S, steps * S] bool; [s, i, s' * S + j] = (s, i) may attend to (s', j)
-    """Attention mask of an unrolled draft rollout (seed 0x07B, 0x08C).
+    """Attention mask of an unrolled draft rollout (design 0x07B, 0x08C).
 
     ``A[(s, i), (s', j)] = 1`` iff
 
@@ -98,7 +98,7 @@ def rollout_valid(
     supervise: Tensor,  # [S] bool l_t, indexed by the source row
     steps: int,
 ) -> Tensor:  # [steps, S] bool, True = node (s, i) carries a loss
-    """Loss mask of the rollout nodes (seed 0x08C ``rollout_valid_mask(step)``).
+    """Loss mask of the rollout nodes (design 0x08C ``rollout_valid_mask(step)``).
 
     Node ``(s, i)`` is supervised iff slots ``i, i+1, ..., i+s+1`` all exist (``i+s+1 < S``), are
     all valid and all lie in one segment, and ``l_i`` is set. The slot range covers everything
@@ -150,7 +150,7 @@ def no_sibling_or_future_edges(
     segment_id: Tensor,  # [S] int64
     steps: int,
 ) -> bool:
-    """The dependency-graph check of seed 0x07B: True iff ``mask`` has no forbidden edge.
+    """The dependency-graph check of design 0x07B: True iff ``mask`` has no forbidden edge.
 
     Forbidden edges from query ``(s, i)`` to key ``(s', j)``:
 

@@ -1,8 +1,8 @@
-"""Draft training rows: which (batch row, storage index) pairs a drafter trains on (seed 0x02A).
+"""Draft training rows: which (batch row, storage index) pairs a drafter trains on (design 0x02A).
 
 Coordinates are zero-based storage indices ``t`` inside a padded batch row of length ``S``.
 
-Terms (seed 0x02A, 0x03B):
+Terms (design 0x02A, 0x03B):
 
 - **valid** ``v_t`` (``token_valid``): slot ``t`` holds a real token with a teacher feature.
 - **segment** ``seg(t)`` (``segment_id``): packed samples in one batch row carry distinct ids.
@@ -26,7 +26,7 @@ multiplying a loss by zero after an invalid read would not undo that read (NaN *
 
 Zero eligible rows: when ``plan.num_supervised == 0`` both normalised losses are undefined
 (their denominator is ``sum m = 0``); the trainer skips the whole optimizer step, including the
-decoupled weight decay, rather than stepping on a zero or NaN loss (seed 0x03B, 0x04C).
+decoupled weight decay, rather than stepping on a zero or NaN loss (design 0x03B, 0x04C).
 
 Two layouts are offered:
 
@@ -87,7 +87,7 @@ def dense_row_masks(
     segment_id: Tensor,  # [B, S] int64 seg(t)
     supervise: Tensor,  # [B, S] bool l_t, indexed by the source row
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-slot row masks of the dense layout (seed 0x02A).
+    """Per-slot row masks of the dense layout (design 0x02A).
 
     Returns ``(row_valid, row_supervise, row_supervise_hard)``, each ``[B, S]`` bool:
 
@@ -116,7 +116,7 @@ def block_causal_mask(
     segment_id: Tensor,  # [B, S] int64
     row_valid: Tensor,  # [B, S] bool b_t (from dense_row_masks)
 ) -> Tensor:  # [B, S, S] bool, True = query t may attend to key j
-    """Block-causal draft attention for the dense layout (seed 0x02A, 0x03C).
+    """Block-causal draft attention for the dense layout (design 0x02A, 0x03C).
 
     Query row ``t`` sees key row ``j`` iff ``j <= t``, ``seg(j) == seg(t)`` and both rows are
     row-valid, so packed samples never see each other and no row sees padding.
@@ -141,7 +141,7 @@ def dense_gather_rows(
     tokens: Tensor,  # [B, S] int64 x_t
     row_valid: Tensor,  # [B, S] bool b_t (from dense_row_masks)
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Shifted draft-row inputs and targets on the dense grid (seed 0x02A, 0x03B).
+    """Shifted draft-row inputs and targets on the dense grid (design 0x02A, 0x03B).
 
     Returns ``(source_feature [B, S, F], advanced_token [B, S], target_feature [B, S, F])`` with
     row ``t`` holding ``f_t``, ``x_{t+1}``, ``f_{t+1}`` where ``row_valid[b, t]``. Every other row
@@ -174,7 +174,7 @@ def dense_gather_rows(
 
 @dataclass(frozen=True)
 class RowPlan:
-    """The boundary-valid draft rows of a batch, compacted in ``(b, t)`` order (seed 0x02A).
+    """The boundary-valid draft rows of a batch, compacted in ``(b, t)`` order (design 0x02A).
 
     Every planned row has ``b_t = 1``; rows with ``supervise = False`` are context only.
     The target index of a row is ``source + 1``; its advanced token is also read at ``source + 1``.
@@ -224,7 +224,7 @@ def compile_soft_rows(
     supervise: Tensor,  # [B, S] bool l_t, indexed by the source row
     position_id: Tensor,  # [B, S] int64 position of t within its own segment
 ) -> RowPlan:
-    """Plan every boundary-valid row ``b_t = 1`` of the batch, in ``(b, t)`` order (seed 0x02A).
+    """Plan every boundary-valid row ``b_t = 1`` of the batch, in ``(b, t)`` order (design 0x02A).
 
     Only masks are read here; features and tokens are gathered afterwards by `gather_rows`,
     which touches nothing but the planned addresses.
@@ -252,7 +252,7 @@ def gather_rows(
     features: Tensor,  # [B, S, F] teacher features f_t
     tokens: Tensor,  # [B, S] int64 x_t
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Read the planned addresses: ``(f_t [R, F], x_{t+1} [R], f_{t+1} [R, F])`` (seed 0x03B).
+    """Read the planned addresses: ``(f_t [R, F], x_{t+1} [R], f_{t+1} [R, F])`` (design 0x03B).
 
     For one unpadded, unpacked segment this equals ``features[:, :-1]``, ``tokens[:, 1:]`` and
     ``features[:, 1:]``. Only ``(b, t)`` and ``(b, t+1)`` of planned rows are indexed, so padding
@@ -273,7 +273,7 @@ def gather_rows(
 
 
 def row_attention_mask(plan: RowPlan) -> Tensor:  # [R, R] bool, True = row i may attend to row j
-    """Block-causal mask over compacted rows (seed 0x02A).
+    """Block-causal mask over compacted rows (design 0x02A).
 
     Row ``i`` sees row ``j`` iff both come from the same batch row and segment and
     ``source_j <= source_i``. Packed samples never see each other; context rows are visible.

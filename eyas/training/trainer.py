@@ -1,4 +1,4 @@
-"""The drafter trainer: EAGLE-1 (seed 0x04), HASS (seed 0x07) and EAGLE-3 (seed 0x08C).
+"""The drafter trainer: EAGLE-1 (design 0x04), HASS (design 0x07) and EAGLE-3 (design 0x08C).
 
 All three share one *rollout*: on the token grid of one sample (length S), step 0 row ``i`` reads
 the teacher state at ``i`` and token ``x_{i+1}``; step ``s`` row ``i`` reads the drafter's own output
@@ -12,7 +12,7 @@ step 0 plus its own chain (``rollout_visibility``). It is supervised against the
 - ``eagle3``: ``ttt_steps`` steps, three fused taps at step 0, no regression, soft CE over the draft
   vocabulary, weighted ``ttt_decay ** s``.
 
-The target is frozen and owns no gradient (seed 0x04D, asserted each step). A step whose batch
+The target is frozen and owns no gradient (design 0x04D, asserted each step). A step whose batch
 has no supervised row is skipped entirely, weight decay included.
 """
 
@@ -207,7 +207,7 @@ class DrafterTrainer:
         """The sum of ``samples``' own losses, computed *packed*: their rows are concatenated into one
         token grid of ``N`` rows and every rollout step is one drafter pass over all of them. Segment
         ids keep each sample's attention (``rollout_visibility``) and supervision (``rollout_valid``)
-        inside it (seed 0x02A, 0x07B), positions restart per sample, and each sample's loss is the
+        inside it (design 0x02A, 0x07B), positions restart per sample, and each sample's loss is the
         mean over its own supervised rows, as if it ran alone. -> (the sum, or None with no
         supervised row; the supervised-row count)."""
         cfg, d, dev = self.cfg, self.d, self.device
@@ -364,7 +364,7 @@ class DrafterTrainer:
                 losses.append(float(loss.detach()) / max(sum(bool(fb.loss_mask.any()) for fb in group), 1))
                 n_rows += n
         self.step += 1
-        if n_rows == 0:  # nothing supervised: no update, no weight decay (seed 0x04A)
+        if n_rows == 0:  # nothing supervised: no update, no weight decay (design 0x04A)
             self.scheduler.step()
             return None
         self.assert_gradient_ownership()
@@ -374,7 +374,7 @@ class DrafterTrainer:
         return StepStats(sum(losses) / len(losses), n_rows, ())
 
     def assert_gradient_ownership(self) -> None:
-        """The target owns no gradient; the drafter does (seed 0x04D)."""
+        """The target owns no gradient; the drafter does (design 0x04D)."""
         assert all(not p.requires_grad and p.grad is None for p in self.target.parameters()), "target has grads"
         assert any(p.grad is not None for p in self.drafter.parameters()), "drafter has no gradient"
 

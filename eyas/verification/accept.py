@@ -1,10 +1,10 @@
-"""Target-governed acceptance of a flattened draft tree (seed 0x05C).
+"""Target-governed acceptance of a flattened draft tree (design 0x05C).
 
 Terms:
 
 - **accepted rows**: the flat rows of one root->leaf path prefix that the target accepts. They
   always start with row 0, the root (the frontier token of the previous round, which the verify
-  forward has now processed). Their KV and features are what publication commits (seed 0x05D).
+  forward has now processed). Their KV and features are what publication commits (design 0x05D).
 - **accepted tokens**: the candidate tokens of the accepted rows after the root.
 - **frontier token**: the next token chosen by the target at the last accepted row (a correction
   on rejection, a bonus token when the whole path was accepted). It is emitted at once but it is
@@ -181,7 +181,7 @@ def _accept_child(
 
 
 def decide(v: Verified, prompt_ids: list[int], sampling: SamplingParams, generator: torch.Generator) -> AcceptDecision:
-    """The accept step: a pure function of the verified rows (seed 0x05C). A prefill accepts every
+    """The accept step: a pure function of the verified rows (design 0x05C). A prefill accepts every
     prompt row and draws the frontier from the last row; a verify accepts greedily or by the
     stochastic rule below."""
     if v.flat is None:  # prefill: every prompt row is accepted, the frontier comes from the last

@@ -8,7 +8,7 @@ import torch
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.model import DrafterConfig, init_drafter
 from eyas.protocol.messages import Seed
-from eyas.protocol.tree import PARENT_IS_SEED
+from eyas.protocol.tree import PARENT_IS_ROOT
 from eyas.target.model import GrowingKV, eagle1_feature_address, eagle3_feature_address
 
 
@@ -60,7 +60,7 @@ def test_tree_confidences_equal_per_branch_forwards(tiny_target, method, tree):
     assert out.num_nodes == tree.max_candidates
     for i in range(out.num_nodes):
         branch, j = [], i
-        while j != PARENT_IS_SEED:
+        while j != PARENT_IS_ROOT:
             branch.insert(0, int(out.tokens[j]))
             j = int(out.parents[j])
         probs = reference_branch_probs(drafter, tiny_target, seed, branch)

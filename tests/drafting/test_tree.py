@@ -1,4 +1,4 @@
-"""Draft trees and their builders (seed 0x05B, 0x06A-0x06C)."""
+"""Draft trees and their builders (design 0x05B, 0x06A-0x06C)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from eyas.drafting.tree import (
     StaticTreeBuilder,
     chain_choices,
 )
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
 
 Proposal = Callable[[int | None, int], tuple[list[int], list[float]]]
 # (parent token, or None for the seed; k) -> (k tokens, k descending confidences)
@@ -29,7 +29,7 @@ def drive(builder, propose: Proposal) -> None:
     while not builder.done:
         parents = builder.expandable()
         k = builder.children_per_parent
-        rows = [propose(None if p == PARENT_IS_SEED else token_of[p], k) for p in parents]
+        rows = [propose(None if p == PARENT_IS_ROOT else token_of[p], k) for p in parents]
         tokens = torch.tensor([r[0] for r in rows], dtype=torch.int64).reshape(len(parents), k)
         probs = torch.tensor([r[1] for r in rows], dtype=torch.float32).reshape(len(parents), k)
         for i in builder.add_children(parents, tokens, probs):
@@ -38,7 +38,7 @@ def drive(builder, propose: Proposal) -> None:
             token_of[i] = node.token
 
 
-# The seed 0x06C fixture as a drafter: token ids stand for the named candidates.
+# The design 0x06C fixture as a drafter: token ids stand for the named candidates.
 A, B, A1, A2, B1, B2 = 10, 20, 11, 12, 21, 22
 NAMES = {A: "A", B: "B", A1: "A1", A2: "A2", B1: "B1", B2: "B2"}
 SEED_FIXTURE = {  # parent token -> children; B2 (0.03) fills the second column under B
@@ -73,7 +73,7 @@ def test_seed_tree_fixture_budget_four_selects_a_a1_b_b1():
     assert builder.num_built == 6
     tree = builder.select()
     assert [NAMES[t] for t in tree.tokens.tolist()] == ["A", "A1", "B", "B1"]
-    assert tree.parents.tolist() == [PARENT_IS_SEED, 0, PARENT_IS_SEED, 2]
+    assert tree.parents.tolist() == [PARENT_IS_ROOT, 0, PARENT_IS_ROOT, 2]
     assert tree.depths.tolist() == [1, 2, 1, 2]
     assert tree.draft_probs.tolist() == pytest.approx([0.60, 0.80, 0.40, 0.95])
     assert tree.num_nodes == 4 and tree.max_depth == 2
@@ -82,13 +82,13 @@ def test_seed_tree_fixture_budget_four_selects_a_a1_b_b1():
     assert [builder.node(i).log_value for i in selected] == pytest.approx(
         [math.log(v) for v in (0.60, 0.48, 0.40, 0.38)]
     )
-    assert tree.children_of(PARENT_IS_SEED) == [0, 2]
+    assert tree.children_of(PARENT_IS_ROOT) == [0, 2]
     assert tree.children_of(0) == [1]
 
 
 def test_seed_tree_fixture_breadth_first_would_spend_fourth_slot_on_a2():
     """Breadth-first order [A, B, A1, A2, B1] would take A2 (value 0.12) as its fourth node;
-    global reranking by path value excludes A2 and takes B1 (0.38) instead (seed 0x06C)."""
+    global reranking by path value excludes A2 and takes B1 (0.38) instead (design 0x06C)."""
     builder = build_seed_fixture(verify_budget=4)
     breadth_first = [A, B, A1, A2]  # first four of the breadth-first order
     selected = builder.select().tokens.tolist()
@@ -104,12 +104,12 @@ def test_seed_tree_fixture_full_budget_orders_by_value():
 def test_expandable_takes_top_width_of_latest_layer():
     """Width 1: after the seed step only A (0.6) is expanded, never B."""
     builder = DynamicTreeBuilder(expand_width=1, verify_budget=10, max_depth=3)
-    assert builder.expandable() == [PARENT_IS_SEED]
+    assert builder.expandable() == [PARENT_IS_ROOT]
     assert builder.children_per_parent == 1
-    (a,) = builder.add_children([PARENT_IS_SEED], torch.tensor([[A]]), torch.tensor([[0.6]]))
+    (a,) = builder.add_children([PARENT_IS_ROOT], torch.tensor([[A]]), torch.tensor([[0.6]]))
     assert builder.expandable() == [a]
     with pytest.raises(ValueError, match="expandable"):
-        builder.add_children([PARENT_IS_SEED], torch.tensor([[B]]), torch.tensor([[0.4]]))
+        builder.add_children([PARENT_IS_ROOT], torch.tensor([[B]]), torch.tensor([[0.4]]))
 
 
 @pytest.mark.parametrize("budget, depth", [(0, 3), (5, 0)])
@@ -119,7 +119,7 @@ def test_zero_budget_or_depth_gives_empty_tree(budget, depth):
     tree = builder.select()
     assert tree.num_nodes == 0 and tree.max_depth == 0
     with pytest.raises(ValueError, match="done"):
-        builder.add_children([PARENT_IS_SEED], torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]]))
+        builder.add_children([PARENT_IS_ROOT], torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,10 +141,10 @@ CONFIDENCE = st.one_of(
 )
 def test_dynamic_selection_is_global_top_budget(width, depth, budget, data):
     builder = DynamicTreeBuilder(expand_width=width, verify_budget=budget, max_depth=depth)
-    log_value: dict[int, float] = {PARENT_IS_SEED: 0.0}
-    node_depth: dict[int, int] = {PARENT_IS_SEED: 0}
+    log_value: dict[int, float] = {PARENT_IS_ROOT: 0.0}
+    node_depth: dict[int, int] = {PARENT_IS_ROOT: 0}
     node_parent: dict[int, int] = {}
-    layer = [PARENT_IS_SEED]
+    layer = [PARENT_IS_ROOT]
 
     def key(n: int) -> tuple[float, int, int]:
         return (-log_value[n], node_depth[n], n)
@@ -175,10 +175,10 @@ def test_dynamic_selection_is_global_top_budget(width, depth, budget, data):
     tree = builder.select()
     assert tree.num_nodes == len(expected) <= budget
     chosen = set(expected)
-    assert all(node_parent[n] == PARENT_IS_SEED or node_parent[n] in chosen for n in expected)
+    assert all(node_parent[n] == PARENT_IS_ROOT or node_parent[n] in chosen for n in expected)
     for i, p in enumerate(tree.parents.tolist()):  # DraftTree also validates this on construction
-        assert p == PARENT_IS_SEED or 0 <= p < i
-        assert p == PARENT_IS_SEED or expected[p] == node_parent[expected[i]]
+        assert p == PARENT_IS_ROOT or 0 <= p < i
+        assert p == PARENT_IS_ROOT or expected[p] == node_parent[expected[i]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,14 +207,14 @@ def test_dynamic_builder_rejects_bad_knobs(kwargs, field):
 @pytest.mark.parametrize(
     "parents, tokens, probs, problem",
     [
-        ([PARENT_IS_SEED], [[1, 2]], [[-0.1, 0.5]], "finite probability"),
-        ([PARENT_IS_SEED], [[1, 2]], [[float("nan"), 0.5]], "finite probability"),
-        ([PARENT_IS_SEED], [[1, 2]], [[1.5, 0.0]], "finite probability"),
-        ([PARENT_IS_SEED], [[1, 1]], [[0.5, 0.25]], "duplicate token"),
-        ([PARENT_IS_SEED], [[1, 2]], [[0.7, 0.6]], "sibling probability mass"),
+        ([PARENT_IS_ROOT], [[1, 2]], [[-0.1, 0.5]], "finite probability"),
+        ([PARENT_IS_ROOT], [[1, 2]], [[float("nan"), 0.5]], "finite probability"),
+        ([PARENT_IS_ROOT], [[1, 2]], [[1.5, 0.0]], "finite probability"),
+        ([PARENT_IS_ROOT], [[1, 1]], [[0.5, 0.25]], "duplicate token"),
+        ([PARENT_IS_ROOT], [[1, 2]], [[0.7, 0.6]], "sibling probability mass"),
         ([0], [[1, 2]], [[0.5, 0.25]], "expandable"),
-        ([PARENT_IS_SEED], [[1, 2, 3]], [[0.5, 0.25, 0.0]], "children_per_parent"),
-        ([PARENT_IS_SEED], [[-3, 2]], [[0.5, 0.25]], "negative token"),
+        ([PARENT_IS_ROOT], [[1, 2, 3]], [[0.5, 0.25, 0.0]], "children_per_parent"),
+        ([PARENT_IS_ROOT], [[-3, 2]], [[0.5, 0.25]], "negative token"),
     ],
 )
 def test_add_children_rejects_invalid_records(parents, tokens, probs, problem):
@@ -230,16 +230,16 @@ def test_add_children_rejects_invalid_records(parents, tokens, probs, problem):
 def test_add_children_rejects_wrong_dtypes():
     builder = DynamicTreeBuilder(expand_width=1, verify_budget=4, max_depth=2)
     with pytest.raises(ValueError, match="tokens"):
-        builder.add_children([PARENT_IS_SEED], torch.tensor([[1]], dtype=torch.int32), torch.tensor([[0.5]]))
+        builder.add_children([PARENT_IS_ROOT], torch.tensor([[1]], dtype=torch.int32), torch.tensor([[0.5]]))
     with pytest.raises(ValueError, match="probs"):
-        builder.add_children([PARENT_IS_SEED], torch.tensor([[1]]), torch.tensor([[1]]))
+        builder.add_children([PARENT_IS_ROOT], torch.tensor([[1]]), torch.tensor([[1]]))
 
 
 def test_duplicate_token_under_one_parent_listed_twice_is_rejected():
     builder = DynamicTreeBuilder(expand_width=1, verify_budget=4, max_depth=2)
     with pytest.raises(ValueError, match="duplicate token"):
         builder.add_children(
-            [PARENT_IS_SEED, PARENT_IS_SEED],
+            [PARENT_IS_ROOT, PARENT_IS_ROOT],
             torch.tensor([[7], [7]]),
             torch.tensor([[0.5], [0.25]]),
         )
@@ -257,14 +257,14 @@ def _tree(tokens, parents, depths, probs) -> DraftTree:
 @pytest.mark.parametrize(
     "tokens, parents, depths, probs, field",
     [
-        ([1, 2], [1, PARENT_IS_SEED], [2, 1], [0.5, 0.5], "parents"),  # parent after child
-        ([1, 2], [PARENT_IS_SEED, 5], [1, 2], [0.5, 0.5], "parents"),  # parent not in tree
-        ([1, 2], [PARENT_IS_SEED, 0], [1, 3], [0.5, 0.5], "depths"),
-        ([1, 2], [PARENT_IS_SEED, 0], [0, 1], [0.5, 0.5], "depths"),
-        ([1, 1], [PARENT_IS_SEED, PARENT_IS_SEED], [1, 1], [0.5, 0.4], "duplicate token"),
-        ([1, 2], [PARENT_IS_SEED, 0], [1, 2], [0.5, 1.5], "draft_probs"),
-        ([1, 2], [PARENT_IS_SEED, 0], [1, 2], [float("nan"), 0.5], "draft_probs"),
-        ([-1, 2], [PARENT_IS_SEED, 0], [1, 2], [0.5, 0.5], "tokens"),
+        ([1, 2], [1, PARENT_IS_ROOT], [2, 1], [0.5, 0.5], "parents"),  # parent after child
+        ([1, 2], [PARENT_IS_ROOT, 5], [1, 2], [0.5, 0.5], "parents"),  # parent not in tree
+        ([1, 2], [PARENT_IS_ROOT, 0], [1, 3], [0.5, 0.5], "depths"),
+        ([1, 2], [PARENT_IS_ROOT, 0], [0, 1], [0.5, 0.5], "depths"),
+        ([1, 1], [PARENT_IS_ROOT, PARENT_IS_ROOT], [1, 1], [0.5, 0.4], "duplicate token"),
+        ([1, 2], [PARENT_IS_ROOT, 0], [1, 2], [0.5, 1.5], "draft_probs"),
+        ([1, 2], [PARENT_IS_ROOT, 0], [1, 2], [float("nan"), 0.5], "draft_probs"),
+        ([-1, 2], [PARENT_IS_ROOT, 0], [1, 2], [0.5, 0.5], "tokens"),
     ],
 )
 def test_draft_tree_rejects_invalid_fields(tokens, parents, depths, probs, field):
@@ -275,7 +275,7 @@ def test_draft_tree_rejects_invalid_fields(tokens, parents, depths, probs, field
 def test_draft_tree_rejects_bad_layout():
     good = dict(
         tokens=torch.tensor([1], dtype=torch.int64),
-        parents=torch.tensor([PARENT_IS_SEED], dtype=torch.int64),
+        parents=torch.tensor([PARENT_IS_ROOT], dtype=torch.int64),
         depths=torch.tensor([1], dtype=torch.int64),
         draft_probs=torch.tensor([0.5], dtype=torch.float32),
     )
@@ -306,7 +306,7 @@ def test_chain_choices_build_a_chain():
     builder = StaticTreeBuilder(chain_choices(3))
     drive(builder, ranked_proposal)
     tree = builder.select()
-    assert tree.parents.tolist() == [PARENT_IS_SEED, 0, 1]
+    assert tree.parents.tolist() == [PARENT_IS_ROOT, 0, 1]
     assert tree.depths.tolist() == [1, 2, 3]
     assert tree.tokens.tolist() == [1, 11, 111]
     with pytest.raises(ValueError, match="depth"):
@@ -321,11 +321,11 @@ def test_static_choice_list_builds_expected_tree():
     n1   -> n4 (rank 0, token 21); rank 1 under n1 (token 22) is proposed but dropped
     """
     builder = StaticTreeBuilder([[0], [1], [0, 0], [0, 1], [1, 0]])
-    assert builder.expandable() == [PARENT_IS_SEED] and builder.children_per_parent == 2
+    assert builder.expandable() == [PARENT_IS_ROOT] and builder.children_per_parent == 2
     drive(builder, ranked_proposal)
     tree = builder.select()
     assert tree.tokens.tolist() == [1, 2, 11, 12, 21]
-    assert tree.parents.tolist() == [PARENT_IS_SEED, PARENT_IS_SEED, 0, 0, 1]
+    assert tree.parents.tolist() == [PARENT_IS_ROOT, PARENT_IS_ROOT, 0, 0, 1]
     assert tree.depths.tolist() == [1, 1, 2, 2, 2]
     assert tree.draft_probs.tolist() == [0.5, 0.25, 0.5, 0.25, 0.5]
     assert builder.selected_node_ids() == [0, 1, 2, 3, 4]
@@ -369,4 +369,4 @@ def test_static_builder_rejects_bad_choices(choices, problem):
 def test_static_builder_rejects_non_descending_ranks():
     builder = StaticTreeBuilder([[0], [1]])
     with pytest.raises(ValueError, match="descending"):
-        builder.add_children([PARENT_IS_SEED], torch.tensor([[1, 2]]), torch.tensor([[0.2, 0.5]]))
+        builder.add_children([PARENT_IS_ROOT], torch.tensor([[1, 2]]), torch.tensor([[0.2, 0.5]]))

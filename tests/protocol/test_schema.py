@@ -1,4 +1,4 @@
-"""Request validation at the edge: strict types, every bound, the field named (seed 0x05D)."""
+"""Request validation at the edge: strict types, every bound, the field named (design 0x05D)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flattening a draft tree into verify rows, and the wire-contract validator (seed 0x05C)."""
+"""Flattening a draft tree into verify rows, and the wire-contract validator (design 0x05C)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eyas.protocol.tree import (
-    PARENT_IS_SEED,
+    PARENT_IS_ROOT,
     RETRIEVE_PAD,
     ROW_IS_ROOT,
     DraftTree,
@@ -27,10 +27,10 @@ VOCAB = 32
 
 
 def seed_fixture_tree() -> DraftTree:
-    """The selected seed 0x06C tree [A, A1, B, B1] (parents [SEED, 0, SEED, 2])."""
+    """The selected design 0x06C tree [A, A1, B, B1] (parents [SEED, 0, SEED, 2])."""
     return DraftTree(
         tokens=torch.tensor([A, A1, B, B1]),
-        parents=torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED, 2]),
+        parents=torch.tensor([PARENT_IS_ROOT, 0, PARENT_IS_ROOT, 2]),
         depths=torch.tensor([1, 2, 1, 2]),
         draft_probs=torch.tensor([0.60, 0.80, 0.40, 0.95]),
     )
@@ -69,7 +69,7 @@ def test_flatten_pads_retrieve_for_shallow_leaves():
     """Root -> X (leaf) and root -> Y -> Y1: retrieve [[0, 1, PAD], [0, 2, 3]]."""
     tree = DraftTree(
         tokens=torch.tensor([5, 6, 7]),
-        parents=torch.tensor([PARENT_IS_SEED, PARENT_IS_SEED, 1]),
+        parents=torch.tensor([PARENT_IS_ROOT, PARENT_IS_ROOT, 1]),
         depths=torch.tensor([1, 1, 2]),
         draft_probs=torch.tensor([0.5, 0.3, 0.9]),
     )
@@ -94,10 +94,10 @@ def test_empty_tree_flattens_to_root_row():
 def draft_trees(draw, max_nodes: int = 12) -> DraftTree:
     """Random DraftTrees: node i's parent is the seed or an earlier node; token i is unique."""
     n = draw(st.integers(0, max_nodes))
-    parents: list[int] = [draw(st.integers(PARENT_IS_SEED, i - 1)) for i in range(n)]
+    parents: list[int] = [draw(st.integers(PARENT_IS_ROOT, i - 1)) for i in range(n)]
     depths: list[int] = []
     for p in parents:
-        depths.append(1 if p == PARENT_IS_SEED else depths[p] + 1)
+        depths.append(1 if p == PARENT_IS_ROOT else depths[p] + 1)
     return DraftTree(
         tokens=torch.arange(n, dtype=torch.int64),
         parents=torch.tensor(parents, dtype=torch.int64),
@@ -201,7 +201,7 @@ def test_a_draft_tree_pickles_through_lists_and_arrives_equal_and_validated():
 
     t = DraftTree(
         torch.tensor([5, 6, 7]),
-        torch.tensor([PARENT_IS_SEED, PARENT_IS_SEED, 0]),
+        torch.tensor([PARENT_IS_ROOT, PARENT_IS_ROOT, 0]),
         torch.tensor([1, 1, 2]),
         torch.tensor([0.7, 0.1, 1 / 3], dtype=torch.float32),
     )
@@ -213,4 +213,4 @@ def test_a_draft_tree_pickles_through_lists_and_arrives_equal_and_validated():
         assert getattr(back, name).dtype == getattr(t, name).dtype
     assert pickle.loads(pickle.dumps(DraftTree.empty())).num_nodes == 0
     with pytest.raises(ValueError, match="^depths: node 2"):
-        tree_module._draft_tree_from_lists([5, 6, 7], [PARENT_IS_SEED, PARENT_IS_SEED, 0], [1, 1, 3], [0.7, 0.1, 0.2])
+        tree_module._draft_tree_from_lists([5, 6, 7], [PARENT_IS_ROOT, PARENT_IS_ROOT, 0], [1, 1, 3], [0.7, 0.1, 0.2])

@@ -10,7 +10,7 @@ from eyas.protocol import wire
 from eyas.protocol.codec import encode_tensor
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.schema import parse_request
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree, flatten_tree
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree, flatten_tree
 from eyas.protocol.tree import ROW_IS_ROOT as ROOT
 from eyas.protocol.wire import WireError
 
@@ -19,10 +19,10 @@ A, A1, B, B1 = 10, 11, 20, 21
 
 
 def tree() -> DraftTree:
-    """The seed 0x06C tree [A, A1, B, B1] (parents [SEED, 0, SEED, 2])."""
+    """The design 0x06C tree [A, A1, B, B1] (parents [SEED, 0, SEED, 2])."""
     return DraftTree(
         torch.tensor([A, A1, B, B1]),
-        torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED, 2]),
+        torch.tensor([PARENT_IS_ROOT, 0, PARENT_IS_ROOT, 2]),
         torch.tensor([1, 2, 1, 2]),
         torch.tensor([0.6, 0.8, 0.4, 0.95]),
     )

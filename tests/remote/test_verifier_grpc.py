@@ -15,7 +15,7 @@ from eyas.generate import generate
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.codec import encode_tensor
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree, flatten_tree
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree, flatten_tree
 from eyas.protocol.tree import ROW_IS_ROOT as ROOT
 from eyas.remote.verifier_client import RemoteRejected, RemoteVerifier, generate_remote
 from eyas.remote.verifier_server import serve_verifier
@@ -149,7 +149,7 @@ def test_malformed_messages_are_refused_and_touch_nothing(tiny_target, server, c
     vocab, base, frontier, rnd = s.info.vocab_size, s.committed_len, s.frontier_token, s.round + 1
     tree = DraftTree(
         torch.tensor([4, 9, 6]),
-        torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED]),
+        torch.tensor([PARENT_IS_ROOT, 0, PARENT_IS_ROOT]),
         torch.tensor([1, 2, 1]),
         torch.tensor([0.5, 0.5, 0.5]),
     )

@@ -1,4 +1,4 @@
-"""The expert-traffic part of the cost model (seed 0x09A): worked examples, an exact expectation, calibration."""
+"""The expert-traffic part of the cost model (design 0x09A): worked examples, an exact expectation, calibration."""
 
 from __future__ import annotations
 

@@ -236,7 +236,7 @@ def test_the_work_a_loop_reports_counts_rows_still_to_run_and_falls_to_zero_when
                 max_new_tokens=max_new,
                 tree=TreeSpec(),
                 sampling=SamplingParams(),
-                seed_value=0,
+                rng_seed=0,
                 on_tokens=None,
                 future=concurrent.futures.Future(),
                 cancel=threading.Event(),

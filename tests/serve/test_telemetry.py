@@ -6,7 +6,7 @@ import torch
 
 from eyas.generate import RoundRecord
 from eyas.protocol.messages import AcceptDecision
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree, flatten_tree
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree, flatten_tree
 from eyas.serve.telemetry import Telemetry, acceptance_by, confidence_bucket
 
 
@@ -15,7 +15,7 @@ def one_round() -> RoundRecord:
     The target accepts A only: accepted_rows [0, 1], frontier 42."""
     tree = DraftTree(
         torch.tensor([10, 11, 20]),
-        torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED]),
+        torch.tensor([PARENT_IS_ROOT, 0, PARENT_IS_ROOT]),
         torch.tensor([1, 2, 1]),
         torch.tensor([0.95, 0.45, 0.05]),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.model import eagle1_feature_address
 from eyas.verification.accept import greedy_accept
@@ -20,9 +20,9 @@ def tree(tokens, parents, depths) -> DraftTree:
 
 
 TREES = {  # different sizes and shapes per request
-    "a": tree([4, 9, 6, 2], [PARENT_IS_SEED, 0, PARENT_IS_SEED, 1], [1, 2, 1, 3]),
+    "a": tree([4, 9, 6, 2], [PARENT_IS_ROOT, 0, PARENT_IS_ROOT, 1], [1, 2, 1, 3]),
     "b": DraftTree.empty(),
-    "c": tree([11, 12, 13, 14, 15, 16], [PARENT_IS_SEED, 0, 1, PARENT_IS_SEED, 3, 0], [1, 2, 3, 1, 2, 2]),
+    "c": tree([11, 12, 13, 14, 15, 16], [PARENT_IS_ROOT, 0, 1, PARENT_IS_ROOT, 3, 0], [1, 2, 3, 1, 2, 2]),
 }
 
 

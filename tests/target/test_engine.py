@@ -1,4 +1,4 @@
-"""The target engine's publish transaction (seed 0x05D)."""
+"""The target engine's publish transaction (design 0x05D)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eyas.protocol.messages import AcceptDecision
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.model import eagle1_feature_address
 
@@ -54,7 +54,7 @@ def test_publication_fixture_rows_0_and_2(tiny_target):
     eng, _, _ = prefilled(tiny_target)
     s = eng.sessions["r"]
     n, root = s.committed_len, s.frontier_token
-    v = eng.verify("r", tree([20, 21], [PARENT_IS_SEED, PARENT_IS_SEED], [1, 1]))
+    v = eng.verify("r", tree([20, 21], [PARENT_IS_ROOT, PARENT_IS_ROOT], [1, 1]))
     row_k = eng.kv.k[:, s.kv_row]  # [L, H_kv, slots, hd]: this request's KV row
     prov_k = row_k[:, :, n : n + 3].clone()
     features = v.features.clone()
@@ -70,7 +70,7 @@ def test_publication_fixture_rows_0_and_2(tiny_target):
 
 def test_duplicate_publish_is_a_noop(tiny_target):
     eng, _, _ = prefilled(tiny_target)
-    v = eng.verify("r", tree([20], [PARENT_IS_SEED], [1]))
+    v = eng.verify("r", tree([20], [PARENT_IS_ROOT], [1]))
     d = AcceptDecision(torch.tensor([0, 1]), torch.tensor([20]), 3)
     _, ack1 = eng.publish("r", v.round, d)
     before = snapshot(eng)
@@ -82,7 +82,7 @@ def test_duplicate_publish_is_a_noop(tiny_target):
 def test_stale_or_future_round_is_refused(tiny_target, round_delta):
     eng, _, _ = prefilled(tiny_target)
     eng.publish("r", 0, AcceptDecision(torch.arange(len(PROMPT)), torch.tensor(PROMPT[1:]), 1))  # dup: no-op
-    v = eng.verify("r", tree([20], [PARENT_IS_SEED], [1]))
+    v = eng.verify("r", tree([20], [PARENT_IS_ROOT], [1]))
     before = snapshot(eng)
     stale = v.round + round_delta if round_delta > 0 else v.round - 2
     with pytest.raises(ValueError, match="round"):
@@ -93,7 +93,7 @@ def test_stale_or_future_round_is_refused(tiny_target, round_delta):
 @pytest.mark.parametrize("bad", ["rows_past_tree", "tokens_mismatch", "frontier_oov"])
 def test_bad_decision_leaves_committed_state_unchanged(tiny_target, bad):
     eng, _, _ = prefilled(tiny_target)
-    v = eng.verify("r", tree([20, 21], [PARENT_IS_SEED, 0], [1, 2]))
+    v = eng.verify("r", tree([20, 21], [PARENT_IS_ROOT, 0], [1, 2]))
     before = snapshot(eng)
     d = {
         "rows_past_tree": AcceptDecision(torch.tensor([0, 1, 5]), torch.tensor([20, 21]), 3),

@@ -1,4 +1,4 @@
-"""Expert-union accounting per request inside a batched verify (seed 0x09A), on a tiny random Mixtral."""
+"""Expert-union accounting per request inside a batched verify (design 0x09A), on a tiny random Mixtral."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eyas.protocol.messages import AcceptDecision
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.experts import expert_bytes, expert_union
 from tests.testing import ours_from_hf, tiny_hf_mixtral
@@ -15,13 +15,13 @@ PROMPTS = {"a": [1, 2, 3, 4, 5], "b": [9, 8, 7], "c": [20, 21, 22, 23, 24, 25, 2
 TREES = {  # a: a 4-node tree of two branches; b: plain (root row only); c: a chain of 2
     "a": DraftTree(
         torch.tensor([10, 11, 12, 13]),
-        torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED, 2]),
+        torch.tensor([PARENT_IS_ROOT, 0, PARENT_IS_ROOT, 2]),
         torch.tensor([1, 2, 1, 2]),
         torch.full((4,), 0.5),
     ),
     "b": DraftTree.empty(),
     "c": DraftTree(
-        torch.tensor([30, 31]), torch.tensor([PARENT_IS_SEED, 0]), torch.tensor([1, 2]), torch.full((2,), 0.5)
+        torch.tensor([30, 31]), torch.tensor([PARENT_IS_ROOT, 0]), torch.tensor([1, 2]), torch.full((2,), 0.5)
     ),
 }
 

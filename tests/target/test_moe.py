@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eyas.protocol.messages import AcceptDecision
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.experts import expert_bytes, expert_union
 from eyas.target.model import MoE, TargetConfig
@@ -76,7 +76,7 @@ def test_a_verify_records_the_union_of_experts_its_rows_route_to(moe_pair):
     e.publish("m", v.round, AcceptDecision(torch.arange(5), torch.tensor(prompt[1:]), 6))
     tree = DraftTree(
         torch.tensor([10, 11, 12, 13]),
-        torch.tensor([PARENT_IS_SEED, 0, PARENT_IS_SEED, 2]),
+        torch.tensor([PARENT_IS_ROOT, 0, PARENT_IS_ROOT, 2]),
         torch.tensor([1, 2, 1, 2]),
         torch.full((4,), 0.5),
     )

@@ -1,4 +1,4 @@
-"""Draft training losses, noise, draft vocabulary, metrics (seed 0x04, 0x07A, 0x08C, 0x09)."""
+"""Draft training losses, noise, draft vocabulary, metrics (design 0x04, 0x07A, 0x08C, 0x09)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def seeded(seed: int) -> torch.Generator:
 
 
 # --------------------------------------------------------------------------------------------
-# EAGLE-1 (seed 0x04A-0x04B)
+# EAGLE-1 (design 0x04A-0x04B)
 # --------------------------------------------------------------------------------------------
 
 
@@ -59,7 +59,7 @@ def test_smooth_l1_worked_example():
 
 
 def test_smooth_l1_matches_piecewise_formula_with_beta():
-    """Random residuals spanning both branches, beta = 0.3, against the seed 0x04A formula."""
+    """Random residuals spanning both branches, beta = 0.3, against the design 0x04A formula."""
     gen = seeded(0)
     pred = torch.randn(5, 4, generator=gen)
     target = torch.randn(5, 4, generator=gen)
@@ -72,7 +72,7 @@ def test_smooth_l1_matches_piecewise_formula_with_beta():
 
 
 def test_soft_cross_entropy_is_entropy_plus_kl():
-    """L_cls = H(q) + KL(q || p) over the masked rows (seed 0x04B)."""
+    """L_cls = H(q) + KL(q || p) over the masked rows (design 0x04B)."""
     gen = seeded(1)
     logits = torch.randn(4, 7, generator=gen)
     q = torch.softmax(torch.randn(4, 7, generator=gen), dim=-1)
@@ -154,7 +154,7 @@ def test_invalid_inputs_name_the_field():
 
 
 # --------------------------------------------------------------------------------------------
-# HASS top-K (seed 0x07A)
+# HASS top-K (design 0x07A)
 # --------------------------------------------------------------------------------------------
 
 
@@ -195,7 +195,7 @@ def test_topk_distillation_general_and_full_k():
 
 
 # --------------------------------------------------------------------------------------------
-# EAGLE-3 (seed 0x08C)
+# EAGLE-3 (design 0x08C)
 # --------------------------------------------------------------------------------------------
 
 
@@ -247,7 +247,7 @@ def test_draft_vocab_targets_renormalise_over_draft_vocab():
 
 
 # --------------------------------------------------------------------------------------------
-# noise (seed 0x04E)
+# noise (design 0x04E)
 # --------------------------------------------------------------------------------------------
 
 

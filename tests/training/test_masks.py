@@ -1,4 +1,4 @@
-"""Rollout visibility as a dependency graph (seed 0x07B HASS, 0x08C EAGLE-3 TTT)."""
+"""Rollout visibility as a dependency graph (design 0x07B HASS, 0x08C EAGLE-3 TTT)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def edges_of(mask: torch.Tensor, seq: int) -> set[tuple[Node, Node]]:
 
 
 def graph_violations(edges: set[tuple[Node, Node]], segment: list[int]) -> list[str]:
-    """Independent (pure python) statement of the seed 0x07B graph rules."""
+    """Independent (pure python) statement of the design 0x07B graph rules."""
     bad = []
     for (s, i), (s2, j) in edges:
         if s2 > s:
@@ -312,7 +312,7 @@ def test_invalid_inputs_name_the_field():
 
 
 def test_step_zero_agrees_with_dense_block_causal_mask():
-    """For row-valid queries, step 0 of the rollout is the one-step dense mask of seed 0x02A."""
+    """For row-valid queries, step 0 of the rollout is the one-step dense mask of design 0x02A."""
     from eyas.training.rows import block_causal_mask, dense_row_masks
 
     valid = bool_t([[1, 1, 1, 1, 1, 1, 0]])

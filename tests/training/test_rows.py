@@ -1,4 +1,4 @@
-"""Draft training rows: index shift, soft/hard masks, packing, padding (seed 0x02A, 0x03B, 0x09)."""
+"""Draft training rows: index shift, soft/hard masks, packing, padding (design 0x02A, 0x03B, 0x09)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def positions_for(segment_id: torch.Tensor) -> torch.Tensor:  # [B, S] position 
 
 
 # --------------------------------------------------------------------------------------------
-# golden: the seed 0x09 row oracle
+# golden: the design 0x09 row oracle
 # --------------------------------------------------------------------------------------------
 
 
@@ -203,7 +203,7 @@ def test_two_packed_segments_in_one_row():
 
 def test_zero_eligible_rows():
     """No supervised row -> num_supervised == 0: the trainer then skips the optimizer step,
-    including weight decay (seed 0x03B, 0x04C).
+    including weight decay (design 0x03B, 0x04C).
 
     Case 1: all rows context-only (supervise all False): 3 rows planned, 0 supervised.
     Case 2: only single-token samples / padding: no row is planned at all.
@@ -246,7 +246,7 @@ def test_interior_invalid_slot_breaks_rows_but_not_context():
 
 
 def test_dense_masks_match_formulas_and_plan():
-    """Dense masks equal b_t, m_soft, m_hard of seed 0x02A and agree with the compact plan."""
+    """Dense masks equal b_t, m_soft, m_hard of design 0x02A and agree with the compact plan."""
     valid = bool_t([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
     segment = long_t([[0, 0, 0, 0, 0, 0], [4, 4, 4, 5, 5, 5]])
     supervise = bool_t([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])

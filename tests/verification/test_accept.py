@@ -1,4 +1,4 @@
-"""Greedy and exact stochastic acceptance of a flattened tree (seed 0x05C, 0x05D, 0x09)."""
+"""Greedy and exact stochastic acceptance of a flattened tree (design 0x05C, 0x05D, 0x09)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from eyas.protocol.messages import AcceptDecision
-from eyas.protocol.tree import PARENT_IS_SEED, DraftTree, FlatTree, flatten_tree
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree, FlatTree, flatten_tree
 from eyas.verification.accept import greedy_accept, stochastic_accept
 from eyas.verification.sampling import SamplingParams, target_probs
 
-SEED = PARENT_IS_SEED
+SEED = PARENT_IS_ROOT
 VOCAB = 16
 FRONTIER = 3
 
@@ -67,7 +67,7 @@ def test_greedy_full_path_gets_bonus_frontier():
 
 def test_greedy_repeated_token_is_identified_by_row():
     """Token 7 sits at rows 2 (under A) and 4 (under B). The target follows B, so the accepted
-    row is 4; reconstructing it by token equality would find row 2 first (seed 0x05D)."""
+    row is 4; reconstructing it by token equality would find row 2 first (design 0x05D)."""
     flat = make_flat(**REPEATED)
     decision = greedy_accept(flat, logits_with_argmax([6, 7, 0, 7, 1]))
     assert decision.accepted_rows.tolist() == [0, 3, 4]
