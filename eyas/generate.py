@@ -72,6 +72,7 @@ class GenerationResult:
     rounds: tuple[RoundStats, ...] = field(default_factory=tuple)
     drafter_fallback: bool = False  # the drafter failed and the rest of the request ran target-only
     drafter_reseeds: int = 0  # times the drafter was reseeded from the target's committed state
+    cached_tokens: int = 0  # prompt tokens whose K/V and features came from the target's prefix cache
 
     @property
     def target_forwards(self) -> int:
@@ -163,6 +164,7 @@ def generate(
         draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens),
     )
     target.open_session(request_id, prompt_ids, max_new_tokens, tree.max_candidates + 1 if drafter is not None else 1)
+    cached_tokens = target.sessions[request_id].cached_tokens
     try:
         t_start = time.perf_counter()
         emitted = round_step(*sides, [], [state]).published[request_id].tokens  # the prefill: round 0
@@ -191,7 +193,12 @@ def generate(
             drafter.close_session(request_id)
     token_ids, reason = finish(out, max_new_tokens, stop_ids, stopped=stopped)
     return GenerationResult(
-        token_ids=token_ids, finish_reason=reason, prefill_s=prefill_s, wall_s=wall_s, rounds=tuple(rounds)
+        token_ids=token_ids,
+        finish_reason=reason,
+        prefill_s=prefill_s,
+        wall_s=wall_s,
+        rounds=tuple(rounds),
+        cached_tokens=cached_tokens,
     )
 
 

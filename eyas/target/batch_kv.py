@@ -147,6 +147,16 @@ class BatchKV:
         self.k[:, kv_row, :, dst_start : dst_start + a] = k_rows
         self.v[:, kv_row, :, dst_start : dst_start + a] = v_rows
 
+    def write_prefix(self, kv_row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store keys/values ([L, H_kv, n, hd] each) at slots ``[0, n)`` of ``kv_row`` (a prefix-cache hit)."""
+        n = keys.shape[2]
+        self.k[:, kv_row, :, :n] = keys
+        self.v[:, kv_row, :, :n] = values
+
+    def read_span(self, kv_row: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of ``kv_row``'s keys and values at slots ``[start, stop)`` ([L, H_kv, stop - start, hd] each)."""
+        return self.k[:, kv_row, :, start:stop].clone(), self.v[:, kv_row, :, start:stop].clone()
+
     def move(self, src_row: int, dst_row: int, slots: int) -> None:
         """Copy the first ``slots`` slots of KV row ``src_row`` into ``dst_row`` (compaction on close)."""
         self.k[:, dst_row, :, :slots] = self.k[:, src_row, :, :slots]

@@ -26,6 +26,7 @@ from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.target.batch_kv import BatchKV, BatchRows, RowGroup
 from eyas.target.experts import expert_bytes, expert_union
 from eyas.target.model import FeatureTap, MoE, TargetModel
+from eyas.target.prefix_cache import BLOCK_TOKENS, CachedBlock, PrefixCache, block_hashes
 
 PREFILL_ROUND = 0  # the round number of the prompt's prefill; speculation rounds count from 1
 
@@ -87,6 +88,7 @@ class TargetSession:
     features: list[torch.Tensor] = field(default_factory=list)  # per publish [A, F]: committed rows' features
     prefilled: int = 0  # prompt rows with provisional K/V so far (chunked prefill)
     prefill_features: list[torch.Tensor] = field(default_factory=list)  # per chunk [T, F]
+    cached_tokens: int = 0  # prompt rows whose K/V and features came from the prefix cache
 
 
 class TargetEngine:
@@ -94,11 +96,15 @@ class TargetEngine:
     (:class:`~eyas.target.batch_kv.BatchKV`): a round's prefill chunks, decode rows and tree rows
     all run as one forward with one attention call per layer (:meth:`step`)."""
 
-    def __init__(self, model: TargetModel, taps: tuple[FeatureTap, ...]):
+    def __init__(self, model: TargetModel, taps: tuple[FeatureTap, ...], prefix_cache_bytes: int = 0):
+        """``prefix_cache_bytes``: the budget of the prefix cache (``eyas.target.prefix_cache``; 0: off):
+        committed K/V and feature rows of prompts and answers seen before, reused by a new prompt
+        that starts the same way."""
         self.model = model
         self.cfg = model.cfg
         self.taps = taps
         self.sessions: dict[str, TargetSession] = {}
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         w = model.embed.weight
         self.kv = BatchKV(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, w.dtype, w.device)
         self.last_expert_union: tuple[tuple[int, ...], ...] = ()  # MoE: experts the last verify touched, per layer
@@ -138,13 +144,58 @@ class TargetEngine:
                 f"tree's {max_tree_rows} rows exceed the context ({self.cfg.max_context}{window}); "
                 "ask for a smaller tree or fewer tokens"
             )
-        self.sessions[request_id] = TargetSession(
+        s = TargetSession(
             request_id, self.kv.open_row(request_id, slots), slots, len(prompt_ids), tokens=list(prompt_ids)
         )
+        self.sessions[request_id] = s
+        if self.prefix_cache.capacity_bytes:
+            # the longest cached prefix, short of the last prompt token (its logits give the first token)
+            hit = self.prefix_cache.lookup(s.tokens, s.prompt_len - 1)
+            if hit:
+                n = len(hit) * BLOCK_TOKENS
+                self.kv.write_prefix(
+                    s.kv_row, torch.cat([b.keys for b in hit], dim=2), torch.cat([b.values for b in hit], dim=2)
+                )
+                s.prefill_features = [torch.cat([b.features for b in hit])]
+                s.prefilled = s.cached_tokens = n
 
     def close_session(self, request_id: str) -> None:
-        """Forget a request; the last KV row moves into its place, so live rows stay ``[0, live)``."""
+        """Forget a request (its committed blocks offered to the prefix cache first); the last KV row
+        moves into its place, so live rows stay ``[0, live)``."""
+        s = self.sessions.get(request_id)
+        if s is not None and s.committed_len:
+            self._offer_blocks(s)
         self.kv.close_session(self.sessions, request_id)
+
+    def _offer_blocks(self, s: TargetSession) -> None:
+        """Put ``s``'s committed full blocks that the prefix cache lacks into it: K/V copied from its
+        committed slots, features from its committed rows (design 0x05D: committed state only; each
+        block complete before it is visible)."""
+        cache = self.prefix_cache
+        if not cache.capacity_bytes:
+            return
+        missing = cache.missing(s.tokens, s.committed_len)
+        if missing:
+            features = torch.cat(s.features)  # [committed_len, F]
+            new = {}
+            for i, h in missing:
+                a, b = i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS
+                keys, values = self.kv.read_span(s.kv_row, a, b)
+                new[h] = CachedBlock(keys, values, features[a:b].clone())
+            cache.insert_chain(block_hashes(s.tokens, s.committed_len // BLOCK_TOKENS), new)
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """The prefix cache's counters (tokens queried and hit, blocks in and out) and its bytes."""
+        st = self.prefix_cache.stats
+        return {
+            "queries": st.queries,
+            "hits": st.hits,
+            "inserted_blocks": st.inserted_blocks,
+            "evicted_blocks": st.evicted_blocks,
+            "blocks": len(self.prefix_cache.blocks),
+            "bytes": self.prefix_cache.nbytes,
+            "capacity_bytes": self.prefix_cache.capacity_bytes,
+        }
 
     def kv_slots_allocated(self) -> int:
         """KV slots reserved by live sessions (the leak invariant: 0 once every session is closed)."""
@@ -369,4 +420,6 @@ class TargetEngine:
         s.frontier_token = decision.frontier_token
         s.pending, s.round, s.last_ack, s.last_seed = None, round, ack, seed
         s.committed_len = n + a
+        if v.flat is None:  # the prompt is committed: its blocks serve the next request that shares them
+            self._offer_blocks(s)
         return seed, ack
