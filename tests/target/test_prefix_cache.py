@@ -41,7 +41,7 @@ def test_the_budget_evicts_the_least_recently_used_leaf_first():
     one = block().nbytes
     cache = PrefixCache(3 * one)
     chain = tokens(4 * BLOCK_TOKENS, 2)
-    for i, h in cache.missing(chain, 3 * BLOCK_TOKENS):
+    for _i, h in cache.missing(chain, 3 * BLOCK_TOKENS):
         cache.insert(h, block())
     cache.touch_chain(chain, 3 * BLOCK_TOKENS)
     other = tokens(BLOCK_TOKENS, 3)
