@@ -118,9 +118,14 @@ class Eyas:
         loaded: LoadedTarget | None = None,
         dtype: str = "float32",
         device: str = "cpu",
+        prefix_cache_bytes: int = 0,
     ):
         """``dtype``: the compute dtype at precision fp32 (float32, bfloat16, float16); ``device``:
-        where the target and its drafters compute (cpu, cuda, cuda:N; not yet run on a GPU)."""
+        where the target and its drafters compute (cpu, cuda, cuda:N; not yet run on a GPU);
+        ``prefix_cache_bytes``: the target engines' prefix cache across ``generate`` calls (0: off)."""
+        from eyas.target.prefix_cache import PrefixCache
+
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)  # checked before the load, naming the knob
         self.loaded = loaded or load_target(target, precision, device=device, dtype=dtype)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
@@ -138,7 +143,7 @@ class Eyas:
     # --- engines ----------------------------------------------------------------------------------
     def target_engine(self, taps: tuple[FeatureTap, ...]) -> TargetEngine:
         if taps not in self._targets:
-            self._targets[taps] = TargetEngine(self.model, taps)
+            self._targets[taps] = TargetEngine(self.model, taps, self.prefix_cache)
         return self._targets[taps]
 
     def drafter(self, method: str, path: str | None = None) -> DrafterHandle:
@@ -248,6 +253,7 @@ def build_report(
         "hop_s": r.hop_s,
         "drafter_fallback": r.drafter_fallback,
         "drafter_reseeds": r.drafter_reseeds,
+        "cached_tokens": r.cached_tokens,
         "precision": precision,
         "drafter": drafter if req.method != "target" else None,
         "tree": None

@@ -39,6 +39,7 @@ from eyas.protocol.tree import DraftTree, FlatTree
 from eyas.step import Decided, Published
 from eyas.target.engine import PrefillProgress, TargetEngine
 from eyas.target.model import FeatureTap, TargetModel
+from eyas.target.prefix_cache import PrefixCache
 from eyas.verification.accept import decide
 from eyas.verification.sampling import SamplingParams
 
@@ -99,7 +100,10 @@ def _same_rows(a: FlatTree, b: FlatTree) -> bool:
 class TargetWorker:
     """One target model; one :class:`TargetEngine` per feature address that sessions ask for."""
 
-    def __init__(self, model: TargetModel, name: str = "target"):
+    def __init__(self, model: TargetModel, name: str = "target", prefix_cache_bytes: int = 0):
+        """``prefix_cache_bytes``: the budget of the prefix cache its engines share (``eyas.target.prefix_cache``;
+        0: off), checked here, naming it, before any engine exists."""
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.model = model
         self.cfg = model.cfg
         self.name = name
@@ -115,6 +119,7 @@ class TargetWorker:
         threads: int | None = None,
         dtype: str = "float32",
         device: str = "cpu",
+        prefix_cache_bytes: int = 0,
     ) -> TargetWorker:
         """Load ``target`` (see ``eyas.target.loader.load_target``); ``threads``: torch CPU threads;
         ``dtype``: the compute dtype at precision fp32; ``device``: where it computes."""
@@ -124,7 +129,9 @@ class TargetWorker:
             torch.set_num_threads(threads)
         suffix = "" if dtype == "float32" else f"/{dtype}"
         return cls(
-            load_target(target, precision, device=device, dtype=dtype).model, name=f"{target}/{precision}{suffix}"
+            load_target(target, precision, device=device, dtype=dtype).model,
+            name=f"{target}/{precision}{suffix}",
+            prefix_cache_bytes=prefix_cache_bytes,
         )
 
     def engine_for(self, taps: tuple[FeatureTap, ...]) -> TargetEngine:
@@ -132,7 +139,7 @@ class TargetWorker:
             if not 0 <= tap.layers_applied <= self.cfg.num_layers:
                 raise ValueError(f"tap_layers: {tap.layers_applied} is outside [0, {self.cfg.num_layers}]")
         if taps not in self.engines:
-            self.engines[taps] = TargetEngine(self.model, taps)
+            self.engines[taps] = TargetEngine(self.model, taps, self.prefix_cache)
         return self.engines[taps]
 
     # --- the Verifier messages -------------------------------------------------------------------
@@ -410,6 +417,15 @@ class TargetWorker:
 
         curve = measure_curve(run, tuple(rows), repeats=repeats, warmup=1)
         return dict(zip(curve.rows, curve.ms))
+
+    def cached_tokens(self, request_id: str) -> int:
+        """The prompt tokens of a live request that its engine's prefix cache supplied."""
+        s = self._session(request_id)
+        return s.engine.sessions[request_id].cached_tokens
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """The prefix cache its engines share: tokens queried and hit, blocks, bytes held and allowed."""
+        return self.prefix_cache.as_dict()
 
     # --- the leak invariant --------------------------------------------------------------------
     def leak_check(self) -> dict:

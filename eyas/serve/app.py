@@ -254,6 +254,7 @@ def _stats(report: dict) -> pb.GenerateStats:
         hop_ms=1000 * report["hop_s"],
         drafter_reseeds=report["drafter_reseeds"],
         resumes=report.get("resumes", 0),
+        cached_tokens=report.get("cached_tokens", 0),
     )
 
 
@@ -638,6 +639,8 @@ def merge_reports(reports: list[dict], scheduler: str) -> dict:
         "replicas": {kind: sum(r["kind"] == kind for r in reports) for kind in ("target", "drafter")},
         "scheduler": {"policy": scheduler, "loops": {r["replica"]: r["loop"] for r in reports if "loop" in r}},
         "autoscaling": {r["replica"]: dict(r.get("autoscaling", {}), kind=r["kind"]) for r in reports},
+        # each target replica's prefix cache: tokens queried and hit, blocks, bytes held and allowed
+        "prefix_cache": {r["replica"]: r["prefix_cache"] for r in reports if "prefix_cache" in r},
     }
 
 

@@ -22,8 +22,8 @@ class ServeConfig(BaseModel):
 
     target: str = DEFAULT_TARGET
     precision: Literal[PRECISIONS] = "fp32"
-    # the target's compute dtype at precision fp32; greedy speculative output is exact at float32 and
-    # can differ from target-only at bfloat16 / float16 on a real model (docs/architecture.md)
+    # the target's compute dtype at precision fp32 (half precision is made batch-invariant, so greedy
+    # speculative output stays exact: docs/architecture.md, "Precision modes")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # where the replicas compute: "cpu", "cuda" or "cuda:N"; None = the GPU Ray assigned a replica
     # whose kind reserves one (`target_num_gpus` / `drafter_num_gpus` > 0; Ray makes it "cuda"),
@@ -65,6 +65,10 @@ class ServeConfig(BaseModel):
     max_expert_bytes: int | None = Field(None, ge=1)
     curve_repeats: int = Field(3, ge=1)  # timings per row count when the latency curve is measured
     kv_capacity_bytes: int = Field(2 * 1024**3, gt=0)  # a target replica's KV budget (the autoscaler's KV signal)
+    # each target replica's prefix cache (committed K/V and features of prompts and answers seen before,
+    # reused by a prompt that starts the same way); 0 = off. The default holds about 20,000 tokens of
+    # the default target (53 KB a token with EAGLE-3's taps: docs/serving.md, "Prefix cache")
+    prefix_cache_bytes: int = Field(1024**3, ge=0)
     # clients must send `Authorization: Bearer <key>` (HTTP) or that metadata (gRPC); None = open.
     # `eyas serve --api-key` or EYAS_API_KEY set it too. Never logged.
     api_key: str | None = Field(None, min_length=1, repr=False)

@@ -143,7 +143,9 @@ class EyasTarget:
         self.replica_id = _replica_id()
         self.worker_lock = threading.Lock()
         self.device = c.device_for("target")
-        self.worker = compute.run(TargetWorker.load, c.target, c.precision, c.torch_threads, c.dtype, self.device)
+        self.worker = compute.run(
+            TargetWorker.load, c.target, c.precision, c.torch_threads, c.dtype, self.device, c.prefix_cache_bytes
+        )
         self.locked = _Locked(self.worker, self.worker_lock)
         self.tokenizer = load_tokenizer(c.target)
         self.telemetry = Telemetry(
@@ -151,6 +153,7 @@ class EyasTarget:
         )
         self.telemetry.add_kv_source(lambda: {"target": self.locked.leak_check()["kv_bytes_allocated"]})
         self.telemetry.add_queue_source(lambda: self.loop.work()["pending"])
+        self.telemetry.add_prefix_cache_source(lambda: self.locked.prefix_cache_stats())
         self.drafter = (
             None
             if drafter is None
@@ -345,6 +348,7 @@ class EyasTarget:
                 **work,
             },
             "autoscaling": self._autoscaling(work, leak),
+            "prefix_cache": self.locked.prefix_cache_stats(),
             "telemetry": self.telemetry.snapshot(),
             "prometheus": self.telemetry.prometheus_text(),
         }

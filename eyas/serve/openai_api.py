@@ -294,11 +294,14 @@ def spec_stats(report: dict) -> dict:
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` always (the prompt tokens the
+    target's prefix cache supplied)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -320,7 +323,7 @@ def response(req: OpenAIRequest, response_id: str, created: int, report: dict) -
         "created": created,
         "model": req.model,
         "choices": [choice],
-        "usage": usage(len(req.prompt_ids), report["new_tokens"]),
+        "usage": usage(len(req.prompt_ids), report["new_tokens"], report.get("cached_tokens", 0)),
         "eyas": spec_stats(report),
     }
 
@@ -347,7 +350,7 @@ def usage_chunk(req: OpenAIRequest, response_id: str, created: int, report: dict
         "created": created,
         "model": req.model,
         "choices": [],
-        "usage": usage(len(req.prompt_ids), report["new_tokens"]),
+        "usage": usage(len(req.prompt_ids), report["new_tokens"], report.get("cached_tokens", 0)),
         "eyas": spec_stats(report),
     }
 

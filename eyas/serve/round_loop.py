@@ -97,6 +97,7 @@ class Live(DraftState):
     rounds: list[RoundStats] = field(default_factory=list)
     prefill_s: float = 0.0
     prompt_done: int = 0  # prompt rows prefilled so far (chunked prefill; all of them once seeded)
+    cached_tokens: int = 0  # prompt rows the target's prefix cache supplied at open
     stopped: bool = False
     eos: tuple[int, ...] = ()
 
@@ -361,6 +362,7 @@ class RoundLoop:
         )
         try:
             live.eos = self.target("open", spec)
+            live.cached_tokens = live.prompt_done = self.target("cached_tokens", live.request_id)
         except Exception as err:  # noqa: BLE001 - handed to the request's caller, which maps it
             live.future.set_exception(_as_value_error(err))
             return False
@@ -581,6 +583,7 @@ class RoundLoop:
             rounds=tuple(live.rounds),
             drafter_fallback=live.fallback,
             drafter_reseeds=live.reseeds,
+            cached_tokens=live.cached_tokens,
         )
         if self.on_finish is not None:
             self.on_finish(live.request_id, result)

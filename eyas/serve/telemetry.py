@@ -149,11 +149,35 @@ class Telemetry:
         self._queue_sources: list[Callable[[], int]] = []
         meter.create_observable_gauge("eyas.kv_bytes", callbacks=[self._observe_kv], unit="By")
         meter.create_observable_gauge("eyas.queue_depth", callbacks=[self._observe_queue], unit="{request}")
+        # vLLM's prefix-cache counters, same meaning: prompt tokens looked up, and of them found cached
+        self._prefix_sources: list[Callable[[], dict[str, int]]] = []
+        meter.create_observable_counter(
+            "eyas.prefix_cache.queries", callbacks=[lambda o: self._observe_prefix("queries")], unit="{token}"
+        )
+        meter.create_observable_counter(
+            "eyas.prefix_cache.hits", callbacks=[lambda o: self._observe_prefix("hits")], unit="{token}"
+        )
+        meter.create_observable_gauge(
+            "eyas.prefix_cache.bytes", callbacks=[lambda o: self._observe_prefix("bytes")], unit="By"
+        )
 
     # --- recording --------------------------------------------------------------------------------
     def add_kv_source(self, source: Callable[[], dict[str, int]]) -> None:
         """``source() -> {"target": bytes, "draft": bytes}``, read at each metrics collection."""
         self._kv_sources.append(source)
+
+    def add_prefix_cache_source(self, source: Callable[[], dict[str, int]]) -> None:
+        """``source() -> {"queries", "hits", "bytes", ...}`` (``TargetWorker.prefix_cache_stats``)."""
+        self._prefix_sources.append(source)
+
+    def _observe_prefix(self, key: str):
+        total = 0
+        for source in self._prefix_sources:
+            try:
+                total += int(source()[key])
+            except Exception as err:  # noqa: BLE001 - logged; an unreachable worker must not break metric collection
+                log.debug("prefix-cache metric source failed: %s", err)
+        return [Observation(total)]
 
     def add_queue_source(self, source: Callable[[], int]) -> None:
         """``source() -> requests waiting``, read at each metrics collection."""

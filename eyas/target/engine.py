@@ -96,15 +96,15 @@ class TargetEngine:
     (:class:`~eyas.target.batch_kv.BatchKV`): a round's prefill chunks, decode rows and tree rows
     all run as one forward with one attention call per layer (:meth:`step`)."""
 
-    def __init__(self, model: TargetModel, taps: tuple[FeatureTap, ...], prefix_cache_bytes: int = 0):
-        """``prefix_cache_bytes``: the budget of the prefix cache (``eyas.target.prefix_cache``; 0: off):
-        committed K/V and feature rows of prompts and answers seen before, reused by a new prompt
-        that starts the same way."""
+    def __init__(self, model: TargetModel, taps: tuple[FeatureTap, ...], prefix_cache: PrefixCache | int = 0):
+        """``prefix_cache``: the model's prefix cache (``eyas.target.prefix_cache``), shared by its
+        engines, or the byte budget of one of this engine's own (0: off): committed K/V and feature
+        rows of prompts and answers seen before, reused by a new prompt that starts the same way."""
         self.model = model
         self.cfg = model.cfg
         self.taps = taps
         self.sessions: dict[str, TargetSession] = {}
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prefix_cache = prefix_cache if isinstance(prefix_cache, PrefixCache) else PrefixCache(prefix_cache)
         w = model.embed.weight
         self.kv = BatchKV(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, w.dtype, w.device)
         self.last_expert_union: tuple[tuple[int, ...], ...] = ()  # MoE: experts the last verify touched, per layer
@@ -150,13 +150,13 @@ class TargetEngine:
         self.sessions[request_id] = s
         if self.prefix_cache.capacity_bytes:
             # the longest cached prefix, short of the last prompt token (its logits give the first token)
-            hit = self.prefix_cache.lookup(s.tokens, s.prompt_len - 1)
+            hit = self.prefix_cache.lookup(s.tokens, s.prompt_len - 1, self.taps)
             if hit:
                 n = len(hit) * BLOCK_TOKENS
                 self.kv.write_prefix(
                     s.kv_row, torch.cat([b.keys for b in hit], dim=2), torch.cat([b.values for b in hit], dim=2)
                 )
-                s.prefill_features = [torch.cat([b.features for b in hit])]
+                s.prefill_features = [torch.cat([b.features[self.taps] for b in hit])] if self.taps else []
                 s.prefilled = s.cached_tokens = n
 
     def close_session(self, request_id: str) -> None:
@@ -174,28 +174,25 @@ class TargetEngine:
         cache = self.prefix_cache
         if not cache.capacity_bytes:
             return
-        missing = cache.missing(s.tokens, s.committed_len)
+        chain = block_hashes(s.tokens, s.committed_len // BLOCK_TOKENS)
+        missing = cache.missing(s.tokens, s.committed_len, self.taps)
         if missing:
-            features = torch.cat(s.features)  # [committed_len, F]
+            features = torch.cat(s.features) if self.taps else None  # [committed_len, F]
             new = {}
             for i, h in missing:
                 a, b = i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS
-                keys, values = self.kv.read_span(s.kv_row, a, b)
-                new[h] = CachedBlock(keys, values, features[a:b].clone())
-            cache.insert_chain(block_hashes(s.tokens, s.committed_len // BLOCK_TOKENS), new)
+                feats = {self.taps: features[a:b].clone()} if self.taps else {}
+                if h in cache.blocks:  # cached for another address: only this one's features are new
+                    new[h] = CachedBlock(cache.blocks[h].keys, cache.blocks[h].values, feats)
+                else:
+                    new[h] = CachedBlock(*self.kv.read_span(s.kv_row, a, b), feats)
+        else:
+            new = {}
+        cache.insert_chain(chain, new)
 
     def prefix_cache_stats(self) -> dict[str, int]:
         """The prefix cache's counters (tokens queried and hit, blocks in and out) and its bytes."""
-        st = self.prefix_cache.stats
-        return {
-            "queries": st.queries,
-            "hits": st.hits,
-            "inserted_blocks": st.inserted_blocks,
-            "evicted_blocks": st.evicted_blocks,
-            "blocks": len(self.prefix_cache.blocks),
-            "bytes": self.prefix_cache.nbytes,
-            "capacity_bytes": self.prefix_cache.capacity_bytes,
-        }
+        return self.prefix_cache.as_dict()
 
     def kv_slots_allocated(self) -> int:
         """KV slots reserved by live sessions (the leak invariant: 0 once every session is closed)."""

@@ -51,13 +51,21 @@ def block_hashes(tokens: list[int], blocks: int | None = None) -> list[bytes]:
 
 @dataclass(frozen=True)
 class CachedBlock:
+    """One block: its K/V, the same for every engine of a model, and its rows' features per feature
+    address (an engine of other taps adds its own the first time it commits the block)."""
+
     keys: torch.Tensor  # [L, H_kv, BLOCK_TOKENS, hd]
     values: torch.Tensor  # [L, H_kv, BLOCK_TOKENS, hd]
-    features: torch.Tensor  # [BLOCK_TOKENS, F]
+    features: dict = field(default_factory=dict)  # taps -> [BLOCK_TOKENS, F]; () needs none
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.features))
+        tensors = [self.keys, self.values, *self.features.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def serves(self, taps: tuple) -> bool:
+        """Whether an engine of feature address ``taps`` can use this block (target-only needs no features)."""
+        return not taps or taps in self.features
 
 
 @dataclass
@@ -72,7 +80,8 @@ class PrefixCacheStats:
 
 @dataclass
 class PrefixCache:
-    """Cached blocks keyed by their hash chain, within ``capacity_bytes`` (0: caches nothing)."""
+    """Cached blocks keyed by their hash chain, within ``capacity_bytes`` (0: caches nothing). One
+    per model: its engines (one per feature address) share the K/V and keep features per address."""
 
     capacity_bytes: int
     blocks: OrderedDict[bytes, CachedBlock] = field(default_factory=OrderedDict)  # oldest first
@@ -83,15 +92,15 @@ class PrefixCache:
         if type(self.capacity_bytes) is not int or self.capacity_bytes < 0:
             raise ValueError(f"prefix_cache_bytes: must be a byte count >= 0, got {self.capacity_bytes!r}")
 
-    def lookup(self, tokens: list[int], max_tokens: int) -> list[CachedBlock]:
-        """The cached blocks of ``tokens``' longest cached prefix of at most ``max_tokens`` tokens, in
-        order (a prompt keeps at least its last token to compute: its logits give the first token);
-        counts the query and the hit."""
+    def lookup(self, tokens: list[int], max_tokens: int, taps: tuple = ()) -> list[CachedBlock]:
+        """The cached blocks of ``tokens``' longest cached prefix of at most ``max_tokens`` tokens that
+        an engine of ``taps`` can use, in order (a prompt keeps at least its last token to compute:
+        its logits give the first token); counts the query and the hit."""
         hashes = block_hashes(tokens, max_tokens // BLOCK_TOKENS)
         found = []
         for h in hashes:
             block = self.blocks.get(h)
-            if block is None:
+            if block is None or not block.serves(taps):
                 break
             found.append((h, block))
         self._touch([h for h, _ in found])
@@ -99,41 +108,54 @@ class PrefixCache:
         self.stats.hits += len(found) * BLOCK_TOKENS
         return [b for _, b in found]
 
-    def missing(self, tokens: list[int], upto: int) -> list[tuple[int, bytes]]:
-        """(block index, hash) of the full blocks of ``tokens[:upto]`` not cached yet; touches the
-        cached ones."""
+    def missing(self, tokens: list[int], upto: int, taps: tuple = ()) -> list[tuple[int, bytes]]:
+        """(block index, hash) of the full blocks of ``tokens[:upto]`` not cached yet for ``taps`` (absent,
+        or without that address's features)."""
         hashes = block_hashes(tokens, upto // BLOCK_TOKENS)
-        self._touch([h for h in hashes if h in self.blocks])
-        return [(i, h) for i, h in enumerate(hashes) if h not in self.blocks]
+        return [(i, h) for i, h in enumerate(hashes) if h not in self.blocks or not self.blocks[h].serves(taps)]
 
     def insert(self, h: bytes, block: CachedBlock) -> bool:
         """Make one complete block visible (:meth:`insert_chain` of a chain of one)."""
         return self.insert_chain([h], {h: block}) == 1
 
     def insert_chain(self, chain: list[bytes], new: dict[bytes, CachedBlock]) -> int:
-        """Make ``chain``'s blocks visible in order (``new`` holds the complete ones not cached yet),
-        evicting the least recently used blocks outside the chain as the budget needs; stops at the
+        """Make ``chain``'s blocks visible in order: ``new`` holds the complete ones the cache lacks for
+        their address (a block already cached for another address takes only the new features).
+        Evicts the least recently used blocks outside the chain as the budget needs; stops at the
         first block that does not fit (a later one would be unreachable). -> blocks of the chain
         cached now, from its first."""
         keep = set(chain)
         cached = 0
         for h in chain:
-            if h not in self.blocks:
-                block = new[h]
-                while self.nbytes + block.nbytes > self.capacity_bytes:
-                    victim = next((k for k in self.blocks if k not in keep), None)
-                    if victim is None:
-                        break
-                    self.nbytes -= self.blocks.pop(victim).nbytes
-                    self.stats.evicted_blocks += 1
-                if self.nbytes + block.nbytes > self.capacity_bytes:
+            if h in new:
+                old = self.blocks.get(h)
+                if old is None:
+                    add, grow = new[h], new[h].nbytes
+                else:
+                    extra = {t: f for t, f in new[h].features.items() if t not in old.features}
+                    add, grow = None, sum(f.numel() * f.element_size() for f in extra.values())
+                if not self._make_room(grow, keep):
                     break
-                self.blocks[h] = block
-                self.nbytes += block.nbytes
-                self.stats.inserted_blocks += 1
+                if add is not None:
+                    self.blocks[h] = add
+                    self.stats.inserted_blocks += 1
+                else:
+                    old.features.update(extra)
+                self.nbytes += grow
+            elif h not in self.blocks:
+                break
             cached += 1
         self._touch(chain[:cached])
         return cached
+
+    def _make_room(self, grow: int, keep: set[bytes]) -> bool:
+        while self.nbytes + grow > self.capacity_bytes:
+            victim = next((k for k in self.blocks if k not in keep), None)
+            if victim is None:
+                return False
+            self.nbytes -= self.blocks.pop(victim).nbytes
+            self.stats.evicted_blocks += 1
+        return True
 
     def touch_chain(self, tokens: list[int], upto: int) -> None:
         """Mark the cached blocks of ``tokens[:upto]`` used, its first block most recent."""
@@ -142,6 +164,19 @@ class PrefixCache:
     def _touch(self, chain: list[bytes]) -> None:
         for h in reversed(chain):  # deepest first, so the chain's first block ends most recent
             self.blocks.move_to_end(h)
+
+    def as_dict(self) -> dict[str, int]:
+        """Its counters (tokens queried and hit, blocks in and out) and its bytes held and allowed."""
+        st = self.stats
+        return {
+            "queries": st.queries,
+            "hits": st.hits,
+            "inserted_blocks": st.inserted_blocks,
+            "evicted_blocks": st.evicted_blocks,
+            "blocks": len(self.blocks),
+            "bytes": self.nbytes,
+            "capacity_bytes": self.capacity_bytes,
+        }
 
     def clear(self) -> None:
         self.blocks.clear()

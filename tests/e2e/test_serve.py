@@ -859,6 +859,45 @@ def _serves(client) -> bool:
         return False
 
 
+def test_a_next_turn_reuses_the_cached_prefix_with_the_same_answer(http_url, client, real_eyas, no_leaks):
+    """The prefix cache through the real openai client: a conversation's second turn (a long system
+    prompt, the first turn and its answer, a new message) reports cached prompt tokens in
+    ``usage.prompt_tokens_details.cached_tokens`` -- past the first turn's prompt -- and answers
+    exactly as in-process target-only without a cache, speculatively too; the Prometheus counters
+    (vLLM's prefix_cache_queries / hits) and Stats' bytes moved; no session leaks."""
+    import urllib.request
+
+    from eyas.protocol.schema import parse_request
+    from eyas.target.loader import encode_messages
+    from eyas.target.prefix_cache import BLOCK_TOKENS
+
+    oa = _openai(http_url)
+    system = {"role": "system", "content": "You are a careful assistant who explains things in detail. " * 8}
+    first = [system, {"role": "user", "content": "Write three paragraphs about Paris: its river, museums and food."}]
+    r1 = oa.chat.completions.create(model=MODEL, messages=first, max_tokens=48, temperature=0)
+    assert r1.usage.completion_tokens > 2 * BLOCK_TOKENS  # the answer spans whole cache blocks
+    second = first + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    ids = encode_messages(real_eyas.tokenizer, second)
+    want = real_eyas.generate(parse_request(prompt_ids=ids, method="target", max_new_tokens=16))[1]["text"]
+    for method in ("target", "eagle3"):
+        r2 = oa.chat.completions.create(
+            model=MODEL, messages=second, max_tokens=16, temperature=0, extra_body={"method": method}
+        )
+        assert r2.choices[0].message.content == want, method
+        cached = r2.usage.prompt_tokens_details.cached_tokens
+        assert r1.usage.prompt_tokens < cached < r2.usage.prompt_tokens, (method, cached)
+    assert r1.usage.prompt_tokens_details.cached_tokens < r1.usage.prompt_tokens
+    with urllib.request.urlopen(http_url + "/metrics", timeout=60) as response:
+        text = response.read().decode()
+    assert "eyas_prefix_cache_queries" in text and "eyas_prefix_cache_hits" in text
+    caches = client.stats()["prefix_cache"]
+    assert caches and all(c["bytes"] > 0 and c["hits"] > 0 for c in caches.values()), caches
+    no_leaks(client)
+
+
 def test_metrics_endpoint_parses_and_its_counters_move(http_url, client):
     """GET /metrics: Prometheus text (the OTel Prometheus exporter's, merged over target replicas)
     that prometheus_client parses; after one speculative request the request, spec-decode and

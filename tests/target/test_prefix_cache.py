@@ -20,11 +20,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def block(nbytes_per: int = 4) -> CachedBlock:
-    return CachedBlock(
-        torch.zeros(1, 1, BLOCK_TOKENS, nbytes_per // 4),
-        torch.zeros(1, 1, BLOCK_TOKENS, 0),
-        torch.zeros(BLOCK_TOKENS, 0),
-    )
+    return CachedBlock(torch.zeros(1, 1, BLOCK_TOKENS, nbytes_per // 4), torch.zeros(1, 1, BLOCK_TOKENS, 0))
 
 
 def test_the_hash_chain_names_whole_prefixes():
@@ -75,7 +71,7 @@ def test_a_repeated_prompt_hits_and_decodes_exactly_as_without_the_cache(tiny_ta
     taps = drafter.taps if drafter else ()
     prompt = tokens(3 * BLOCK_TOKENS + 5, 4)
     off = run(TargetEngine(tiny_target, taps), prompt, drafter)
-    engine = TargetEngine(tiny_target, taps, prefix_cache_bytes=1 << 26)
+    engine = TargetEngine(tiny_target, taps, prefix_cache=1 << 26)
     first = run(engine, prompt, drafter, rid="a")
     second = run(engine, prompt, drafter, rid="b")
     assert first.cached_tokens == 0 and second.cached_tokens == 3 * BLOCK_TOKENS
@@ -90,7 +86,7 @@ def test_a_repeated_prompt_hits_and_decodes_exactly_as_without_the_cache(tiny_ta
 def test_a_next_turn_reuses_the_previous_prompt_and_answer(tiny_target):
     """A conversation's next prompt (the last prompt, its answer and a new message) hits past the
     previous prompt: the answer's blocks were offered when the first request closed."""
-    engine = TargetEngine(tiny_target, (), prefix_cache_bytes=1 << 26)
+    engine = TargetEngine(tiny_target, (), prefix_cache=1 << 26)
     p1 = tokens(2 * BLOCK_TOKENS + 3, 5)
     a1 = run(engine, p1, rid="t1").token_ids
     p2 = p1 + a1 + tokens(9, 6)
@@ -104,7 +100,7 @@ def test_a_sampled_request_with_a_seed_draws_the_same_tokens(tiny_target):
     drafter = tiny_eagle1_engine(tiny_target)
     prompt = tokens(2 * BLOCK_TOKENS + 1, 7)
     off = run(TargetEngine(tiny_target, drafter.taps), prompt, drafter, sampling, seed=11)
-    engine = TargetEngine(tiny_target, drafter.taps, prefix_cache_bytes=1 << 26)
+    engine = TargetEngine(tiny_target, drafter.taps, prefix_cache=1 << 26)
     run(engine, prompt, drafter, sampling, seed=3, rid="warm")
     on = run(engine, prompt, drafter, sampling, seed=11, rid="hit")
     assert on.cached_tokens > 0 and on.token_ids == off.token_ids
@@ -114,7 +110,7 @@ def test_only_committed_state_is_cached(tiny_target):
     """After speculative rounds with rejected branches, every cached block equals the K/V and features
     a plain prefill of the committed tokens computes (no provisional or rejected row got in)."""
     drafter = tiny_eagle1_engine(tiny_target)
-    engine = TargetEngine(tiny_target, drafter.taps, prefix_cache_bytes=1 << 26)
+    engine = TargetEngine(tiny_target, drafter.taps, prefix_cache=1 << 26)
     prompt = tokens(BLOCK_TOKENS + 2, 8)
     out = generate(engine, prompt, max_new_tokens=40, drafter=drafter, tree=TreeSpec(), request_id="c")
     assert any(r.accept_length < r.tree_nodes for r in out.rounds)  # some drafted rows were rejected
@@ -129,7 +125,7 @@ def test_only_committed_state_is_cached(tiny_target):
         b = engine.prefix_cache.blocks[h]
         a, z = i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS
         assert torch.allclose(b.keys, k[:, :, a:z], atol=1e-5) and torch.allclose(b.values, v[:, :, a:z], atol=1e-5)
-        assert torch.allclose(b.features, verified.features[a:z], atol=1e-5)
+        assert torch.allclose(b.features[drafter.taps], verified.features[a:z], atol=1e-5)
 
 
 def test_eviction_while_a_hit_request_is_live_changes_nothing_it_computes(tiny_target):
@@ -137,10 +133,10 @@ def test_eviction_while_a_hit_request_is_live_changes_nothing_it_computes(tiny_t
     other prompts evict those blocks before it prefills; its prefill's logits and features equal a
     cache-off prefill's, and the cache never exceeds its budget."""
     prompt = tokens(2 * BLOCK_TOKENS + 1, 9)
-    probe = TargetEngine(tiny_target, (), prefix_cache_bytes=1 << 26)
+    probe = TargetEngine(tiny_target, (), prefix_cache=1 << 26)
     run(probe, prompt, rid="p")
     per_block = next(iter(probe.prefix_cache.blocks.values())).nbytes
-    engine = TargetEngine(tiny_target, (), prefix_cache_bytes=2 * per_block)
+    engine = TargetEngine(tiny_target, (), prefix_cache=2 * per_block)
     run(engine, prompt, rid="w")
     engine.open_session("x", prompt, 4, 1)
     assert engine.sessions["x"].cached_tokens == 2 * BLOCK_TOKENS
@@ -155,3 +151,26 @@ def test_eviction_while_a_hit_request_is_live_changes_nothing_it_computes(tiny_t
     assert torch.allclose(hit.logits, want.logits, atol=1e-5) and torch.allclose(hit.features, want.features, atol=1e-5)
     engine.close_session("x")
     assert engine.kv_slots_allocated() == 0
+
+
+def test_engines_of_one_model_share_the_k_v_and_keep_features_per_address(tiny_target):
+    """One cache for a model's engines: a target-only request hits the K/V an EAGLE request committed;
+    an engine of another feature address first adds its own features to those blocks (a miss), then
+    hits; every output equals the cache off."""
+    from eyas.target.model import FeatureTap
+    from eyas.target.prefix_cache import PrefixCache
+
+    drafter = tiny_eagle1_engine(tiny_target)
+    cache = PrefixCache(1 << 26)
+    spec, plain = TargetEngine(tiny_target, drafter.taps, cache), TargetEngine(tiny_target, (), cache)
+    prompt = tokens(2 * BLOCK_TOKENS + 3, 12)
+    run(spec, prompt, drafter, rid="s1")
+    assert run(plain, prompt, rid="p1").cached_tokens == 2 * BLOCK_TOKENS  # K/V alone serves target-only
+    other = TargetEngine(tiny_target, (FeatureTap(1, False),), cache)  # another feature address
+    assert run(other, prompt, rid="o1").cached_tokens == 0  # no features for it yet
+    assert run(other, prompt, rid="o2").cached_tokens == 2 * BLOCK_TOKENS  # now there are
+    block = next(iter(cache.blocks.values()))
+    assert set(block.features) == {drafter.taps, other.taps}
+    assert cache.nbytes == sum(b.nbytes for b in cache.blocks.values())
+    off = run(TargetEngine(tiny_target, ()), prompt)
+    assert run(plain, prompt, rid="p2").token_ids == off.token_ids
