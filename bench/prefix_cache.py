@@ -22,7 +22,9 @@ Ray and application are started. Reported per workload and setting:
     identical        answers equal to the cache-off run's, and tau (tokens per target forward,
                      from each response's ``eyas`` object) equal
 
-Not yet: two target replicas with prefix-aware routing (Eyas does not route by prefix yet).
+    routing         the multi-turn workload again on two target replicas (target-only, no drafter),
+                    Ray Serve's default router (power of two choices) against routing by prefix
+                    (``target_router: prefix``): the hit rate each gets, and its TTFT and tok/s
 
 Run:
     .venv/bin/python bench/prefix_cache.py --json bench/results/prefix_cache.json
@@ -158,6 +160,12 @@ def main(argv=None) -> int:
     p.add_argument("--method", default="eagle3", choices=("target", "eagle3", "eagle1"))
     p.add_argument("--precision", default="fp16w")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the target replica")
+    p.add_argument(
+        "--routing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the multi-turn workload on two target replicas, default router against prefix routing",
+    )
     p.add_argument("--json", default=str(RESULTS / "prefix_cache.json"))
     args = p.parse_args(argv)
     import openai
@@ -202,7 +210,36 @@ def main(argv=None) -> int:
             },
             "system_prompt": {"summary": summarize(shared, shared_wall, shared[1:]), "records": shared},
         }
-    out = {"config": vars(args), "runs": runs, "identical": {}, "ratios": {}}
+    routing: dict[str, dict] = {}
+    for router in ("power-of-two", "prefix") if args.routing else ():
+        config = {
+            "precision": args.precision,
+            "torch_threads": 1,
+            "methods": [],
+            "target_replicas": 2,
+            "drafter_replicas": 0,
+            "max_batch": 16,
+            "target_router": router,
+        }
+        print(f"starting the app, two target replicas, router {router} ...", flush=True)
+        _, stop = start_local(config)
+        try:
+
+            def client_for():
+                return openai.OpenAI(
+                    base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="x", max_retries=0, timeout=1800
+                )
+
+            for _ in range(2):  # warm-up, not measured (a prompt no conversation starts with)
+                chat(client_for(), [{"role": "user", "content": "Hi"}], 4, "target")
+            t0 = time.perf_counter()
+            multi = run_multi_turn(client_for, convs, args.clients, args.max_new_tokens, "target")
+            wall = time.perf_counter() - t0
+        finally:
+            stop()
+        later = [r for r in multi if r["turn"] >= 1]
+        routing[router] = {"summary": summarize(multi, wall, later), "records": multi}
+    out = {"config": vars(args), "runs": runs, "routing": routing, "identical": {}, "ratios": {}}
     print(
         f"\nprefix cache off vs on: {args.method}, {args.precision}, {args.clients} clients, greedy, "
         f"{args.max_new_tokens} new tokens\n"
@@ -233,6 +270,21 @@ def main(argv=None) -> int:
             f"{out['ratios'][wl]['tok_s_on_over_off']:.2f}x; answers identical {same}/{len(on['records'])}, "
             f"tau equal {same_tau}/{len(on['records'])}"
         )
+    if routing:
+        print("\nmulti-turn on two target replicas, target-only, by router\n")
+        print(f"{'router':<14} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} {'prefill rows':>12} {'hit rate':>8}")
+        for router, r in routing.items():
+            s = r["summary"]
+            print(
+                f"{router:<14} {s['ttft_p50_s']:>8.2f}s {s['ttft_p99_s']:>8.2f}s {s['tok_s']:>7.1f} "
+                f"{s['prefill_rows']:>12,} {s['hit_rate']:>7.0%}"
+            )
+        base, pref = routing["power-of-two"]["summary"], routing["prefix"]["summary"]
+        out["ratios"]["routing"] = {
+            "hit_rate_prefix_over_default": pref["hit_rate"] / base["hit_rate"] if base["hit_rate"] else None,
+            "ttft_p50_prefix_over_default": pref["ttft_p50_s"] / base["ttft_p50_s"],
+        }
+        print(f"  hit rate prefix / default: {pref['hit_rate']:.0%} / {base['hit_rate']:.0%}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     plot(out, Path(args.json).with_suffix(".png"))
@@ -246,7 +298,14 @@ def plot(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    routing = out.get("routing") or {}
+    fig, axes = plt.subplots(1, 3 if routing else 2, figsize=(15 if routing else 10, 3.6))
+    if routing:
+        ax = axes[2]
+        names = list(routing)
+        ax.bar(names, [routing[n]["summary"]["hit_rate"] for n in names], color=["tab:grey", "tab:blue"][: len(names)])
+        ax.set_ylabel("prefix-cache hit rate")
+        ax.set_title("multi-turn, two target replicas")
     for ax, wl in zip(axes, ("multi_turn", "system_prompt")):
         for setting, color in (("off", "tab:grey"), ("on", "tab:blue")):
             recs = out["runs"][setting][wl]["records"]

@@ -650,6 +650,13 @@ def _deployment_options(cfg: ServeConfig, kind: str) -> dict:
     if c[f"{kind}_resources"]:
         actor["resources"] = dict(c[f"{kind}_resources"])
     options = {"ray_actor_options": actor}
+    if kind == "target":
+        from eyas.serve.routing import router_config
+
+        several = cfg.target_autoscaling is not None or cfg.target_replicas > 1  # one replica: nothing to choose
+        options["request_router_config"] = router_config(
+            cfg.target_router if several else "power-of-two", cfg.prefix_router_imbalance
+        )
     if c[f"{kind}_autoscaling"] is not None:
         options["autoscaling_config"] = c[f"{kind}_autoscaling"]
         options["num_replicas"] = "auto"

@@ -69,6 +69,12 @@ class ServeConfig(BaseModel):
     # reused by a prompt that starts the same way); 0 = off. The default holds about 20,000 tokens of
     # the default target (53 KB a token with EAGLE-3's taps: docs/serving.md, "Prefix cache")
     prefix_cache_bytes: int = Field(1024**3, ge=0)
+    # which target replica a request goes to: "prefix" = the one whose prefix cache most likely holds
+    # its prompt's longest prefix (Ray Serve LLM's PrefixCacheAffinityRouter over token ids), unless the
+    # replicas' queues differ by more than `prefix_router_imbalance` requests; "power-of-two" = Ray
+    # Serve's default (eyas.serve.routing)
+    target_router: Literal["prefix", "power-of-two"] = "prefix"
+    prefix_router_imbalance: float = Field(8.0, ge=0)
     # clients must send `Authorization: Bearer <key>` (HTTP) or that metadata (gRPC); None = open.
     # `eyas serve --api-key` or EYAS_API_KEY set it too. Never logged.
     api_key: str | None = Field(None, min_length=1, repr=False)

@@ -898,6 +898,44 @@ def test_a_next_turn_reuses_the_cached_prefix_with_the_same_answer(http_url, cli
     no_leaks(client)
 
 
+def test_with_two_target_replicas_each_turn_goes_to_the_replica_that_holds_its_prefix(serve_ports, http_url):
+    """Routing by prefix (``target_router: prefix``, Ray Serve LLM's PrefixCacheAffinityRouter over
+    token ids): two target replicas, four conversations with their own system prompts, turns sent
+    round-robin across the conversations. Every turn after the first is cached past its previous
+    turn's prompt (it reached the replica that served that turn; under power of two choices about
+    half would miss), and new conversations spread over both replicas (the router sends a prompt it
+    matches nowhere to the replica whose tree holds the least)."""
+    from ray import serve
+
+    from eyas.serve.app import build_app
+    from eyas.serve.client import EyasClient
+    from eyas.target.prefix_cache import BLOCK_TOKENS
+
+    routed = {"methods": [], "drafter_replicas": 0, "target_replicas": 2, "torch_threads": 1, "target_router": "prefix"}
+    serve.run(build_app(routed), name="eyas-routed", route_prefix="/routed")
+    try:
+        oa = _openai(http_url, prefix="/routed")
+        topics = ("rivers", "mountains", "bridges", "deserts")
+        chats = [[{"role": "system", "content": f"You are a guide who only talks about {t}. " * 6}] for t in topics]
+        previous = [0] * len(chats)
+        for turn in range(3):
+            for c, messages in enumerate(chats):
+                messages.append({"role": "user", "content": f"Tell me fact number {turn + 1} about {topics[c]}."})
+                r = oa.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"method": "target"}
+                )
+                cached = r.usage.prompt_tokens_details.cached_tokens
+                if turn:
+                    assert cached >= previous[c] - BLOCK_TOKENS, (topics[c], turn, cached, previous[c])
+                previous[c] = r.usage.prompt_tokens
+                messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        with EyasClient(f"127.0.0.1:{serve_ports['grpc']}", application="eyas-routed", timeout_s=120) as c:
+            caches = c.stats()["prefix_cache"]
+        assert len(caches) == 2 and all(v["queries"] > 0 for v in caches.values()), caches
+    finally:
+        serve.delete("eyas-routed")
+
+
 def test_metrics_endpoint_parses_and_its_counters_move(http_url, client):
     """GET /metrics: Prometheus text (the OTel Prometheus exporter's, merged over target replicas)
     that prometheus_client parses; after one speculative request the request, spec-decode and
