@@ -22,7 +22,9 @@ Ray and application are started. Reported per workload and setting:
     identical        answers equal to the cache-off run's, and tau (tokens per target forward,
                      from each response's ``eyas`` object) equal
 
-    routing         the multi-turn workload again on two target replicas (target-only, no drafter),
+    routing         the multi-turn conversations on two target replicas (target-only, no drafter),
+                    sent turn by turn across conversations (every conversation's turn t before any
+                    turn t + 1: users read before they write again),
                     Ray Serve's default router (power of two choices) against routing by prefix
                     (``target_router: prefix``): the hit rate each gets, and its TTFT and tok/s
 
@@ -45,6 +47,7 @@ from decode_speed import load_prompts  # noqa: E402
 from serve_load import HTTP_PORT, MODEL, start_local  # noqa: E402
 
 from eyas.experiments.sim import percentile  # noqa: E402
+from eyas.serve.client import EyasClient  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEM = (
@@ -115,6 +118,26 @@ def run_multi_turn(client_for, convs: list[list[str]], clients: int, max_tokens:
         return [r for rs in pool.map(one, range(len(convs))) for r in rs]
 
 
+def run_turn_by_turn(client_for, convs: list[list[str]], clients: int, max_tokens: int, method: str) -> list[dict]:
+    """Every conversation's turn t, ``clients`` at a time, before any conversation's turn t + 1: users
+    who read an answer before they write again, while other users' requests run. (In a closed loop,
+    where a client sends its next turn the moment its answer ends, power of two choices tends to
+    send it to the replica that has just freed a slot: the one that served its previous turn.)"""
+    history = [[{"role": "system", "content": SYSTEM}] for _ in convs]
+    out: list[dict] = []
+
+    def one(ci: int, t: int) -> dict:
+        messages = history[ci] + [{"role": "user", "content": convs[ci][t]}]
+        r = chat(client_for(), messages, max_tokens, method)
+        history[ci] = messages + [{"role": "assistant", "content": r["text"]}]
+        return dict(r, conversation=ci, turn=t)
+
+    with ThreadPoolExecutor(clients) as pool:
+        for t in range(len(convs[0])):
+            out += list(pool.map(lambda ci, t=t: one(ci, t), range(len(convs))))
+    return out
+
+
 def run_system_prompt(client_for, system: str, questions: list[str], clients: int, max_tokens: int, method: str):
     def one(qi: int) -> dict:
         r = chat(
@@ -166,6 +189,8 @@ def main(argv=None) -> int:
         default=True,
         help="also run the multi-turn workload on two target replicas, default router against prefix routing",
     )
+    p.add_argument("--imbalance", type=float, default=2.0, help="prefix_router_imbalance of the routing runs")
+    p.add_argument("--cache-ab", action=argparse.BooleanOptionalAction, default=True, help="run the cache off/on part")
     p.add_argument("--json", default=str(RESULTS / "prefix_cache.json"))
     args = p.parse_args(argv)
     import openai
@@ -174,7 +199,7 @@ def main(argv=None) -> int:
     system = SYSTEM * args.system_repeat
     questions = load_prompts(None, args.questions)
     runs: dict[str, dict] = {}
-    for setting, cache_bytes in (("off", 0), ("on", None)):
+    for setting, cache_bytes in (("off", 0), ("on", None)) if args.cache_ab else ():
         config = {
             "precision": args.precision,
             "torch_threads": args.threads,
@@ -182,6 +207,9 @@ def main(argv=None) -> int:
             "target_replicas": 1,
             "drafter_replicas": 1,
             "max_batch": 16,
+            # one fixed tree per request: tau with the cache on can then be compared with it off (the
+            # tree-work scheduler picks trees from measured timings, which the cache itself changes)
+            "scheduler": "prompt-length",
         }
         if cache_bytes is not None:
             config["prefix_cache_bytes"] = cache_bytes
@@ -220,9 +248,10 @@ def main(argv=None) -> int:
             "drafter_replicas": 0,
             "max_batch": 16,
             "target_router": router,
+            "prefix_router_imbalance": args.imbalance,
         }
         print(f"starting the app, two target replicas, router {router} ...", flush=True)
-        _, stop = start_local(config)
+        address, stop = start_local(config)
         try:
 
             def client_for():
@@ -233,12 +262,14 @@ def main(argv=None) -> int:
             for _ in range(2):  # warm-up, not measured (a prompt no conversation starts with)
                 chat(client_for(), [{"role": "user", "content": "Hi"}], 4, "target")
             t0 = time.perf_counter()
-            multi = run_multi_turn(client_for, convs, args.clients, args.max_new_tokens, "target")
+            multi = run_turn_by_turn(client_for, convs, args.clients, args.max_new_tokens, "target")
             wall = time.perf_counter() - t0
+            with EyasClient(address, timeout_s=120) as c:  # where the requests went: each replica's cache
+                replicas = c.stats()["prefix_cache"]
         finally:
             stop()
         later = [r for r in multi if r["turn"] >= 1]
-        routing[router] = {"summary": summarize(multi, wall, later), "records": multi}
+        routing[router] = {"summary": summarize(multi, wall, later), "records": multi, "replicas": replicas}
     out = {"config": vars(args), "runs": runs, "routing": routing, "identical": {}, "ratios": {}}
     print(
         f"\nprefix cache off vs on: {args.method}, {args.precision}, {args.clients} clients, greedy, "
@@ -248,7 +279,7 @@ def main(argv=None) -> int:
         f"{'workload':<14} {'cache':<5} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} {'prefill rows':>12} "
         f"{'hit rate':>8} {'prompt (later)':>14}"
     )
-    for wl in ("multi_turn", "system_prompt"):
+    for wl in ("multi_turn", "system_prompt") if runs else ():
         for setting in ("off", "on"):
             s = runs[setting][wl]["summary"]
             print(
@@ -271,7 +302,7 @@ def main(argv=None) -> int:
             f"tau equal {same_tau}/{len(on['records'])}"
         )
     if routing:
-        print("\nmulti-turn on two target replicas, target-only, by router\n")
+        print("\nmulti-turn, turn by turn across conversations, two target replicas, target-only, by router\n")
         print(f"{'router':<14} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} {'prefill rows':>12} {'hit rate':>8}")
         for router, r in routing.items():
             s = r["summary"]
@@ -285,6 +316,10 @@ def main(argv=None) -> int:
             "ttft_p50_prefix_over_default": pref["ttft_p50_s"] / base["ttft_p50_s"],
         }
         print(f"  hit rate prefix / default: {pref['hit_rate']:.0%} / {base['hit_rate']:.0%}")
+        for router, r in routing.items():
+            print(
+                f"  {router}: prompt tokens each replica was asked for: {[v['queries'] for v in r['replicas'].values()]}"
+            )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     plot(out, Path(args.json).with_suffix(".png"))
@@ -306,7 +341,7 @@ def plot(out: dict, path: Path) -> None:
         ax.bar(names, [routing[n]["summary"]["hit_rate"] for n in names], color=["tab:grey", "tab:blue"][: len(names)])
         ax.set_ylabel("prefix-cache hit rate")
         ax.set_title("multi-turn, two target replicas")
-    for ax, wl in zip(axes, ("multi_turn", "system_prompt")):
+    for ax, wl in zip(axes, ("multi_turn", "system_prompt") if out["runs"] else ()):
         for setting, color in (("off", "tab:grey"), ("on", "tab:blue")):
             recs = out["runs"][setting][wl]["records"]
             xs = [r["prompt_tokens"] for r in recs]

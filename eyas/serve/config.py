@@ -74,7 +74,7 @@ class ServeConfig(BaseModel):
     # replicas' queues differ by more than `prefix_router_imbalance` requests; "power-of-two" = Ray
     # Serve's default (eyas.serve.routing)
     target_router: Literal["prefix", "power-of-two"] = "prefix"
-    prefix_router_imbalance: float = Field(8.0, ge=0)
+    prefix_router_imbalance: float = Field(2.0, ge=0)
     # clients must send `Authorization: Bearer <key>` (HTTP) or that metadata (gRPC); None = open.
     # `eyas serve --api-key` or EYAS_API_KEY set it too. Never logged.
     api_key: str | None = Field(None, min_length=1, repr=False)

@@ -46,7 +46,7 @@ def test_the_target_deployment_gets_the_configured_router(config, router):
     options = _deployment_options(parse_config(config), "target")
     assert options["request_router_config"]["request_router_class"] == router
     if router.endswith("PrefixRouter"):
-        assert options["request_router_config"]["request_router_kwargs"] == {"imbalanced_threshold": 8.0}
+        assert options["request_router_config"]["request_router_kwargs"] == {"imbalanced_threshold": 2.0}
     assert "request_router_config" not in _deployment_options(parse_config(config), "drafter")
 
 
