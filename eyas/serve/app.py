@@ -50,13 +50,13 @@ from eyas.protocol.schema import GenerateRequest, parse_cancel, parse_request
 from eyas.protocol.service import SERVICER_FUNCTION, TIMEOUT_METADATA, decode_message, timeout_from_metadata
 from eyas.serve import openai_api as oai
 from eyas.serve.config import ServeConfig, parse_config  # noqa: F401 - parse_config: the app's config API
+from eyas.serve.errors import DeadlinePassed, Overloaded, ReplicaLost, failure_of, is_expected
 from eyas.serve.registry import HEAD_NODE_RESOURCE, app_name, get_registry
 from eyas.target.engine import check_context
 from eyas.target.loader import load_target_config, load_tokenizer, request_prompt_ids
 
 log = logging.getLogger("eyas.serve")
 RESUME_BACKOFF_S = 0.5  # the wait before a request whose replica died is sent again
-INTERNAL_ERROR = "internal error: the request failed in the server; retry it"  # what a client sees
 
 # requests reach the ingress as bytes, decoded here so that a corrupt one is INVALID_ARGUMENT naming the field
 GRPC_SERVICER_FUNCTIONS = [SERVICER_FUNCTION]
@@ -69,25 +69,12 @@ def _unauthenticated(grpc_context, reply):
     return reply
 
 
-class Overloaded(Exception):
-    """The ingress already runs ``max_inflight_requests`` requests."""
-
-
 def _overloaded(grpc_context, err: Overloaded, reply):
     if grpc_context is not None:
-        grpc_context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
-        grpc_context.set_details(str(err))
+        failure = failure_of(err)
+        grpc_context.set_code(failure.grpc_code)
+        grpc_context.set_details(failure.message)
     return reply
-
-
-class ReplicaLost(Exception):
-    """The target replica running a request died and no replica resumed it in time. Its message is
-    what the client sees: no pid, address or traceback."""
-
-
-class DeadlinePassed(Exception):
-    """The request's ``eyas-timeout-ms`` passed before it finished; it was cancelled in its replica.
-    Its message is what the client sees."""
 
 
 # Errors of a dead or unreachable replica, on which a request resumes on another one.
@@ -206,24 +193,29 @@ class _Resuming:
 
 
 def _client_error(err: Exception) -> str:
-    """What a client is told of a failure: a lost replica or a passed deadline says so; anything else
-    is an internal error."""
-    return str(err) if isinstance(err, (ReplicaLost, DeadlinePassed)) else INTERNAL_ERROR
+    """What a client is told of a failure (eyas.serve.errors): a lost replica or a passed deadline says
+    so; anything else is an internal error."""
+    return failure_of(err).message
 
 
 def _failed(grpc_context, err: Exception, reply):
-    """A request that failed after it started: logged here in full, UNAVAILABLE (a lost replica: retry),
-    DEADLINE_EXCEEDED (its ``eyas-timeout-ms`` passed) or INTERNAL for the client, with no internals in
-    the message."""
-    if isinstance(err, (ReplicaLost, DeadlinePassed)):
+    """A request that failed after it started: logged here (in full when unexpected), and its status from
+    the one table (eyas.serve.errors) for a gRPC client, with no internals in the message."""
+    if is_expected(err):
         log.warning("request failed: %s", err)
     else:
         log.error("request failed", exc_info=err)
     if grpc_context is not None:
-        code = {ReplicaLost: grpc.StatusCode.UNAVAILABLE, DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED}
-        grpc_context.set_code(code.get(type(err), grpc.StatusCode.INTERNAL))
-        grpc_context.set_details(_client_error(err))
+        failure = failure_of(err)
+        grpc_context.set_code(failure.grpc_code)
+        grpc_context.set_details(failure.message)
     return reply
+
+
+def _openai_error(err: Exception) -> oai.OpenAIError:
+    """``err`` in OpenAI's shape, from the one table."""
+    failure = failure_of(err)
+    return oai.OpenAIError(failure.message, status=failure.http_status, type_=failure.openai_type, code=failure.code)
 
 
 def _deadline(grpc_context) -> float | None:
@@ -418,7 +410,8 @@ class EyasServer:
         try:
             stream = self._start(req, ids)
         except Overloaded as err:
-            return JSONResponse({"error": str(err)}, status_code=503)
+            failure = failure_of(err)
+            return JSONResponse(failure.json_body(), status_code=failure.http_status)
         try:
             async for item in stream:
                 if "invalid" in item:
@@ -426,9 +419,10 @@ class EyasServer:
                 report = item.get("report", report)
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - logged by _failed; the client gets the table's answer
             _failed(None, err, None)
-            return JSONResponse({"error": _client_error(err)}, status_code=503 if isinstance(err, ReplicaLost) else 500)
+            failure = failure_of(err)
+            return JSONResponse(failure.json_body(), status_code=failure.http_status)
         finally:
             stream.cancel()
         return JSONResponse(report)
@@ -490,9 +484,10 @@ class EyasServer:
                     err = oai.invalid(item["invalid"])
                     return JSONResponse(err.body(), status_code=err.status)
                 report = item.get("report", report)
-        except Exception:  # noqa: BLE001 - the client gets a clean 500; the log has the rest
-            log.exception("OpenAI request failed")
-            return JSONResponse(_server_error().body(), status_code=500)
+        except Exception as err:  # noqa: BLE001 - logged by _failed; the client gets the table's answer
+            _failed(None, err, None)
+            error = _openai_error(err)
+            return JSONResponse(error.body(), status_code=error.status)
         finally:
             stream.cancel()  # a no-op after the last item; stops the request when the client went away
         if report is None or report["finish_reason"] == FINISH_ERROR:
@@ -538,9 +533,9 @@ class EyasServer:
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001
-            log.exception("OpenAI stream failed")
-            yield _event(_server_error().body())
+        except Exception as err:  # noqa: BLE001 - logged by _failed; the client gets the table's answer
+            _failed(None, err, None)
+            yield _event(_openai_error(err).body())
         finally:
             stream.cancel()
 
@@ -602,21 +597,12 @@ def _event(payload: dict) -> str:
 
 
 def _overloaded_error() -> oai.OpenAIError:
-    return oai.OpenAIError(
-        "the server is overloaded (max_inflight_requests); retry later",
-        status=503,
-        type_="server_error",
-        code="overloaded",
-    )
+    return _openai_error(Overloaded("the server is overloaded (max_inflight_requests); retry later"))
 
 
 def _server_error() -> oai.OpenAIError:
-    return oai.OpenAIError(
-        "the request failed inside the server; it was not completed",
-        status=500,
-        type_="server_error",
-        code="internal_error",
-    )
+    """A request whose replica reported an error finish (logged there)."""
+    return _openai_error(RuntimeError("an error finish"))
 
 
 def merge_reports(reports: list[dict], scheduler: str) -> dict:

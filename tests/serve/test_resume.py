@@ -12,6 +12,7 @@ from ray.exceptions import ActorDiedError
 
 from eyas.protocol.schema import parse_request
 from eyas.serve import app
+from eyas.serve.errors import INTERNAL_ERROR
 from eyas.target.loader import load_tokenizer
 
 
@@ -91,4 +92,4 @@ def test_no_replica_in_time_is_a_clean_error(tokenizer, monkeypatch):
         run(stream)
     message = app._client_error(err.value)
     assert message.startswith("the target replica serving this request failed") and "pid" not in message
-    assert app._client_error(RuntimeError("boom at 10.0.0.1 pid=42")) == app.INTERNAL_ERROR
+    assert app._client_error(RuntimeError("boom at 10.0.0.1 pid=42")) == INTERNAL_ERROR
