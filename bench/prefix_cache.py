@@ -58,14 +58,15 @@ SYSTEM = (
 )
 
 
-def conversations(n: int, turns: int, max_user_chars: int) -> list[list[str]]:
-    """The user messages of the first ``n`` ShareGPT train conversations with at least ``turns`` user turns."""
+def conversations(n: int, turns: int, max_user_chars: int, min_chars: int = 0) -> list[list[str]]:
+    """The user messages of the first ``n`` ShareGPT train conversations with at least ``turns`` user
+    turns whose first ``turns`` messages hold at least ``min_chars`` characters together."""
     from eyas.training.data import conversations as sharegpt
 
     out = []
     for _, msgs in sharegpt("train"):
         users = [m["content"][:max_user_chars] for m in msgs if m["role"] == "user"]
-        if len(users) >= turns:
+        if len(users) >= turns and sum(map(len, users[:turns])) >= min_chars:
             out.append(users[:turns])
         if len(out) >= n:
             break
@@ -176,6 +177,9 @@ def main(argv=None) -> int:
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-user-chars", type=int, default=1500)
+    p.add_argument(
+        "--min-chars", type=int, default=0, help="conversations whose user turns hold at least this many characters"
+    )
     p.add_argument("--questions", type=int, default=16)
     p.add_argument("--system-repeat", type=int, default=8, help="the system prompt's text repeated this often")
     p.add_argument("--clients", type=int, default=4)
@@ -195,7 +199,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import openai
 
-    convs = conversations(args.conversations, args.turns, args.max_user_chars)
+    convs = conversations(args.conversations, args.turns, args.max_user_chars, args.min_chars)
     system = SYSTEM * args.system_repeat
     questions = load_prompts(None, args.questions)
     runs: dict[str, dict] = {}
