@@ -69,7 +69,9 @@ def _unauthenticated(grpc_context, reply):
     return reply
 
 
-def _overloaded(grpc_context, err: Overloaded, reply):
+def _refused(grpc_context, err: Exception, reply):
+    """``reply``, with ``err``'s status and message from the one table (eyas.serve.errors) set on a gRPC
+    call's context: a refusal (INVALID_ARGUMENT), overload (RESOURCE_EXHAUSTED), or a failure."""
     if grpc_context is not None:
         failure = failure_of(err)
         grpc_context.set_code(failure.grpc_code)
@@ -205,11 +207,15 @@ def _failed(grpc_context, err: Exception, reply):
         log.warning("request failed: %s", err)
     else:
         log.error("request failed", exc_info=err)
-    if grpc_context is not None:
-        failure = failure_of(err)
-        grpc_context.set_code(failure.grpc_code)
-        grpc_context.set_details(failure.message)
-    return reply
+    return _refused(grpc_context, err, reply)
+
+
+def _json_failure(err: Exception):
+    """``err`` on Eyas's JSON route (``POST /``), from the one table."""
+    from starlette.responses import JSONResponse
+
+    failure = failure_of(err)
+    return JSONResponse(failure.json_body(), status_code=failure.http_status)
 
 
 def _openai_error(err: Exception) -> oai.OpenAIError:
@@ -224,13 +230,6 @@ def _deadline(grpc_context) -> float | None:
         return None
     timeout_s = timeout_from_metadata(grpc_context.invocation_metadata())
     return None if timeout_s is None else time.monotonic() + timeout_s
-
-
-def _invalid(grpc_context, err: Exception, reply):
-    if grpc_context is not None:
-        grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-        grpc_context.set_details(str(err))
-    return reply
 
 
 def _stats(report: dict) -> pb.GenerateStats:
@@ -289,16 +288,16 @@ class EyasServer:
             req, ids = self._validate(decode_message(pb.GenerateRequest, request))
             deadline = _deadline(grpc_context)
         except ValueError as err:
-            return _invalid(grpc_context, err, pb.GenerateResponse())
+            return _refused(grpc_context, err, pb.GenerateResponse())
         report = None
         try:
             stream = self._start(req, ids, deadline)
         except Overloaded as err:
-            return _overloaded(grpc_context, err, pb.GenerateResponse())
+            return _refused(grpc_context, err, pb.GenerateResponse())
         try:
             async for item in stream:
                 if "invalid" in item:
-                    return _invalid(grpc_context, ValueError(item["invalid"]), pb.GenerateResponse())
+                    return _refused(grpc_context, ValueError(item["invalid"]), pb.GenerateResponse())
                 report = item.get("report", report)
         except asyncio.CancelledError:
             raise
@@ -323,14 +322,14 @@ class EyasServer:
             deadline = _deadline(grpc_context)
         except ValueError as err:
             # Serve's proxy applies the context's status only along with a message, so one error chunk goes too
-            yield _invalid(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
+            yield _refused(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
             return
         sent: list[int] = []
         text = ""
         try:
             stream = self._start(req, ids, deadline)
         except Overloaded as err:
-            yield _overloaded(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
+            yield _refused(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
             return
         try:
             async for item in stream:
@@ -340,7 +339,7 @@ class EyasServer:
                     yield pb.GenerateChunk(token_ids=item["tokens"], text=full[len(text) :])
                     text = full
                 elif "invalid" in item:
-                    yield _invalid(
+                    yield _refused(
                         grpc_context,
                         ValueError(item["invalid"]),
                         pb.GenerateChunk(finish_reason=FINISH_ERROR, text=item["invalid"]),
@@ -362,7 +361,7 @@ class EyasServer:
         try:
             decode_message(pb.StatsRequest, request)
         except ValueError as err:
-            return _invalid(grpc_context, err, pb.StatsResponse())
+            return _refused(grpc_context, err, pb.StatsResponse())
         return pb.StatsResponse(json=json.dumps(await self.stats(), default=str))
 
     async def Cancel(self, request: bytes | pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
@@ -371,7 +370,7 @@ class EyasServer:
         try:
             await self.cancel(wire.cancel_request_from_proto(decode_message(pb.CancelRequest, request)).request_id)
         except ValueError as err:
-            return _invalid(grpc_context, err, pb.CancelResponse())
+            return _refused(grpc_context, err, pb.CancelResponse())
         return pb.CancelResponse()
 
     # --- HTTP (POST JSON with the GenerateRequest fields; POST /cancel {"request_id"}; GET /stats) ----
@@ -384,7 +383,7 @@ class EyasServer:
         try:
             oai.check_api_key(self.cfg.api_key, http_request.headers.get("authorization"))
         except oai.OpenAIError as err:
-            return JSONResponse(err.body(), status_code=err.status)
+            return _openai_response(err)
         if path == "/v1" or path.startswith("/v1/"):
             return await self._openai(http_request, path)
         if path == "/metrics" and http_request.method == "GET":
@@ -410,8 +409,7 @@ class EyasServer:
         try:
             stream = self._start(req, ids)
         except Overloaded as err:
-            failure = failure_of(err)
-            return JSONResponse(failure.json_body(), status_code=failure.http_status)
+            return _json_failure(err)
         try:
             async for item in stream:
                 if "invalid" in item:
@@ -421,8 +419,7 @@ class EyasServer:
             raise
         except Exception as err:  # noqa: BLE001 - logged by _failed; the client gets the table's answer
             _failed(None, err, None)
-            failure = failure_of(err)
-            return JSONResponse(failure.json_body(), status_code=failure.http_status)
+            return _json_failure(err)
         finally:
             stream.cancel()
         return JSONResponse(report)
@@ -467,27 +464,27 @@ class EyasServer:
             except ValueError as err:
                 raise oai.invalid(str(err)) from None
         except oai.OpenAIError as err:
-            return JSONResponse(err.body(), status_code=err.status)
+            return _openai_response(err)
         response_id = ("chatcmpl-" if kind == oai.CHAT else "cmpl-") + (req.request_id or uuid.uuid4().hex)
         if self.inflight >= self.cfg.max_inflight_requests:
-            return JSONResponse(_overloaded_error().body(), status_code=503)
+            return _openai_response(_overloaded_error())
         if parsed.stream:
             return StreamingResponse(self._sse(parsed, req, ids, response_id), media_type="text/event-stream")
         report = None
         try:
             stream = self._start(req, ids)
         except Overloaded:
-            return JSONResponse(_overloaded_error().body(), status_code=503)
+            return _openai_response(_overloaded_error())
         try:
             async for item in stream:
                 if "invalid" in item:
                     err = oai.invalid(item["invalid"])
-                    return JSONResponse(err.body(), status_code=err.status)
+                    return _openai_response(err)
                 report = item.get("report", report)
         except Exception as err:  # noqa: BLE001 - logged by _failed; the client gets the table's answer
             _failed(None, err, None)
             error = _openai_error(err)
-            return JSONResponse(error.body(), status_code=error.status)
+            return _openai_response(error)
         finally:
             stream.cancel()  # a no-op after the last item; stops the request when the client went away
         if report is None or report["finish_reason"] == FINISH_ERROR:
@@ -594,6 +591,12 @@ class EyasServer:
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+def _openai_response(error: oai.OpenAIError):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(error.body(), status_code=error.status)
 
 
 def _overloaded_error() -> oai.OpenAIError:

@@ -56,5 +56,5 @@ def test_overload_and_an_error_finish_use_the_table_too():
     error = app._server_error()
     assert (error.status, error.code, error.message) == (500, "internal_error", INTERNAL_ERROR)
     ctx = Context()
-    app._overloaded(ctx, Overloaded("overloaded: retry later"), None)
+    app._refused(ctx, Overloaded("overloaded: retry later"), None)
     assert ctx.code == grpc.StatusCode.RESOURCE_EXHAUSTED
