@@ -175,10 +175,10 @@ class TargetEngine:
         if not cache.capacity_bytes:
             return
         chain = block_hashes(s.tokens, s.committed_len // BLOCK_TOKENS)
-        missing = cache.missing(s.tokens, s.committed_len, self.taps)
+        missing = cache.missing(chain, self.taps)
+        new = {}
         if missing:
             features = torch.cat(s.features) if self.taps else None  # [committed_len, F]
-            new = {}
             for i, h in missing:
                 a, b = i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS
                 feats = {self.taps: features[a:b].clone()} if self.taps else {}
@@ -186,8 +186,6 @@ class TargetEngine:
                     new[h] = CachedBlock(cache.blocks[h].keys, cache.blocks[h].values, feats)
                 else:
                     new[h] = CachedBlock(*self.kv.read_span(s.kv_row, a, b), feats)
-        else:
-            new = {}
         cache.insert_chain(chain, new)
 
     def prefix_cache_stats(self) -> dict[str, int]:

@@ -108,11 +108,10 @@ class PrefixCache:
         self.stats.hits += len(found) * BLOCK_TOKENS
         return [b for _, b in found]
 
-    def missing(self, tokens: list[int], upto: int, taps: tuple = ()) -> list[tuple[int, bytes]]:
-        """(block index, hash) of the full blocks of ``tokens[:upto]`` not cached yet for ``taps`` (absent,
-        or without that address's features)."""
-        hashes = block_hashes(tokens, upto // BLOCK_TOKENS)
-        return [(i, h) for i, h in enumerate(hashes) if h not in self.blocks or not self.blocks[h].serves(taps)]
+    def missing(self, chain: list[bytes], taps: tuple = ()) -> list[tuple[int, bytes]]:
+        """(block index, hash) of the blocks of the hash chain ``chain`` (:func:`block_hashes`) not cached
+        yet for ``taps`` (absent, or without that address's features)."""
+        return [(i, h) for i, h in enumerate(chain) if h not in self.blocks or not self.blocks[h].serves(taps)]
 
     def insert(self, h: bytes, block: CachedBlock) -> bool:
         """Make one complete block visible (:meth:`insert_chain` of a chain of one)."""

@@ -37,11 +37,11 @@ def test_the_budget_evicts_the_least_recently_used_leaf_first():
     one = block().nbytes
     cache = PrefixCache(3 * one)
     chain = tokens(4 * BLOCK_TOKENS, 2)
-    for _i, h in cache.missing(chain, 3 * BLOCK_TOKENS):
+    for _i, h in cache.missing(block_hashes(chain, 3)):
         cache.insert(h, block())
     cache.touch_chain(chain, 3 * BLOCK_TOKENS)
     other = tokens(BLOCK_TOKENS, 3)
-    ((_, h),) = cache.missing(other, BLOCK_TOKENS)
+    ((_, h),) = cache.missing(block_hashes(other, 1))
     assert cache.insert(h, block())  # over budget: the chain's last block goes
     assert cache.nbytes == 3 * one and cache.stats.evicted_blocks == 1
     assert len(cache.lookup(chain, len(chain))) == 2  # blocks 0 and 1 still reachable
