@@ -73,6 +73,13 @@ def conversations(n: int, turns: int, max_user_chars: int, min_chars: int = 0) -
     return out
 
 
+def client_for():
+    """A fresh OpenAI client of the local app (one per thread)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="x", max_retries=0, timeout=1800)
+
+
 def chat(client, messages: list[dict], max_tokens: int, method: str) -> dict:
     t0 = time.perf_counter()
     ttft, text, usage, extra = None, [], None, {}
@@ -197,7 +204,6 @@ def main(argv=None) -> int:
     p.add_argument("--cache-ab", action=argparse.BooleanOptionalAction, default=True, help="run the cache off/on part")
     p.add_argument("--json", default=str(RESULTS / "prefix_cache.json"))
     args = p.parse_args(argv)
-    import openai
 
     convs = conversations(args.conversations, args.turns, args.max_user_chars, args.min_chars)
     system = SYSTEM * args.system_repeat
@@ -220,12 +226,6 @@ def main(argv=None) -> int:
         print(f"starting the app, prefix cache {setting} ...", flush=True)
         _, stop = start_local(config)
         try:
-
-            def client_for():
-                return openai.OpenAI(
-                    base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="x", max_retries=0, timeout=1800
-                )
-
             chat(client_for(), [{"role": "user", "content": "Hi"}], 4, args.method)  # warm-up, not measured
             t0 = time.perf_counter()
             multi = run_multi_turn(client_for, convs, args.clients, args.max_new_tokens, args.method)
@@ -257,12 +257,6 @@ def main(argv=None) -> int:
         print(f"starting the app, two target replicas, router {router} ...", flush=True)
         address, stop = start_local(config)
         try:
-
-            def client_for():
-                return openai.OpenAI(
-                    base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="x", max_retries=0, timeout=1800
-                )
-
             for _ in range(2):  # warm-up, not measured (a prompt no conversation starts with)
                 chat(client_for(), [{"role": "user", "content": "Hi"}], 4, "target")
             t0 = time.perf_counter()
