@@ -143,6 +143,7 @@ def regenerated_samples(cfg: TrainConfig, tokenizer, split: str, count: int, cac
         batch_size=d.regen_batch,
         max_new_tokens=d.regen_max_new_tokens,
         max_prompt_tokens=d.regen_max_prompt_tokens,
+        dtype=d.regen_dtype,
         desc=f"regenerate {split}",
         device=cfg.device,
     )

@@ -6,9 +6,11 @@ will be asked to draft at serving time. This module answers the first user turn 
 conversation with the target, many prompts per forward (transformers ``generate``, left padding,
 greedy), and appends the results to a JSONL file so that a killed run resumes where it stopped.
 
-The batched forward is the target's own weights in fp32, but padded batches do not round exactly
-like Eyas's one-request decode, so a regenerated answer can differ from Eyas's greedy answer after
-a near-tie. That is harmless for training data: the text is still the target's distribution.
+The batched forward runs the target's own weights in ``dtype``: bfloat16 by default, which on a CPU
+with AVX-512 BF16 answered 533-692 tok/s (two threads, batch 128) where fp32 gave 60-143. Neither
+rounds exactly like Eyas's one-request decode, so a regenerated answer can differ from Eyas's greedy
+answer after a near-tie. That is harmless for training data: the text is still the target's
+distribution.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 END_OF_TURN = "<|im_end|>"
+REGEN_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -84,16 +87,19 @@ def regenerate_batched(
     max_prompt_tokens: int = 256,
     desc: str = "regenerate",
     device: str = "cpu",
+    dtype: str = "bfloat16",
 ) -> RegenSummary:
     """Answer the first user turn of up to ``limit`` conversations with the target at ``model_folder``
     (an HF checkpoint folder: ``eyas.target.loader.checkpoint_folder``), greedy, ``batch_size`` at a
-    time, on ``device``; append one JSON line per answer to ``out_path``; skip ids already there."""
+    time, on ``device`` in ``dtype`` (``"bfloat16"`` or ``"float32"``); append one JSON line per answer to ``out_path``; skip ids already there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if batch_size < 1:
         raise ValueError("batch_size: must be >= 1")
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens: must be >= 1")
+    if dtype not in REGEN_DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {sorted(REGEN_DTYPES)}")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_regenerated(out_path)}
@@ -105,7 +111,7 @@ def regenerate_batched(
     todo.sort(key=lambda p: p[2])  # similar lengths share a batch: less padding
     if not todo:
         return RegenSummary(0, len(done), 0, 0, 0.0)
-    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=REGEN_DTYPES[dtype]).to(device).eval()
     end_id = tok.convert_tokens_to_ids(END_OF_TURN)
     t0, new_tokens, truncated = time.perf_counter(), 0, 0
     bar = tqdm(total=len(todo), desc=desc, unit="prompt", dynamic_ncols=True)
@@ -197,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(REGEN_DTYPES))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--target", default=DEFAULT_TARGET)
     args = ap.parse_args(argv)
@@ -213,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch,
         max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
+        dtype=args.dtype,
         desc=f"regenerate {args.split}",
     )
     print(

@@ -39,7 +39,14 @@ def test_answers_are_the_models_greedy_continuations_and_a_rerun_resumes(model_f
 
     out = tmp_path / "answers.jsonl"
     s = regenerate_batched(
-        model_folder, iter(CONVERSATIONS), out, limit=2, batch_size=2, max_new_tokens=5, max_prompt_tokens=64
+        model_folder,
+        iter(CONVERSATIONS),
+        out,
+        limit=2,
+        batch_size=2,
+        max_new_tokens=5,
+        max_prompt_tokens=64,
+        dtype="float32",
     )
     recs = read_regenerated(out)
     assert (s.prompts, s.resumed, s.new_tokens, s.truncated) == (2, 0, 10, 2)
@@ -56,7 +63,7 @@ def test_answers_are_the_models_greedy_continuations_and_a_rerun_resumes(model_f
         assert r["messages"][1]["content"] == tok.decode(alone[0, n:], skip_special_tokens=True)
     again = regenerate_batched(
         model_folder, iter(CONVERSATIONS), out, limit=3, batch_size=2, max_new_tokens=5, max_prompt_tokens=64
-    )
+    )  # the default dtype (bfloat16) appends to an fp32 file: records carry no dtype
     assert (again.prompts, again.resumed) == (1, 2)
     assert sorted(r["id"] for r in read_regenerated(out)) == ["c0", "c1", "c4"]
     with out.open("a") as f:  # a run killed mid-write: the partial last line is ignored
@@ -73,6 +80,8 @@ def test_first_turn_prompts_filters_and_limits(model_folder):
     assert all(msgs[0]["role"] == "user" and len(msgs) == 1 and n <= 64 for _, msgs, n in got)
     with pytest.raises(ValueError, match="^batch_size: "):
         regenerate_batched(".", iter(()), "x.jsonl", limit=1, batch_size=0)
+    with pytest.raises(ValueError, match="^dtype: "):
+        regenerate_batched(".", iter(()), "x.jsonl", limit=1, dtype="float16")
 
 
 def test_chunks_answer_a_prefix_of_the_conversations_in_order(model_folder, tmp_path):
