@@ -304,6 +304,14 @@ def print_prediction(pred: dict) -> None:
         print(f"{int(t):>10,} {str(v['top1']):<32} " + " ".join(f"{v['tau'][s]:>7.2f}" for s in shapes))
 
 
+def made_for(pred: dict, run: Path) -> bool:
+    """Whether a recorded prediction speaks of ``run``: one that names its run (``run``, or a run
+    folder as its basis) speaks only of that run; one from the old curve speaks of every run."""
+    if pred.get("run"):
+        return Path(pred["run"].split()[0]).name == run.name
+    return pred["basis"] == "old" or Path(pred["basis"]).name == run.name
+
+
 def cmd_report(args) -> int:
     run = Path(args.run)
     new = stream_points(run)
@@ -366,7 +374,11 @@ def cmd_report(args) -> int:
         + f" {'tau':>5} {'speedup':>7} {'identical':>9}   predicted before (top-1@1, tau)"
     )
     for p in new:
-        before = [q for q in preds if str(p["supervised_tokens"]) in q["at"] and p["name"] not in q["points"]]
+        before = [
+            q
+            for q in preds
+            if str(p["supervised_tokens"]) in q["at"] and p["name"] not in q["points"] and made_for(q, run)
+        ]
         guess = before[-1]["at"][str(p["supervised_tokens"])] if before else None
         key = "/".join(map(str, shape))
         said = (
