@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--limit and --chunk must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    from eyas.compute import keep_freed_memory
+
+    keep_freed_memory()  # each decode step's temporaries reuse freed memory (eyas.compute)
     total = regenerate_in_chunks(
         checkpoint_folder(args.target),
         lambda: conversations(args.split),
