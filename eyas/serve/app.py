@@ -13,11 +13,13 @@ last with finish reason and stats), ``Stats`` (every replica's telemetry, tree w
 and leak invariant, merged from the app's registry), ``Cancel`` (stop a named request). A bad request
 gets ``INVALID_ARGUMENT`` naming the field; nothing is opened for it.
 
-HTTP, on the same ingress: the OpenAI API (``/v1/chat/completions``, ``/v1/completions``,
+HTTP, on the same ingress replica (a FastAPI app under ``@serve.ingress``, ``eyas/serve/http_api.py``;
+``GET /openapi.json`` lists it): the OpenAI API (``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/models``; ``eyas/serve/openai_api.py``), ``GET /metrics`` (Prometheus text of every target
 replica), and Eyas's own JSON routes (``POST /``, ``POST /cancel``, ``GET /stats``). An optional API
 key guards every route and RPC; at most ``max_inflight_requests`` requests run at once (then 503 /
-``RESOURCE_EXHAUSTED``).
+``RESOURCE_EXHAUSTED``). Every protocol runs a request through one path (``EyasServer._request``)
+and answers its failures from one table (``eyas/serve/errors.py``).
 
 Cancellation, two ways, both stopping the request at its next round boundary and closing its
 sessions: (1) the client closes its stream, and Serve cancels the ingress call and with it the
@@ -34,10 +36,10 @@ Build it with ``build_app(config)`` (``serve run ray_configs/serve.yaml``, ``eya
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-import uuid
 
 import grpc
 from ray import serve
@@ -46,11 +48,11 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from eyas.generate import FINISH_ERROR
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
-from eyas.protocol.schema import GenerateRequest, parse_cancel, parse_request
+from eyas.protocol.schema import GenerateRequest
 from eyas.protocol.service import SERVICER_FUNCTION, TIMEOUT_METADATA, decode_message, timeout_from_metadata
 from eyas.serve import openai_api as oai
 from eyas.serve.config import ServeConfig, parse_config  # noqa: F401 - parse_config: the app's config API
-from eyas.serve.errors import DeadlinePassed, Overloaded, ReplicaLost, failure_of, is_expected
+from eyas.serve.errors import DeadlinePassed, Failure, Overloaded, ReplicaLost, failure_of, is_expected
 from eyas.serve.registry import HEAD_NODE_RESOURCE, app_name, get_registry
 from eyas.target.engine import check_context
 from eyas.target.loader import load_target_config, load_tokenizer, request_prompt_ids
@@ -69,14 +71,18 @@ def _unauthenticated(grpc_context, reply):
     return reply
 
 
-def _refused(grpc_context, err: Exception, reply):
-    """``reply``, with ``err``'s status and message from the one table (eyas.serve.errors) set on a gRPC
-    call's context: a refusal (INVALID_ARGUMENT), overload (RESOURCE_EXHAUSTED), or a failure."""
+def _grpc_answer(grpc_context, failure: Failure, reply):
+    """``reply``, with ``failure``'s status and message from the one table (eyas.serve.errors) set on a
+    gRPC call's context."""
     if grpc_context is not None:
-        failure = failure_of(err)
         grpc_context.set_code(failure.grpc_code)
         grpc_context.set_details(failure.message)
     return reply
+
+
+def _refused(grpc_context, err: Exception, reply):
+    """``reply`` with ``err``'s answer from the one table: a refusal before the request started."""
+    return _grpc_answer(grpc_context, failure_of(err), reply)
 
 
 # Errors of a dead or unreachable replica, on which a request resumes on another one.
@@ -194,34 +200,14 @@ class _Resuming:
             release()
 
 
-def _client_error(err: Exception) -> str:
-    """What a client is told of a failure (eyas.serve.errors): a lost replica or a passed deadline says
-    so; anything else is an internal error."""
-    return failure_of(err).message
-
-
-def _failed(grpc_context, err: Exception, reply):
-    """A request that failed after it started: logged here (in full when unexpected), and its status from
-    the one table (eyas.serve.errors) for a gRPC client, with no internals in the message."""
+def _logged(err: BaseException) -> Failure:
+    """A request that failed after it started: logged here (a warning for a failure the table expects,
+    the traceback otherwise), answered from the one table with no internals in its message."""
     if is_expected(err):
         log.warning("request failed: %s", err)
     else:
         log.error("request failed", exc_info=err)
-    return _refused(grpc_context, err, reply)
-
-
-def _json_failure(err: Exception):
-    """``err`` on Eyas's JSON route (``POST /``), from the one table."""
-    from starlette.responses import JSONResponse
-
-    failure = failure_of(err)
-    return JSONResponse(failure.json_body(), status_code=failure.http_status)
-
-
-def _openai_error(err: Exception) -> oai.OpenAIError:
-    """``err`` in OpenAI's shape, from the one table."""
-    failure = failure_of(err)
-    return oai.OpenAIError(failure.message, status=failure.http_status, type_=failure.openai_type, code=failure.code)
+    return failure_of(err)
 
 
 def _deadline(grpc_context) -> float | None:
@@ -257,6 +243,7 @@ def _stats(report: dict) -> pb.GenerateStats:
     max_ongoing_requests=256,
     health_check_period_s=10,
 )
+@serve.ingress()  # HTTP: the FastAPI app of __serve_build_asgi_app__; gRPC: the methods below
 class EyasServer:
     def __init__(self, config: dict, target):
         self.cfg = parse_config(config)
@@ -289,22 +276,9 @@ class EyasServer:
             deadline = _deadline(grpc_context)
         except ValueError as err:
             return _refused(grpc_context, err, pb.GenerateResponse())
-        report = None
-        try:
-            stream = self._start(req, ids, deadline)
-        except Overloaded as err:
-            return _refused(grpc_context, err, pb.GenerateResponse())
-        try:
-            async for item in stream:
-                if "invalid" in item:
-                    return _refused(grpc_context, ValueError(item["invalid"]), pb.GenerateResponse())
-                report = item.get("report", report)
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a clean status for the client; the log has the rest
-            return _failed(grpc_context, err, pb.GenerateResponse())
-        finally:
-            stream.cancel()  # a no-op after the last item; stops the request in its replica otherwise
+        report = await self._drain(req, ids, deadline)
+        if isinstance(report, Failure):
+            return _grpc_answer(grpc_context, report, pb.GenerateResponse())
         return pb.GenerateResponse(
             token_ids=report["token_ids"],
             text=report["text"],
@@ -314,6 +288,8 @@ class EyasServer:
         )
 
     async def GenerateStream(self, request: bytes | pb.GenerateRequest, grpc_context=None):
+        # Serve's proxy applies the context's status only along with a message, so a refusal or a
+        # failure also sends one error chunk that carries it
         if not self._authorized(grpc_context):
             yield _unauthenticated(grpc_context, pb.GenerateChunk(finish_reason=FINISH_ERROR, text="unauthenticated"))
             return
@@ -321,39 +297,25 @@ class EyasServer:
             req, ids = self._validate(decode_message(pb.GenerateRequest, request))
             deadline = _deadline(grpc_context)
         except ValueError as err:
-            # Serve's proxy applies the context's status only along with a message, so one error chunk goes too
             yield _refused(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
             return
         sent: list[int] = []
         text = ""
-        try:
-            stream = self._start(req, ids, deadline)
-        except Overloaded as err:
-            yield _refused(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
-            return
-        try:
-            async for item in stream:
+        async with self._request(req, ids, deadline) as items:
+            async for item in items:
+                if isinstance(item, Failure):
+                    yield _grpc_answer(
+                        grpc_context, item, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=item.message)
+                    )
+                    return
                 if "tokens" in item:
                     sent.extend(item["tokens"])
                     full = self.tokenizer.decode(sent, skip_special_tokens=True)
                     yield pb.GenerateChunk(token_ids=item["tokens"], text=full[len(text) :])
                     text = full
-                elif "invalid" in item:
-                    yield _refused(
-                        grpc_context,
-                        ValueError(item["invalid"]),
-                        pb.GenerateChunk(finish_reason=FINISH_ERROR, text=item["invalid"]),
-                    )
-                    return
                 else:
                     report = item["report"]
                     yield pb.GenerateChunk(finish_reason=report["finish_reason"], stats=_stats(report))
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # noqa: BLE001 - the request failed after it started: say so, cleanly
-            yield _failed(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=_client_error(err)))
-        finally:
-            stream.cancel()  # the client went away (or we are done): stop the request in its replica now
 
     async def Stats(self, request: bytes | pb.StatsRequest, grpc_context=None) -> pb.StatsResponse:
         if not self._authorized(grpc_context):
@@ -373,168 +335,53 @@ class EyasServer:
             return _refused(grpc_context, err, pb.CancelResponse())
         return pb.CancelResponse()
 
-    # --- HTTP (POST JSON with the GenerateRequest fields; POST /cancel {"request_id"}; GET /stats) ----
-    async def __call__(self, http_request):
-        from starlette.responses import JSONResponse
+    # --- HTTP: a FastAPI app under Serve's ingress (eyas/serve/http_api.py) ------------------------
+    def __serve_build_asgi_app__(self):
+        from eyas.serve.http_api import build_http_app
 
-        path = http_request.url.path.rstrip("/")
-        root = http_request.scope.get("root_path", "").rstrip("/")  # the app's route prefix, if any
-        path = path[len(root) :] if root and path.startswith(root) else path
-        try:
-            oai.check_api_key(self.cfg.api_key, http_request.headers.get("authorization"))
-        except oai.OpenAIError as err:
-            return _openai_response(err)
-        if path == "/v1" or path.startswith("/v1/"):
-            return await self._openai(http_request, path)
-        if path == "/metrics" and http_request.method == "GET":
-            from starlette.responses import Response
+        return build_http_app(self)
 
-            return Response(await self.prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8")
-        if http_request.method == "GET":
-            return JSONResponse(json.loads(json.dumps(await self.stats(), default=str)))
-        try:  # the client's mistakes are 400s that name the field, as over gRPC; anything else is a 500
-            try:
-                body = await self._body(http_request)  # bounded in size and nesting, as the OpenAI routes
-            except oai.OpenAIError as err:
-                return JSONResponse({"error": err.message}, status_code=err.status)
-            if not isinstance(body, dict):
-                raise ValueError("request: the body must be a JSON object")
-            if http_request.url.path.rstrip("/").endswith("/cancel"):
-                await self.cancel(parse_cancel(**body).request_id)
-                return JSONResponse({})
-            req, ids = self._validate(wire.generate_request_to_proto(parse_request(**body)))
-        except ValueError as err:
-            return JSONResponse({"error": str(err)}, status_code=400)
-        report = None
+    # --- the one request path ------------------------------------------------------------------------
+    def _request(self, req: GenerateRequest, ids: list[int], deadline: float | None = None):
+        """The one path every protocol runs a validated request through, as ``async with
+        self._request(...) as items: async for item in items``. The items are the target's
+        ``{"tokens": [...]}`` per round, then ``{"report": {...}}``; any failure instead ends them with
+        one :class:`~eyas.serve.errors.Failure` from the one table: the ingress full, a refusal found
+        in the replica, a replica lost and not resumed, a passed deadline, an error finish, or an error
+        inside the server (logged). Leaving the block, however it is left (the answer is complete, the
+        client went away, the caller was cancelled), cancels the request in its replica and releases
+        its admission slot."""
+        return contextlib.aclosing(self._items(req, ids, deadline))
+
+    async def _items(self, req: GenerateRequest, ids: list[int], deadline: float | None):
         try:
-            stream = self._start(req, ids)
+            stream = self._start(req, ids, deadline)
         except Overloaded as err:
-            return _json_failure(err)
-        try:
-            async for item in stream:
-                if "invalid" in item:
-                    return JSONResponse({"error": item["invalid"]}, status_code=400)
-                report = item.get("report", report)
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # noqa: BLE001 - logged by _failed; the client gets the table's answer
-            _failed(None, err, None)
-            return _json_failure(err)
-        finally:
-            stream.cancel()
-        return JSONResponse(report)
-
-    # --- the OpenAI API (eyas/serve/openai_api.py) -----------------------------------------------------
-    async def _body(self, http_request) -> object:
-        """The request's JSON body: bounded in size, and in nesting (a parser's recursion error is a 400)."""
-        raw = await http_request.body()
-        if len(raw) > self.cfg.max_body_bytes:
-            raise oai.OpenAIError(
-                f"request: the body is {len(raw)} bytes, over the {self.cfg.max_body_bytes}-byte limit",
-                status=413,
-                code="request_too_large",
-            )
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise oai.OpenAIError(f"request: the body is not JSON ({err})") from None
-        except RecursionError:
-            raise oai.OpenAIError("request: the body nests too deeply") from None
-
-    async def _openai(self, http_request, path: str):
-        from starlette.responses import JSONResponse, StreamingResponse
-
-        try:
-            if path == "/v1/models":
-                if http_request.method != "GET":
-                    raise oai.OpenAIError(f"{path}: use GET", status=405, code="method_not_allowed")
-                return JSONResponse(oai.models(self.model_name, self.created))
-            kind = {"/v1/chat/completions": oai.CHAT, "/v1/completions": oai.COMPLETION}.get(path)
-            if kind is None:
-                raise oai.OpenAIError(
-                    f"{path}: no such route (/v1/chat/completions, /v1/completions, /v1/models)",
-                    status=404,
-                    code="not_found",
-                )
-            if http_request.method != "POST":
-                raise oai.OpenAIError(f"{path}: use POST", status=405, code="method_not_allowed")
-            parsed = oai.parse_openai(kind, await self._body(http_request), self.tokenizer, self.model_name)
-            try:
-                req, ids = self._validate(wire.generate_request_to_proto(parsed.request))
-            except ValueError as err:
-                raise oai.invalid(str(err)) from None
-        except oai.OpenAIError as err:
-            return _openai_response(err)
-        response_id = ("chatcmpl-" if kind == oai.CHAT else "cmpl-") + (req.request_id or uuid.uuid4().hex)
-        if self.inflight >= self.cfg.max_inflight_requests:
-            return _openai_response(_overloaded_error())
-        if parsed.stream:
-            return StreamingResponse(self._sse(parsed, req, ids, response_id), media_type="text/event-stream")
-        report = None
-        try:
-            stream = self._start(req, ids)
-        except Overloaded:
-            return _openai_response(_overloaded_error())
-        try:
-            async for item in stream:
-                if "invalid" in item:
-                    err = oai.invalid(item["invalid"])
-                    return _openai_response(err)
-                report = item.get("report", report)
-        except Exception as err:  # noqa: BLE001 - logged by _failed; the client gets the table's answer
-            _failed(None, err, None)
-            error = _openai_error(err)
-            return _openai_response(error)
-        finally:
-            stream.cancel()  # a no-op after the last item; stops the request when the client went away
-        if report is None or report["finish_reason"] == FINISH_ERROR:
-            return JSONResponse(_server_error().body(), status_code=500)
-        return JSONResponse(oai.response(parsed, response_id, oai.now(), report))
-
-    async def _sse(self, parsed: oai.OpenAIRequest, req: GenerateRequest, ids: list[int], response_id: str):
-        """Server-sent events: one chunk per round that added text, the finish, the usage (when asked
-        for), then ``[DONE]``. A client that closes the stream cancels the request (``finally``)."""
-        created = oai.now()
-        text = oai.StreamText(req.stop)
-        sent: list[int] = []
-        try:
-            stream = self._start(req, ids)
-        except Overloaded:  # filled up between the check in _openai and now
-            yield _event(_overloaded_error().body())
+            yield failure_of(err)
             return
         try:
-            if parsed.kind == oai.CHAT:
-                yield _event(oai.chunk(parsed, response_id, created, None, None, role=True))
             async for item in stream:
-                if "tokens" in item:
-                    sent.extend(item["tokens"])
-                    delta = text.delta(self.tokenizer.decode(sent, skip_special_tokens=True))
-                    if delta:
-                        yield _event(oai.chunk(parsed, response_id, created, delta, None))
-                elif "invalid" in item:
-                    yield _event(oai.invalid(item["invalid"]).body())
+                if "invalid" in item:
+                    yield failure_of(ValueError(item["invalid"]))
                     return
-                else:
-                    report = item["report"]
-                    if report["finish_reason"] == FINISH_ERROR:
-                        yield _event(_server_error().body())
-                        return
-                    delta = text.delta(report["text"], final=True)
-                    if delta:
-                        yield _event(oai.chunk(parsed, response_id, created, delta, None))
-                    yield _event(
-                        oai.chunk(parsed, response_id, created, None, oai.finish_reason(report["finish_reason"]))
-                    )
-                    if parsed.include_usage:
-                        yield _event(oai.usage_chunk(parsed, response_id, created, report))
-            yield "data: [DONE]\n\n"
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # noqa: BLE001 - logged by _failed; the client gets the table's answer
-            _failed(None, err, None)
-            yield _event(_openai_error(err).body())
+                if "report" in item and item["report"]["finish_reason"] == FINISH_ERROR:
+                    yield failure_of(RuntimeError("an error finish"))  # the replica logged it
+                    return
+                yield item
+        except Exception as err:  # noqa: BLE001 - logged by _logged; the client gets the table's answer
+            yield _logged(err)
         finally:
-            stream.cancel()
+            stream.cancel()  # a no-op after the last item; stops the request in its replica otherwise
+
+    async def _drain(self, req: GenerateRequest, ids: list[int], deadline: float | None = None) -> dict | Failure:
+        """A unary call's answer: the request's final report, or its failure (``_request``)."""
+        report = None
+        async with self._request(req, ids, deadline) as items:
+            async for item in items:
+                if isinstance(item, Failure):
+                    return item
+                report = item.get("report", report)
+        return report
 
     # --- internals -----------------------------------------------------------------------------------
     def _start(self, req: GenerateRequest, ids: list[int], deadline: float | None = None):
@@ -587,25 +434,6 @@ class EyasServer:
         autoscaling stats, and the telemetry of all target replicas (metrics and spans concatenated)."""
         reports = await get_registry(self.app_name).snapshot.remote()
         return merge_reports(reports, self.cfg.scheduler)
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def _openai_response(error: oai.OpenAIError):
-    from starlette.responses import JSONResponse
-
-    return JSONResponse(error.body(), status_code=error.status)
-
-
-def _overloaded_error() -> oai.OpenAIError:
-    return _openai_error(Overloaded("the server is overloaded (max_inflight_requests); retry later"))
-
-
-def _server_error() -> oai.OpenAIError:
-    """A request whose replica reported an error finish (logged there)."""
-    return _openai_error(RuntimeError("an error finish"))
 
 
 def merge_reports(reports: list[dict], scheduler: str) -> dict:

@@ -558,7 +558,8 @@ def test_hostile_fuzz_gets_clean_errors_naming_the_field_and_changes_nothing(cli
 
 def test_http_generate_cancel_and_stats(http_url, client, reference, no_leaks):
     """POST / answers greedy exactly as target-only does; POST /cancel takes a name (400 naming
-    request_id for a blank one, 200 for an unknown one); GET /stats reports the workers."""
+    request_id for a blank one, 200 for an unknown one); GET /stats reports the workers; GET
+    /openapi.json lists the OpenAI routes."""
     import json
 
     status, report = _http(
@@ -570,6 +571,8 @@ def test_http_generate_cancel_and_stats(http_url, client, reference, no_leaks):
     assert status == 400 and reply["error"].startswith("request_id: "), reply
     status, stats = _http(http_url + "/stats")
     assert status == 200 and stats["workers"]
+    status, doc = _http(http_url + "/openapi.json")  # FastAPI's schema, through Serve's proxy
+    assert status == 200 and {"/v1/chat/completions", "/v1/completions", "/v1/models", "/"} <= set(doc["paths"])
     no_leaks(client)
 
 

@@ -12,7 +12,7 @@ from ray.exceptions import ActorDiedError
 
 from eyas.protocol.schema import parse_request
 from eyas.serve import app
-from eyas.serve.errors import INTERNAL_ERROR
+from eyas.serve.errors import INTERNAL_ERROR, failure_of
 from eyas.target.loader import load_tokenizer
 
 
@@ -90,6 +90,6 @@ def test_no_replica_in_time_is_a_clean_error(tokenizer, monkeypatch):
     )
     with pytest.raises(app.ReplicaLost) as err:
         run(stream)
-    message = app._client_error(err.value)
+    message = failure_of(err.value).message
     assert message.startswith("the target replica serving this request failed") and "pid" not in message
-    assert app._client_error(RuntimeError("boom at 10.0.0.1 pid=42")) == INTERNAL_ERROR
+    assert failure_of(RuntimeError("boom at 10.0.0.1 pid=42")).message == INTERNAL_ERROR

@@ -1,0 +1,237 @@
+"""The HTTP front door of the Serve app: one FastAPI app under Serve's ingress, beside the gRPC methods.
+
+:class:`EyasServer` (``eyas/serve/app.py``) is a ``@serve.ingress`` deployment: Ray Serve 2.60 sends
+HTTP to the ASGI app that :func:`build_http_app` builds for each replica, and gRPC to the class's
+``Generate``/``GenerateStream``/``Stats``/``Cancel`` methods, both on the same replica. Every route
+runs a request through the replica's one request path (``EyasServer._request``), whose failures
+answer from the one table (``eyas/serve/errors.py``).
+
+Routes (``GET /openapi.json`` lists them, ``GET /docs`` renders it):
+
+- the OpenAI API: ``POST /v1/chat/completions``, ``POST /v1/completions`` (plain, or server-sent
+  events with ``stream: true``; a client that closes the stream cancels its request), ``GET
+  /v1/models``. Errors in OpenAI's shape, ``param`` naming the parameter.
+- Eyas's own: ``POST /`` (the fields of :class:`eyas.protocol.schema.GenerateRequest`; the report
+  back), ``POST /cancel`` (``{"request_id"}``), ``GET /stats`` (and ``GET /``: every replica's report,
+  merged), ``GET /metrics`` (Prometheus text of every target replica). Errors as ``{"error": "<field>:
+  <why>", ...}``.
+
+Terms:
+    request body  read by Eyas, not by FastAPI: bounded in size (``max_body_bytes``, else 413) and in
+                  nesting (a parser's recursion error is a 400) before any parse, then validated by the
+                  same pydantic models the OpenAPI document declares (``openapi_extra``), so that a bad
+                  field is a 400 naming it, in the route's error shape, never FastAPI's 422.
+    API key       one app-wide dependency (:func:`check_api_key`): a missing or wrong key is a 401 in
+                  OpenAI's shape on every route but the schema pages (``/openapi.json``, ``/docs``),
+                  which describe the API and hold nothing of a request.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import TYPE_CHECKING
+
+from fastapi import Depends, FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from eyas.protocol import wire
+from eyas.protocol.schema import CancelRequest, GenerateRequest, parse_cancel, parse_request
+from eyas.serve import openai_api as oai
+from eyas.serve.errors import Failure, Overloaded, failure_of
+
+if TYPE_CHECKING:
+    from eyas.serve.app import EyasServer
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def openai_error(failure: Failure) -> oai.OpenAIError:
+    """A failure from the one table in OpenAI's shape."""
+    return oai.OpenAIError(failure.message, status=failure.http_status, type_=failure.openai_type, code=failure.code)
+
+
+def openai_response(error: oai.OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def json_failure(failure: Failure) -> JSONResponse:
+    """A failure on Eyas's JSON routes."""
+    return JSONResponse(failure.json_body(), status_code=failure.http_status)
+
+
+def sse_event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def overloaded(inflight: int) -> Failure:
+    return failure_of(Overloaded(f"overloaded: {inflight} requests in flight (max_inflight_requests); retry later"))
+
+
+async def read_body(request: Request, max_body_bytes: int) -> object:
+    """The request's JSON body: bounded in size, and in nesting (a parser's recursion error is a 400)."""
+    raw = await request.body()
+    if len(raw) > max_body_bytes:
+        raise oai.OpenAIError(
+            f"request: the body is {len(raw)} bytes, over the {max_body_bytes}-byte limit",
+            status=413,
+            code="request_too_large",
+        )
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise oai.OpenAIError(f"request: the body is not JSON ({err})") from None
+    except RecursionError:
+        raise oai.OpenAIError("request: the body nests too deeply") from None
+
+
+def _body_schema(model) -> dict:
+    """``openapi_extra`` declaring ``model`` as a route's JSON body (the route reads the body itself)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+def _is_openai(request: Request) -> bool:
+    path = request.url.path
+    root = request.scope.get("root_path", "").rstrip("/")
+    path = path[len(root) :] if root and path.startswith(root) else path
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def build_http_app(server: EyasServer) -> FastAPI:
+    """The HTTP API of one ``EyasServer`` replica (called by Serve when the replica starts)."""
+    cfg = server.cfg
+
+    async def check_api_key(request: Request) -> None:
+        oai.check_api_key(cfg.api_key, request.headers.get("authorization"))
+
+    app = FastAPI(
+        title="Eyas",
+        summary="Speculative decoding on Ray: the OpenAI API, and Eyas's own JSON routes.",
+        version="0.1.0",
+        dependencies=[Depends(check_api_key)],
+    )
+
+    @app.exception_handler(oai.OpenAIError)
+    async def _openai_refusal(request: Request, err: oai.OpenAIError):
+        if _is_openai(request) or err.status == 401:  # a key refusal answers in OpenAI's shape everywhere
+            return openai_response(err)
+        return JSONResponse({"error": err.message, "code": err.code or "invalid_request"}, status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _no_route(request: Request, err: StarletteHTTPException):
+        """404 and 405, in the route's error shape, naming the routes there are."""
+        path = request.url.path
+        if err.status_code == 404:
+            message = f"{path}: no such route (/v1/chat/completions, /v1/completions, /v1/models, /, /cancel, /stats, /metrics)"
+            code = "not_found"
+        elif err.status_code == 405:
+            message, code = f"{path}: method {request.method} is not allowed here", "method_not_allowed"
+        else:
+            message, code = str(err.detail), "http_error"
+        if _is_openai(request):
+            return openai_response(oai.OpenAIError(message, status=err.status_code, code=code))
+        return JSONResponse({"error": message, "code": code}, status_code=err.status_code)
+
+    # --- the OpenAI API ------------------------------------------------------------------------------
+    @app.get("/v1/models", tags=["openai"])
+    async def models() -> dict:
+        return oai.models(server.model_name, server.created)
+
+    @app.post("/v1/chat/completions", tags=["openai"], openapi_extra=_body_schema(oai.ChatRequest))
+    async def chat_completions(request: Request):
+        return await _openai(request, oai.CHAT)
+
+    @app.post("/v1/completions", tags=["openai"], openapi_extra=_body_schema(oai.CompletionRequest))
+    async def completions(request: Request):
+        return await _openai(request, oai.COMPLETION)
+
+    async def _openai(request: Request, kind: str):
+        parsed = oai.parse_openai(
+            kind, await read_body(request, cfg.max_body_bytes), server.tokenizer, server.model_name
+        )
+        try:
+            req, ids = server._validate(wire.generate_request_to_proto(parsed.request))
+        except ValueError as err:
+            raise oai.invalid(str(err)) from None
+        response_id = ("chatcmpl-" if kind == oai.CHAT else "cmpl-") + (req.request_id or uuid.uuid4().hex)
+        if server.inflight >= cfg.max_inflight_requests:  # a 503 status, before any event is sent
+            return openai_response(openai_error(overloaded(server.inflight)))
+        if parsed.stream:
+            return StreamingResponse(_sse(parsed, req, ids, response_id), media_type="text/event-stream")
+        report = await server._drain(req, ids)
+        if isinstance(report, Failure):
+            return openai_response(openai_error(report))
+        return JSONResponse(oai.response(parsed, response_id, oai.now(), report))
+
+    async def _sse(parsed: oai.OpenAIRequest, req: GenerateRequest, ids: list[int], response_id: str):
+        """Server-sent events: one chunk per round that added text, the finish, the usage (when asked
+        for), then ``[DONE]``; a failure is one error event. A client that closes the stream cancels
+        the request (the request path's ``finally``)."""
+        created = oai.now()
+        text = oai.StreamText(req.stop)
+        sent: list[int] = []
+        async with server._request(req, ids) as items:
+            if parsed.kind == oai.CHAT:
+                yield sse_event(oai.chunk(parsed, response_id, created, None, None, role=True))
+            async for item in items:
+                if isinstance(item, Failure):
+                    yield sse_event(openai_error(item).body())
+                    return
+                if "tokens" in item:
+                    sent.extend(item["tokens"])
+                    delta = text.delta(server.tokenizer.decode(sent, skip_special_tokens=True))
+                    if delta:
+                        yield sse_event(oai.chunk(parsed, response_id, created, delta, None))
+                    continue
+                report = item["report"]
+                delta = text.delta(report["text"], final=True)
+                if delta:
+                    yield sse_event(oai.chunk(parsed, response_id, created, delta, None))
+                yield sse_event(
+                    oai.chunk(parsed, response_id, created, None, oai.finish_reason(report["finish_reason"]))
+                )
+                if parsed.include_usage:
+                    yield sse_event(oai.usage_chunk(parsed, response_id, created, report))
+        yield "data: [DONE]\n\n"
+
+    # --- Eyas's own routes ---------------------------------------------------------------------------
+    @app.post("/", tags=["eyas"], openapi_extra=_body_schema(GenerateRequest))
+    async def generate(request: Request):
+        """Run one request to the end; the report back (tokens, text, finish reason, statistics)."""
+        try:
+            body = await read_body(request, cfg.max_body_bytes)
+            if not isinstance(body, dict):
+                raise ValueError("request: the body must be a JSON object")
+            req, ids = server._validate(wire.generate_request_to_proto(parse_request(**body)))
+        except ValueError as err:
+            return json_failure(failure_of(err))
+        report = await server._drain(req, ids)
+        if isinstance(report, Failure):
+            return json_failure(report)
+        return JSONResponse(report)
+
+    @app.post("/cancel", tags=["eyas"], openapi_extra=_body_schema(CancelRequest))
+    async def cancel(request: Request):
+        """Stop the named request at its next round boundary (idempotent; an unknown name is a no-op)."""
+        try:
+            body = await read_body(request, cfg.max_body_bytes)
+            if not isinstance(body, dict):
+                raise ValueError("request: the body must be a JSON object")
+            await server.cancel(parse_cancel(**body).request_id)
+        except ValueError as err:
+            return json_failure(failure_of(err))
+        return JSONResponse({})
+
+    @app.get("/stats", tags=["eyas"])
+    @app.get("/", tags=["eyas"], include_in_schema=False)
+    async def stats():
+        """Every live replica's report, merged (``eyas stats``)."""
+        return JSONResponse(json.loads(json.dumps(await server.stats(), default=str)))
+
+    @app.get("/metrics", tags=["eyas"], response_class=Response)
+    async def metrics():
+        """Every live target replica's metrics in Prometheus's text format, labelled by ``replica``."""
+        return Response(await server.prometheus(), media_type=PROMETHEUS_TEXT)
+
+    return app
