@@ -196,14 +196,17 @@ def build_http_app(server: EyasServer) -> FastAPI:
         yield "data: [DONE]\n\n"
 
     # --- Eyas's own routes ---------------------------------------------------------------------------
+    async def json_object(request: Request) -> dict:
+        body = await read_body(request, cfg.max_body_bytes)
+        if not isinstance(body, dict):
+            raise ValueError("request: the body must be a JSON object")
+        return body
+
     @app.post("/", tags=["eyas"], openapi_extra=_body_schema(GenerateRequest))
     async def generate(request: Request):
         """Run one request to the end; the report back (tokens, text, finish reason, statistics)."""
         try:
-            body = await read_body(request, cfg.max_body_bytes)
-            if not isinstance(body, dict):
-                raise ValueError("request: the body must be a JSON object")
-            req, ids = server._validate(wire.generate_request_to_proto(parse_request(**body)))
+            req, ids = server._validate(wire.generate_request_to_proto(parse_request(**await json_object(request))))
         except ValueError as err:
             return json_failure(failure_of(err))
         report = await server._drain(req, ids)
@@ -215,10 +218,7 @@ def build_http_app(server: EyasServer) -> FastAPI:
     async def cancel(request: Request):
         """Stop the named request at its next round boundary (idempotent; an unknown name is a no-op)."""
         try:
-            body = await read_body(request, cfg.max_body_bytes)
-            if not isinstance(body, dict):
-                raise ValueError("request: the body must be a JSON object")
-            await server.cancel(parse_cancel(**body).request_id)
+            await server.cancel(parse_cancel(**await json_object(request)).request_id)
         except ValueError as err:
             return json_failure(failure_of(err))
         return JSONResponse({})
