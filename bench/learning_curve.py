@@ -304,6 +304,36 @@ def print_prediction(pred: dict) -> None:
         print(f"{int(t):>10,} {str(v['top1']):<32} " + " ".join(f"{v['tau'][s]:>7.2f}" for s in shapes))
 
 
+def paired_tau_difference(
+    records: list[dict], base: str, other: str, draws: int = 4000, seed: int = 0
+) -> tuple[float, float, float]:
+    """τ(other) - τ(base) over the prompts both ran, and its paired bootstrap 95 % interval: the
+    prompts are resampled with replacement, the same sample for both (``records``: acceptance.py's
+    per-prompt records; τ = new tokens / target forwards, pooled over the sample)."""
+    import random
+
+    by: dict[str, dict] = {}
+    for r in records:
+        by.setdefault(r["method"], {})[r["prompt"]] = r
+
+    def tau(rows) -> float:
+        rows = list(rows)
+        made = sum(
+            sum(x["round_new_tokens"]) if isinstance(x["round_new_tokens"], list) else x["round_new_tokens"]
+            for x in rows
+        )
+        return made / sum(x["target_forwards"] for x in rows)
+
+    prompts = sorted(set(by[base]) & set(by[other]))
+    rng = random.Random(seed)
+    diffs = sorted(
+        tau(by[other][q] for q in sample) - tau(by[base][q] for q in sample)
+        for sample in ([rng.choice(prompts) for _ in prompts] for _ in range(draws))
+    )
+    whole = tau(by[other][q] for q in prompts) - tau(by[base][q] for q in prompts)
+    return whole, diffs[int(0.025 * draws)], diffs[int(0.975 * draws) - 1]
+
+
 def made_for(pred: dict, run: Path) -> bool:
     """Whether a recorded prediction speaks of ``run``: one that names its run (``run``, or a run
     folder as its basis) speaks only of that run; one from the old curve speaks of every run."""
@@ -398,6 +428,12 @@ def cmd_report(args) -> int:
             f"{'shipped':<22} (drafters/{REFERENCE_DRAFTER.name}) tau {reference['tau']:.2f}, "
             f"{reference['speedup']:.2f}x, identical {reference['identical']}"
         )
+        for p in new:  # a point ships only where this interval excludes zero
+            name = p["name"].replace("@", "-")
+            if name in bench["methods"]:
+                diff, low, high = paired_tau_difference(bench["records"], REFERENCE_DRAFTER.name, name)
+                p["tau_vs_shipped"] = {"difference": diff, "ci95": [low, high]}
+                print(f"{p['name']:<22} tau - shipped {diff:+.3f}, paired bootstrap 95 % CI [{low:+.3f}, {high:+.3f}]")
 
     fits = {}
     for name, pts in (("old curve (2 epochs, float32, 32 held-out)", old), (run.name, new)):
