@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastapi import Depends, FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -41,8 +41,28 @@ from eyas.protocol.schema import CancelRequest, GenerateRequest, parse_cancel, p
 from eyas.serve import openai_api as oai
 from eyas.serve.errors import Failure, Overloaded, failure_of
 
-if TYPE_CHECKING:
-    from eyas.serve.app import EyasServer
+
+class Ingress(Protocol):
+    """What the HTTP app uses of its ``EyasServer`` replica (``eyas/serve/app.py``)."""
+
+    cfg: object  # the ServeConfig: api_key, max_body_bytes, max_inflight_requests
+    tokenizer: object
+    model_name: str
+    created: int
+    inflight: int  # admitted requests
+
+    def _validate(self, request) -> tuple[GenerateRequest, list[int]]: ...
+
+    def _request(self, req: GenerateRequest, ids: list[int], deadline: float | None = None): ...
+
+    async def _drain(self, req: GenerateRequest, ids: list[int], deadline: float | None = None) -> dict | Failure: ...
+
+    async def cancel(self, request_id: str) -> None: ...
+
+    async def stats(self) -> dict: ...
+
+    async def prometheus(self) -> str: ...
+
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -98,7 +118,7 @@ def _is_openai(request: Request) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
-def build_http_app(server: EyasServer) -> FastAPI:
+def build_http_app(server: Ingress) -> FastAPI:
     """The HTTP API of one ``EyasServer`` replica (called by Serve when the replica starts)."""
     cfg = server.cfg
 
