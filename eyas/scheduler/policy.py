@@ -45,9 +45,9 @@ DEFAULT_SHAPES = (
     TreeShape(8, 6, 32),
 )
 # P(accept depth d | accepted d-1) before any data: the shipped EAGLE-3 drafter's, measured on all 80 MT-bench
-# first turns at fp16w with a 2/4/8 tree (bench/results/trees-fp16w-eagle3.json: 0.406, 0.378, 0.247, 0.205);
-# deeper than measured, 0.2
-PRIOR_RATES = (0.41, 0.38, 0.25, 0.2, 0.2, 0.2, 0.2, 0.2)
+# first turns at fp16w with a 2/4/8 tree (bench/results/trees-fp16w-eagle3-stage3.json: accept@d 44.9, 20.3,
+# 6.6, 2.1 %, so 0.449, 0.452, 0.325, 0.318); deeper than measured, 0.3
+PRIOR_RATES = (0.45, 0.45, 0.33, 0.32, 0.3, 0.3, 0.3, 0.3)
 EMA = 0.3
 PRIOR_EMA = 0.2  # how fast the all-requests prior (a new request's starting estimate) follows observed acceptance
 MIN_GAIN = 1e-3  # relative improvement of J an upgrade must bring
