@@ -374,14 +374,15 @@ class EyasServer:
             stream.cancel()  # a no-op after the last item; stops the request in its replica otherwise
 
     async def _drain(self, req: GenerateRequest, ids: list[int], deadline: float | None = None) -> dict | Failure:
-        """A unary call's answer: the request's final report, or its failure (``_request``)."""
+        """A unary call's answer: the request's final report, or its failure (``_request``; a stream
+        that ends without a report is an internal failure)."""
         report = None
         async with self._request(req, ids, deadline) as items:
             async for item in items:
                 if isinstance(item, Failure):
                     return item
                 report = item.get("report", report)
-        return report
+        return report if report is not None else _logged(RuntimeError("the request's stream ended without a report"))
 
     # --- internals -----------------------------------------------------------------------------------
     def _start(self, req: GenerateRequest, ids: list[int], deadline: float | None = None):
@@ -389,7 +390,7 @@ class EyasServer:
         of its own coroutine, so that a client that goes away stops the request at once (a ``finally`` in
         an inner async generator would run only when that generator is garbage-collected)."""
         if self.inflight >= self.cfg.max_inflight_requests:
-            raise Overloaded(f"overloaded: {self.inflight} requests in flight (max_inflight_requests); retry later")
+            raise Overloaded.at(self.inflight)
         self.inflight += 1
         received = time.time()
         try:

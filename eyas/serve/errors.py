@@ -26,6 +26,10 @@ INTERNAL_ERROR = "internal error: the request failed in the server; retry it"  #
 class Overloaded(Exception):
     """The ingress already runs ``max_inflight_requests`` requests."""
 
+    @classmethod
+    def at(cls, inflight: int) -> Overloaded:
+        return cls(f"overloaded: {inflight} requests in flight (max_inflight_requests); retry later")
+
 
 class ReplicaLost(Exception):
     """The target replica running a request died and no replica resumed it in time. Its message is

@@ -68,8 +68,11 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def openai_error(failure: Failure) -> oai.OpenAIError:
-    """A failure from the one table in OpenAI's shape."""
-    return oai.OpenAIError(failure.message, status=failure.http_status, type_=failure.openai_type, code=failure.code)
+    """A failure from the one table in OpenAI's shape; a refusal's ``param`` names the parameter."""
+    param = oai.param_of(failure.message) if failure.http_status == 400 else None
+    return oai.OpenAIError(
+        failure.message, param=param, status=failure.http_status, type_=failure.openai_type, code=failure.code
+    )
 
 
 def openai_response(error: oai.OpenAIError) -> JSONResponse:
@@ -83,10 +86,6 @@ def json_failure(failure: Failure) -> JSONResponse:
 
 def sse_event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-def overloaded(inflight: int) -> Failure:
-    return failure_of(Overloaded(f"overloaded: {inflight} requests in flight (max_inflight_requests); retry later"))
 
 
 async def read_body(request: Request, max_body_bytes: int) -> object:
@@ -176,7 +175,7 @@ def build_http_app(server: Ingress) -> FastAPI:
             raise oai.invalid(str(err)) from None
         response_id = ("chatcmpl-" if kind == oai.CHAT else "cmpl-") + (req.request_id or uuid.uuid4().hex)
         if server.inflight >= cfg.max_inflight_requests:  # a 503 status, before any event is sent
-            return openai_response(openai_error(overloaded(server.inflight)))
+            return openai_response(openai_error(failure_of(Overloaded.at(server.inflight))))
         if parsed.stream:
             return StreamingResponse(_sse(parsed, req, ids, response_id), media_type="text/event-stream")
         report = await server._drain(req, ids)

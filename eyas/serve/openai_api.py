@@ -79,10 +79,15 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def param_of(message: str) -> str:
+    """The OpenAI parameter that Eyas's own ``"<field>: <why>"`` refusal names."""
+    field = message.split(":", 1)[0]
+    return PARAM_OF_FIELD.get(field, field)
+
+
 def invalid(message: str) -> OpenAIError:
     """A 400 for Eyas's own ``"<field>: <why>"`` refusal, ``param`` naming the OpenAI parameter."""
-    field = message.split(":", 1)[0]
-    return OpenAIError(message, param=PARAM_OF_FIELD.get(field, field))
+    return OpenAIError(message, param=param_of(message))
 
 
 class _Strict(BaseModel):

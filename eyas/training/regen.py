@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eyas.target.loader import DTYPES
+
 END_OF_TURN = "<|im_end|>"
-REGEN_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+REGEN_DTYPES = {name: DTYPES[name] for name in ("bfloat16", "float32")}  # the loader's; no fp16 on a CPU
 
 
 @dataclass(frozen=True)

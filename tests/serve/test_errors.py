@@ -102,6 +102,8 @@ def test_every_failure_answers_alike_on_grpc_the_json_route_and_the_openai_route
     openai = http_api.openai_error(failure)  # /v1/*, and each SSE error event
     assert (openai.status, openai.code, openai.message) == (http, code, failure.message)
     assert openai.body()["error"]["type"] == ("invalid_request_error" if http == 400 else "server_error")
+    # a refusal names the OpenAI parameter (Eyas's max_new_tokens is OpenAI's max_tokens); a failure none
+    assert openai.param == ("max_tokens" if http == 400 else None)
 
 
 @pytest.mark.parametrize(("err", "grpc_code", "http", "code"), [r for r in ROWS if r[2] != 400])
@@ -132,6 +134,9 @@ def test_admission_a_refusal_in_the_replica_and_an_error_finish_use_the_table_to
     failure = asyncio.run(errored._drain(None, [1]))
     assert (failure.grpc_code, failure.http_status, failure.message) == (grpc.StatusCode.INTERNAL, 500, INTERNAL_ERROR)
     assert refused.stream.cancelled == errored.stream.cancelled == 1
+    cut = Server(then={"tokens": [8]})  # the stream ended without its report
+    failure = asyncio.run(cut._drain(None, [1]))
+    assert (failure.http_status, failure.message) == (500, INTERNAL_ERROR) and cut.stream.cancelled == 1
     done = Server(then=_report(FINISH_LENGTH))
     assert asyncio.run(done._drain(None, [1]))["finish_reason"] == FINISH_LENGTH and done.stream.cancelled == 1
 
