@@ -8,6 +8,7 @@ Workloads (greedy, the real ``openai`` client streaming ``/v1/chat/completions``
                     the earlier user turns with the model's *own* earlier answers, and the next user
                     message, so every turn after the first starts with the previous turn's prompt
                     and answer (what the cache can reuse)
+                    (``--multi-system-repeat`` makes its system prompt an app's long one)
     system-prompt   one long system prompt (``--system-tokens``) before ``--questions`` MT-bench
                     first turns, ``--clients`` at a time
 
@@ -16,6 +17,8 @@ Ray and application are started. Reported per workload and setting:
 
     TTFT p50 / p99   request start -> first streamed token, over turns >= 2 (multi-turn) or all
                      requests after the first (system prompt)
+    TTFT p50 long    multi-turn: over the later turns whose history (the previous turn's prompt and
+                     answer, what the cache can hold) is at least ``--long-history`` tokens
     tok/s            generated tokens / the workload's wall time
     prefill rows     prompt tokens the target computed (prompt - cached), and the hit rate
                      (cached / prompt tokens)
@@ -24,9 +27,11 @@ Ray and application are started. Reported per workload and setting:
 
     routing         the multi-turn conversations on two target replicas (target-only, no drafter),
                     sent turn by turn across conversations (every conversation's turn t before any
-                    turn t + 1: users read before they write again),
+                    turn t + 1: users read before they write again; each turn's conversations in a
+                    seeded random order, as users do not arrive in a fixed one),
                     Ray Serve's default router (power of two choices) against routing by prefix
-                    (``target_router: prefix``): the hit rate each gets, and its TTFT and tok/s
+                    (``target_router: prefix``): the hit rate each gets, the share of later turns'
+                    histories reused (history hit rate), and its TTFT and tok/s
 
 Run:
     .venv/bin/python bench/prefix_cache.py --json bench/results/prefix_cache.json
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -110,10 +116,23 @@ def chat(client, messages: list[dict], max_tokens: int, method: str) -> dict:
     }
 
 
-def run_multi_turn(client_for, convs: list[list[str]], clients: int, max_tokens: int, method: str) -> list[dict]:
+def with_history(records: list[dict]) -> list[dict]:
+    """Each multi-turn record with ``history_tokens``: its previous turn's prompt and answer tokens
+    (what the cache can hold for it; 0 on a first turn)."""
+    last = {}
+    for r in sorted(records, key=lambda r: (r["conversation"], r["turn"])):
+        prev = last.get(r["conversation"])
+        r["history_tokens"] = prev["prompt_tokens"] + prev["completion_tokens"] if prev else 0
+        last[r["conversation"]] = r
+    return records
+
+
+def run_multi_turn(
+    client_for, convs: list[list[str]], clients: int, max_tokens: int, method: str, system: str = SYSTEM
+) -> list[dict]:
     def one(ci: int) -> list[dict]:
         client = client_for()
-        messages = [{"role": "system", "content": SYSTEM}]
+        messages = [{"role": "system", "content": system}]
         out = []
         for t, user in enumerate(convs[ci]):
             messages.append({"role": "user", "content": user})
@@ -123,10 +142,12 @@ def run_multi_turn(client_for, convs: list[list[str]], clients: int, max_tokens:
         return out
 
     with ThreadPoolExecutor(clients) as pool:
-        return [r for rs in pool.map(one, range(len(convs))) for r in rs]
+        return with_history([r for rs in pool.map(one, range(len(convs))) for r in rs])
 
 
-def run_turn_by_turn(client_for, convs: list[list[str]], clients: int, max_tokens: int, method: str) -> list[dict]:
+def run_turn_by_turn(
+    client_for, convs: list[list[str]], clients: int, max_tokens: int, method: str, seed: int = 0
+) -> list[dict]:
     """Every conversation's turn t, ``clients`` at a time, before any conversation's turn t + 1: users
     who read an answer before they write again, while other users' requests run. (In a closed loop,
     where a client sends its next turn the moment its answer ends, power of two choices tends to
@@ -142,8 +163,10 @@ def run_turn_by_turn(client_for, convs: list[list[str]], clients: int, max_token
 
     with ThreadPoolExecutor(clients) as pool:
         for t in range(len(convs[0])):
-            out += list(pool.map(lambda ci, t=t: one(ci, t), range(len(convs))))
-    return out
+            order = list(range(len(convs)))
+            random.Random(seed * 1000 + t).shuffle(order)
+            out += list(pool.map(lambda ci, t=t: one(ci, t), order))
+    return with_history(out)
 
 
 def run_system_prompt(client_for, system: str, questions: list[str], clients: int, max_tokens: int, method: str):
@@ -161,10 +184,22 @@ def run_system_prompt(client_for, system: str, questions: list[str], clients: in
         return [first, *pool.map(one, range(1, len(questions)))]
 
 
-def summarize(records: list[dict], wall: float, later: list[dict]) -> dict:
+def summarize(records: list[dict], wall: float, later: list[dict], long_history: int | None = None) -> dict:
     prompt = sum(r["prompt_tokens"] for r in records)
     cached = sum(r["cached_tokens"] for r in records)
     ttft = [r["ttft_s"] for r in later]
+    extra = {}
+    if long_history is not None:
+        long = [r["ttft_s"] for r in later if r["history_tokens"] >= long_history]
+        history = sum(r["history_tokens"] for r in later)
+        extra = {
+            "long_history": long_history,
+            "long_turns": len(long),
+            "ttft_p50_long_s": statistics.median(long) if long else None,
+            "mean_history_tokens_later": statistics.mean(r["history_tokens"] for r in later) if later else None,
+            # the share of later turns' histories (previous prompt and answer) that came from the cache
+            "history_hit_rate": min(sum(r["cached_tokens"] for r in later), history) / history if history else 0.0,
+        }
     return {
         "requests": len(records),
         "ttft_p50_s": statistics.median(ttft) if ttft else None,
@@ -176,6 +211,7 @@ def summarize(records: list[dict], wall: float, later: list[dict]) -> dict:
         "hit_rate": cached / prompt if prompt else 0.0,
         "mean_prompt_tokens_later": statistics.mean(r["prompt_tokens"] for r in later) if later else None,
         "wall_s": wall,
+        **extra,
     }
 
 
@@ -189,6 +225,19 @@ def main(argv=None) -> int:
     )
     p.add_argument("--questions", type=int, default=16)
     p.add_argument("--system-repeat", type=int, default=8, help="the system prompt's text repeated this often")
+    p.add_argument(
+        "--multi-system-repeat",
+        type=int,
+        default=1,
+        help="the multi-turn workload's system prompt repeated this often (an app's long system prompt)",
+    )
+    p.add_argument(
+        "--long-history",
+        type=int,
+        default=1000,
+        help="TTFT p50 long: later turns with at least this many history tokens",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the routing runs' arrival order")
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--method", default="eagle3", choices=("target", "eagle3", "eagle1"))
@@ -228,7 +277,9 @@ def main(argv=None) -> int:
         try:
             chat(client_for(), [{"role": "user", "content": "Hi"}], 4, args.method)  # warm-up, not measured
             t0 = time.perf_counter()
-            multi = run_multi_turn(client_for, convs, args.clients, args.max_new_tokens, args.method)
+            multi = run_multi_turn(
+                client_for, convs, args.clients, args.max_new_tokens, args.method, SYSTEM * args.multi_system_repeat
+            )
             multi_wall = time.perf_counter() - t0
             t0 = time.perf_counter()
             shared = run_system_prompt(client_for, system, questions, args.clients, args.max_new_tokens, args.method)
@@ -237,7 +288,7 @@ def main(argv=None) -> int:
             stop()
         runs[setting] = {
             "multi_turn": {
-                "summary": summarize(multi, multi_wall, [r for r in multi if r["turn"] >= 1]),
+                "summary": summarize(multi, multi_wall, [r for r in multi if r["turn"] >= 1], args.long_history),
                 "records": multi,
             },
             "system_prompt": {"summary": summarize(shared, shared_wall, shared[1:]), "records": shared},
@@ -260,14 +311,18 @@ def main(argv=None) -> int:
             for _ in range(2):  # warm-up, not measured (a prompt no conversation starts with)
                 chat(client_for(), [{"role": "user", "content": "Hi"}], 4, "target")
             t0 = time.perf_counter()
-            multi = run_turn_by_turn(client_for, convs, args.clients, args.max_new_tokens, "target")
+            multi = run_turn_by_turn(client_for, convs, args.clients, args.max_new_tokens, "target", args.seed)
             wall = time.perf_counter() - t0
             with EyasClient(address, timeout_s=120) as c:  # where the requests went: each replica's cache
                 replicas = c.stats()["prefix_cache"]
         finally:
             stop()
         later = [r for r in multi if r["turn"] >= 1]
-        routing[router] = {"summary": summarize(multi, wall, later), "records": multi, "replicas": replicas}
+        routing[router] = {
+            "summary": summarize(multi, wall, later, args.long_history),
+            "records": multi,
+            "replicas": replicas,
+        }
     out = {"config": vars(args), "runs": runs, "routing": routing, "identical": {}, "ratios": {}}
     print(
         f"\nprefix cache off vs on: {args.method}, {args.precision}, {args.clients} clients, greedy, "
@@ -294,26 +349,43 @@ def main(argv=None) -> int:
             "ttft_p50_on_over_off": on["summary"]["ttft_p50_s"] / off["summary"]["ttft_p50_s"],
             "tok_s_on_over_off": on["summary"]["tok_s"] / off["summary"]["tok_s"],
         }
+        long = ""
+        if on["summary"].get("ttft_p50_long_s") and off["summary"].get("ttft_p50_long_s"):
+            ratio = on["summary"]["ttft_p50_long_s"] / off["summary"]["ttft_p50_long_s"]
+            out["ratios"][wl]["ttft_p50_long_on_over_off"] = ratio
+            long = (
+                f" (at {args.long_history:,}+ history tokens, {on['summary']['long_turns']} turns: "
+                f"{off['summary']['ttft_p50_long_s']:.2f} -> {on['summary']['ttft_p50_long_s']:.2f} s, {ratio:.2f}x)"
+            )
         print(
-            f"  {wl}: TTFT p50 on/off {out['ratios'][wl]['ttft_p50_on_over_off']:.2f}x, tok/s on/off "
+            f"  {wl}: TTFT p50 on/off {out['ratios'][wl]['ttft_p50_on_over_off']:.2f}x{long}, tok/s on/off "
             f"{out['ratios'][wl]['tok_s_on_over_off']:.2f}x; answers identical {same}/{len(on['records'])}, "
             f"tau equal {same_tau}/{len(on['records'])}"
         )
     if routing:
         print("\nmulti-turn, turn by turn across conversations, two target replicas, target-only, by router\n")
-        print(f"{'router':<14} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} {'prefill rows':>12} {'hit rate':>8}")
+        print(
+            f"{'router':<14} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} {'prefill rows':>12} {'hit rate':>8} "
+            f"{'history hit rate':>16}"
+        )
         for router, r in routing.items():
             s = r["summary"]
             print(
                 f"{router:<14} {s['ttft_p50_s']:>8.2f}s {s['ttft_p99_s']:>8.2f}s {s['tok_s']:>7.1f} "
-                f"{s['prefill_rows']:>12,} {s['hit_rate']:>7.0%}"
+                f"{s['prefill_rows']:>12,} {s['hit_rate']:>7.0%} {s['history_hit_rate']:>15.0%}"
             )
         base, pref = routing["power-of-two"]["summary"], routing["prefix"]["summary"]
         out["ratios"]["routing"] = {
             "hit_rate_prefix_over_default": pref["hit_rate"] / base["hit_rate"] if base["hit_rate"] else None,
+            "history_hit_rate_prefix_over_default": (
+                pref["history_hit_rate"] / base["history_hit_rate"] if base["history_hit_rate"] else None
+            ),
             "ttft_p50_prefix_over_default": pref["ttft_p50_s"] / base["ttft_p50_s"],
         }
-        print(f"  hit rate prefix / default: {pref['hit_rate']:.0%} / {base['hit_rate']:.0%}")
+        print(
+            f"  hit rate prefix / default: {pref['hit_rate']:.0%} / {base['hit_rate']:.0%}; "
+            f"history hit rate {pref['history_hit_rate']:.0%} / {base['history_hit_rate']:.0%}"
+        )
         for router, r in routing.items():
             print(
                 f"  {router}: prompt tokens each replica was asked for: {[v['queries'] for v in r['replicas'].values()]}"
