@@ -446,6 +446,8 @@ class Attention(nn.Module):
         a verify row computes exactly what target-only decoding computes, and greedy speculative
         output stays token-identical at int8 (design 0x05C: the verifier must equal the target).
         A prompt prefill (``start == 0``) runs fused: it is the same call in every decoding mode."""
+        if keys.dtype != q.dtype:  # a cache kept wider than the compute (regen's float32 K/V): attend in its dtype
+            return self._attend(q.to(keys.dtype), keys, values, mask, start).to(q.dtype)
         gqa = self.heads != self.kv_heads
         B, _, T, _ = q.shape
         if not self.row_stable or start == 0 or (mask is None and T > 1):

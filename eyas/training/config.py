@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     train_samples: int = Field(1000, ge=1)
+    # the target's answers (regenerate: true) before these many are skipped: a run warm-started from
+    # a drafter that trained on the file's first answers trains on the next ones (answers
+    # skip_samples + 1 .. skip_samples + train_samples)
+    skip_samples: int = Field(0, ge=0)
     heldout_samples: int = Field(32, ge=1)
     max_len: int = Field(512, ge=16)
     regenerate: bool = False  # answer the first user turns with the target itself (EAGLE-3 practice)
@@ -24,6 +28,10 @@ class DataConfig(BaseModel):
     # `python -m eyas.training.regen`
     answers_dir: str | None = None
     cache_dir: str = "~/.cache/eyas/features/smollm2-135m-sharegpt"
+    # a feature cache to train on as it is: its samples after skip_samples, train_samples of them
+    # (the target's answers with the features their own decoding recorded: `python -m
+    # eyas.training.regen --features DIR`); the train split then needs no extraction or regeneration
+    train_cache: str | None = None
     # the train cache to read, made for this many samples (None = train_samples); the run trains on
     # its first train_samples, so runs of several data sizes (a learning curve) share one extraction
     cache_samples: int | None = Field(None, ge=1)
@@ -48,6 +56,14 @@ class DataConfig(BaseModel):
             raise ValueError(
                 f"cache_samples ({self.cache_samples}) must be at least train_samples ({self.train_samples})"
             )
+        if self.train_cache is not None and (self.features != "cache" or self.sharegpt_samples):
+            raise ValueError("train_cache: a cache is read as it is (features: cache, no sharegpt_samples)")
+        if self.skip_samples and not (self.regenerate or self.train_cache):
+            raise ValueError(
+                "skip_samples: skips the target's own answers (regenerate: true) or a train_cache's samples"
+            )
+        if self.skip_samples and self.cache_samples is not None:
+            raise ValueError("skip_samples: a cache shared by several sizes (cache_samples) starts at the first answer")
         if self.sharegpt_samples and not self.regenerate:
             raise ValueError(
                 "sharegpt_samples: ShareGPT conversations are added beside the target's own "

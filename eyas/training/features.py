@@ -13,6 +13,7 @@ LM-head input (the final normed feature, which also yields the target's soft dis
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 from dataclasses import dataclass
@@ -85,8 +86,6 @@ class FeatureCache:
         shard_size: int = 64,
     ) -> dict:
         """Run the frozen target over ``samples``; resume where an earlier run stopped."""
-        from safetensors.torch import save_file
-
         assert not any(p.requires_grad for p in model.parameters()), "the target must be frozen"
         dev = model.embed.weight.device
         longest = max((len(s.input_ids) for s in samples), default=0)
@@ -95,6 +94,46 @@ class FeatureCache:
                 f"data.max_len: a sample holds {longest} tokens, beyond the target's context "
                 f"({model.cfg.max_context}); lower data.max_len"
             )
+        manifest = self.begin(fingerprint, taps, data_info)
+        done = {s["file"] for s in manifest["shards"]}
+        chunks = [samples[i : i + shard_size] for i in range(0, len(samples), shard_size)]
+        total = sum(len(s.input_ids) for s in samples)
+        bar = tqdm(total=total, unit="tok", desc="features", dynamic_ncols=True)
+        t0, new_tokens = time.perf_counter(), 0
+        for index, chunk in enumerate(chunks):
+            name = f"shard_{index:05d}.safetensors"
+            tokens = sum(len(s.input_ids) for s in chunk)
+            if name in done:
+                bar.update(tokens)
+                continue
+            batches = []
+            for s in chunk:  # on the model's device; the features come back to the host for the shard
+                n = len(s.input_ids)
+                cache = model.allocate_cache(1, n)
+                mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril().unsqueeze(0)  # [1, n, n]
+                out = model(
+                    s.input_ids[None].to(dev), s.position_id[None].to(dev), cache, 0, mask, taps, logits_rows="none"
+                )
+                batches.append(FeatureBatch(s.sample_id, s.input_ids, s.loss_mask, out.features[0]))
+                bar.update(n)
+                new_tokens += n
+            self.write_shard(manifest, batches, name)
+        bar.close()
+        self.finish(manifest)
+        elapsed = time.perf_counter() - t0
+        print(
+            f"feature cache {self.folder}: {len(samples)} samples, {total} tokens "
+            f"({new_tokens} new in {elapsed:.0f} s, {new_tokens / max(elapsed, 1e-9):.0f} tok/s)"
+        )
+        return manifest
+
+    def begin(
+        self, fingerprint: dict, taps: tuple[FeatureTap, ...], data_info: dict, keep: set[str] | None = None
+    ) -> dict:
+        """The manifest to write shards under: this folder's, checked against ``fingerprint``, ``taps``
+        and ``data_info`` (another use of the folder is refused), or a new one; marked incomplete
+        until :meth:`finish`. ``keep``: the sample ids a shard must hold only of to stay -- a shard
+        with any other (written by a run killed before it recorded them) is dropped and deleted."""
         self.folder.mkdir(parents=True, exist_ok=True)
         if self.manifest_path.exists():
             manifest = self.check(fingerprint, taps)
@@ -107,55 +146,60 @@ class FeatureCache:
                 "feature_address": _taps_json(taps),
                 "data": data_info,
                 "shards": [],
-                "complete": False,
             }
-            self.manifest_path.write_text(json.dumps(manifest, indent=1))
-        done = {s["file"] for s in manifest["shards"]}
-        chunks = [samples[i : i + shard_size] for i in range(0, len(samples), shard_size)]
-        total = sum(len(s.input_ids) for s in samples)
-        bar = tqdm(total=total, unit="tok", desc="features", dynamic_ncols=True)
-        t0, new_tokens = time.perf_counter(), 0
-        for index, chunk in enumerate(chunks):
-            name = f"shard_{index:05d}.safetensors"
-            tokens = sum(len(s.input_ids) for s in chunk)
-            if name in done:
-                bar.update(tokens)
-                continue
-            feats = []
-            for s in chunk:  # on the model's device; the features come back to the host for the shard
-                n = len(s.input_ids)
-                cache = model.allocate_cache(1, n)
-                mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril().unsqueeze(0)  # [1, n, n]
-                out = model(
-                    s.input_ids[None].to(dev), s.position_id[None].to(dev), cache, 0, mask, taps, logits_rows="none"
-                )
-                f = out.features[0].to(FEATURE_DTYPE).cpu()
-                if not torch.isfinite(f).all():
-                    raise ValueError(f"features: sample {s.sample_id} overflows {FEATURE_DTYPE}")
-                feats.append(f)
-                bar.update(n)
-                new_tokens += n
-            save_file(
-                {
-                    "input_ids": torch.cat([s.input_ids for s in chunk]),
-                    "loss_mask": torch.cat([s.loss_mask for s in chunk]).to(torch.uint8),
-                    "lengths": torch.tensor([len(s.input_ids) for s in chunk], dtype=torch.int64),
-                    "features": torch.cat(feats),
-                },
-                str(self.folder / name),
-                metadata={"sample_ids": json.dumps([s.sample_id for s in chunk])},
-            )
-            manifest["shards"].append({"file": name, "num_samples": len(chunk), "num_tokens": tokens})
-            self.manifest_path.write_text(json.dumps(manifest, indent=1))  # the shard is durable first
-        bar.close()
-        manifest["complete"] = True
-        self.manifest_path.write_text(json.dumps(manifest, indent=1))
-        elapsed = time.perf_counter() - t0
-        print(
-            f"feature cache {self.folder}: {len(samples)} samples, {total} tokens "
-            f"({new_tokens} new in {elapsed:.0f} s, {new_tokens / max(elapsed, 1e-9):.0f} tok/s)"
-        )
+        if keep is not None:
+            from safetensors import safe_open
+
+            kept = []
+            for shard in manifest["shards"]:
+                path = self.folder / shard["file"]
+                with safe_open(str(path), "pt") as f:
+                    ids = json.loads(f.metadata()["sample_ids"])
+                if set(ids) <= keep:
+                    kept.append(shard)
+                else:
+                    path.unlink(missing_ok=True)
+            manifest["shards"] = kept
+        manifest["complete"] = False
+        self._write_manifest(manifest)
         return manifest
+
+    def write_shard(self, manifest: dict, samples: list[FeatureBatch], name: str | None = None) -> None:
+        """Write ``samples`` (features cast to float16, refused if that overflows) as one shard, then
+        record it in ``manifest``: the shard is durable before the manifest names it."""
+        from safetensors.torch import save_file
+
+        name = name or f"shard_{len(manifest['shards']):05d}.safetensors"
+        feats = []
+        for s in samples:
+            f = s.features.to(FEATURE_DTYPE).cpu()
+            if not torch.isfinite(f).all():
+                raise ValueError(f"features: sample {s.sample_id} overflows {FEATURE_DTYPE}")
+            feats.append(f)
+        tmp = self.folder / (name + ".tmp")
+        save_file(
+            {
+                "input_ids": torch.cat([s.input_ids for s in samples]),
+                "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.uint8),
+                "lengths": torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64),
+                "features": torch.cat(feats),
+            },
+            str(tmp),
+            metadata={"sample_ids": json.dumps([s.sample_id for s in samples])},
+        )
+        os.replace(tmp, self.folder / name)
+        tokens = sum(len(s.input_ids) for s in samples)
+        manifest["shards"].append({"file": name, "num_samples": len(samples), "num_tokens": tokens})
+        self._write_manifest(manifest)
+
+    def finish(self, manifest: dict) -> None:
+        manifest["complete"] = True
+        self._write_manifest(manifest)
+
+    def _write_manifest(self, manifest: dict) -> None:
+        tmp = self.manifest_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, self.manifest_path)
 
     # --- reading ------------------------------------------------------------------------------------
     def samples(self, stream: bool = False) -> list[FeatureBatch | StoredFeatureBatch]:

@@ -21,7 +21,11 @@ def cache_dirs(cfg: TrainConfig) -> tuple[Path, Path]:
         return f"len{cfg.data.max_len}" + (f"-regen{cfg.data.regen_max_new_tokens}" if regenerated else "")
 
     return (
-        root / f"train-{cfg.data.cache_samples or cfg.data.train_samples}-{tag(cfg.data.regenerate)}",
+        root
+        / (
+            f"train-{cfg.data.cache_samples or cfg.data.train_samples}-{tag(cfg.data.regenerate)}"
+            + (f"-skip{cfg.data.skip_samples}" if cfg.data.skip_samples else "")
+        ),
         root / f"heldout-{cfg.data.heldout_samples}-{tag(cfg.data.heldout_regenerated)}",
     )
 
@@ -37,6 +41,18 @@ def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache | OnlineFeatu
         (("train", cfg.data.cache_samples or cfg.data.train_samples), ("heldout", cfg.data.heldout_samples)),
         cache_dirs(cfg),
     ):
+        if split == "train" and cfg.data.train_cache:
+            cache = FeatureCache(Path(os.path.expanduser(cfg.data.train_cache)))
+            manifest = cache.check(fingerprint, taps)
+            have = sum(shard["num_samples"] for shard in manifest["shards"])
+            if not manifest.get("complete") or have < cfg.data.skip_samples + cfg.data.train_samples:
+                raise ValueError(
+                    f"data.train_cache: {cache.folder} holds {have} samples"
+                    + ("" if manifest.get("complete") else " and is incomplete")
+                    + f"; the run reads {cfg.data.skip_samples} + {cfg.data.train_samples}"
+                )
+            caches.append(cache)
+            continue
         if split == "train" and cfg.data.features == "online":
             caches.append(
                 OnlineFeatures(
@@ -125,11 +141,13 @@ def sharegpt_samples(tokenizer, count: int, max_len: int, path: Path) -> list[Sa
 def regenerated_samples(cfg: TrainConfig, tokenizer, split: str, count: int, cache_folder: Path) -> list[Sample]:
     """Samples whose assistant turn is the target's own greedy answer to the conversation's first
     user turn (``eyas.training.regen``; resumable JSONL next to the feature cache). An answer cut at
-    ``regen_max_new_tokens`` keeps its text supervised but not the end-of-turn token the template adds."""
+    ``regen_max_new_tokens`` keeps its text supervised but not the end-of-turn token the template adds.
+    The train split starts after its first ``data.skip_samples`` answers."""
     from eyas.target.loader import checkpoint_folder
     from eyas.training.regen import read_regenerated, regenerate_batched
 
     d = cfg.data
+    skip = d.skip_samples if split == "train" else 0
     path = (
         Path(d.answers_dir) / f"{cfg.target}-sharegpt-{split}.answers.jsonl"
         if d.answers_dir
@@ -139,7 +157,7 @@ def regenerated_samples(cfg: TrainConfig, tokenizer, split: str, count: int, cac
         checkpoint_folder(cfg.target),
         conversations(split),
         path,
-        limit=count,
+        limit=skip + count,
         batch_size=d.regen_batch,
         max_new_tokens=d.regen_max_new_tokens,
         max_prompt_tokens=d.regen_max_prompt_tokens,
@@ -148,7 +166,7 @@ def regenerated_samples(cfg: TrainConfig, tokenizer, split: str, count: int, cac
         device=cfg.device,
     )
     samples = []
-    for rec in read_regenerated(path)[:count]:
+    for rec in read_regenerated(path)[skip : skip + count]:
         s = render(tokenizer, rec["id"], rec["messages"], d.max_len)
         if s is None:
             continue

@@ -3,19 +3,25 @@
 A drafter is scored on how well it predicts *the target's* next token. ShareGPT's answers were
 written by another model; the target's own greedy answers to the same questions are the data it
 will be asked to draft at serving time. This module answers the first user turn of each
-conversation with the target, many prompts per forward (transformers ``generate``, left padding,
-greedy), and appends the results to a JSONL file so that a killed run resumes where it stopped.
+conversation with the target, many prompts per forward on Eyas's own target model
+(:func:`greedy_answers`: right-aligned prompts in one K/V cache, one slot a step), and appends the
+results to a JSONL file so that a killed run resumes where it stopped.
 
-The batched forward runs the target's own weights in ``dtype``: bfloat16 by default, which on a CPU
-with AVX-512 BF16 answered 533-692 tok/s (two threads, batch 128) where fp32 gave 60-143. Neither
-rounds exactly like Eyas's one-request decode, so a regenerated answer can differ from Eyas's greedy
-answer after a near-tie. That is harmless for training data: the text is still the target's
-distribution.
+The batched forward runs the target's weights in ``dtype``: bfloat16 by default (AVX-512 BF16 runs
+it several times faster than float32), with the K/V cache and attention in float32 and the
+head's best candidates rescored in float32. Neither rounds exactly like Eyas's one-request decode
+at the served precision, so a regenerated answer can differ from Eyas's greedy answer after a
+near-tie. That is harmless for training data: the text is still the target's distribution.
+
+With ``features_dir`` the same forwards also record every fed token's feature taps, so the answers
+arrive with their training features (a feature cache, :class:`eyas.training.features.FeatureCache`)
+and a run trains on them without a target forward of its own (``data.train_cache``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.target.loader import DTYPES
+from eyas.target.model import FeatureTap, KVCache, TargetModel
 
 END_OF_TURN = "<|im_end|>"
 REGEN_DTYPES = {name: DTYPES[name] for name in ("bfloat16", "float32")}  # the loader's; no fp16 on a CPU
@@ -79,6 +86,122 @@ def first_turn_prompts(
     return out
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One prompt's greedy continuation (:func:`greedy_answers`)."""
+
+    ids: list[int]  # the generated tokens, the end-of-turn token last when the answer ended
+    ended: bool  # False: cut at max_new_tokens
+    features: torch.Tensor | None  # [len(prompt) + len(ids), F] at the taps, every token fed (None: no taps)
+
+
+RESCORE_TOP = 4  # candidates of the low-precision head rescored in float32 (greedy_answers)
+PREFILL_GROUP = 16  # prompts prefilled in one forward (greedy_answers)
+
+
+@torch.inference_mode()
+def greedy_answers(
+    model: TargetModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    end_id: int,
+    taps: tuple[FeatureTap, ...] = (),
+    head_weight: torch.Tensor | None = None,
+) -> list[Answer]:
+    """Greedy continuations of ``prompts`` in one batch on ``model`` (its own dtype and device), and
+    each sample's features at ``taps``: the forward that picks each token records them, so the
+    features of prompt and answer come without a forward of their own.
+
+    Prompts are right-aligned in one K/V cache (row b's prompt in slots ``[P - n_b, P)``, positions
+    from 0) and each step feeds every row's last token into the next slot; a pad slot is masked for
+    every query, and a pad query sees only itself (finite, never read). A row that has ended keeps
+    being fed until every row has ended and fed its last token. ``head_weight`` ([V, d] float32):
+    the token is the best of the head's ``RESCORE_TOP`` candidates rescored in float32 from the
+    LM-head input (a bfloat16 head ties logits within 1/128 of their size); None: the head's argmax.
+    """
+    assert prompts and all(prompts), "prompts: non-empty token lists"
+    dev = model.embed.weight.device
+    B, P = len(prompts), max(len(p) for p in prompts)
+    lengths = torch.tensor([len(p) for p in prompts], device=dev)  # [B]
+    offset = P - lengths  # [B] each row's first prompt slot
+    tokens = torch.zeros(B, P, dtype=torch.int64, device=dev)
+    for b, p in enumerate(prompts):
+        tokens[b, P - len(p) :] = torch.tensor(p, dtype=torch.int64)
+    slot = torch.arange(P + max_new_tokens, device=dev)  # [S]
+    key_valid = slot[None] >= offset[:, None]  # [B, S] pad slots are never attended to
+    positions = (slot[None, :P] - offset[:, None]).clamp(min=0)  # [B, P]
+    prefill_mask = (slot[None, :P, None] >= slot[None, None, :P]) & key_valid[:, None, :P]  # [B, P, P]
+    prefill_mask |= torch.eye(P, dtype=torch.bool, device=dev)[None]
+    d = model.cfg.hidden_size
+    # the LM-head input is what picks the token: tap it beside the caller's taps
+    head_tap = FeatureTap(model.cfg.num_layers, True)
+    all_taps = tuple(taps) + (() if head_tap in taps else (head_tap,))
+    final_at = all_taps.index(head_tap) * d
+    c = model.cfg  # K/V in float32: torch's fused CPU attention runs a batch of one-row bfloat16
+    # decodes about 4x slower than float32 (and float32 attention rounds less)
+    cache = KVCache.allocate(c.num_layers, B, c.num_kv_heads, P + max_new_tokens, c.head_dim, torch.float32, dev)
+
+    def pick(out_logits: torch.Tensor, final: torch.Tensor) -> torch.Tensor:  # [B, V], [B, d] -> [B]
+        if head_weight is None:
+            return out_logits.argmax(-1)
+        top = out_logits.topk(RESCORE_TOP, dim=-1).indices  # [B, k]
+        exact = torch.einsum("bkd,bd->bk", head_weight[top], final.float())  # [B, k]
+        return top.gather(1, exact.argmax(-1, keepdim=True))[:, 0]
+
+    # the prefill in groups of similar lengths (the prompts come sorted), each padded only to its own
+    # longest: one group's forward writes its rows' slots [P - P_g, P) through a view of the cache
+    grid = torch.empty(B, P, model.cfg.hidden_size * len(all_taps), dtype=model.embed.weight.dtype, device=dev)
+    for g0 in range(0, B, PREFILL_GROUP):
+        rows = slice(g0, min(g0 + PREFILL_GROUP, B))
+        Pg = int(lengths[rows].max())
+        view = KVCache(cache.k[:, rows], cache.v[:, rows])
+        out = model(
+            tokens[rows, P - Pg :],
+            positions[rows, P - Pg :],
+            view,
+            P - Pg,
+            prefill_mask[rows, P - Pg :],
+            all_taps,
+            logits_rows="none",
+        )
+        grid[rows, P - Pg :] = out.features
+    feats = [grid] if taps else []  # [B, P, F], then [B, 1, F] per step
+    final = grid[:, -1, final_at : final_at + d]  # [B, d]
+    nxt = pick(model.lm_head(final).float(), final)  # [B]
+    generated = [nxt]
+    ended = nxt == end_id  # [B]
+    for t in range(max_new_tokens):
+        last = t == max_new_tokens - 1 or bool(ended.all())  # this step only feeds the last tokens
+        pos = (lengths + t)[:, None]  # [B, 1]
+        out = model(
+            nxt[:, None],
+            pos,
+            cache,
+            P + t,
+            key_valid[:, None, : P + t + 1],
+            all_taps,
+            logits_rows="none" if last else "all",
+        )
+        if taps:
+            feats.append(out.features)
+        if last:
+            break
+        nxt = pick(out.logits[:, -1], out.features[:, -1, final_at : final_at + d])
+        generated.append(nxt)
+        ended |= nxt == end_id
+    gen = torch.stack(generated, 1).tolist()  # [B, steps]
+    grid = torch.cat(feats, 1) if taps else None  # [B, P + fed, F]
+    if grid is not None and head_tap not in taps:
+        grid = grid[..., :-d]
+    answers = []
+    for b, row in enumerate(gen):
+        finished = end_id in row
+        ids = row[: row.index(end_id) + 1] if finished else row
+        f = None if grid is None else grid[b, int(offset[b]) : P + len(ids)]
+        answers.append(Answer(ids, finished, f))
+    return answers
+
+
 def regenerate_batched(
     model_folder: str | Path,
     items: Iterable[tuple[str, list[dict]]],
@@ -90,11 +213,20 @@ def regenerate_batched(
     desc: str = "regenerate",
     device: str = "cpu",
     dtype: str = "bfloat16",
+    features_dir: str | Path | None = None,
 ) -> RegenSummary:
     """Answer the first user turn of up to ``limit`` conversations with the target at ``model_folder``
-    (an HF checkpoint folder: ``eyas.target.loader.checkpoint_folder``), greedy, ``batch_size`` at a
-    time, on ``device`` in ``dtype`` (``"bfloat16"`` or ``"float32"``); append one JSON line per answer to ``out_path``; skip ids already there."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    (a checkpoint folder or ``.gguf``: ``eyas.target.loader.load_target``), greedy, ``batch_size``
+    at a time (:func:`greedy_answers`), on ``device`` in ``dtype`` (``"bfloat16"`` or
+    ``"float32"``); append one JSON line per answer to ``out_path``; skip ids already there.
+
+    ``features_dir``: also write each answered sample's training features (its prompt and answer
+    tokens exactly as fed, the trainer's taps) into the feature cache there, one shard a batch, made
+    by the same forwards that chose the tokens. A shard is durable before its answers are appended,
+    and a shard whose answers never reached ``out_path`` (a run killed between the two) is dropped on
+    resume, so the cache holds exactly the answers made with it."""
+    from eyas.target.loader import load_target
+    from eyas.training.features import FeatureBatch, FeatureCache, training_taps
 
     if batch_size < 1:
         raise ValueError("batch_size: must be >= 1")
@@ -107,36 +239,49 @@ def regenerate_batched(
     done = {r["id"] for r in read_regenerated(out_path)}
     if len(done) >= limit:  # the file already holds enough answers (a run stopped early and cut to size)
         return RegenSummary(0, len(done), 0, 0, 0.0)
-    tok = AutoTokenizer.from_pretrained(model_folder)
-    tok.padding_side = "left"
+    loaded = load_target(model_folder, "fp32", device=device)
+    tok = loaded.tokenizer
     todo = [p for p in first_turn_prompts(items, tok, max_prompt_tokens, limit) if p[0] not in done]
     todo.sort(key=lambda p: p[2])  # similar lengths share a batch: less padding
     if not todo:
         return RegenSummary(0, len(done), 0, 0, 0.0)
-    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=REGEN_DTYPES[dtype]).to(device).eval()
+    model = loaded.model
+    head_weight = None
+    if REGEN_DTYPES[dtype] != torch.float32:
+        head_weight = model.lm_head.weight.detach().clone()  # [V, d] float32: rescores the head's candidates
+        model = model.to(REGEN_DTYPES[dtype])
+    taps = training_taps(model) if features_dir is not None else ()
+    cache = manifest = None
+    if features_dir is not None:
+        cache = FeatureCache(features_dir)
+        info = {"split": "regen", "source": "sharegpt-v3", "answers": out_path.name, "dtype": dtype}
+        info |= {"max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens}
+        manifest = cache.begin(loaded.fingerprint.to_dict(), taps, info, keep=done)
     end_id = tok.convert_tokens_to_ids(END_OF_TURN)
     t0, new_tokens, truncated = time.perf_counter(), 0, 0
     bar = tqdm(total=len(todo), desc=desc, unit="prompt", dynamic_ncols=True)
     with out_path.open("a") as f:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
-            texts = [tok.apply_chat_template(u, add_generation_prompt=True, tokenize=False) for _, u, _ in chunk]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            with torch.inference_mode():
-                out = model.generate(
-                    **enc,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    eos_token_id=end_id,
-                    pad_token_id=tok.pad_token_id,
+            prompts = [_prompt_ids(tok, user) for _, user, _ in chunk]
+            answers = greedy_answers(model, prompts, max_new_tokens, end_id, taps, head_weight)
+            if cache is not None:
+                cache.write_shard(
+                    manifest,
+                    [
+                        FeatureBatch(
+                            sid,
+                            torch.tensor(p + a.ids, dtype=torch.int64),
+                            torch.tensor([False] * len(p) + [True] * len(a.ids)),
+                            a.features,
+                        )
+                        for (sid, _, _), p, a in zip(chunk, prompts, answers)
+                    ],
                 )
-            gen = out[:, enc["input_ids"].shape[1] :]  # [B, <= max_new]
-            for (sid, user, _), row in zip(chunk, gen):
-                ids = row.tolist()
-                ended = end_id in ids
-                ids = ids[: ids.index(end_id)] if ended else ids
-                new_tokens += len(ids) + int(ended)
-                truncated += int(not ended)
+            for (sid, user, _), a in zip(chunk, answers):
+                ids = a.ids[:-1] if a.ended else a.ids
+                new_tokens += len(a.ids)
+                truncated += int(not a.ended)
                 answer = tok.decode(ids, skip_special_tokens=True)
                 f.write(
                     json.dumps(
@@ -144,7 +289,7 @@ def regenerate_batched(
                             "id": sid,
                             "messages": user + [{"role": "assistant", "content": answer}],
                             "new_tokens": len(ids),
-                            "truncated": not ended,
+                            "truncated": not a.ended,
                         }
                     )
                     + "\n"
@@ -153,12 +298,20 @@ def regenerate_batched(
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
+    if cache is not None:
+        cache.finish(manifest)
     summary = RegenSummary(len(todo), len(done), new_tokens, truncated, time.perf_counter() - t0)
     print(
         f"{desc}: {summary.prompts} answers ({summary.resumed} resumed), {summary.new_tokens} tokens in "
         f"{summary.wall_s:.0f} s ({summary.tokens_per_s:.0f} tok/s), {summary.truncated} cut at {max_new_tokens}"
     )
     return summary
+
+
+def _prompt_ids(tokenizer, user: list[dict]) -> list[int]:
+    """The templated first turn with the assistant header, as token ids."""
+    ids = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def regenerate_in_chunks(
@@ -206,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(REGEN_DTYPES))
+    ap.add_argument(
+        "--features",
+        default=None,
+        help="also write each answer's training features (the taps its own decoding recorded) into the "
+        "feature cache in this folder; train on it with data.train_cache",
+    )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--target", default=DEFAULT_TARGET)
     args = ap.parse_args(argv)
@@ -227,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         dtype=args.dtype,
         desc=f"regenerate {args.split}",
+        features_dir=os.path.expanduser(args.features) if args.features else None,
     )
     print(
         f"regenerate: {total.prompts} new answers, {total.new_tokens} tokens in {total.wall_s:.0f} s "

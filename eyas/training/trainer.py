@@ -85,8 +85,10 @@ class DrafterTrainer:
         self.d = target.cfg.hidden_size
         taps = training_taps(target)
         self.train_data = self._load(train, fingerprint, taps)
-        if isinstance(train, FeatureCache):  # a prefix of a larger cache (data.cache_samples)
-            self.train_data = self.train_data[: cfg.data.train_samples]
+        if isinstance(train, FeatureCache):  # a prefix of a larger cache (data.cache_samples), or a
+            # train_cache's samples after skip_samples (a regenerated cache is made for its own skip)
+            skip = cfg.data.skip_samples if cfg.data.train_cache else 0
+            self.train_data = self.train_data[skip : skip + cfg.data.train_samples]
         self.heldout_data = self._load(heldout, fingerprint, taps)
         method = "eagle3" if cfg.method == "eagle3" else "eagle1"
         dcfg = DrafterConfig.for_target(

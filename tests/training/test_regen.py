@@ -96,3 +96,73 @@ def test_chunks_answer_a_prefix_of_the_conversations_in_order(model_folder, tmp_
     assert [r["id"] for r in read_regenerated(out)][2:] == ["c4"]
     with pytest.raises(ValueError, match="^chunk: "):
         regenerate_in_chunks(model_folder, lambda: iter(()), out, limit=1, chunk=0)
+
+
+def test_answers_come_with_the_features_of_their_own_decoding(model_folder, tmp_path):
+    """``features_dir``: each answered sample is written to a feature cache as its prompt and answer
+    ids exactly as fed (the answer supervised), with the trainer's taps as the batched decode
+    recorded them: equal to one full forward over the same ids. A shard whose answers never reached
+    the JSONL (a run killed between the two) is dropped on resume and its answers made again."""
+    from eyas.target.loader import load_target
+    from eyas.training.features import FeatureCache, training_taps
+
+    out, feats = tmp_path / "answers.jsonl", tmp_path / "features"
+    kw = dict(batch_size=2, max_new_tokens=6, max_prompt_tokens=64, dtype="float32", features_dir=feats)
+    s = regenerate_batched(model_folder, iter(CONVERSATIONS), out, limit=3, **kw)
+    assert (s.prompts, s.new_tokens) == (3, 18)
+    cache = FeatureCache(feats)
+    loaded = load_target(model_folder)
+    taps = training_taps(loaded.model)
+    manifest = cache.check(loaded.fingerprint.to_dict(), taps)
+    assert manifest["complete"] and [sh["num_samples"] for sh in manifest["shards"]] == [2, 1]
+    samples = {fb.sample_id: fb for fb in cache.samples()}
+    tok = loaded.tokenizer
+    for rec in read_regenerated(out):
+        fb = samples[rec["id"]]
+        prompt = tok.apply_chat_template(rec["messages"][:1], add_generation_prompt=True, tokenize=True)
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        n = len(prompt)
+        assert fb.input_ids[:n].tolist() == prompt and fb.loss_mask.tolist() == [False] * n + [True] * 6
+        assert tok.decode(fb.input_ids[n:], skip_special_tokens=True) == rec["messages"][1]["content"]
+        S = fb.input_ids.numel()
+        full = loaded.model(
+            fb.input_ids[None],
+            torch.arange(S)[None],
+            loaded.model.allocate_cache(1, S),
+            0,
+            torch.ones(S, S, dtype=torch.bool).tril()[None],
+            taps,
+            logits_rows="none",
+        ).features[0]
+        torch.testing.assert_close(fb.features.float(), full.to(torch.float16).float(), atol=2e-3, rtol=2e-3)
+    # killed after the second shard was written but before its answer was appended
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:2]) + "\n")
+    again = regenerate_batched(model_folder, iter(CONVERSATIONS), out, limit=3, **kw)
+    assert (again.prompts, again.resumed) == (1, 2)
+    manifest = cache.manifest()
+    assert [sh["num_samples"] for sh in manifest["shards"]] == [2, 1] and manifest["complete"]
+    assert sorted(fb.sample_id for fb in cache.samples()) == sorted(r["id"] for r in read_regenerated(out))
+    assert len(list(feats.glob("shard_*"))) == 2
+
+
+def test_bfloat16_answers_attend_over_a_float32_cache(model_folder):
+    """The default bfloat16 regeneration keeps K/V in float32 (the attention runs there) and picks
+    each token among the bfloat16 head's best candidates rescored in float32: the prompt's features stay
+    within 2 % (relative norm, each row) of the float32 model's, and every answer has max_new_tokens or ends."""
+    from eyas.target.loader import load_target
+    from eyas.training.features import training_taps
+    from eyas.training.regen import greedy_answers
+
+    loaded = load_target(model_folder)
+    taps = training_taps(loaded.model)
+    prompts = [[5, 9, 11, 3], [7, 2]]
+    exact = greedy_answers(loaded.model, prompts, 4, end_id=1, taps=taps)
+    head = loaded.model.lm_head.weight.detach().clone()
+    half = greedy_answers(loaded.model.to(torch.bfloat16), prompts, 4, end_id=1, taps=taps, head_weight=head)
+    for e, h, p in zip(exact, half, prompts):
+        assert h.features.dtype == torch.bfloat16 and h.features.shape == (len(p) + len(h.ids), e.features.shape[1])
+        assert len(h.ids) == 4 or h.ended
+        n = len(p)  # the prompt's rows: the same tokens in both
+        err = (h.features[:n].float() - e.features[:n]).norm(dim=-1) / e.features[:n].norm(dim=-1)
+        assert float(err.max()) < 0.02, err

@@ -308,3 +308,37 @@ def test_online_features_are_the_caches_and_train_alike(tiny_setup, tmp_path):
     assert low.model is not model and low.model.embed.weight.dtype == torch.bfloat16
     assert model.embed.weight.dtype == torch.float32
     assert low.samples()[0].features.dtype == torch.bfloat16
+
+
+def test_a_run_trains_on_a_train_cache_after_skip_samples(tiny_setup, tmp_path):
+    """data.train_cache: the run reads that cache as it is, its samples after skip_samples; a cache
+    too small (or incomplete) is refused by field, and so is a train_cache read online."""
+    from eyas.training.prepare import prepare_features
+
+    train = tiny_setup[1]
+    trainer = make(
+        {
+            "method": "eagle3",
+            "epochs": 1,
+            "data": {"train_cache": str(train.folder), "skip_samples": 4, "train_samples": 8},
+        },
+        tiny_setup,
+        tmp_path,
+    )
+    assert [fb.sample_id for fb in trainer.train_data] == [fb.sample_id for fb in train.samples()[4:12]]
+    assert trainer.train_step() is not None
+
+    class Loaded:  # what prepare_features reads of a runtime
+        model = tiny_setup[0]
+        fingerprint = TargetFingerprint(**FINGERPRINT)
+
+    class Runtime:
+        loaded, model, tokenizer = Loaded, tiny_setup[0], None
+
+    too_many = TrainConfig(data={"train_cache": str(train.folder), "skip_samples": 20, "train_samples": 8})
+    with pytest.raises(ValueError, match="^data.train_cache: .* holds 24 samples; the run reads 20 \\+ 8"):
+        prepare_features(too_many, Runtime)
+    with pytest.raises(ValueError, match="train_cache"):
+        TrainConfig(data={"train_cache": "x", "features": "online"})
+    with pytest.raises(ValueError, match="skip_samples"):
+        TrainConfig(data={"skip_samples": 3})
