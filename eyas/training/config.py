@@ -84,6 +84,11 @@ class TrainConfig(BaseModel):
     layout: Literal["reference", "eyas-v1"] = "reference"  # the drafter network (eyas.drafting.model)
     fc_norm: bool = False  # reference EAGLE-3: a norm per tap before fc
     init_from: str | None = None  # warm start: a drafter folder of the same method and target
+    # continue another run: its trainer state file (a wsd run's stable state, out/trainer_state.pt):
+    # the drafter's weights and vocabulary and the optimizer's moments, with this run's own data, step
+    # count and schedule, so that a run over new data goes on at the earlier run's rate instead of
+    # re-warming a decayed drafter (set warmup_steps: 0)
+    init_state: str | None = None
     data: DataConfig = Field(default_factory=DataConfig)
     epochs: float = Field(1.0, gt=0)
     batch_samples: int = Field(4, ge=1)  # samples per optimizer step (gradient accumulation)
@@ -121,6 +126,12 @@ class TrainConfig(BaseModel):
     schedule: Literal["cosine", "wsd"] = "cosine"
     decay_points: list[int] = Field(default_factory=list)
     decay_fraction: float = Field(0.1, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _one_start(self):
+        if self.init_from and self.init_state:
+            raise ValueError("init_state: a run starts from a drafter folder (init_from) or a trainer state, not both")
+        return self
 
     @model_validator(mode="after")
     def _device_parses(self):

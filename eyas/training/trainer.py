@@ -102,7 +102,7 @@ class DrafterTrainer:
         self.drafter: Drafter = init_drafter(dcfg, seed=cfg.seed)
         if cfg.init_from:
             self._warm_start(Path(cfg.init_from), method, dcfg)
-        elif method == "eagle3":
+        elif method == "eagle3" and not cfg.init_state:
             counts = torch.zeros(target.cfg.vocab_size, dtype=torch.int64)
             for fb in self.train_data:
                 counts += torch.bincount(fb.input_ids[fb.loss_mask], minlength=target.cfg.vocab_size)
@@ -118,6 +118,8 @@ class DrafterTrainer:
         self.total_steps = max(1, int(math.ceil(cfg.epochs * self.steps_per_epoch)))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step = 0
+        if cfg.init_state:
+            self._continue_from(Path(cfg.init_state))
         self.noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
         # a wsd decay branch in progress: {"tokens", "start", "length"} (None on the main run)
         self.branch: dict | None = None
@@ -138,6 +140,24 @@ class DrafterTrainer:
         )
         if method == "eagle3":
             self.drafter.set_draft_vocab(source.d2t.clone())
+
+    def _continue_from(self, path: Path) -> None:
+        """Take another run's drafter (weights, vocabulary) and optimizer moments from its trainer
+        state file; this run keeps its own step count, schedule and data (``init_state``)."""
+        if not path.exists():
+            raise ValueError(f"config.init_state: {path} does not exist")
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        if state.get("method") != self.cfg.method:
+            raise ValueError(f"config.init_state: {path} is a {state.get('method')} run's state, not {self.cfg.method}")
+        if state.get("branch") is not None:
+            raise ValueError(f"config.init_state: {path} is inside a decay branch; continue from the stable state")
+        try:
+            self.drafter.load_state_dict(state["drafter"])
+        except RuntimeError as err:
+            raise ValueError(f"config.init_state: {path} holds another drafter shape ({str(err)[:200]})") from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["initial_lr"], group["lr"] = base, base * self._lr_factor(0)  # this run's rate, from its step 0
 
     @staticmethod
     def _load(cache: FeatureCache | OnlineFeatures, fingerprint: dict, taps) -> list[FeatureBatch]:

@@ -342,3 +342,33 @@ def test_a_run_trains_on_a_train_cache_after_skip_samples(tiny_setup, tmp_path):
         TrainConfig(data={"train_cache": "x", "features": "online"})
     with pytest.raises(ValueError, match="skip_samples"):
         TrainConfig(data={"skip_samples": 3})
+
+
+def test_init_state_continues_another_runs_stable_state_on_new_data(tiny_setup, tmp_path):
+    """config.init_state: the drafter (weights and vocabulary) and the optimizer's moments of another
+    run's trainer state, with this run's own step count and rate; a state inside a decay branch, a
+    state of another method and a start from both a folder and a state are refused by field."""
+    first = make({"method": "eagle3", "epochs": 1}, tiny_setup, tmp_path / "a")
+    for _ in range(3):
+        first.train_step()
+    first.save_state()
+    second = make(
+        {"method": "eagle3", "epochs": 1, "init_state": str(tmp_path / "a" / "trainer_state.pt")},
+        tiny_setup,
+        tmp_path / "b",
+    )
+    assert second.step == 0  # its own warmup from this run's first step
+    assert second.optimizer.param_groups[0]["lr"] == pytest.approx(second.cfg.lr / second.cfg.warmup_steps)
+    for (name, p), q in zip(first.drafter.state_dict().items(), second.drafter.state_dict().values()):
+        assert torch.equal(p, q), name
+    moments = [s["exp_avg"] for s in first.optimizer.state.values()]
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, second.optimizer.state.values()))
+    assert second.train_step() is not None
+    first.branch = {"tokens": 1, "start": 3, "length": 1}
+    first.save_state("in_branch.pt")
+    with pytest.raises(ValueError, match="^config.init_state: .* inside a decay branch"):
+        make({"method": "eagle3", "init_state": str(tmp_path / "a" / "in_branch.pt")}, tiny_setup, tmp_path / "c")
+    with pytest.raises(ValueError, match="^config.init_state: .* is a eagle3 run's state, not hass"):
+        make({"method": "hass", "init_state": str(tmp_path / "a" / "trainer_state.pt")}, tiny_setup, tmp_path / "d")
+    with pytest.raises(ValueError, match="init_state"):
+        TrainConfig(init_from="x", init_state="y")
