@@ -97,6 +97,7 @@ class Answer:
 
 RESCORE_TOP = 4  # candidates of the low-precision head rescored in float32 (greedy_answers)
 PREFILL_GROUP = 16  # prompts prefilled in one forward (greedy_answers)
+COMPACT_AT = 1 / 8  # the batch drops its finished rows once they are this share of it (greedy_answers)
 
 
 @torch.inference_mode()
@@ -114,8 +115,9 @@ def greedy_answers(
 
     Prompts are right-aligned in one K/V cache (row b's prompt in slots ``[P - n_b, P)``, positions
     from 0) and each step feeds every row's last token into the next slot; a pad slot is masked for
-    every query, and a pad query sees only itself (finite, never read). A row that has ended keeps
-    being fed until every row has ended and fed its last token. ``head_weight`` ([V, d] float32):
+    every query, and a pad query sees only itself (finite, never read). A row whose answer has ended
+    and fed its last token is dropped from the batch (its K/V rows too) once such rows are
+    ``COMPACT_AT`` of it; until then it is fed and ignored. ``head_weight`` ([V, d] float32):
     the token is the best of the head's ``RESCORE_TOP`` candidates rescored in float32 from the
     LM-head input (a bfloat16 head ties logits within 1/128 of their size); None: the head's argmax.
     """
@@ -165,40 +167,48 @@ def greedy_answers(
             logits_rows="none",
         )
         grid[rows, P - Pg :] = out.features
-    feats = [grid] if taps else []  # [B, P, F], then [B, 1, F] per step
     final = grid[:, -1, final_at : final_at + d]  # [B, d]
-    nxt = pick(model.lm_head(final).float(), final)  # [B]
-    generated = [nxt]
-    ended = nxt == end_id  # [B]
-    for t in range(max_new_tokens):
-        last = t == max_new_tokens - 1 or bool(ended.all())  # this step only feeds the last tokens
-        pos = (lengths + t)[:, None]  # [B, 1]
+    nxt = pick(model.lm_head(final).float(), final)  # [B] the token fed next, one per live row
+    gen = torch.full((B, max_new_tokens), end_id, dtype=torch.int64, device=dev)  # [B, N] by original row
+    gen[:, 0] = nxt
+    fed = torch.zeros(B, max_new_tokens, grid.shape[-1], dtype=grid.dtype, device=dev) if taps else None  # [B, N, F]
+    length = torch.where(nxt == end_id, 1, max_new_tokens)  # [B] tokens each answer has (so far, if unended)
+    live = torch.arange(B, device=dev)  # [b] original row of each row of the batch
+    for t in range(max_new_tokens):  # step t feeds each live row's token t into slot P + t
+        done = length[live] <= t  # rows whose last token was fed: dropped once there are enough of them
+        if bool(done.all()):
+            break
+        if int(done.sum()) >= max(COMPACT_AT * live.numel(), 1):
+            keep = (~done).nonzero()[:, 0]
+            live, nxt, key_valid = live[keep], nxt[keep], key_valid[keep]
+            cache = KVCache(cache.k.index_select(1, keep), cache.v.index_select(1, keep))
+        last = t == max_new_tokens - 1 or bool((length[live] <= t + 1).all())  # no token is picked after it
         out = model(
             nxt[:, None],
-            pos,
+            (lengths[live] + t)[:, None],
             cache,
             P + t,
             key_valid[:, None, : P + t + 1],
             all_taps,
             logits_rows="none" if last else "all",
         )
-        if taps:
-            feats.append(out.features)
+        if fed is not None:
+            fed[live, t] = out.features[:, 0]
         if last:
             break
         nxt = pick(out.logits[:, -1], out.features[:, -1, final_at : final_at + d])
-        generated.append(nxt)
-        ended |= nxt == end_id
-    gen = torch.stack(generated, 1).tolist()  # [B, steps]
-    grid = torch.cat(feats, 1) if taps else None  # [B, P + fed, F]
-    if grid is not None and head_tap not in taps:
-        grid = grid[..., :-d]
+        unended = length[live] == max_new_tokens
+        gen[live[unended], t + 1] = nxt[unended]
+        length[live[unended & (nxt == end_id)]] = t + 2
     answers = []
-    for b, row in enumerate(gen):
-        finished = end_id in row
-        ids = row[: row.index(end_id) + 1] if finished else row
-        f = None if grid is None else grid[b, int(offset[b]) : P + len(ids)]
-        answers.append(Answer(ids, finished, f))
+    for b in range(B):
+        n = int(length[b])
+        ids = gen[b, :n].tolist()
+        f = None
+        if taps:
+            f = torch.cat([grid[b, int(offset[b]) :], fed[b, :n]])  # [n_b + n, F]
+            f = f if head_tap in taps else f[:, :-d]
+        answers.append(Answer(ids, ids[-1] == end_id, f))
     return answers
 
 

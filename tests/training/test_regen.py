@@ -166,3 +166,27 @@ def test_bfloat16_answers_attend_over_a_float32_cache(model_folder):
         n = len(p)  # the prompt's rows: the same tokens in both
         err = (h.features[:n].float() - e.features[:n]).norm(dim=-1) / e.features[:n].norm(dim=-1)
         assert float(err.max()) < 0.02, err
+
+
+def test_a_batch_drops_its_ended_rows_and_each_answer_is_its_prompts_alone(model_folder):
+    """Answers that end at different steps: the batch drops a row once its last token is fed, and
+    every answer (tokens and features) is what its prompt gives decoded alone, at float32."""
+    from eyas.target.loader import load_target
+    from eyas.training.features import training_taps
+    from eyas.training.regen import greedy_answers
+
+    model = load_target(model_folder).model
+    taps = training_taps(model)
+    prompts = [[5, 9, 11, 3], [7, 2], [4, 4, 8], [12, 30, 6, 1, 2]]
+    never = model.cfg.vocab_size + 1  # an end id no answer says
+    free = greedy_answers(model, prompts, 8, end_id=never, taps=taps)
+    end_id = free[0].ids[2]  # the first answer ends at its third token, the others wherever they say it
+    batch = greedy_answers(model, prompts, 8, end_id=end_id, taps=taps)
+    assert batch[0].ended and len(batch[0].ids) <= 3
+    assert sorted({len(a.ids) for a in batch}) != [8], "some answers must end early for the test to mean anything"
+    for p, a in zip(prompts, batch):
+        alone = greedy_answers(model, [p], 8, end_id=end_id, taps=taps)[0]
+        assert a.ids == alone.ids and a.ended == alone.ended
+        assert a.ended == (end_id in a.ids) and (not a.ended or a.ids.index(end_id) == len(a.ids) - 1)
+        assert a.features.shape[0] == len(p) + len(a.ids)
+        torch.testing.assert_close(a.features, alone.features, atol=1e-4, rtol=1e-4)
