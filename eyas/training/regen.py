@@ -4,7 +4,7 @@ A drafter is scored on how well it predicts *the target's* next token. ShareGPT'
 written by another model; the target's own greedy answers to the same questions are the data it
 will be asked to draft at serving time. This module answers the first user turn of each
 conversation with the target, many prompts per forward on Eyas's own target model
-(:func:`greedy_answers`: right-aligned prompts in one K/V cache, one slot a step), and appends the
+(:func:`answer_batch`: right-aligned prompts in one K/V cache, one slot a step), and appends the
 results to a JSONL file so that a killed run resumes where it stopped.
 
 The batched forward runs the target's weights in ``dtype``: bfloat16 by default (AVX-512 BF16 runs
@@ -88,28 +88,32 @@ def first_turn_prompts(
 
 @dataclass(frozen=True)
 class Answer:
-    """One prompt's greedy continuation (:func:`greedy_answers`)."""
+    """One prompt's continuation (:func:`answer_batch`)."""
 
     ids: list[int]  # the generated tokens, the end-of-turn token last when the answer ended
     ended: bool  # False: cut at max_new_tokens
     features: torch.Tensor | None  # [len(prompt) + len(ids), F] at the taps, every token fed (None: no taps)
 
 
-RESCORE_TOP = 4  # candidates of the low-precision head rescored in float32 (greedy_answers)
-PREFILL_GROUP = 16  # prompts prefilled in one forward (greedy_answers)
-COMPACT_AT = 1 / 8  # the batch drops its finished rows once they are this share of it (greedy_answers)
+RESCORE_TOP = 4  # candidates of the low-precision head rescored in float32 (answer_batch)
+PREFILL_GROUP = 16  # prompts prefilled in one forward (answer_batch)
+COMPACT_AT = 1 / 8  # the batch drops its finished rows once they are this share of it (answer_batch)
 
 
 @torch.inference_mode()
-def greedy_answers(
+def answer_batch(
     model: TargetModel,
     prompts: list[list[int]],
     max_new_tokens: int,
     end_id: int,
     taps: tuple[FeatureTap, ...] = (),
     head_weight: torch.Tensor | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> list[Answer]:
-    """Greedy continuations of ``prompts`` in one batch on ``model`` (its own dtype and device), and
+    """Continuations of ``prompts`` in one batch on ``model`` (its own dtype and device), greedy, or
+    with ``temperature`` > 0 sampled from the target's distribution at that temperature (drawn with
+    ``generator``: the same batch and seed give the same answers), and
     each sample's features at ``taps``: the forward that picks each token records them, so the
     features of prompt and answer come without a forward of their own.
 
@@ -144,6 +148,9 @@ def greedy_answers(
     cache = KVCache.allocate(c.num_layers, B, c.num_kv_heads, P + max_new_tokens, c.head_dim, torch.float32, dev)
 
     def pick(out_logits: torch.Tensor, final: torch.Tensor) -> torch.Tensor:  # [B, V], [B, d] -> [B]
+        if temperature > 0:
+            probs = torch.softmax(out_logits.float() / temperature, dim=-1)
+            return torch.multinomial(probs, 1, generator=generator)[:, 0]
         if head_weight is None:
             return out_logits.argmax(-1)
         top = out_logits.topk(RESCORE_TOP, dim=-1).indices  # [B, k]
@@ -224,17 +231,24 @@ def regenerate_batched(
     device: str = "cpu",
     dtype: str = "bfloat16",
     features_dir: str | Path | None = None,
+    temperature: float = 0.0,
+    sample: int = 0,
 ) -> RegenSummary:
     """Answer the first user turn of up to ``limit`` conversations with the target at ``model_folder``
     (a checkpoint folder or ``.gguf``: ``eyas.target.loader.load_target``), greedy, ``batch_size``
-    at a time (:func:`greedy_answers`), on ``device`` in ``dtype`` (``"bfloat16"`` or
+    at a time (:func:`answer_batch`), on ``device`` in ``dtype`` (``"bfloat16"`` or
     ``"float32"``); append one JSON line per answer to ``out_path``; skip ids already there.
 
     ``features_dir``: also write each answered sample's training features (its prompt and answer
     tokens exactly as fed, the trainer's taps) into the feature cache there, one shard a batch, made
     by the same forwards that chose the tokens. A shard is durable before its answers are appended,
     and a shard whose answers never reached ``out_path`` (a run killed between the two) is dropped on
-    resume, so the cache holds exactly the answers made with it."""
+    resume, so the cache holds exactly the answers made with it.
+
+    ``temperature`` > 0: each answer is sampled at that temperature (:func:`answer_batch`), its
+    record id the conversation's with the pass ``sample`` (:func:`record_id`): passes with other
+    ``sample`` numbers answer the same first turns afresh, into the same file or another (``limit``
+    and ``resumed`` count the pass's own answers)."""
     from eyas.target.loader import load_target
     from eyas.training.features import FeatureBatch, FeatureCache, training_taps
 
@@ -244,17 +258,25 @@ def regenerate_batched(
         raise ValueError("max_new_tokens: must be >= 1")
     if dtype not in REGEN_DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {sorted(REGEN_DTYPES)}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature: must be >= 0, got {temperature}")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_regenerated(out_path)}
-    if len(done) >= limit:  # the file already holds enough answers (a run stopped early and cut to size)
-        return RegenSummary(0, len(done), 0, 0, 0.0)
+    suffix = record_id("", temperature, sample)
+    mine = sum(1 for rid in done if (rid.endswith(suffix) if suffix else "~" not in rid))  # this pass's
+    if mine >= limit:  # the file already holds enough answers (a run stopped early and cut to size)
+        return RegenSummary(0, mine, 0, 0, 0.0)
     loaded = load_target(model_folder, "fp32", device=device)
     tok = loaded.tokenizer
-    todo = [p for p in first_turn_prompts(items, tok, max_prompt_tokens, limit) if p[0] not in done]
+    todo = [
+        p
+        for p in first_turn_prompts(items, tok, max_prompt_tokens, limit)
+        if record_id(p[0], temperature, sample) not in done
+    ]
     todo.sort(key=lambda p: p[2])  # similar lengths share a batch: less padding
     if not todo:
-        return RegenSummary(0, len(done), 0, 0, 0.0)
+        return RegenSummary(0, mine, 0, 0, 0.0)
     model = loaded.model
     head_weight = None
     if REGEN_DTYPES[dtype] != torch.float32:
@@ -268,19 +290,20 @@ def regenerate_batched(
         info |= {"max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens}
         manifest = cache.begin(loaded.fingerprint.to_dict(), taps, info, keep=done)
     end_id = tok.convert_tokens_to_ids(END_OF_TURN)
+    generator = torch.Generator(device=device).manual_seed(sample) if temperature > 0 else None
     t0, new_tokens, truncated = time.perf_counter(), 0, 0
     bar = tqdm(total=len(todo), desc=desc, unit="prompt", dynamic_ncols=True)
     with out_path.open("a") as f:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
             prompts = [_prompt_ids(tok, user) for _, user, _ in chunk]
-            answers = greedy_answers(model, prompts, max_new_tokens, end_id, taps, head_weight)
+            answers = answer_batch(model, prompts, max_new_tokens, end_id, taps, head_weight, temperature, generator)
             if cache is not None:
                 cache.write_shard(
                     manifest,
                     [
                         FeatureBatch(
-                            sid,
+                            record_id(sid, temperature, sample),
                             torch.tensor(p + a.ids, dtype=torch.int64),
                             torch.tensor([False] * len(p) + [True] * len(a.ids)),
                             a.features,
@@ -293,29 +316,33 @@ def regenerate_batched(
                 new_tokens += len(a.ids)
                 truncated += int(not a.ended)
                 answer = tok.decode(ids, skip_special_tokens=True)
-                f.write(
-                    json.dumps(
-                        {
-                            "id": sid,
-                            "messages": user + [{"role": "assistant", "content": answer}],
-                            "new_tokens": len(ids),
-                            "truncated": not a.ended,
-                        }
-                    )
-                    + "\n"
-                )
+                record = {
+                    "id": record_id(sid, temperature, sample),
+                    "messages": user + [{"role": "assistant", "content": answer}],
+                    "new_tokens": len(ids),
+                    "truncated": not a.ended,
+                }
+                if temperature > 0:
+                    record |= {"temperature": temperature, "sample": sample}
+                f.write(json.dumps(record) + "\n")
             f.flush()
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     if cache is not None:
         cache.finish(manifest)
-    summary = RegenSummary(len(todo), len(done), new_tokens, truncated, time.perf_counter() - t0)
+    summary = RegenSummary(len(todo), mine, new_tokens, truncated, time.perf_counter() - t0)
     print(
         f"{desc}: {summary.prompts} answers ({summary.resumed} resumed), {summary.new_tokens} tokens in "
         f"{summary.wall_s:.0f} s ({summary.tokens_per_s:.0f} tok/s), {summary.truncated} cut at {max_new_tokens}"
     )
     return summary
+
+
+def record_id(conversation_id: str, temperature: float, sample: int) -> str:
+    """An answer's id in the JSONL and the feature cache: the conversation's for a greedy answer,
+    with ``~t<temperature>s<sample>`` for a sampled one."""
+    return conversation_id if temperature == 0 else f"{conversation_id}~t{temperature:g}s{sample}"
 
 
 def _prompt_ids(tokenizer, user: list[dict]) -> list[int]:
@@ -375,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         help="also write each answer's training features (the taps its own decoding recorded) into the "
         "feature cache in this folder; train on it with data.train_cache",
     )
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample the answers (default 0: greedy)")
+    ap.add_argument("--sample", type=int, default=0, help="the sampling pass (seed and id suffix) with --temperature")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--target", default=DEFAULT_TARGET)
     args = ap.parse_args(argv)
@@ -397,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         desc=f"regenerate {args.split}",
         features_dir=os.path.expanduser(args.features) if args.features else None,
+        temperature=args.temperature,
+        sample=args.sample,
     )
     print(
         f"regenerate: {total.prompts} new answers, {total.new_tokens} tokens in {total.wall_s:.0f} s "

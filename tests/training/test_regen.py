@@ -152,14 +152,14 @@ def test_bfloat16_answers_attend_over_a_float32_cache(model_folder):
     within 2 % (relative norm, each row) of the float32 model's, and every answer has max_new_tokens or ends."""
     from eyas.target.loader import load_target
     from eyas.training.features import training_taps
-    from eyas.training.regen import greedy_answers
+    from eyas.training.regen import answer_batch
 
     loaded = load_target(model_folder)
     taps = training_taps(loaded.model)
     prompts = [[5, 9, 11, 3], [7, 2]]
-    exact = greedy_answers(loaded.model, prompts, 4, end_id=1, taps=taps)
+    exact = answer_batch(loaded.model, prompts, 4, end_id=1, taps=taps)
     head = loaded.model.lm_head.weight.detach().clone()
-    half = greedy_answers(loaded.model.to(torch.bfloat16), prompts, 4, end_id=1, taps=taps, head_weight=head)
+    half = answer_batch(loaded.model.to(torch.bfloat16), prompts, 4, end_id=1, taps=taps, head_weight=head)
     for e, h, p in zip(exact, half, prompts):
         assert h.features.dtype == torch.bfloat16 and h.features.shape == (len(p) + len(h.ids), e.features.shape[1])
         assert len(h.ids) == 4 or h.ended
@@ -173,20 +173,63 @@ def test_a_batch_drops_its_ended_rows_and_each_answer_is_its_prompts_alone(model
     every answer (tokens and features) is what its prompt gives decoded alone, at float32."""
     from eyas.target.loader import load_target
     from eyas.training.features import training_taps
-    from eyas.training.regen import greedy_answers
+    from eyas.training.regen import answer_batch
 
     model = load_target(model_folder).model
     taps = training_taps(model)
     prompts = [[5, 9, 11, 3], [7, 2], [4, 4, 8], [12, 30, 6, 1, 2]]
     never = model.cfg.vocab_size + 1  # an end id no answer says
-    free = greedy_answers(model, prompts, 8, end_id=never, taps=taps)
+    free = answer_batch(model, prompts, 8, end_id=never, taps=taps)
     end_id = free[0].ids[2]  # the first answer ends at its third token, the others wherever they say it
-    batch = greedy_answers(model, prompts, 8, end_id=end_id, taps=taps)
+    batch = answer_batch(model, prompts, 8, end_id=end_id, taps=taps)
     assert batch[0].ended and len(batch[0].ids) <= 3
     assert sorted({len(a.ids) for a in batch}) != [8], "some answers must end early for the test to mean anything"
     for p, a in zip(prompts, batch):
-        alone = greedy_answers(model, [p], 8, end_id=end_id, taps=taps)[0]
+        alone = answer_batch(model, [p], 8, end_id=end_id, taps=taps)[0]
         assert a.ids == alone.ids and a.ended == alone.ended
         assert a.ended == (end_id in a.ids) and (not a.ended or a.ids.index(end_id) == len(a.ids) - 1)
         assert a.features.shape[0] == len(p) + len(a.ids)
         torch.testing.assert_close(a.features, alone.features, atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_answers_follow_the_targets_distribution_at_the_temperature(model_folder, tmp_path):
+    """temperature > 0: each first token is drawn from softmax(logits / T). 4,000 draws of the first
+    answer token of one prompt are held to the float32 model's own distribution by a chi-square test
+    (cells of expected count >= 5, the rest pooled; refused below p = 1e-3, a false alarm once in a
+    thousand runs). Each sampling pass has its own record ids, so a pass beside the greedy answers
+    in one file resumes and counts only its own."""
+    from scipy.stats import chisquare
+
+    from eyas.target.loader import load_target
+    from eyas.training.regen import answer_batch, record_id
+
+    model = load_target(model_folder).model
+    prompt, T, n = [5, 9, 11, 3], 0.8, 4000
+    gen = torch.Generator().manual_seed(0)
+    got = answer_batch(model, [prompt] * n, 1, end_id=-5, temperature=T, generator=gen)
+    counts = torch.bincount(torch.tensor([a.ids[0] for a in got]), minlength=model.cfg.vocab_size).double()
+    S = len(prompt)
+    logits = model(
+        torch.tensor([prompt]),
+        torch.arange(S)[None],
+        model.allocate_cache(1, S),
+        0,
+        torch.ones(S, S, dtype=torch.bool).tril()[None],
+        (),
+        logits_rows="last",
+    ).logits[0, -1]
+    expected = torch.softmax(logits.double() / T, dim=-1) * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    assert int(big.sum()) >= 5 and chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+    out = tmp_path / "answers.jsonl"
+    kw = dict(batch_size=2, max_new_tokens=3, max_prompt_tokens=64, dtype="float32")
+    regenerate_batched(model_folder, iter(CONVERSATIONS), out, limit=2, **kw)
+    s = regenerate_batched(model_folder, iter(CONVERSATIONS), out, limit=2, temperature=T, sample=1, **kw)
+    assert (s.prompts, s.resumed) == (2, 0)
+    again = regenerate_batched(model_folder, iter(CONVERSATIONS), out, limit=3, temperature=T, sample=1, **kw)
+    assert (again.prompts, again.resumed) == (1, 2)
+    recs = read_regenerated(out)
+    assert [r["id"] for r in recs[2:]] == [record_id(c, T, 1) for c in ("c0", "c1", "c4")][: len(recs) - 2]
+    assert all(r["temperature"] == T and r["sample"] == 1 for r in recs[2:])
