@@ -1086,9 +1086,22 @@ def test_a_killed_target_replicas_draft_sessions_are_reclaimed_and_its_speculati
       held for 12+ minutes and reported as no orphan)."""
     import ray
 
-    assert _wait_for(lambda: any(w["kind"] == "target" and w.get("ok") for w in client.stats()["workers"]))
-    target = next(w for w in client.stats()["workers"] if w["kind"] == "target" and w.get("ok"))
-    actor = ray.get_actor(target["actor_name"], namespace=target["namespace"])
+    found: list = []
+
+    def live_target() -> bool:
+        # The replica the previous test killed stays in the registry until its last report ages
+        # out; its actor is gone, so only a worker whose actor Ray can still look up is the live one.
+        for w in client.stats()["workers"]:
+            if w["kind"] == "target" and w.get("ok"):
+                try:
+                    found[:] = [ray.get_actor(w["actor_name"], namespace=w["namespace"])]
+                    return True
+                except ValueError:
+                    continue
+        return False
+
+    assert _wait_for(live_target, timeout_s=60), client.stats()["workers"]
+    actor = found[0]
     named = client.stream(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N)
     unnamed = client.stub.GenerateStream(
         pb.GenerateRequest(prompt=PROMPTS[1], method="eagle3", max_new_tokens=N), metadata=client.metadata, timeout=300
