@@ -30,8 +30,18 @@ class DataConfig(BaseModel):
     cache_dir: str = "~/.cache/eyas/features/smollm2-135m-sharegpt"
     # a feature cache to train on as it is: its samples after skip_samples, train_samples of them
     # (the target's answers with the features their own decoding recorded: `python -m
-    # eyas.training.regen --features DIR`); the train split then needs no extraction or regeneration
-    train_cache: str | None = None
+    # eyas.training.regen --features DIR`); the train split then needs no extraction or regeneration.
+    # A list of caches is read as one, their samples in the order listed (greedy answers beside a
+    # sampled pass, each made by its own regen run); the training order is a permutation anyway
+    train_cache: str | list[str] | None = None
+
+    @property
+    def train_caches(self) -> list[str]:
+        """``train_cache`` as a list of folders ([] when none)."""
+        if self.train_cache is None:
+            return []
+        return [self.train_cache] if isinstance(self.train_cache, str) else list(self.train_cache)
+
     # the train cache to read, made for this many samples (None = train_samples); the run trains on
     # its first train_samples, so runs of several data sizes (a learning curve) share one extraction
     cache_samples: int | None = Field(None, ge=1)
@@ -56,6 +66,10 @@ class DataConfig(BaseModel):
             raise ValueError(
                 f"cache_samples ({self.cache_samples}) must be at least train_samples ({self.train_samples})"
             )
+        if isinstance(self.train_cache, list) and (
+            not self.train_cache or len(set(self.train_cache)) != len(self.train_cache)
+        ):
+            raise ValueError("train_cache: a list names one or more caches, each once")
         if self.train_cache is not None and (self.features != "cache" or self.sharegpt_samples):
             raise ValueError("train_cache: a cache is read as it is (features: cache, no sharegpt_samples)")
         if self.skip_samples and not (self.regenerate or self.train_cache):

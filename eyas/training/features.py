@@ -232,6 +232,21 @@ class FeatureCache:
         return out
 
 
+class FeatureCaches:
+    """Several feature caches read as one (``data.train_cache`` as a list): their samples in the
+    order of ``caches``, each cache checked against the trainer's target and taps on its own."""
+
+    def __init__(self, caches: list[FeatureCache]):
+        assert caches, "caches: at least one"
+        self.caches = list(caches)
+
+    def check(self, fingerprint: dict, taps: tuple[FeatureTap, ...]) -> list[dict]:
+        return [cache.check(fingerprint, taps) for cache in self.caches]
+
+    def samples(self, stream: bool = False) -> list[FeatureBatch | StoredFeatureBatch]:
+        return [sample for cache in self.caches for sample in cache.samples(stream)]
+
+
 class ShardFeatures:
     """The ``features`` tensor of one safetensors shard, memory-mapped on first use (read-only); rows
     are copied out on request, so the page cache, not the process, holds what was read."""

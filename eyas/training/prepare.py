@@ -11,7 +11,7 @@ from tqdm import tqdm
 from eyas.target.loader import DTYPES
 from eyas.training.config import TrainConfig
 from eyas.training.data import Sample, conversations, render
-from eyas.training.features import FeatureCache, OnlineFeatures, training_taps
+from eyas.training.features import FeatureCache, FeatureCaches, OnlineFeatures, training_taps
 
 
 def cache_dirs(cfg: TrainConfig) -> tuple[Path, Path]:
@@ -30,7 +30,7 @@ def cache_dirs(cfg: TrainConfig) -> tuple[Path, Path]:
     )
 
 
-def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache | OnlineFeatures, FeatureCache]:
+def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache | FeatureCaches | OnlineFeatures, FeatureCache]:
     """The train split's features (a cache on disk, or an online source with ``data.features:
     online``) and the held-out split's cache (always extracted once, in float32: every run is
     measured against the same labels)."""
@@ -41,17 +41,23 @@ def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache | OnlineFeatu
         (("train", cfg.data.cache_samples or cfg.data.train_samples), ("heldout", cfg.data.heldout_samples)),
         cache_dirs(cfg),
     ):
-        if split == "train" and cfg.data.train_cache:
-            cache = FeatureCache(Path(os.path.expanduser(cfg.data.train_cache)))
-            manifest = cache.check(fingerprint, taps)
-            have = sum(shard["num_samples"] for shard in manifest["shards"])
-            if not manifest.get("complete") or have < cfg.data.skip_samples + cfg.data.train_samples:
-                raise ValueError(
-                    f"data.train_cache: {cache.folder} holds {have} samples"
-                    + ("" if manifest.get("complete") else " and is incomplete")
-                    + f"; the run reads {cfg.data.skip_samples} + {cfg.data.train_samples}"
+        if split == "train" and cfg.data.train_caches:
+            train = FeatureCaches([FeatureCache(Path(os.path.expanduser(f))) for f in cfg.data.train_caches])
+            have = 0
+            for cache in train.caches:
+                manifest = cache.check(fingerprint, taps)
+                if not manifest.get("complete"):
+                    raise ValueError(f"data.train_cache: {cache.folder} is incomplete")
+                have += sum(shard["num_samples"] for shard in manifest["shards"])
+            if have < cfg.data.skip_samples + cfg.data.train_samples:
+                where = (
+                    f"{train.caches[0].folder} holds" if len(train.caches) == 1 else f"{len(train.caches)} caches hold"
                 )
-            caches.append(cache)
+                raise ValueError(
+                    f"data.train_cache: {where} {have} samples"
+                    f"; the run reads {cfg.data.skip_samples} + {cfg.data.train_samples}"
+                )
+            caches.append(train.caches[0] if len(train.caches) == 1 else train)
             continue
         if split == "train" and cfg.data.features == "online":
             caches.append(

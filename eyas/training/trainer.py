@@ -33,7 +33,7 @@ from eyas.drafting.model import Drafter, DrafterConfig, drafter_feature_address,
 from eyas.target.loader import DTYPES, check_device
 from eyas.target.model import FeatureTap, GrowingKV, TargetModel
 from eyas.training.config import TrainConfig
-from eyas.training.features import FeatureBatch, FeatureCache, OnlineFeatures, training_taps
+from eyas.training.features import FeatureBatch, FeatureCache, FeatureCaches, OnlineFeatures, training_taps
 from eyas.training.losses import build_draft_vocab, feature_noise, row_soft_cross_entropy
 from eyas.training.masks import rollout_valid, rollout_visibility
 from eyas.training.rows import dense_row_masks
@@ -73,7 +73,7 @@ class DrafterTrainer:
         cfg: TrainConfig,
         target: TargetModel,
         fingerprint: dict,
-        train: FeatureCache,
+        train: FeatureCache | FeatureCaches | OnlineFeatures,
         heldout: FeatureCache,
         out: str | Path | None = None,
     ):
@@ -85,9 +85,9 @@ class DrafterTrainer:
         self.d = target.cfg.hidden_size
         taps = training_taps(target)
         self.train_data = self._load(train, fingerprint, taps)
-        if isinstance(train, FeatureCache):  # a prefix of a larger cache (data.cache_samples), or a
+        if isinstance(train, (FeatureCache, FeatureCaches)):  # a prefix of a larger cache (data.cache_samples), or a
             # train_cache's samples after skip_samples (a regenerated cache is made for its own skip)
-            skip = cfg.data.skip_samples if cfg.data.train_cache else 0
+            skip = cfg.data.skip_samples if cfg.data.train_caches else 0
             self.train_data = self.train_data[skip : skip + cfg.data.train_samples]
         self.heldout_data = self._load(heldout, fingerprint, taps)
         method = "eagle3" if cfg.method == "eagle3" else "eagle1"
@@ -160,7 +160,7 @@ class DrafterTrainer:
             group["initial_lr"], group["lr"] = base, base * self._lr_factor(0)  # this run's rate, from its step 0
 
     @staticmethod
-    def _load(cache: FeatureCache | OnlineFeatures, fingerprint: dict, taps) -> list[FeatureBatch]:
+    def _load(cache: FeatureCache | FeatureCaches | OnlineFeatures, fingerprint: dict, taps) -> list[FeatureBatch]:
         if isinstance(cache, OnlineFeatures):
             if cache.taps != taps:
                 raise ValueError(f"features.taps: {cache.taps} != the trainer's {taps}")

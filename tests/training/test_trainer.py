@@ -344,6 +344,66 @@ def test_a_run_trains_on_a_train_cache_after_skip_samples(tiny_setup, tmp_path):
         TrainConfig(data={"skip_samples": 3})
 
 
+def test_a_list_of_train_caches_is_read_as_one(tiny_setup, tmp_path):
+    """data.train_cache as a list: the caches' samples in the order listed, skip_samples and
+    train_samples counted across them; a list that is empty or names a cache twice, a cache of
+    another target and an incomplete cache are each refused by field, and nothing is trained."""
+    import json
+    import shutil
+
+    from eyas.training.features import FeatureCaches
+    from eyas.training.prepare import prepare_features
+
+    model, train, heldout = tiny_setup
+    second = FeatureCache(tmp_path / "sampled")
+    second.extract(model, FINGERPRINT, synthetic_samples(8, 48, 5), training_taps(model), {"split": "sampled"})
+
+    class Loaded:  # what prepare_features reads of a runtime
+        fingerprint = TargetFingerprint(**FINGERPRINT)
+
+    Runtime = type("Runtime", (), {"loaded": Loaded, "model": model, "tokenizer": None})
+    cfg = TrainConfig(
+        method="eagle3",
+        batch_samples=4,
+        draft_vocab_size=32,
+        ttt_steps=3,
+        out=str(tmp_path / "run"),
+        data={"train_cache": [str(train.folder), str(second.folder)], "skip_samples": 20, "train_samples": 8},
+    )
+    assert cfg.data.train_caches == [str(train.folder), str(second.folder)]
+    joined = FeatureCaches([train, second])
+    trainer = DrafterTrainer(cfg, model, FINGERPRINT, joined, heldout)
+    expected = [fb.sample_id for fb in train.samples()[20:]] + [fb.sample_id for fb in second.samples()[:4]]
+    assert [fb.sample_id for fb in trainer.train_data] == expected
+    assert trainer.train_step() is not None
+
+    too_many = cfg.model_copy(update={"data": cfg.data.model_copy(update={"train_samples": 13})})
+    with pytest.raises(ValueError, match="^data.train_cache: 2 caches hold 32 samples; the run reads 20 \\+ 13"):
+        prepare_features(too_many, Runtime)
+    for bad in ([], [str(train.folder), str(train.folder)]):
+        with pytest.raises(ValueError, match="train_cache"):
+            TrainConfig(data={"train_cache": bad})
+    other = tmp_path / "other"
+    shutil.copytree(second.folder, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["target_fingerprint"]["weight_digest"] = "0" * 64
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    foreign = cfg.model_copy(
+        update={"data": cfg.data.model_copy(update={"train_cache": [str(train.folder), str(other)]})}
+    )
+    with pytest.raises(ValueError, match="^feature_cache.target_fingerprint.weight_digest"):
+        prepare_features(foreign, Runtime)
+    manifest = json.loads((second.folder / "manifest.json").read_text())
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(second.folder, unfinished)
+    (unfinished / "manifest.json").write_text(json.dumps(manifest | {"complete": False}))
+    partial = cfg.model_copy(
+        update={"data": cfg.data.model_copy(update={"train_cache": [str(train.folder), str(unfinished)]})}
+    )
+    with pytest.raises(ValueError, match="^data.train_cache: .*unfinished is incomplete"):
+        prepare_features(partial, Runtime)
+
+
 def test_init_state_continues_another_runs_stable_state_on_new_data(tiny_setup, tmp_path):
     """config.init_state: the drafter (weights and vocabulary) and the optimizer's moments of another
     run's trainer state, with this run's own step count and rate; a state inside a decay branch, a
