@@ -91,17 +91,40 @@ def find_drafters(root: Path = REPO_DRAFTERS) -> tuple[list[tuple[Path, object]]
 
 
 def parse_trees(text: str | None) -> list[dict]:
-    """``--trees 2/2/4,1/4/4``: width/depth/budget triples -> tree override dicts ([] when not given)."""
+    """``--trees 2/2/4,3/4/4@0.06/0.45``: width/depth/budget triples, each with optional value floors
+    ``@min_value/expand_min_value`` (without them: 0 and 0, plain EAGLE-2), or ``default`` (the
+    drafter's own default tree at this precision) -> tree override dicts ([] when not given)."""
     if not text:
         return []
     out = []
     for item in text.split(","):
-        parts = item.strip().split("/")
+        if item.strip() == "default":
+            out.append({})
+            continue
+        shape, _, floors = item.strip().partition("@")
+        parts = shape.split("/")
         if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
             raise ValueError(f"--trees: {item!r} is not width/depth/budget (positive integers)")
         w, d, b = map(int, parts)
-        out.append({"tree_width": w, "tree_depth": d, "tree_budget": b})
+        try:
+            lo, hi = (float(x) for x in floors.split("/")) if floors else (0.0, 0.0)
+        except ValueError:
+            raise ValueError(f"--trees: {item!r}: value floors are @min_value/expand_min_value") from None
+        if not (0 <= lo <= 1 and 0 <= hi <= 1):
+            raise ValueError(f"--trees: {item!r}: value floors lie in [0, 1]")
+        out.append(
+            {"tree_width": w, "tree_depth": d, "tree_budget": b, "tree_min_value": lo, "tree_expand_min_value": hi}
+        )
     return out
+
+
+def tree_label(tree: dict) -> str:
+    """``w/d/b``, with ``@min/expand`` when a value floor is set; ``default`` for the drafter's own."""
+    if not tree:
+        return "default"
+    label = f"{tree['tree_width']}/{tree['tree_depth']}/{tree['tree_budget']}"
+    lo, hi = tree.get("tree_min_value", 0.0), tree.get("tree_expand_min_value", 0.0)
+    return label + (f"@{lo:g}/{hi:g}" if lo or hi else "")
 
 
 def build_methods(
@@ -123,14 +146,14 @@ def build_methods(
         depth = tree_overrides.get("tree_depth", handle.default_tree.max_depth)
         common = {"method": method, "drafter": str(path) if path else None}
         for tree in trees or []:
-            label = f"{tree['tree_width']}/{tree['tree_depth']}/{tree['tree_budget']}"
+            label = tree_label(tree)
             methods.append(
                 Method(
                     f"{name}@{label}",
                     {**common, "tree_kind": "dynamic", **tree},
                     handle.source,
                     trained_as,
-                    tree["tree_depth"],
+                    tree.get("tree_depth", handle.default_tree.max_depth),
                 )
             )
         if trees:
@@ -344,8 +367,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-budget", type=int, help="dynamic tree: candidate rows verified (default: the manifest's)")
     p.add_argument(
         "--trees",
-        help="dynamic trees width/depth/budget, comma-separated (e.g. 2/2/4,2/4/8): each "
-        "drafter runs on each, against one target-only baseline",
+        help="dynamic trees width/depth/budget[@min_value/expand_min_value] or default, comma-separated "
+        "(e.g. default,2/2/4,3/4/4@0.06/0.45): each drafter runs on each, against one target-only baseline",
     )
     p.add_argument("--drafters", help="the folder of drafter folders to bench (default: the repository's drafters/)")
     p.add_argument(
@@ -409,7 +432,8 @@ def main(argv=None) -> int:
             tree = summary[m.name]["tree"]
             print(
                 f"  {m.name}: drafter {m.drafter}; tree {tree['kind']} width {tree['expand_width']} "
-                f"depth {tree['max_depth']} budget {tree['verify_budget']}"
+                f"depth {tree['max_depth']} budget {tree['verify_budget']} value floors "
+                f"{tree.get('min_value', 0):g}/{tree.get('expand_min_value', 0):g}"
             )
     for note in notes:
         print(f"note: {note}")

@@ -37,12 +37,19 @@ REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
 DEFAULT_DRAFTER_DIRS = {"eagle1": "smollm2-135m-eagle1", "hass": "smollm2-135m-hass", "eagle3": "smollm2-135m-eagle3"}
 # A serving method's drafter architecture: HASS changes training only (design 0x07C), so it serves as EAGLE-1.
 ARCHITECTURE = {"eagle1": "eagle1", "hass": "eagle1", "eagle3": "eagle3"}
-# The default tree at fp16w (fbgemm, CPU only), in place of a manifest's larger one: there a verify
-# of r rows costs about 1 + r/16 one-row forwards up to ~5 rows and climbs faster beyond, so a
-# 17-row tree loses to target-only. Measured on 10 MT-bench prompts at 40 tokens, EAGLE-3, against
-# fp16w target-only in the same run: 4/5/16 (the manifest's) 0.62x; 2/2/4 0.97x; 2/2/3 1.07x;
-# 3/2/5 1.05x; 1/2/2 1.01x (all 80 prompts: 2/2/4 1.01x). A request's own knobs still win.
-FP16W_DEFAULT_TREE = TreeSpec(kind="dynamic", expand_width=2, max_depth=2, verify_budget=4)
+# The default tree at fp16w (fbgemm, CPU only), in place of a manifest's larger one: a cost-aware
+# EAGLE-2 tree (eyas.drafting.tree, "value floors"). On this CPU every verify row is a full pass of
+# the weights' arithmetic: a verify of 2 rows costs 1.12 one-row forwards, 6 rows 1.35-1.39, 7 rows
+# 1.57 (2 threads, a 300-token context), and each drafting step about 0.095 (the drafter's weights
+# come back from DRAM after every target forward). So a node is verified only when its path value (the
+# drafter's estimate that the target accepts it) is at least 0.06, and a node is expanded only at
+# 0.35. Measured on all 80 MT-bench first turns, 40 tokens, EAGLE-3 (stage 5's drafter), against
+# fp16w target-only in the same run (bench/results/trees-fp16w-floors.json): 3/4/6 with floors
+# 0.06/0.35 1.18x (tau 1.64), 3/4/4 with 0.06/0.45 1.17x, 3/3/3 with 0.06/0.6 1.17x, plain 2/2/4
+# (the default before) 1.13x (tau 1.72, 4 rows every round). A request's own knobs still win.
+FP16W_DEFAULT_TREE = TreeSpec(
+    kind="dynamic", expand_width=3, max_depth=4, verify_budget=6, min_value=0.06, expand_min_value=0.35
+)
 
 
 @dataclass
@@ -94,12 +101,15 @@ def make_drafter(
 
 
 def smaller_tree(tree: TreeSpec, cap: TreeSpec) -> TreeSpec:
-    """``tree`` with each EAGLE-2 knob (width, depth, budget) at most ``cap``'s."""
+    """``tree`` with each EAGLE-2 knob (width, depth, budget) at most ``cap``'s, and each value
+    floor at least ``cap``'s."""
     return replace(
         tree,
         expand_width=min(tree.expand_width, cap.expand_width),
         max_depth=min(tree.max_depth, cap.max_depth),
         verify_budget=min(tree.verify_budget, cap.verify_budget),
+        min_value=max(tree.min_value, cap.min_value),
+        expand_min_value=max(tree.expand_min_value, cap.expand_min_value),
     )
 
 
@@ -208,6 +218,8 @@ def tree_for(req: GenerateRequest, base: TreeSpec) -> TreeSpec:
         expand_width=req.tree_width if req.tree_width is not None else base.expand_width,
         max_depth=req.tree_depth if req.tree_depth is not None else base.max_depth,
         verify_budget=req.tree_budget if req.tree_budget is not None else base.verify_budget,
+        min_value=req.tree_min_value if req.tree_min_value is not None else base.min_value,
+        expand_min_value=req.tree_expand_min_value if req.tree_expand_min_value is not None else base.expand_min_value,
     )
 
 
@@ -263,6 +275,8 @@ def build_report(
             "expand_width": tree.expand_width,
             "max_depth": tree.max_depth,
             "verify_budget": tree.verify_budget,
+            "min_value": tree.min_value,
+            "expand_min_value": tree.expand_min_value,
         },
         "rounds": [
             {

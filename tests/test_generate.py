@@ -72,6 +72,29 @@ def test_greedy_identity_tiny(tiny_target, method, tree):
         assert sum(r.new_tokens for r in spec.rounds) + 1 >= len(spec.token_ids)
 
 
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+def test_value_floors_prune_the_tree_and_keep_greedy_identity(tiny_target, method):
+    """A cost-aware tree (value floors) verifies fewer rows than the same tree without floors, but
+    some, and its greedy output is the target's own. On the tiny vocabulary (64 tokens) a random
+    drafter's confidences sit near 1/64 (0.019-0.021 in the first layer, 3e-4 to 4e-4 in the second),
+    so an expansion floor of 0.02 expands some first-layer nodes and not others, and a verification
+    floor of 3.5e-4 keeps some second-layer nodes and not others."""
+    plain_tree = TreeSpec(expand_width=3, max_depth=3, verify_budget=6)
+    floored_tree = TreeSpec(expand_width=3, max_depth=3, verify_budget=6, min_value=3.5e-4, expand_min_value=0.02)
+    assert floored_tree.cost_aware and not plain_tree.cost_aware
+    plain_nodes = floored_nodes = 0
+    for prompt in ([1, 2, 3], [7, 7, 7, 7, 7, 9, 30, 11]):
+        base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=40)
+        target, drafter = engines(tiny_target, method)
+        plain = generate(target, prompt, max_new_tokens=40, drafter=drafter, tree=plain_tree)
+        target, drafter = engines(tiny_target, method)
+        floored = generate(target, prompt, max_new_tokens=40, drafter=drafter, tree=floored_tree)
+        assert floored.token_ids == plain.token_ids == base.token_ids
+        plain_nodes += sum(r.tree_nodes for r in plain.rounds)
+        floored_nodes += sum(r.tree_nodes for r in floored.rounds)
+    assert 0 < floored_nodes < plain_nodes
+
+
 @pytest.mark.parametrize("depth", [1, 3, 5])
 def test_oracle_chain_accepts_depth_plus_one_every_round(tiny_target, depth):
     prompt = [4, 8, 15, 16, 23, 42]

@@ -40,6 +40,10 @@ class TreeSpec:
     max_depth: int = 5  # dynamic and chain: the deepest candidate
     verify_budget: int = 16  # dynamic: candidate rows sent to the verifier (the root excluded)
     choices: tuple[tuple[int, ...], ...] = DEFAULT_STATIC_CHOICES  # static: child-rank paths
+    # dynamic, cost-aware: path-value floors for a verified node and for an expanded one
+    # (``eyas.drafting.tree``, "value floors"); 0 and 0 is plain EAGLE-2
+    min_value: float = 0.0
+    expand_min_value: float = 0.0
 
     def __post_init__(self):
         if self.kind not in TREE_KINDS:
@@ -48,11 +52,24 @@ class TreeSpec:
             value = getattr(self, name)
             if type(value) is not int or value < (1 if name == "expand_width" else 0):
                 raise ValueError(f"tree.{name}: {value!r} is not a valid count")
+        for name in ("min_value", "expand_min_value"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"tree.{name}: a path-value floor must be a number in [0, 1], got {value!r}")
+
+    @property
+    def cost_aware(self) -> bool:
+        """Whether a value floor prunes the tree (a dynamic tree only)."""
+        return self.kind == "dynamic" and (self.min_value > 0 or self.expand_min_value > 0)
 
     def builder(self):
         if self.kind == "dynamic":
             return DynamicTreeBuilder(
-                expand_width=self.expand_width, verify_budget=self.verify_budget, max_depth=self.max_depth
+                expand_width=self.expand_width,
+                verify_budget=self.verify_budget,
+                max_depth=self.max_depth,
+                min_value=self.min_value,
+                expand_min_value=self.expand_min_value,
             )
         if self.kind == "chain":
             return StaticTreeBuilder(chain_choices(self.max_depth)) if self.max_depth else None

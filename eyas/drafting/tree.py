@@ -18,6 +18,17 @@ Terms (design 0x05B, 0x06A, 0x06B):
   Width bounds how many nodes of the latest layer are expanded per step (and how many children
   each proposes), depth bounds the number of drafting steps, and the budget bounds how many nodes
   are finally sent to the target.
+- **value floors** (cost-aware trees): ``min_value`` keeps a node out of the verification tree when
+  its path value is below it, and ``expand_min_value`` expands a node only when its path value is
+  at least it (a layer none of whose top nodes reaches it ends the growth). A path value estimates
+  the chance that the target accepts the node's whole path (EAGLE-2's observation: draft
+  confidence is close to calibrated), so a floor is the price of the work in accepted tokens: a
+  verify row is worth adding when its expected accepted tokens exceed what the row costs, and a
+  drafting step when its best children's do. Where verify rows and drafting steps are dear (a CPU,
+  where every extra row is a full pass of the weights' arithmetic) the floors trade a little tau for
+  cheaper rounds; both 0 (the default) is plain EAGLE-2. Both keep the selection ancestor-closed,
+  since a child's value never exceeds its parent's (the idea of stopping a tree by expected
+  acceptance is OPT-Tree's and SpecDec++'s; these floors are its simplest form).
 
 Builder protocol (the drafter engine owns draft KV and features; a builder only does bookkeeping
 on integer node ids)::
@@ -204,22 +215,36 @@ class DynamicTreeBuilder:
     nodes of the selected `DraftTree` back to these ids, so the engine can find its own rows.
     """
 
-    def __init__(self, *, expand_width: int, verify_budget: int, max_depth: int) -> None:
+    def __init__(
+        self,
+        *,
+        expand_width: int,
+        verify_budget: int,
+        max_depth: int,
+        min_value: float = 0.0,
+        expand_min_value: float = 0.0,
+    ) -> None:
         if type(expand_width) is not int or expand_width < 1:
             raise ValueError(f"expand_width: expansion width must be a positive integer, got {expand_width!r}")
         for name, value in (("verify_budget", verify_budget), ("max_depth", max_depth)):
             if type(value) is not int or value < 0:
                 raise ValueError(f"{name}: verification budget and depth must be nonnegative integers, got {value!r}")
+        for name, value in (("min_value", min_value), ("expand_min_value", expand_min_value)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: a path-value floor must be a number in [0, 1], got {value!r}")
         self.expand_width = expand_width
         self.verify_budget = verify_budget
         self.max_depth = max_depth
+        # log floors (-inf for 0: every node passes, plain EAGLE-2)
+        self._min_log_value = math.log(min_value) if min_value > 0 else -math.inf
+        self._expand_min_log_value = math.log(expand_min_value) if expand_min_value > 0 else -math.inf
         self._nodes = _NodeStore()
         self._frontier: list[int] = [PARENT_IS_ROOT]  # the latest generated layer
         self._steps = 0  # layers generated so far == depth of the frontier
 
     @property
     def done(self) -> bool:
-        return self.verify_budget == 0 or self._steps >= self.max_depth or not self._frontier
+        return self.verify_budget == 0 or self._steps >= self.max_depth or not self._worth_expanding()
 
     @property
     def num_built(self) -> int:
@@ -234,11 +259,16 @@ class DynamicTreeBuilder:
     def children_per_parent(self) -> int:
         return self.expand_width
 
+    def _worth_expanding(self) -> list[int]:
+        """Top `expand_width` nodes of the latest layer by the ranking key, those at the expansion floor."""
+        top = sorted(self._frontier, key=self._nodes.rank_key)[: self.expand_width]
+        return [n for n in top if n == PARENT_IS_ROOT or self._nodes.log_values[n] >= self._expand_min_log_value]
+
     def expandable(self) -> list[int]:
-        """Top `expand_width` nodes of the latest layer by the ranking key; [] once done."""
+        """Top `expand_width` nodes of the latest layer by the ranking key (at the expansion floor); [] once done."""
         if self.done:
             return []
-        return sorted(self._frontier, key=self._nodes.rank_key)[: self.expand_width]
+        return self._worth_expanding()
 
     def add_children(
         self,
@@ -262,9 +292,10 @@ class DynamicTreeBuilder:
         return new_ids
 
     def selected_node_ids(self) -> list[int]:
-        """Node ids of the selected tree, in tree order: the global top `verify_budget` by key."""
+        """Node ids of the selected tree, in tree order: the global top `verify_budget` by key, less
+        those under the value floor (a suffix of that order: the selection stays ancestor-closed)."""
         ranked = sorted(range(len(self._nodes)), key=self._nodes.rank_key)
-        selected = ranked[: self.verify_budget]
+        selected = [n for n in ranked[: self.verify_budget] if self._nodes.log_values[n] >= self._min_log_value]
         assert len(selected) <= self.verify_budget
         return selected
 

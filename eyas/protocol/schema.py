@@ -84,6 +84,10 @@ class GenerateRequest(BaseModel):
     tree_depth: int | None = None
     tree_width: int | None = None
     tree_budget: int | None = None
+    # cost-aware dynamic trees: path-value floors of a verified and of an expanded node, in [0, 1]
+    # (eyas.drafting.tree, "value floors"); default: the drafter's default tree's
+    tree_min_value: float | None = None
+    tree_expand_min_value: float | None = None
 
     @field_validator("method")
     @classmethod
@@ -146,6 +150,13 @@ class GenerateRequest(BaseModel):
         }[info.field_name]
         if not low <= v <= high:
             raise ValueError(f"must be >= {low} and <= {high}, got {v}")
+        return v
+
+    @field_validator("tree_min_value", "tree_expand_min_value")
+    @classmethod
+    def _tree_floor(cls, v):
+        if v is not None and not (math.isfinite(v) and 0 <= v <= 1):
+            raise ValueError(f"must be a path value in [0, 1], got {v}")
         return v
 
     @model_validator(mode="after")

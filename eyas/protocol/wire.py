@@ -433,6 +433,8 @@ _OPTIONAL_REQUEST_FIELDS = (
     "tree_depth",
     "tree_width",
     "tree_budget",
+    "tree_min_value",
+    "tree_expand_min_value",
 )
 
 

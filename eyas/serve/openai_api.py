@@ -9,7 +9,7 @@ Terms:
 - *completion request*: ``POST /v1/completions``; ``prompt`` (one string) is fed as it is, as
   ``eyas generate --raw`` feeds it (the tokenizer's special tokens added, as vLLM does).
 - *Eyas extension*: the extra body fields ``method``, ``tree_kind``, ``tree_depth``, ``tree_width``,
-  ``tree_budget``, ``top_k`` and ``request_id`` (the openai client's ``extra_body``), validated like
+  ``tree_budget``, ``tree_min_value``, ``tree_expand_min_value``, ``top_k`` and ``request_id`` (the openai client's ``extra_body``), validated like
   every other field; and the response's ``eyas`` object: per-request speculative statistics in the
   vocabulary of vLLM's spec-decode metrics (:func:`spec_stats`).
 - Every refusal is an :class:`OpenAIError`: status 400 with ``{"error": {"message", "type", "param",
@@ -31,7 +31,17 @@ from eyas.target.loader import encode_messages, encode_prompt
 
 CHAT, COMPLETION = "chat.completion", "text_completion"
 # Eyas's own request fields that an OpenAI body may carry as extras
-EYAS_EXTRAS = ("method", "tree_kind", "tree_depth", "tree_width", "tree_budget", "top_k", "request_id")
+EYAS_EXTRAS = (
+    "method",
+    "tree_kind",
+    "tree_depth",
+    "tree_width",
+    "tree_budget",
+    "tree_min_value",
+    "tree_expand_min_value",
+    "top_k",
+    "request_id",
+)
 # OpenAI parameters Eyas knows and does not implement: refused by name, never ignored
 UNSUPPORTED = (
     "logprobs",
@@ -131,6 +141,8 @@ class _Common(_Strict):
     tree_depth: int | None = None
     tree_width: int | None = None
     tree_budget: int | None = None
+    tree_min_value: float | None = None
+    tree_expand_min_value: float | None = None
     top_k: int | None = None
     request_id: str | None = None
 

@@ -528,7 +528,7 @@ class RoundLoop:
             return None
         if live.tree.kind != "dynamic" or live.sampling.temperature > 0:
             return live.tree
-        return tree_spec(shape)
+        return tree_spec(shape, live.tree)
 
     def _drafter_lost(self) -> None:
         """Plain rounds for everyone from now on, and a probe that lifts that once the drafter (a
@@ -590,14 +590,16 @@ class RoundLoop:
         live.future.set_result(result)
 
 
-def tree_spec(shape: TreeShape) -> TreeSpec:
-    """The dynamic tree of a planned shape that speculates."""
+def tree_spec(shape: TreeShape, request_tree: TreeSpec | None = None) -> TreeSpec:
+    """The dynamic tree of a planned shape that speculates, with the request tree's value floors."""
     assert shape.speculates, shape
     return TreeSpec(
         kind="dynamic",
         expand_width=max(shape.expand_width, 1),
         max_depth=shape.max_depth,
         verify_budget=shape.verify_budget,
+        min_value=request_tree.min_value if request_tree is not None else 0.0,
+        expand_min_value=request_tree.expand_min_value if request_tree is not None else 0.0,
     )
 
 

@@ -17,6 +17,7 @@ from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.generate import generate
 from eyas.protocol import eyas_pb2 as pb
 from eyas.remote.verifier_client import LocalTransport, RemoteVerifier, generate_remote
+from eyas.runtime import FP16W_DEFAULT_TREE
 from eyas.step import DrafterUnavailable
 from eyas.target.engine import TargetEngine
 from tests.testing import tiny_eagle1_engine
@@ -317,7 +318,7 @@ def test_a_drafter_worker_for_an_fp16w_target_drafts_with_fp16_weights():
     engine = w.engines["eagle3"]
     assert not any(isinstance(m, torch.nn.Linear) for m in engine.drafter.modules())
     assert not isinstance(engine.lm_head, torch.nn.Linear)
-    assert w.default_trees["eagle3"] == TreeSpec("dynamic", expand_width=2, max_depth=2, verify_budget=4)
+    assert w.default_trees["eagle3"] == FP16W_DEFAULT_TREE  # the manifest's 4/5/16 capped at fp16w
     points = w.measure_costs(repeats=1)["eagle3"]
     assert points and all(ms > 0 for _, _, ms in points)
 

@@ -123,6 +123,102 @@ def test_zero_budget_or_depth_gives_empty_tree(budget, depth):
 
 
 # --------------------------------------------------------------------------------------------
+# Value floors (cost-aware trees)
+# --------------------------------------------------------------------------------------------
+
+
+def test_min_value_keeps_nodes_under_the_floor_out_of_the_verified_tree():
+    """The seed fixture, budget 100, floor 0.39: A 0.60, A1 0.48 and B 0.40 are verified; B1 (0.38),
+    A2 (0.12) and B2 (0.012) are built but not sent. The selection stays ancestor-closed."""
+    builder = DynamicTreeBuilder(expand_width=2, verify_budget=100, max_depth=2, min_value=0.39)
+    drive(builder, lambda parent_token, k: SEED_FIXTURE[parent_token])
+    assert builder.num_built == 6
+    tree = builder.select()
+    assert [NAMES[t] for t in tree.tokens.tolist()] == ["A", "A1", "B"]
+    assert tree.parents.tolist() == [PARENT_IS_ROOT, 0, PARENT_IS_ROOT]
+
+
+def test_min_value_above_every_node_gives_a_plain_round():
+    builder = DynamicTreeBuilder(expand_width=2, verify_budget=4, max_depth=2, min_value=0.7)
+    drive(builder, lambda parent_token, k: SEED_FIXTURE[parent_token])
+    assert builder.select().num_nodes == 0
+
+
+def test_expand_min_value_expands_only_nodes_at_the_floor():
+    """Floor 0.5: after the seed step only A (0.60) is expanded, B (0.40) is not, though the width
+    is 2; the growth then ends at depth 2 as before."""
+    builder = DynamicTreeBuilder(expand_width=2, verify_budget=100, max_depth=3, expand_min_value=0.5)
+    drive(builder, lambda parent_token, k: SEED_FIXTURE.get(parent_token, ([90, 91], [0.5, 0.5])))
+    tokens = [builder.node(i).token for i in range(builder.num_built)]
+    assert [NAMES.get(t, t) for t in tokens] == ["A", "B", "A1", "A2"]  # A1 (0.48) is not expanded
+    assert builder.done and builder.expandable() == []
+
+
+def test_expand_min_value_above_the_first_layer_stops_after_one_step():
+    builder = DynamicTreeBuilder(expand_width=2, verify_budget=4, max_depth=5, expand_min_value=0.9)
+    assert builder.expandable() == [PARENT_IS_ROOT]  # the seed (value 1) always grows its first layer
+    builder.add_children([PARENT_IS_ROOT], torch.tensor([[A, B]]), torch.tensor([[0.6, 0.4]]))
+    assert builder.done and builder.expandable() == []
+    assert [NAMES[t] for t in builder.select().tokens.tolist()] == ["A", "B"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    width=st.integers(1, 3),
+    depth=st.integers(1, 4),
+    budget=st.integers(1, 10),
+    min_value=st.sampled_from([0.0, 0.01, 0.1, 0.3]),
+    expand_min_value=st.sampled_from([0.0, 0.05, 0.2, 0.5]),
+    data=st.data(),
+)
+def test_value_floors_are_the_plain_tree_cut_by_value(width, depth, budget, min_value, expand_min_value, data):
+    """A tree with floors is what plain EAGLE-2 builds, with the layers grown only from nodes at the
+    expansion floor and the verified nodes those of the plain selection at the verification floor:
+    the same drafter proposals drive a plain and a floored builder side by side."""
+    floored = DynamicTreeBuilder(
+        expand_width=width,
+        verify_budget=budget,
+        max_depth=depth,
+        min_value=min_value,
+        expand_min_value=expand_min_value,
+    )
+    proposals: dict[int | None, tuple[list[int], list[float]]] = {}
+
+    def propose(parent_token, k):
+        if parent_token not in proposals:
+            tokens = data.draw(st.lists(st.integers(0, 10**6), min_size=k, max_size=k, unique=True))
+            conf = sorted(data.draw(st.lists(st.floats(0.0, 1.0), min_size=k, max_size=k)), reverse=True)
+            proposals[parent_token] = (tokens, [c / max(sum(conf), 1.0) for c in conf])
+        return proposals[parent_token]
+
+    drive(floored, propose)
+    values = [math.exp(floored.node(i).log_value) for i in range(floored.num_built)]
+    for i in range(floored.num_built):  # every built node's parent passed the expansion floor
+        parent = floored.node(i).parent
+        assert parent == PARENT_IS_ROOT or values[parent] >= expand_min_value * (1 - 1e-9)
+    selected = floored.selected_node_ids()
+    ranked = sorted(range(floored.num_built), key=lambda n: (-floored.node(n).log_value, floored.node(n).depth, n))
+    assert selected == [n for n in ranked[:budget] if values[n] >= min_value * (1 - 1e-9)]
+    assert all(floored.node(n).parent == PARENT_IS_ROOT or floored.node(n).parent in selected for n in selected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(min_value=-0.1), "min_value"),
+        (dict(min_value=1.5), "min_value"),
+        (dict(min_value=float("nan")), "min_value"),
+        (dict(min_value=True), "min_value"),
+        (dict(expand_min_value=2.0), "expand_min_value"),
+        (dict(expand_min_value="0.5"), "expand_min_value"),
+    ],
+)
+def test_value_floors_are_refused_outside_zero_one(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        DynamicTreeBuilder(expand_width=2, verify_budget=4, max_depth=2, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
 # Property: the selection is the global top-budget by (-log value, depth, node id)
 # --------------------------------------------------------------------------------------------
 

@@ -26,6 +26,12 @@ from eyas.protocol.schema import INT32_MAX, MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX
         ({"tree_width": MAX_TREE_WIDTH + 1}, "tree_width"),
         ({"tree_budget": MAX_TREE_BUDGET + 1}, "tree_budget"),
         ({"tree_budget": -1}, "tree_budget"),
+        ({"tree_min_value": -0.01}, "tree_min_value"),
+        ({"tree_min_value": 1.5}, "tree_min_value"),
+        ({"tree_min_value": float("nan")}, "tree_min_value"),
+        ({"tree_min_value": "0.1"}, "tree_min_value"),
+        ({"tree_expand_min_value": float("inf")}, "tree_expand_min_value"),
+        ({"tree_expand_min_value": True}, "tree_expand_min_value"),
         ({"prompt_ids": [1, 2]}, "prompt_ids"),  # beside prompt: which one was meant?
     ],
 )
@@ -46,6 +52,8 @@ def test_the_bounds_themselves_pass_and_fit_the_wire():
         tree_depth=MAX_TREE_DEPTH,
         tree_width=MAX_TREE_WIDTH,
         tree_budget=MAX_TREE_BUDGET,
+        tree_min_value=1.0,
+        tree_expand_min_value=0.0,
     )
     assert wire.generate_request_from_proto(wire.generate_request_to_proto(req)) == req
     assert parse_request(prompt="hi", temperature=1).temperature == 1.0  # an int is a float

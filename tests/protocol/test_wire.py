@@ -199,9 +199,10 @@ def test_session_spec_defaults_and_rejections():
 
 
 def test_generate_request_round_trip_keeps_unset_fields_unset():
-    req = parse_request(prompt="hi", method="eagle1", tree_depth=0, top_p=0.9, stop=["\n"])
+    req = parse_request(prompt="hi", method="eagle1", tree_depth=0, top_p=0.9, stop=["\n"], tree_min_value=0.0)
     msg = wire.generate_request_to_proto(req)
     assert msg.HasField("tree_depth") and msg.tree_depth == 0 and not msg.HasField("tree_budget")
+    assert msg.HasField("tree_min_value") and not msg.HasField("tree_expand_min_value")
     assert wire.generate_request_from_proto(pb.GenerateRequest.FromString(msg.SerializeToString())) == req
     bare = wire.generate_request_from_proto(pb.GenerateRequest(prompt_ids=[1, 2]))
     assert bare == parse_request(prompt_ids=[1, 2])
