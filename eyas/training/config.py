@@ -23,6 +23,11 @@ class DataConfig(BaseModel):
     regen_batch: int = Field(64, ge=1)  # prompts per batched generate call
     regen_max_prompt_tokens: int = Field(256, ge=8)  # longer first turns are skipped
     regen_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # bf16: 533-692 tok/s here, fp32 60-143
+    # the train split's answers sampled from the target at this temperature (0: greedy), pass
+    # regen_sample: `python -m eyas.training.regen --temperature T --sample S`, in their own file
+    # <target>-sharegpt-train.t<T>s<S>.answers.jsonl beside the greedy one; the held-out split stays greedy
+    regen_temperature: float = Field(0.0, ge=0, le=2)
+    regen_sample: int = Field(0, ge=0)
     # where the regenerated answers live: None = beside the feature cache; a folder (for example the
     # committed data/regen) holds <target>-sharegpt-<split>.answers.jsonl, made or resumed by
     # `python -m eyas.training.regen`
@@ -72,6 +77,10 @@ class DataConfig(BaseModel):
             raise ValueError("train_cache: a list names one or more caches, each once")
         if self.train_cache is not None and (self.features != "cache" or self.sharegpt_samples):
             raise ValueError("train_cache: a cache is read as it is (features: cache, no sharegpt_samples)")
+        if (self.regen_temperature or self.regen_sample) and not self.regenerate:
+            raise ValueError("regen_temperature: sampled answers are the target's own (regenerate: true)")
+        if self.regen_sample and not self.regen_temperature:
+            raise ValueError("regen_sample: a sampling pass needs regen_temperature > 0")
         if self.skip_samples and not (self.regenerate or self.train_cache):
             raise ValueError(
                 "skip_samples: skips the target's own answers (regenerate: true) or a train_cache's samples"

@@ -25,6 +25,7 @@ def cache_dirs(cfg: TrainConfig) -> tuple[Path, Path]:
         / (
             f"train-{cfg.data.cache_samples or cfg.data.train_samples}-{tag(cfg.data.regenerate)}"
             + (f"-skip{cfg.data.skip_samples}" if cfg.data.skip_samples else "")
+            + (f"-t{cfg.data.regen_temperature:g}s{cfg.data.regen_sample}" if cfg.data.regen_temperature else "")
         ),
         root / f"heldout-{cfg.data.heldout_samples}-{tag(cfg.data.heldout_regenerated)}",
     )
@@ -150,14 +151,16 @@ def regenerated_samples(cfg: TrainConfig, tokenizer, split: str, count: int, cac
     ``regen_max_new_tokens`` keeps its text supervised but not the end-of-turn token the template adds.
     The train split starts after its first ``data.skip_samples`` answers."""
     from eyas.target.loader import checkpoint_folder
-    from eyas.training.regen import read_regenerated, regenerate_batched
+    from eyas.training.regen import read_regenerated, record_id, regenerate_batched
 
     d = cfg.data
     skip = d.skip_samples if split == "train" else 0
+    temperature, sample = (d.regen_temperature, d.regen_sample) if split == "train" else (0.0, 0)
+    tag = record_id("", temperature, sample).replace("~", ".")  # "" greedy, ".t0.7s1" a sampled pass
     path = (
-        Path(d.answers_dir) / f"{cfg.target}-sharegpt-{split}.answers.jsonl"
+        Path(d.answers_dir) / f"{cfg.target}-sharegpt-{split}{tag}.answers.jsonl"
         if d.answers_dir
-        else cache_folder.with_name(cache_folder.name + ".answers.jsonl")
+        else cache_folder.with_name(cache_folder.name + f"{tag}.answers.jsonl")
     )
     regenerate_batched(
         checkpoint_folder(cfg.target),
@@ -170,6 +173,8 @@ def regenerated_samples(cfg: TrainConfig, tokenizer, split: str, count: int, cac
         dtype=d.regen_dtype,
         desc=f"regenerate {split}",
         device=cfg.device,
+        temperature=temperature,
+        sample=sample,
     )
     samples = []
     for rec in read_regenerated(path)[skip : skip + count]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -54,3 +55,50 @@ def test_a_template_that_does_not_render_prefixes_as_prefixes_is_refused(tokeniz
     odd.chat_template = "{{ messages | length }}:{% for m in messages %}{{ m['content'] }};{% endfor %}"
     with pytest.raises(ValueError, match="^chat_template: "):
         assistant_spans(odd, CONVERSATION)
+
+
+def test_a_sampled_pass_trains_from_its_own_answers_file_and_the_heldout_split_stays_greedy(tokenizer, tmp_path):
+    """``data.regen_temperature``/``regen_sample`` read the train split's answers from the pass's own
+    file (``<target>-sharegpt-train.t0.7s1.answers.jsonl``, as ``python -m eyas.training.regen
+    --temperature 0.7 --sample 1`` writes it); the held-out split is read from the greedy file. Files
+    that already hold enough answers are read as they are (nothing is regenerated)."""
+    from eyas.training.config import DataConfig, TrainConfig
+    from eyas.training.prepare import cache_dirs, regenerated_samples
+
+    def answers(name: str, ids: list[str], text: str) -> None:
+        with open(tmp_path / name, "w") as f:
+            for rid in ids:
+                messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": f"{text} {rid}"}]
+                f.write(json.dumps({"id": rid, "messages": messages, "new_tokens": 3, "truncated": False}) + "\n")
+
+    answers("smollm2-135m-sharegpt-train.answers.jsonl", ["a", "b", "c"], "greedy")
+    answers("smollm2-135m-sharegpt-train.t0.7s1.answers.jsonl", ["a~t0.7s1", "b~t0.7s1", "c~t0.7s1"], "sampled")
+    answers("smollm2-135m-sharegpt-heldout.answers.jsonl", ["h"], "greedy")
+    data = dict(regenerate=True, answers_dir=str(tmp_path), train_samples=2, heldout_samples=1, cache_dir=str(tmp_path))
+    sampled = TrainConfig(data=DataConfig(**data, regen_temperature=0.7, regen_sample=1))
+    greedy = TrainConfig(data=DataConfig(**data))
+    folder = tmp_path / "cache"
+    texts = [_supervised_text(tokenizer, s) for s in regenerated_samples(sampled, tokenizer, "train", 2, folder)]
+    assert texts == ["sampled a~t0.7s1<|im_end|>", "sampled b~t0.7s1<|im_end|>"]
+    texts = [_supervised_text(tokenizer, s) for s in regenerated_samples(greedy, tokenizer, "train", 2, folder)]
+    assert texts == ["greedy a<|im_end|>", "greedy b<|im_end|>"]
+    heldout = regenerated_samples(sampled, tokenizer, "heldout", 1, folder)
+    assert [_supervised_text(tokenizer, s) for s in heldout] == ["greedy h<|im_end|>"]
+    assert cache_dirs(sampled)[0] != cache_dirs(greedy)[0] and cache_dirs(sampled)[1] == cache_dirs(greedy)[1]
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(regen_temperature=0.7), "regen_temperature"),
+        (dict(regenerate=True, regen_sample=1), "regen_sample"),
+        (dict(regenerate=True, regen_temperature=-0.1), "regen_temperature"),
+    ],
+)
+def test_sampled_pass_fields_are_checked(fields, message):
+    from pydantic import ValidationError
+
+    from eyas.training.config import DataConfig
+
+    with pytest.raises(ValidationError, match=message):
+        DataConfig(**fields)
