@@ -580,3 +580,14 @@ def test_a_short_request_beside_a_long_prompt_gets_its_first_token_within_three_
     assert all(max(rows.values(), default=0) <= 16 and sum(rows.values()) <= 16 for rows in counting.prefill_rows)
     assert_target_only_output(tiny_target, [(long, "eagle1"), (short, "target")], [r_long, r_short], 8)
     assert target.leak_check()["ok"] and not target.sessions
+
+
+def test_a_planned_tree_keeps_the_requests_value_floors():
+    """The tree-work policy plans a shape (width, depth, budget); the request's cost-aware floors
+    ride along, and a request without floors gets plain EAGLE-2."""
+    from eyas.scheduler.cost import TreeShape
+    from eyas.serve.round_loop import tree_spec
+
+    floored = TreeSpec(expand_width=3, max_depth=4, verify_budget=6, min_value=0.06, expand_min_value=0.35)
+    assert tree_spec(TreeShape(2, 3, 6), floored) == TreeSpec("dynamic", 2, 3, 6, min_value=0.06, expand_min_value=0.35)
+    assert tree_spec(TreeShape(2, 3, 6)) == TreeSpec("dynamic", 2, 3, 6)
