@@ -365,6 +365,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-width", type=int, help="dynamic tree: nodes expanded per depth (default: the manifest's)")
     p.add_argument("--tree-depth", type=int, help="dynamic tree and chain depth (default: the manifest's)")
     p.add_argument("--tree-budget", type=int, help="dynamic tree: candidate rows verified (default: the manifest's)")
+    p.add_argument("--tree-min-value", type=float, help="dynamic tree: a verified node's path-value floor")
+    p.add_argument("--tree-expand-min-value", type=float, help="dynamic tree: an expanded node's path-value floor")
     p.add_argument(
         "--trees",
         help="dynamic trees width/depth/budget[@min_value/expand_min_value] or default, comma-separated "
@@ -396,6 +398,8 @@ def main(argv=None) -> int:
             ("tree_width", args.tree_width),
             ("tree_depth", args.tree_depth),
             ("tree_budget", args.tree_budget),
+            ("tree_min_value", args.tree_min_value),
+            ("tree_expand_min_value", args.tree_expand_min_value),
         )
         if v is not None
     }

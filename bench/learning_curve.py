@@ -375,8 +375,10 @@ def cmd_report(args) -> int:
                 ("--tree-width", args.tree_width),
                 ("--tree-depth", args.tree_depth),
                 ("--tree-budget", args.tree_budget),
+                ("--tree-min-value", args.tree_min_value),
+                ("--tree-expand-min-value", args.tree_expand_min_value),
             ):
-                cmd += [flag, str(value)] if value else []
+                cmd += [flag, str(value)] if value is not None else []
             if subprocess.run(cmd, cwd=REPO).returncode != 0:
                 print("error: the acceptance run failed", file=sys.stderr)
                 return 1
@@ -389,6 +391,14 @@ def cmd_report(args) -> int:
     any_spec = next(m for k, m in bench["methods"].items() if k != "target")
     tree = any_spec["tree"]
     shape = (tree["expand_width"], tree["max_depth"], tree["verify_budget"])
+    if tree.get("min_value") or tree.get("expand_min_value"):
+        print(
+            "error: the curve's tau model is for plain EAGLE-2 trees, and this bench ran a cost-aware one "
+            "(the fp16w default); pass --tree-width W --tree-depth D --tree-budget B "
+            "--tree-min-value 0 --tree-expand-min-value 0",
+            file=sys.stderr,
+        )
+        return 2
     preds_path = RESULTS / "learning_curve-predictions.json"
     preds = json.loads(preds_path.read_text()) if preds_path.exists() else []
 
@@ -590,6 +600,8 @@ def main(argv=None) -> int:
     r.add_argument("--tree-width", type=int)
     r.add_argument("--tree-depth", type=int)
     r.add_argument("--tree-budget", type=int)
+    r.add_argument("--tree-min-value", type=float, help="0 with --tree-*: plain EAGLE-2 at fp16w (the curve's tree)")
+    r.add_argument("--tree-expand-min-value", type=float)
     r.add_argument("--goal", type=float, default=GOAL_TAU)
     r.add_argument("--skip-bench", action="store_true", help="reuse the last acceptance JSON of this run")
     r.add_argument("--record", action="store_true", help="record the fit's prediction for the next doublings")
