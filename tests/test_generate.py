@@ -405,8 +405,8 @@ def test_hass_is_a_method_name_served_by_an_eagle1_architecture_drafter(real_eya
 
 @pytest.mark.real_model
 def test_greedy_identity_fp16w_real_model():
-    """At the served fp16w precision (fbgemm fp16 weights, fp32 compute; no row-stable attention,
-    as at fp32), EAGLE-3 and EAGLE-1 speculative greedy output equals fp16w target-only output on two
+    """At the served fp16w precision (fp16 weights, fp32 compute: Eyas's row-invariant CPU kernels
+    where they run, else fbgemm and PyTorch's attention), EAGLE-3 and EAGLE-1 speculative greedy output equals fp16w target-only output on two
     MT-bench first turns, in fewer target forwards. Its drafters draft with fp16 weights too."""
     from eyas.protocol.schema import parse_request
     from eyas.runtime import Eyas

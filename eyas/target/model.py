@@ -433,6 +433,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim if qk_norm_per_head else kv_heads * head_dim, eps) if qk_norm else None
         self.clip_qkv = clip_qkv
         self.row_stable = False  # int8, half precision: attend row by row over each row's visible keys (see _attend)
+        self.kernels = None  # fp16w with Eyas's CPU kernels (eyas.kernels): decode and tree rows attend through them
 
     def _attend(self, q, keys, values, mask, start: int):
         """Attention of q [B, H, T, hd] over keys/values [B, H_kv, S, hd] under mask [B, T, S] (None: all).
@@ -450,6 +451,9 @@ class Attention(nn.Module):
             return self._attend(q.to(keys.dtype), keys, values, mask, start).to(q.dtype)
         gqa = self.heads != self.kv_heads
         B, _, T, _ = q.shape
+        if self.kernels is not None and start > 0 and T <= KERNEL_ATTEND_ROWS and q.dtype == torch.float32:
+            # fp16w's row-invariant attention: a verify row over its visible slots in order, as its decode
+            return self.kernels.attend(q, keys, values, mask, self.head_dim**-0.5)
         if not self.row_stable or start == 0 or (mask is None and T > 1):
             attn_mask = None if mask is None else mask.unsqueeze(1)  # [B, 1, T, S]
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=gqa)
@@ -530,6 +534,9 @@ class Attention(nn.Module):
         B, W, H, Hkv, hd = g.num_kv_rows, g.width, self.heads, self.kv_heads, self.head_dim
         grid = q.new_zeros(B * W, H, hd)
         grid[g.cells] = q
+        if self.kernels is not None and q.dtype == torch.float32:  # fp16w's row-invariant attention
+            out = self.kernels.attend(grid.view(B, W, H, hd).transpose(1, 2), keys, values, g.mask[:, 0], hd**-0.5)
+            return out.transpose(1, 2).reshape(B * W, H * hd)[g.cells]
         if W == 1:
             G = H // Hkv
             qg = grid.view(B, Hkv, G, hd)  # [B, H_kv, G, hd]
@@ -956,11 +963,20 @@ class TargetModel(nn.Module):
         return h.hexdigest()
 
 
-def quantize_fp16_weights(module: nn.Module) -> nn.Module:
+KERNEL_ATTEND_ROWS = 32  # query rows a call up to which fp16w's decode and verify rows attend through eyas.kernels
+
+
+def quantize_fp16_weights(module: nn.Module, use_kernels: bool | None = None) -> nn.Module:
     """Served precision ``fp16w``, in place: every ``nn.Linear`` under ``module`` (a target: LM head
-    included; or a drafter: it drafts at fp16w beside such a target) keeps its weights in fp16, packed
-    for fbgemm, and computes in fp32 (fp32 activations, fp32 accumulation): ``torch.ao``'s dynamic
-    fp16 linear. The embedding, norms, attention and MoE expert stacks stay fp32.
+    included; or a drafter: it drafts at fp16w beside such a target) keeps its weights in fp16 and
+    computes in fp32 (fp32 activations, fp32 accumulation). The embedding, norms and MoE expert
+    stacks stay fp32.
+
+    Where Eyas's CPU kernels run (``eyas.kernels``: x86 with AVX2, FMA and F16C, a C++ compiler;
+    ``use_kernels``, default ``eyas.kernels.preferred()``), the linears are :class:`~eyas.kernels.F16WLinear` and every decode and verify
+    row attends through the kernels' attention: both row-invariant, so a verify row is bit for bit
+    the one-row decode of its token. Elsewhere (and for any Linear whose shape the kernel does not
+    take) the linears are ``torch.ao``'s dynamic fp16 linear on fbgemm and attention is PyTorch's.
 
     Why it exists (measured on this 2-core AVX2 CPU, a verify after a 300-token context): MKL's fp32
     GEMM costs about 2x its GEMV from 2 rows on, so a speculative verify is expensive; fbgemm's fp16
@@ -978,8 +994,19 @@ def quantize_fp16_weights(module: nn.Module) -> nn.Module:
 
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         raise ValueError("precision: fp16w needs torch's fbgemm kernels (an x86 CPU build of torch)")
+    from eyas import kernels as cpu_kernels
+
+    use_kernels = cpu_kernels.preferred() if use_kernels is None else use_kernels
+    compiled = cpu_kernels.load() if use_kernels else None
+    if compiled is not None:  # Eyas's row-invariant kernels, where the CPU and a compiler allow them
+        for parent in list(module.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear and cpu_kernels.F16WLinear.fits(child):
+                    setattr(parent, name, cpu_kernels.F16WLinear(child.weight, child.bias))
+            if isinstance(parent, Attention):
+                parent.kernels = compiled
     torch.backends.quantized.engine = "fbgemm"
-    quantize_dynamic(module, {nn.Linear}, dtype=torch.float16, inplace=True)
+    quantize_dynamic(module, {nn.Linear}, dtype=torch.float16, inplace=True)  # every other Linear
     return module
 
 

@@ -96,18 +96,26 @@ def test_qwen2_int8_keeps_the_qkv_bias():
     assert full_forward(q, ids[0].tolist()).logits.isfinite().all()
 
 
-def test_fp16w_keeps_fp16_weights_computes_in_fp32_and_stays_close_to_fp32():
-    """fp16w: every Linear (LM head and the Qwen2 qkv bias included) becomes fbgemm's fp16-weight
-    linear; the embedding (tied to the head here) stays fp32 and untouched; the logits stay fp32 and
-    within fp16's weight rounding of the fp32 model's (relative 2^-11 per weight), same top-1."""
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["fbgemm", "eyas-kernels"])
+def test_fp16w_keeps_fp16_weights_computes_in_fp32_and_stays_close_to_fp32(use_kernels):
+    """fp16w: every Linear (LM head and the Qwen2 qkv bias included) becomes an fp16-weight linear
+    (fbgemm's, or Eyas's row-invariant kernel where it runs); the embedding (tied to the head here)
+    stays fp32 and untouched; the logits stay fp32 and within fp16's weight rounding of the fp32
+    model's (relative 2^-11 per weight), same top-1."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
+    from eyas import kernels
+
+    if use_kernels and kernels.load() is None:
+        pytest.skip(f"Eyas's CPU kernels do not run here: {kernels.why_not()}")
+    kind = kernels.F16WLinear if use_kernels else DynamicLinear
     for hf in (tiny_hf_llama(tie=True, seed=2), tiny_hf_qwen2(seed=3)):
         fp = ours_from_hf(hf)
         embed = fp.embed.weight.detach().clone()
-        h = quantize_fp16_weights(ours_from_hf(hf))
+        h = quantize_fp16_weights(ours_from_hf(hf), use_kernels=use_kernels)
         assert not any(isinstance(m, torch.nn.Linear) for m in h.modules())
-        assert isinstance(h.lm_head, DynamicLinear) and isinstance(h.layers[0].attn.wqkv, DynamicLinear)
+        assert isinstance(h.lm_head, kind) and isinstance(h.layers[0].attn.wqkv, kind)
+        assert all((a.kernels is not None) == use_kernels for a in h.modules() if hasattr(a, "row_stable"))
         assert torch.equal(h.embed.weight, embed)
         ids = torch.randint(0, hf.config.vocab_size, (21,), generator=torch.Generator().manual_seed(1)).tolist()
         a, b = full_forward(fp, ids).logits, full_forward(h, ids).logits  # [1, T, V]

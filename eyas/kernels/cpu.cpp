@@ -1,0 +1,217 @@
+// Eyas's CPU kernels for the fp16w precision (x86 with AVX2, FMA and F16C): see eyas/kernels/__init__.py.
+//
+// Both are *row-invariant*: a row's result depends on its own inputs only, computed in one fixed order
+// whatever else shares the call, so a verify row is bit for bit the one-row decode of the same token.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float hsum8(__m256 v) {  // one fixed order
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x1));
+  return _mm_cvtss_f32(s);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// linear: y [M, N] = x [M, K] @ W^T, W fp16, fp32 arithmetic
+// ---------------------------------------------------------------------------------------------------
+
+constexpr int64_t kRowsPerPass = 6;   // rows multiplied against one pass of a pair's weights
+constexpr int64_t kPairsPerBlock = 8;  // 16 outputs: their weights stay in cache across row chunks
+
+// rows [m0, m0 + MR) against one pair of outputs [n, n + 2), whose weights p are [K/8, 2, 8] fp16
+template <int MR>
+inline void pair_rows(const float* x, int64_t K, const uint16_t* p, float* y, int64_t N, int64_t m0, int64_t n) {
+  __m256 a0[MR], a1[MR];
+  for (int i = 0; i < MR; i++) {
+    a0[i] = _mm256_setzero_ps();
+    a1[i] = _mm256_setzero_ps();
+  }
+  const float* xr = x + m0 * K;
+  for (int64_t s = 0; s < K / 8; s++) {
+    const uint16_t* q = p + s * 16;
+    _mm_prefetch(reinterpret_cast<const char*>(q + 1024), _MM_HINT_T0);  // 2 KB ahead in the stream
+    const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8)));
+    for (int i = 0; i < MR; i++) {
+      const __m256 xv = _mm256_loadu_ps(xr + i * K + s * 8);
+      a0[i] = _mm256_fmadd_ps(w0, xv, a0[i]);
+      a1[i] = _mm256_fmadd_ps(w1, xv, a1[i]);
+    }
+  }
+  for (int i = 0; i < MR; i++) {
+    y[(m0 + i) * N + n] = hsum8(a0[i]);
+    y[(m0 + i) * N + n + 1] = hsum8(a1[i]);
+  }
+}
+
+inline void pair_tail(int64_t rows, const float* x, int64_t K, const uint16_t* p, float* y, int64_t N, int64_t m0,
+                      int64_t n) {
+  switch (rows) {
+    case 5: pair_rows<5>(x, K, p, y, N, m0, n); break;
+    case 4: pair_rows<4>(x, K, p, y, N, m0, n); break;
+    case 3: pair_rows<3>(x, K, p, y, N, m0, n); break;
+    case 2: pair_rows<2>(x, K, p, y, N, m0, n); break;
+    case 1: pair_rows<1>(x, K, p, y, N, m0, n); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+// W [N, K] fp16 -> [N/2, K/8, 2, 8]: every pair of outputs, 8 inputs at a time, one sequential stream. The
+// fp16 bits are held as int16, so that a module's .to(dtype) leaves them alone.
+torch::Tensor pack_f16w(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kHalf, "weight: expected [N, K] float16");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 2 == 0 && K % 8 == 0, "weight: N must be even and K a multiple of 8, got ", N, " x ", K);
+  return w.contiguous().reshape({N / 2, 2, K / 8, 8}).permute({0, 2, 1, 3}).contiguous().view(torch::kShort);
+}
+
+torch::Tensor linear_f16w(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: expected [M, K] float32");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kShort && packed.size(2) == 2 &&
+                  packed.size(3) == 8 && packed.is_contiguous(),
+              "packed: expected pack_f16w's [N/2, K/8, 2, 8] fp16 bits");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 2;
+  TORCH_CHECK(packed.size(1) * 8 == K, "x: ", K, " inputs, the weight takes ", packed.size(1) * 8);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
+  float* yp = y.data_ptr<float>();
+  const int64_t pairs = N / 2;
+  at::parallel_for(0, (pairs + kPairsPerBlock - 1) / kPairsPerBlock, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+      const int64_t q0 = b * kPairsPerBlock, q1 = std::min(pairs, q0 + kPairsPerBlock);
+      int64_t m = 0;
+      for (; m + kRowsPerPass <= M; m += kRowsPerPass)
+        for (int64_t pr = q0; pr < q1; pr++) pair_rows<kRowsPerPass>(xp, K, pp + pr * K * 2, yp, N, m, pr * 2);
+      for (int64_t pr = q0; pr < q1; pr++) pair_tail(M - m, xp, K, pp + pr * K * 2, yp, N, m, pr * 2);
+    }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// attend: each query row over the keys its mask shows, in slot order
+// ---------------------------------------------------------------------------------------------------
+
+namespace {
+
+// exp for x <= 0 (scores minus their max): Cephes' range reduction and polynomial, 8 lanes
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  x = _mm256_max_ps(x, lo);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, c1));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, c2));
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+}  // namespace
+
+// q [B, H, T, D], keys/values [B, Hkv, S, D] (D a multiple of 8, stride 1 along D), mask [B, T, S] bool or
+// None (every key visible) -> [B, H, T, D]. Query head h reads KV head h / (H / Hkv). A row with no visible
+// key gives zeros (a padding cell of a query grid).
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
+                     double scale) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "q, keys, values: expected 4-D tensors");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && keys.scalar_type() == torch::kFloat &&
+                  values.scalar_type() == torch::kFloat,
+              "q, keys, values: expected float32");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = keys.size(1), S = keys.size(2);
+  TORCH_CHECK(keys.size(0) == B && values.sizes() == keys.sizes() && keys.size(3) == D, "keys, values: shapes");
+  TORCH_CHECK(D % 8 == 0 && Hkv > 0 && H % Hkv == 0, "q: head_dim a multiple of 8 and heads a multiple of kv heads");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "keys, values: expected stride 1 along head_dim");
+  TORCH_CHECK(D <= 128, "q: head_dim at most 128, got ", D);
+  const bool* mp = nullptr;
+  torch::Tensor m;
+  if (mask.has_value()) {
+    m = mask->contiguous();
+    TORCH_CHECK(m.scalar_type() == torch::kBool && m.dim() == 3 && m.size(0) == B && m.size(1) == T &&
+                    m.size(2) == S,
+                "mask: expected [B, T, S] bool");
+    mp = m.data_ptr<bool>();
+  }
+  auto qc = q.contiguous();
+  auto out = torch::empty({B, H, T, D}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
+  const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
+  const int64_t group = H / Hkv, lanes = D / 8;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * H * T, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> score(S + 8);
+    std::vector<int32_t> visible(S);
+    for (int64_t r = r0; r < r1; r++) {
+      const int64_t b = r / (H * T), h = (r / T) % H, t = r % T, hk = h / group;
+      const float* qv = qp + ((b * H + h) * T + t) * D;
+      float* o = op + ((b * H + h) * T + t) * D;
+      int64_t n = 0;
+      for (int64_t s = 0; s < S; s++)
+        if (mp == nullptr || mp[(b * T + t) * S + s]) visible[n++] = static_cast<int32_t>(s);
+      if (n == 0) {
+        std::fill(o, o + D, 0.0f);
+        continue;
+      }
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < n; i++) {  // scores, in slot order
+        const float* kr = kp + b * ks0 + hk * ks1 + visible[i] * ks2;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t l = 0; l < lanes; l++)
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * l), _mm256_loadu_ps(kr + 8 * l), acc);
+        score[i] = hsum8(acc) * fscale;
+        top = std::max(top, score[i]);
+      }
+      for (int64_t i = n; i < ((n + 7) / 8) * 8; i++) score[i] = -std::numeric_limits<float>::infinity();
+      const __m256 topv = _mm256_set1_ps(top), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      __m256 sumv = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; i += 8) {  // unnormalised probabilities, 8 at a time; padding lanes 0
+        const __m256 sv = _mm256_loadu_ps(&score[i]);
+        const __m256 ev = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(sv, topv)), _mm256_cmp_ps(sv, ninf, _CMP_NEQ_OQ));
+        _mm256_storeu_ps(&score[i], ev);
+        sumv = _mm256_add_ps(sumv, ev);
+      }
+      const float inv = 1.0f / hsum8(sumv);
+      __m256 acc[16];  // D <= 128, checked before the parallel region
+      for (int64_t l = 0; l < lanes; l++) acc[l] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; i++) {  // the weighted values, in slot order
+        const float* vr = vp + b * vs0 + hk * vs1 + visible[i] * vs2;
+        const __m256 pw = _mm256_set1_ps(score[i]);
+        for (int64_t l = 0; l < lanes; l++) acc[l] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * l), acc[l]);
+      }
+      const __m256 invv = _mm256_set1_ps(inv);
+      for (int64_t l = 0; l < lanes; l++) _mm256_storeu_ps(o + 8 * l, _mm256_mul_ps(acc[l], invv));
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_f16w", &pack_f16w, "fp16 weights [N, K] packed for linear_f16w");
+  m.def("linear_f16w", &linear_f16w, "x [M, K] float32 @ packed fp16 weights^T -> [M, N], row-invariant");
+  m.def("attend", &attend, "attention of each query row over its visible keys, row-invariant");
+}
