@@ -37,6 +37,20 @@ END_OF_TURN = "<|im_end|>"
 REGEN_DTYPES = {name: DTYPES[name] for name in ("bfloat16", "float32")}  # the loader's; no fp16 on a CPU
 
 
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw from each row of ``probs`` ([B, V], rows summing to about 1) -> token ids [B] int64.
+
+    Inverse-CDF sampling: one uniform a row against the row's float64 cumulative sum, so a draw
+    costs a pass over the row instead of ``torch.multinomial``'s exponential variate for every
+    vocabulary entry (155 ms a step for 128 rows of 49,152 on a 2-core CPU, a fifth of a float32
+    decode step). A token of probability 0 is never drawn (its cell of the CDF is empty)."""
+    assert probs.dim() == 2, "probs: [B, V]"
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)  # [B, 1]
+    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [B, 1] the first cell whose CDF exceeds u
+    return ids.clamp_(max=probs.shape[-1] - 1)[:, 0]
+
+
 @dataclass(frozen=True)
 class RegenSummary:
     prompts: int  # answered in this call
@@ -149,8 +163,7 @@ def answer_batch(
 
     def pick(out_logits: torch.Tensor, final: torch.Tensor) -> torch.Tensor:  # [B, V], [B, d] -> [B]
         if temperature > 0:
-            probs = torch.softmax(out_logits.float() / temperature, dim=-1)
-            return torch.multinomial(probs, 1, generator=generator)[:, 0]
+            return sample_rows(torch.softmax(out_logits.float() / temperature, dim=-1), generator)
         if head_weight is None:
             return out_logits.argmax(-1)
         top = out_logits.topk(RESCORE_TOP, dim=-1).indices  # [B, k]
