@@ -45,14 +45,7 @@ def verify_curve(eyas: Eyas, taps, rows: tuple[int, ...], prefix: int = 300, rep
             try:
                 v = engine.prefill("curve")
                 engine.publish("curve", v.round, AcceptDecision(torch.arange(prefix), torch.tensor(ids[1:]), 1))
-                n = r - 1
-                tree = (
-                    DraftTree(
-                        torch.full((n,), 2), torch.arange(-1, n - 1), torch.arange(1, n + 1), torch.full((n,), 0.5)
-                    )
-                    if n
-                    else DraftTree.empty()
-                )
+                tree = DraftTree.chain([2] * (r - 1))
                 times = []
                 for _ in range(6):
                     t0 = time.perf_counter()

@@ -401,14 +401,7 @@ class TargetWorker:
             try:
                 v = engine.prefill(rid)
                 engine.publish(rid, v.round, AcceptDecision(torch.arange(prefix), torch.tensor(ids[1:]), 1))
-                n = r - 1
-                tree = (
-                    DraftTree(
-                        torch.full((n,), 2), torch.arange(-1, n - 1), torch.arange(1, n + 1), torch.full((n,), 0.5)
-                    )
-                    if n
-                    else DraftTree.empty()
-                )
+                tree = DraftTree.chain([2] * (r - 1))
                 t0 = time.perf_counter()
                 engine.verify(rid, tree)
                 return time.perf_counter() - t0

@@ -120,6 +120,19 @@ class DraftTree:
             draft_probs=torch.zeros(0, dtype=torch.float32, device=device),
         )
 
+    @classmethod
+    def chain(cls, tokens, draft_prob: float = 0.5) -> DraftTree:
+        """A chain: ``tokens`` ([N] ids, or a list) one below the other under the root, each at
+        confidence ``draft_prob``; N = 0 gives the empty tree. What latency probes and tests verify."""
+        tokens = torch.as_tensor(tokens, dtype=torch.int64)  # [N]
+        n = tokens.shape[0]
+        return cls(
+            tokens=tokens,
+            parents=torch.arange(-1, n - 1),
+            depths=torch.arange(1, n + 1),
+            draft_probs=torch.full((n,), float(draft_prob), dtype=torch.float32),
+        )
+
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[0]

@@ -337,3 +337,11 @@ def test_a_drafter_worker_takes_the_target_dtype_and_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="^device: cuda is not available on this machine"):
             DrafterWorker.load("smollm2-135m", ("eagle1",), device="cuda")
+
+
+def test_the_verify_latency_curve_measures_each_row_count_and_leaves_nothing_behind(worker):
+    """measure_latency verifies a chain of R - 1 candidates (R rows with the frontier) for each R and
+    closes its probe session: a point for every row count, positive, and no live session or K/V after."""
+    curve = worker.measure_latency(rows=(1, 2, 4), repeats=1, prefix=8)
+    assert sorted(curve) == [1, 2, 4] and all(ms > 0 for ms in curve.values())
+    assert worker.leak_check()["ok"] and not worker.sessions

@@ -214,3 +214,15 @@ def test_a_draft_tree_pickles_through_lists_and_arrives_equal_and_validated():
     assert pickle.loads(pickle.dumps(DraftTree.empty())).num_nodes == 0
     with pytest.raises(ValueError, match="^depths: node 2"):
         tree_module._draft_tree_from_lists([5, 6, 7], [PARENT_IS_ROOT, PARENT_IS_ROOT, 0], [1, 1, 3], [0.7, 0.1, 0.2])
+
+
+def test_a_chain_hangs_each_token_under_the_last_and_an_empty_chain_is_the_empty_tree():
+    tree = DraftTree.chain([7, 3, 9], draft_prob=0.25)
+    assert tree.tokens.tolist() == [7, 3, 9]
+    assert tree.parents.tolist() == [PARENT_IS_ROOT, 0, 1]
+    assert tree.depths.tolist() == [1, 2, 3]
+    assert tree.draft_probs.tolist() == [0.25, 0.25, 0.25] and tree.draft_probs.dtype == torch.float32
+    empty = DraftTree.chain([])
+    assert empty.num_nodes == 0 and all(
+        torch.equal(getattr(empty, f), getattr(DraftTree.empty(), f)) for f in ("tokens", "parents", "depths")
+    )

@@ -139,7 +139,7 @@ def open_and_advance(client, drafter, request_id: str, rounds: int):
 
 
 def chain(n: int, token: int = 5) -> DraftTree:
-    return DraftTree(torch.full((n,), token), torch.arange(-1, n - 1), torch.arange(1, n + 1), torch.full((n,), 0.5))
+    return DraftTree.chain([token] * n)
 
 
 def test_malformed_messages_are_refused_and_touch_nothing(tiny_target, server, client, drafter):
