@@ -15,7 +15,7 @@ from eyas.target.engine import TargetEngine
 from eyas.target.model import eagle1_feature_address, eagle3_feature_address, quantize_fp16_weights, quantize_int8
 from eyas.verification.accept import stochastic_accept
 from eyas.verification.sampling import SamplingParams, sample, target_probs
-from tests.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf_llama
 
 P_THRESHOLD = 1e-3  # chi-square: fail below this p-value (a 0.1 % false-alarm rate for a fair sampler)
 TREES = [
@@ -440,35 +440,8 @@ def test_int8_verify_rows_equal_one_row_decodes_bit_for_bit(real_int8):
     4-7 (rows 0-3 matched). Now every row is bit-identical to its one-row decode."""
     m = real_int8.model
     ids = real_int8.encode("Explain in three sentences why the sky is blue, and mention Rayleigh scattering.")
-    P = len(ids)
     chain = torch.randint(0, m.cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(0)).tolist()
-    M = len(chain)
-
-    def prefilled():
-        cache = m.allocate_cache(1, P + 16)
-        m(
-            torch.tensor([ids]),
-            torch.arange(P)[None],
-            cache,
-            0,
-            torch.ones(P, P, dtype=torch.bool).tril()[None],
-            (),
-            logits_rows="all",
-        )
-        return cache
-
-    with torch.inference_mode():
-        mask = torch.ones(M, P + M, dtype=torch.bool)
-        mask[:, P:] = torch.ones(M, M, dtype=torch.bool).tril()
-        verified = m(
-            torch.tensor([chain]), torch.arange(P, P + M)[None], prefilled(), P, mask[None], (), logits_rows="all"
-        ).logits[0]
-        cache = prefilled()
-        for i, t in enumerate(chain):
-            one = m(torch.tensor([[t]]), torch.tensor([[P + i]]), cache, P + i, None, (), logits_rows="all").logits[
-                0, 0
-            ]
-            assert torch.equal(verified[i], one), f"row {i}"
+    assert_verify_rows_equal_decodes(m, ids, chain)
 
 
 @pytest.mark.real_model

@@ -445,3 +445,27 @@ class NoDeviceMix(TorchFunctionMode):
             raise AssertionError(f"{getattr(func, '__name__', func)}: operands on {sorted(devices)}")
         self.ops += 1
         return func(*args, **kwargs)
+
+
+def assert_verify_rows_equal_decodes(model, prompt: list[int], chain: list[int]) -> None:
+    """After ``prompt``, ``chain`` verified in one forward (a causal mask over the chain) gives, row
+    by row, bit for bit the logits of decoding the same tokens one at a time."""
+    P, M = len(prompt), len(chain)
+
+    def prefilled():
+        cache = model.allocate_cache(1, P + M)
+        model(
+            torch.tensor([prompt]), torch.arange(P)[None], cache, 0, torch.ones(P, P, dtype=torch.bool).tril()[None], ()
+        )
+        return cache
+
+    with torch.inference_mode():
+        mask = torch.ones(M, P + M, dtype=torch.bool)  # [M, P+M]
+        mask[:, P:] = torch.ones(M, M, dtype=torch.bool).tril()
+        verified = model(
+            torch.tensor([chain]), torch.arange(P, P + M)[None], prefilled(), P, mask[None], (), logits_rows="all"
+        ).logits[0]
+        cache = prefilled()
+        for i, t in enumerate(chain):
+            one = model(torch.tensor([[t]]), torch.tensor([[P + i]]), cache, P + i, None, (), logits_rows="all")
+            assert torch.equal(verified[i], one.logits[0, 0]), f"row {i}"

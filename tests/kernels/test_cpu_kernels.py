@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from eyas import kernels
 from eyas.target.model import quantize_fp16_weights
-from tests.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf_llama
 
 
 @pytest.fixture(scope="module")
@@ -132,26 +132,7 @@ def test_an_fp16w_verify_is_bit_for_bit_the_one_row_decodes_it_stands_for(k):
     and PyTorch's attention only promise the last bits)."""
     m = quantize_fp16_weights(ours_from_hf(tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=5)))
     assert all(a.kernels is not None for a in m.modules() if hasattr(a, "row_stable"))
-    prompt, chain = [3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9]
-    P, M = len(prompt), len(chain)
-
-    def prefilled():
-        cache = m.allocate_cache(1, P + M + 2)
-        m(torch.tensor([prompt]), torch.arange(P)[None], cache, 0, torch.ones(P, P, dtype=torch.bool).tril()[None], ())
-        return cache
-
-    with torch.inference_mode():
-        mask = torch.ones(M, P + M, dtype=torch.bool)
-        mask[:, P:] = torch.ones(M, M, dtype=torch.bool).tril()
-        verified = m(
-            torch.tensor([chain]), torch.arange(P, P + M)[None], prefilled(), P, mask[None], (), logits_rows="all"
-        ).logits[0]
-        cache = prefilled()
-        for i, t in enumerate(chain):
-            one = m(torch.tensor([[t]]), torch.tensor([[P + i]]), cache, P + i, None, (), logits_rows="all").logits[
-                0, 0
-            ]
-            assert torch.equal(verified[i], one), f"row {i}"
+    assert_verify_rows_equal_decodes(m, [3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9])
 
 
 def test_a_switched_off_kernel_leaves_fp16w_on_fbgemm(monkeypatch):
