@@ -228,7 +228,12 @@ def cmd_train(args) -> int:
     keep_freed_memory()  # a training step's large temporaries reuse freed memory (eyas.compute)
     eyas = Eyas(cfg.target, "fp32", device=cfg.device)  # the frozen target extracts the features there
     train, heldout = prepare_features(cfg, eyas)
-    trainer = DrafterTrainer(cfg, eyas.model, eyas.loaded.fingerprint.to_dict(), train, heldout)
+    counts = None
+    if cfg.rebuild_draft_vocab:
+        from eyas.training.prepare import answer_token_counts
+
+        counts = answer_token_counts(cfg, eyas.tokenizer, eyas.model.cfg.vocab_size)
+    trainer = DrafterTrainer(cfg, eyas.model, eyas.loaded.fingerprint.to_dict(), train, heldout, vocab_counts=counts)
     summary = trainer.fit()
     if "stopped_at" in summary:
         return 1

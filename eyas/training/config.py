@@ -129,6 +129,12 @@ class TrainConfig(BaseModel):
     ttt_steps: int = Field(4, ge=1)  # EAGLE-3 training-time-test passes (pinned: 7)
     ttt_decay: float = Field(0.8, gt=0)  # weights 0.8^s (design 0x08C)
     draft_vocab_size: int = Field(8192, ge=16)  # EAGLE-3 draft vocabulary
+    # EAGLE-3 with init_from or init_state: rebuild the draft vocabulary at draft_vocab_size from the
+    # target's own answers (every <target>-sharegpt-train*.answers.jsonl in data.answers_dir, greedy
+    # and sampled passes) instead of keeping the start's. A token both vocabularies hold keeps its
+    # head row (and its optimizer moments); a new one starts at its target LM-head row taken into the
+    # drafter's head space by a least-squares map (eyas.training.losses.rebuilt_head)
+    rebuild_draft_vocab: bool = False
     eval_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     seed: int = 0
@@ -154,6 +160,12 @@ class TrainConfig(BaseModel):
     def _one_start(self):
         if self.init_from and self.init_state:
             raise ValueError("init_state: a run starts from a drafter folder (init_from) or a trainer state, not both")
+        if self.rebuild_draft_vocab and not (self.init_from or self.init_state):
+            raise ValueError("rebuild_draft_vocab: rebuilds a warm start's vocabulary (init_from or init_state)")
+        if self.rebuild_draft_vocab and self.method != "eagle3":
+            raise ValueError("rebuild_draft_vocab: only EAGLE-3 drafters have a draft vocabulary")
+        if self.rebuild_draft_vocab and not self.data.answers_dir:
+            raise ValueError("rebuild_draft_vocab: counts the answers in data.answers_dir; set it")
         return self
 
     @model_validator(mode="after")

@@ -309,6 +309,61 @@ def build_draft_vocab(
     return torch.sort(order[:size]).values
 
 
+NOT_IN_OLD_VOCAB = -1  # carry_rows: a target token the old draft vocabulary lacks
+
+
+def carry_rows(
+    old_d2t: Tensor,  # [Vo] int64 target ids of the old draft vocabulary
+    old_rows: Tensor,  # [Vo, ...] one row per old draft id (head weights, an optimizer moment)
+    new_d2t: Tensor,  # [Vn] int64 target ids of the new draft vocabulary
+    fill: Tensor,  # [Vn, ...] the rows of the new vocabulary's tokens that the old one lacks
+) -> Tensor:  # [Vn, ...] old_rows' dtype
+    """Rows indexed by draft id, moved to a rebuilt draft vocabulary: a target token in both
+    vocabularies keeps its old row; every other new row is taken from ``fill``."""
+    _check(old_rows, "old_rows", old_rows.dim())
+    if old_rows.dim() < 1 or fill.shape[1:] != old_rows.shape[1:] or fill.shape[0] != new_d2t.shape[0]:
+        raise ValueError(f"fill: expected [{new_d2t.shape[0]}, {list(old_rows.shape[1:])}], got {list(fill.shape)}")
+    if old_rows.shape[0] != old_d2t.shape[0]:
+        raise ValueError(f"old_rows: {old_rows.shape[0]} rows for {old_d2t.shape[0]} draft ids")
+    vocab = int(max(int(old_d2t.max()), int(new_d2t.max()))) + 1
+    _check_d2t(old_d2t, vocab)
+    _check_d2t(new_d2t, vocab)
+    old_slot = torch.full((vocab,), NOT_IN_OLD_VOCAB, dtype=torch.int64, device=old_d2t.device)  # [V] old draft id
+    old_slot[old_d2t] = torch.arange(old_d2t.shape[0], device=old_d2t.device)
+    slot = old_slot[new_d2t]  # [Vn]
+    kept = slot != NOT_IN_OLD_VOCAB
+    out = fill.to(old_rows.dtype).clone()
+    out[kept] = old_rows[slot[kept]]
+    return out
+
+
+def rebuilt_head(
+    old_d2t: Tensor,  # [Vo] int64
+    old_head: Tensor,  # [Vo, d] the drafter's head rows
+    new_d2t: Tensor,  # [Vn] int64
+    target_head: Tensor,  # [V, d] the frozen target's LM-head rows
+) -> Tensor:  # [Vn, d] float32
+    """The EAGLE-3 draft head for a rebuilt draft vocabulary (``carry_rows``): a token the old
+    vocabulary had keeps its trained row; a new token starts at its target LM-head row taken into
+    the drafter's head space by the linear map ``W [d, d]`` that best takes the target's rows of the
+    kept tokens to the drafter's (least squares, ``argmin_W ||T_kept W - H_kept||``). Without any
+    kept token the new rows are the target's own."""
+    _check(old_head, "old_head", 2)
+    _check(target_head, "target_head", 2)
+    if old_head.shape[1] != target_head.shape[1]:
+        raise ValueError(f"target_head: width {target_head.shape[1]} != the draft head's {old_head.shape[1]}")
+    old_t = old_head.float()
+    target_t = target_head.float()
+    t2d_new = torch.zeros(target_head.shape[0], dtype=torch.bool, device=target_head.device)
+    t2d_new[new_d2t] = True
+    kept = t2d_new[old_d2t]  # [Vo] old rows whose token stays
+    fill = target_t[new_d2t]  # [Vn, d]
+    if int(kept.sum()) > 0:
+        fit = torch.linalg.lstsq(target_t[old_d2t[kept]], old_t[kept], driver="gelsd").solution  # [d, d]
+        fill = fill @ fit
+    return carry_rows(old_d2t, old_t, new_d2t, fill)
+
+
 # --------------------------------------------------------------------------------------------
 # noise (design 0x04E)
 # --------------------------------------------------------------------------------------------

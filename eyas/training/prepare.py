@@ -118,6 +118,32 @@ def train_samples(cfg: TrainConfig, tokenizer, folder: Path) -> list[Sample]:
     return out
 
 
+def answer_token_counts(cfg: TrainConfig, tokenizer, vocab_size: int):
+    """Supervised-token counts ([V] int64) of every answer of the target's own to the train split
+    in ``data.answers_dir`` (``<target>-sharegpt-train*.answers.jsonl``: the greedy pass and every
+    sampled one), rendered as training renders them: what ``rebuild_draft_vocab`` builds from."""
+    import torch
+
+    from eyas.training.data import token_counts
+    from eyas.training.regen import read_regenerated
+
+    if not cfg.data.answers_dir:
+        raise ValueError("data.answers_dir: rebuild_draft_vocab counts the answers there; set it")
+    files = sorted(Path(cfg.data.answers_dir).glob(f"{cfg.target}-sharegpt-train*.answers.jsonl"))
+    if not files:
+        raise ValueError(f"data.answers_dir: {cfg.data.answers_dir} holds no {cfg.target}-sharegpt-train answers")
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for path in files:
+        records = read_regenerated(path)
+        samples = [
+            s
+            for rec in tqdm(records, desc=f"count {path.name}", leave=False)
+            if (s := render(tokenizer, rec["id"], rec["messages"], cfg.data.max_len)) is not None
+        ]
+        counts += token_counts(samples, vocab_size)
+    return counts
+
+
 def sharegpt_samples(tokenizer, count: int, max_len: int, path: Path) -> list[Sample]:
     """The first ``count`` ShareGPT train conversations, rendered whole (``eyas.training.data.render``),
     read from ``path`` when an earlier run rendered them with the same tokenizer."""

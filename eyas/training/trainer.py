@@ -18,6 +18,7 @@ has no supervised row is skipped entirely, weight decay included.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from eyas.target.loader import DTYPES, check_device
 from eyas.target.model import FeatureTap, GrowingKV, TargetModel
 from eyas.training.config import TrainConfig
 from eyas.training.features import FeatureBatch, FeatureCache, FeatureCaches, OnlineFeatures, training_taps
-from eyas.training.losses import build_draft_vocab, feature_noise, row_soft_cross_entropy
+from eyas.training.losses import build_draft_vocab, carry_rows, feature_noise, rebuilt_head, row_soft_cross_entropy
 from eyas.training.masks import rollout_valid, rollout_visibility
 from eyas.training.rows import dense_row_masks
 
@@ -76,6 +77,7 @@ class DrafterTrainer:
         train: FeatureCache | FeatureCaches | OnlineFeatures,
         heldout: FeatureCache,
         out: str | Path | None = None,
+        vocab_counts: torch.Tensor | None = None,  # [V] int64: rebuild_draft_vocab's token counts
     ):
         self.cfg = cfg
         self.device = check_device(cfg.device)  # here: the config checked its syntax (dtype: a Literal)
@@ -100,6 +102,11 @@ class DrafterTrainer:
         )
         self.serve_taps: tuple[FeatureTap, ...] = drafter_feature_address(dcfg, target.cfg)
         self.drafter: Drafter = init_drafter(dcfg, seed=cfg.seed)
+        self.new_d2t: torch.Tensor | None = None  # [Vd] int64: the rebuilt draft vocabulary (rebuild_draft_vocab)
+        if cfg.rebuild_draft_vocab:
+            if vocab_counts is None or tuple(vocab_counts.shape) != (target.cfg.vocab_size,):
+                raise ValueError(f"vocab_counts: rebuild_draft_vocab needs [V={target.cfg.vocab_size}] token counts")
+            self.new_d2t = build_draft_vocab(vocab_counts.to(torch.int64), dcfg.out_vocab)
         if cfg.init_from:
             self._warm_start(Path(cfg.init_from), method, dcfg)
         elif method == "eagle3" and not cfg.init_state:
@@ -133,13 +140,40 @@ class DrafterTrainer:
         if (found := read_manifest(folder).method) != method:
             raise ValueError(f"config.init_from: {folder} is a {found} drafter, not {method}")
         source, _ = load_drafter(folder, TargetFingerprint(**self.fingerprint), self.serve_taps)
-        if source.cfg != dcfg:
-            raise ValueError(f"config.init_from: {folder} has drafter config {source.cfg}, expected {dcfg}")
-        self.drafter.load_state_dict(
-            {k: v.float() if v.is_floating_point() else v for k, v in source.state_dict().items()}
+        expected = (
+            dataclasses.replace(dcfg, draft_vocab_size=source.cfg.draft_vocab_size)
+            if self.new_d2t is not None
+            else dcfg
         )
+        if source.cfg != expected:
+            raise ValueError(f"config.init_from: {folder} has drafter config {source.cfg}, expected {expected}")
+        state = {k: v.float() if v.is_floating_point() else v for k, v in source.state_dict().items()}
+        self.drafter.load_state_dict(self._rebuilt(state)[0] if self.new_d2t is not None else state)
         if method == "eagle3":
-            self.drafter.set_draft_vocab(source.d2t.clone())
+            self.drafter.set_draft_vocab(self.drafter.d2t.clone())  # validates the map, rebuilds t2d
+
+    def _rebuilt(self, drafter_state: dict, optimizer_state: dict | None = None) -> tuple[dict, dict | None]:
+        """A drafter state dict (and the optimizer's) moved to the rebuilt draft vocabulary
+        ``self.new_d2t``: head rows by :func:`rebuilt_head`, the head's moments by :func:`carry_rows`
+        (a new row's start at zero)."""
+        old_d2t = drafter_state["d2t"].to(torch.int64)  # [Vo]
+        new_d2t = self.new_d2t.to(old_d2t.device)  # [Vn]
+        head = rebuilt_head(old_d2t, drafter_state["head.weight"], new_d2t, self.target.lm_head.weight.detach())
+        t2d = torch.zeros_like(drafter_state["t2d"])
+        t2d[new_d2t] = True
+        drafter_state = {**drafter_state, "head.weight": head, "d2t": new_d2t.clone(), "t2d": t2d}
+        if optimizer_state is not None:
+            names = [n for n, p in self.drafter.named_parameters() if p.requires_grad]
+            slot = optimizer_state["param_groups"][0]["params"][names.index("head.weight")]
+            moments = dict(optimizer_state["state"].get(slot, {}))
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in moments:
+                    old = moments[key]
+                    moments[key] = carry_rows(old_d2t, old, new_d2t, old.new_zeros((new_d2t.shape[0], *old.shape[1:])))
+            optimizer_state = {**optimizer_state, "state": {**optimizer_state["state"], slot: moments}}
+        kept = int(torch.isin(new_d2t, old_d2t).sum())
+        print(f"draft vocabulary rebuilt: {new_d2t.shape[0]} tokens, {kept} kept from the start's {old_d2t.shape[0]}")
+        return drafter_state, optimizer_state
 
     def _continue_from(self, path: Path) -> None:
         """Take another run's drafter (weights, vocabulary) and optimizer moments from its trainer
@@ -151,11 +185,16 @@ class DrafterTrainer:
             raise ValueError(f"config.init_state: {path} is a {state.get('method')} run's state, not {self.cfg.method}")
         if state.get("branch") is not None:
             raise ValueError(f"config.init_state: {path} is inside a decay branch; continue from the stable state")
+        drafter_state, optimizer_state = state["drafter"], state["optimizer"]
+        if self.new_d2t is not None and "d2t" in drafter_state:
+            drafter_state, optimizer_state = self._rebuilt(drafter_state, optimizer_state)
         try:
-            self.drafter.load_state_dict(state["drafter"])
+            self.drafter.load_state_dict(drafter_state)
         except RuntimeError as err:
             raise ValueError(f"config.init_state: {path} holds another drafter shape ({str(err)[:200]})") from None
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(optimizer_state)
+        if self.cfg.method == "eagle3":
+            self.drafter.set_draft_vocab(self.drafter.d2t.clone())
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["initial_lr"], group["lr"] = base, base * self._lr_factor(0)  # this run's rate, from its step 0
 

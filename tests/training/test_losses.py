@@ -10,10 +10,12 @@ import torch.nn.functional as F
 
 from eyas.training.losses import (
     build_draft_vocab,
+    carry_rows,
     draft_vocab_targets,
     eagle1_loss,
     feature_noise,
     masked_smooth_l1,
+    rebuilt_head,
     soft_cross_entropy,
     target_argmax_in_draft_vocab,
     topk_accuracy,
@@ -229,6 +231,36 @@ def test_build_draft_vocab_with_ties():
     assert d2t.tolist() == [0, 2, 3, 7]
     assert build_draft_vocab(counts, 7).tolist() == [0, 1, 2, 3, 4, 5, 7]
     assert build_draft_vocab(counts, 8).tolist() == list(range(8))
+
+
+def test_carry_rows_keeps_shared_tokens_and_fills_the_rest():
+    """old vocabulary [1, 4, 6] (rows 10, 40, 60), new [0, 4, 6, 7]: tokens 4 and 6 keep rows 40 and
+    60 at their new draft ids 1 and 2; tokens 0 and 7 take the fill's rows 0 and 3."""
+    old = torch.tensor([[10.0], [40.0], [60.0]])
+    fill = torch.tensor([[-1.0], [-2.0], [-3.0], [-4.0]])
+    out = carry_rows(torch.tensor([1, 4, 6]), old, torch.tensor([0, 4, 6, 7]), fill)
+    assert out.tolist() == [[-1.0], [40.0], [60.0], [-4.0]]
+    with pytest.raises(ValueError, match="^fill: expected"):
+        carry_rows(torch.tensor([1, 4, 6]), old, torch.tensor([0, 4]), fill)
+
+
+def test_rebuilt_head_maps_new_tokens_through_the_kept_rows_fit():
+    """When the drafter's head is an exact linear map of the target's rows (H = T W), a token new to
+    the vocabulary starts at exactly its target row times W; the kept rows are unchanged."""
+    g = torch.Generator().manual_seed(0)
+    V, d = 64, 8
+    target = torch.randn(V, d, generator=g)
+    w = torch.randn(d, d, generator=g)
+    old_d2t = torch.arange(0, 40)
+    old_head = target[old_d2t] @ w + 0.0
+    old_head[3] += 5.0  # a trained row off the map stays as it was (the fit is least squares)
+    new_d2t = torch.arange(2, 60)
+    head = rebuilt_head(old_d2t, old_head, new_d2t, target)
+    assert head.shape == (58, d)
+    torch.testing.assert_close(head[:38], old_head[2:40])
+    fit = torch.linalg.lstsq(target[2:40], old_head[2:40]).solution
+    torch.testing.assert_close(head[38:], target[40:60] @ fit)
+    torch.testing.assert_close(fit, w, atol=0.5, rtol=0)  # one outlier row barely moves the map
 
 
 def test_draft_vocab_targets_renormalise_over_draft_vocab():

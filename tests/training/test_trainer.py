@@ -432,3 +432,50 @@ def test_init_state_continues_another_runs_stable_state_on_new_data(tiny_setup, 
         make({"method": "hass", "init_state": str(tmp_path / "a" / "trainer_state.pt")}, tiny_setup, tmp_path / "d")
     with pytest.raises(ValueError, match="init_state"):
         TrainConfig(init_from="x", init_state="y")
+
+
+def test_rebuild_draft_vocab_carries_the_shared_rows_of_a_warm_start(tiny_setup, tmp_path):
+    """rebuild_draft_vocab: a warm start (init_state, then init_from) gets the draft vocabulary built
+    from the counts it is given at draft_vocab_size; a token both vocabularies hold keeps its head row
+    and (init_state) its optimizer moments, a new one starts with zero moments, and the run trains;
+    a rebuild without a warm start, without counts or for EAGLE-1 is refused by field."""
+    model, train, heldout = tiny_setup
+    first = make({"method": "eagle3", "epochs": 1}, tiny_setup, tmp_path / "a")
+    for _ in range(3):
+        first.train_step()
+    first.save_state()
+    counts = torch.arange(48, dtype=torch.int64).flip(0)  # ids 0..39 are the 40 most frequent
+    base = {"lr": 3e-3, "batch_samples": 4, "warmup_steps": 0, "eval_every": 1000, "checkpoint_every": 1000}
+    base |= {"ttt_steps": 3, "method": "eagle3", "epochs": 1, "draft_vocab_size": 40, "rebuild_draft_vocab": True}
+    base |= {"data": {"answers_dir": str(tmp_path)}}
+    cfg = TrainConfig(**base, init_state=str(tmp_path / "a" / "trainer_state.pt"), out=str(tmp_path / "b"))
+    second = DrafterTrainer(cfg, model, FINGERPRINT, train, heldout, vocab_counts=counts)
+    assert second.drafter.d2t.tolist() == list(range(40)) and int(second.drafter.t2d.sum()) == 40
+    old_d2t = first.drafter.d2t.tolist()
+    head_slot = [n for n, p in second.drafter.named_parameters() if p.requires_grad].index("head.weight")
+    old_m = first.optimizer.state_dict()["state"][head_slot]["exp_avg_sq"]
+    new_m = second.optimizer.state_dict()["state"][head_slot]["exp_avg_sq"]
+    shared = [t for t in range(40) if t in old_d2t]
+    assert shared and len(shared) < 40
+    for t in range(40):
+        if t in old_d2t:
+            assert torch.equal(second.drafter.head.weight[t], first.drafter.head.weight[old_d2t.index(t)])
+            assert torch.equal(new_m[t], old_m[old_d2t.index(t)])
+        else:
+            assert not new_m[t].any()
+    assert second.train_step() is not None
+    folder = first.export({"steps": first.step})
+    cfg = TrainConfig(**base, init_from=str(folder), out=str(tmp_path / "c"))
+    third = DrafterTrainer(cfg, model, FINGERPRINT, train, heldout, vocab_counts=counts)
+    assert third.drafter.cfg.draft_vocab_size == 40 and third.drafter.d2t.tolist() == list(range(40))
+    t = shared[0]
+    ref = first.drafter.head.weight[old_d2t.index(t)].half().float()
+    assert torch.equal(third.drafter.head.weight[t], ref)
+    with pytest.raises(ValueError, match="^vocab_counts: rebuild_draft_vocab needs"):
+        DrafterTrainer(cfg, model, FINGERPRINT, train, heldout)
+    with pytest.raises(ValueError, match="rebuild_draft_vocab: rebuilds a warm start"):
+        TrainConfig(**base)
+    with pytest.raises(ValueError, match="rebuild_draft_vocab: only EAGLE-3"):
+        TrainConfig(**{**base, "method": "hass"}, init_from="x")
+    with pytest.raises(ValueError, match=r"config.init_from: .* has drafter config"):  # another size, no rebuild
+        DrafterTrainer(cfg.model_copy(update={"rebuild_draft_vocab": False}), model, FINGERPRINT, train, heldout)
