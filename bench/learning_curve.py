@@ -93,6 +93,9 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 # --- the old fit: tau as a straight line in log-data (kept, labelled, for comparison) ---------------
+MAX_DOUBLINGS = 1000  # 2 ** 1024 overflows a float
+
+
 def extrapolate(rows: list[dict], goal: float, regen_tok_s: float, feature_tok_s: float) -> dict:
     """tau = a * log2(supervised tokens) + b over the points; the tokens and CPU hours for ``goal``.
     This is the fit that put tau 2.5 at ~584 M tokens: it treats tau, a convex function of the
@@ -101,10 +104,9 @@ def extrapolate(rows: list[dict], goal: float, regen_tok_s: float, feature_tok_s
     a, b = fit_line(xs, [r["tau"] for r in rows])
     residuals = [r["tau"] - (a * x + b) for r, x in zip(rows, xs)]
     out = {"tau_per_doubling": a, "intercept": b, "residuals": residuals, "goal_tau": goal}
-    if a <= 0:
-        out.update(supervised_tokens_for_goal=None)
-        return out
-    out["supervised_tokens_for_goal"] = 2 ** ((goal - b) / a)
+    doublings = (goal - b) / a if a > 0 else math.inf
+    # None: never on this slope (flat or falling), or beyond what a float holds (a nearly flat one)
+    out["supervised_tokens_for_goal"] = 2**doublings if doublings < MAX_DOUBLINGS else None
     return out
 
 
