@@ -320,11 +320,10 @@ def carry_rows(
 ) -> Tensor:  # [Vn, ...] old_rows' dtype
     """Rows indexed by draft id, moved to a rebuilt draft vocabulary: a target token in both
     vocabularies keeps its old row; every other new row is taken from ``fill``."""
-    _check(old_rows, "old_rows", old_rows.dim())
-    if old_rows.dim() < 1 or fill.shape[1:] != old_rows.shape[1:] or fill.shape[0] != new_d2t.shape[0]:
+    if old_rows.dim() < 1 or old_rows.shape[0] != old_d2t.shape[0]:
+        raise ValueError(f"old_rows: expected a row per old draft id ({old_d2t.shape[0]}), got {list(old_rows.shape)}")
+    if tuple(fill.shape) != (new_d2t.shape[0], *old_rows.shape[1:]):
         raise ValueError(f"fill: expected [{new_d2t.shape[0]}, {list(old_rows.shape[1:])}], got {list(fill.shape)}")
-    if old_rows.shape[0] != old_d2t.shape[0]:
-        raise ValueError(f"old_rows: {old_rows.shape[0]} rows for {old_d2t.shape[0]} draft ids")
     vocab = int(max(int(old_d2t.max()), int(new_d2t.max()))) + 1
     _check_d2t(old_d2t, vocab)
     _check_d2t(new_d2t, vocab)

@@ -138,7 +138,7 @@ def answer_token_counts(cfg: TrainConfig, tokenizer, vocab_size: int):
         samples = [
             s
             for rec in tqdm(records, desc=f"count {path.name}", leave=False)
-            if (s := render(tokenizer, rec["id"], rec["messages"], cfg.data.max_len)) is not None
+            if (s := answer_sample(tokenizer, rec, cfg.data.max_len)) is not None
         ]
         counts += token_counts(samples, vocab_size)
     return counts
@@ -202,13 +202,18 @@ def regenerated_samples(cfg: TrainConfig, tokenizer, split: str, count: int, cac
         temperature=temperature,
         sample=sample,
     )
-    samples = []
-    for rec in read_regenerated(path)[skip : skip + count]:
-        s = render(tokenizer, rec["id"], rec["messages"], d.max_len)
-        if s is None:
-            continue
-        if rec["truncated"]:
-            last = int(s.loss_mask.nonzero()[-1])
-            s.loss_mask[last] = False
-        samples.append(s)
-    return samples
+    return [
+        s
+        for rec in read_regenerated(path)[skip : skip + count]
+        if (s := answer_sample(tokenizer, rec, d.max_len)) is not None
+    ]
+
+
+def answer_sample(tokenizer, rec: dict, max_len: int) -> Sample | None:
+    """One regenerated answer record as a training sample (None when it does not render): an
+    answer cut at the token limit keeps its text supervised but not the end-of-turn token the
+    template adds."""
+    s = render(tokenizer, rec["id"], rec["messages"], max_len)
+    if s is not None and rec["truncated"]:
+        s.loss_mask[int(s.loss_mask.nonzero()[-1])] = False
+    return s

@@ -186,7 +186,7 @@ class DrafterTrainer:
         if state.get("branch") is not None:
             raise ValueError(f"config.init_state: {path} is inside a decay branch; continue from the stable state")
         drafter_state, optimizer_state = state["drafter"], state["optimizer"]
-        if self.new_d2t is not None and "d2t" in drafter_state:
+        if self.new_d2t is not None:
             drafter_state, optimizer_state = self._rebuilt(drafter_state, optimizer_state)
         try:
             self.drafter.load_state_dict(drafter_state)

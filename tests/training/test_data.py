@@ -89,20 +89,22 @@ def test_a_sampled_pass_trains_from_its_own_answers_file_and_the_heldout_split_s
 
 def test_answer_token_counts_count_every_train_answers_file_as_training_supervises_it(tokenizer, tmp_path):
     """rebuild_draft_vocab's counts: the supervised tokens (the answer and its end-of-turn token) of
-    every train answers file in answers_dir, greedy and sampled; the held-out split is not counted."""
+    every train answers file in answers_dir, greedy and sampled (an answer cut at the token limit
+    without its end-of-turn token, as training supervises it); the held-out split is not counted."""
     from eyas.training.config import DataConfig, TrainConfig
     from eyas.training.prepare import answer_token_counts
 
-    def answers(name: str, text: str) -> None:
+    def answers(name: str, text: str, truncated: bool = False) -> None:
         messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": text}]
-        (tmp_path / name).write_text(json.dumps({"id": "x", "messages": messages, "new_tokens": 1, "truncated": False}))
+        record = {"id": "x", "messages": messages, "new_tokens": 1, "truncated": truncated}
+        (tmp_path / name).write_text(json.dumps(record))
 
     answers("smollm2-135m-sharegpt-train.answers.jsonl", "Blue")
-    answers("smollm2-135m-sharegpt-train.t0.7s1.answers.jsonl", "Blue sea")
+    answers("smollm2-135m-sharegpt-train.t0.7s1.answers.jsonl", "Blue sea", truncated=True)
     answers("smollm2-135m-sharegpt-heldout.answers.jsonl", "Green")
     cfg = TrainConfig(data=DataConfig(regenerate=True, answers_dir=str(tmp_path)))
     counts = answer_token_counts(cfg, tokenizer, len(tokenizer))
-    expected = tokenizer("Blue<|im_end|>Blue sea<|im_end|>", add_special_tokens=False)["input_ids"]
+    expected = tokenizer("Blue<|im_end|>Blue sea", add_special_tokens=False)["input_ids"]
     assert int(counts.sum()) == len(expected)
     for t in set(expected):
         assert int(counts[t]) == expected.count(t)
