@@ -13,6 +13,8 @@
                                   write a drafter in vLLM speculators', SGLang/SpecForge's or SafeAILab's layout
     eyas import --from DIR [--format speculators|sglang|eagle] --out DIR [--target T]
                                   bind an ecosystem EAGLE checkpoint to the target as an Eyas drafter
+    eyas trim-vocab --drafter DIR --size N --out DIR [--answers-dir data/regen] [--target T]
+                                  cut an EAGLE-3 drafter's draft vocabulary to its N most frequent tokens
     eyas experiment autoscale --workload ray_configs/workloads/step_burst.yaml [--out DIR] [--address A]
                                   replay a workload on a fake multi-node cluster; timeline JSON + plot
 
@@ -427,6 +429,45 @@ def cmd_import(args) -> int:
     return 0
 
 
+def cmd_trim_vocab(args) -> int:
+    from pathlib import Path
+
+    from eyas.drafting.manifest import load_drafter, read_manifest, trim_drafter_vocab
+    from eyas.target.loader import load_target_head, load_tokenizer
+    from eyas.training.prepare import answers_token_counts, train_answer_files
+
+    files = train_answer_files(args.answers_dir, args.target, "--answers-dir")
+    source = read_manifest(args.drafter)  # a missing or bad manifest is named before the slow count
+    old_size = source.drafter_config.get("draft_vocab_size")
+    if source.method != "eagle3":
+        raise ValueError(
+            f"--drafter: {args.drafter} is an {source.method} drafter; only EAGLE-3 has a draft vocabulary"
+        )
+    if not isinstance(old_size, int) or not 1 <= args.size <= old_size:
+        raise ValueError(f"--size: must lie in [1, {old_size}] (the drafter's draft vocabulary), got {args.size}")
+    head = load_target_head(args.target)
+    before, _ = load_drafter(args.drafter, head.fingerprint)  # the target's drafter, or refused by field
+    tokenizer, vocab = load_tokenizer(args.target), head.cfg.vocab_size
+    counts = answers_token_counts(files, tokenizer, vocab, args.max_len)
+    note = (
+        f"the {args.size:,} most frequent (in {', '.join(p.name for p in files)}) of the {old_size:,} "
+        "tokens it was trained with, their head rows as trained"
+    )
+    trimmed, _ = trim_drafter_vocab(args.drafter, args.out, head.fingerprint, counts, args.size, note)
+    coverage = {"train answers": counts}
+    if held := sorted(Path(args.answers_dir).glob(f"{args.target}-sharegpt-heldout*.answers.jsonl")):
+        coverage["held-out answers"] = answers_token_counts(held, tokenizer, vocab, args.max_len)
+    for label, c in coverage.items():
+        total = max(int(c.sum()), 1)
+        print(
+            f"coverage of the {label}' tokens: {100 * int(c[before.d2t].sum()) / total:.2f} % at {old_size:,}"
+            f" -> {100 * int(c[trimmed.d2t].sum()) / total:.2f} % at {args.size:,}"
+        )
+    size = sum(p.stat().st_size for p in Path(args.out).iterdir())
+    print(f"trimmed drafter written to {args.out} ({size / 2**20:.2f} MiB)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eyas", description="EAGLE-family speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -501,6 +542,21 @@ def main(argv: list[str] | None = None) -> int:
     im.add_argument("--out", required=True, help="the Eyas drafter folder to write")
     im.add_argument("--target", default="smollm2-135m", help="the target it is checked against and bound to")
     im.set_defaults(func=cmd_import)
+    tv = sub.add_parser(
+        "trim-vocab", help="cut an EAGLE-3 drafter's draft vocabulary to its N most frequent tokens (head rows kept)"
+    )
+    tv.add_argument("--drafter", required=True, help="an Eyas EAGLE-3 drafter folder")
+    tv.add_argument("--size", type=int, required=True, help="tokens to keep (at most the drafter's draft vocabulary)")
+    tv.add_argument("--out", required=True, help="the folder to write")
+    tv.add_argument(
+        "--answers-dir",
+        default="data/regen",
+        help="where the target's answers to the train split are (<target>-sharegpt-train*.answers.jsonl): "
+        "the counts; a held-out file there is reported as coverage",
+    )
+    tv.add_argument("--target", default="smollm2-135m", help="the target the drafter belongs to (its tokenizer)")
+    tv.add_argument("--max-len", type=int, default=1024, help="render limit of a sample, as in training")
+    tv.set_defaults(func=cmd_trim_vocab)
     ex = sub.add_parser("experiment", help="cluster experiments")
     exs = ex.add_subparsers(dest="experiment", required=True)
     a = exs.add_parser("autoscale", help="replay a workload against the autoscaling app; record a timeline")

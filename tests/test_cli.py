@@ -203,3 +203,41 @@ def test_train_device_and_dtype_are_checked_before_anything_loads(capsys):
     assert capsys.readouterr().err.startswith("error: config.dtype: Input should be")
     assert main(["train", "--config", config, "--device", "tpu"]) == 2
     assert "device: 'tpu' is not" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_trim_vocab_counts_the_answers_and_writes_a_loadable_drafter(capsys, tmp_path):
+    """`eyas trim-vocab` on an EAGLE-3 drafter for the real target: the kept tokens are the most
+    frequent of the drafter's own in the train answers, coverage is printed, and bad flags are named."""
+    import torch
+
+    from eyas.drafting.manifest import load_drafter, manifest_for, save_drafter
+    from eyas.drafting.model import DrafterConfig, drafter_feature_address, init_drafter
+    from eyas.target.loader import load_target_head, load_tokenizer
+
+    head, tok = load_target_head("smollm2-135m"), load_tokenizer("smollm2-135m")
+    drafter = init_drafter(DrafterConfig.for_target("eagle3", head.cfg, draft_vocab_size=64), seed=3)
+    answer = "blue blue blue sky sky light"
+    ids = tok(answer, add_special_tokens=False)["input_ids"]  # the answer's own tokens, in d2t
+    d2t = sorted(set(ids) | set(range(100, 164 - len(set(ids)))))
+    drafter.set_draft_vocab(torch.tensor(d2t))
+    taps = drafter_feature_address(drafter.cfg, head.cfg)
+    save_drafter(tmp_path / "d", drafter, manifest_for("eagle3", drafter, head.fingerprint, taps))
+    answers = tmp_path / "regen"
+    answers.mkdir()
+    rec = {"id": "a", "messages": [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": answer}]}
+    for name in ("train", "heldout"):
+        path = answers / f"smollm2-135m-sharegpt-{name}.answers.jsonl"
+        path.write_text(json.dumps({**rec, "new_tokens": len(ids), "truncated": False}) + "\n")
+    flags = ["trim-vocab", "--drafter", str(tmp_path / "d"), "--answers-dir", str(answers)]
+    assert main([*flags, "--size", "8", "--out", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out
+    assert "coverage of the train answers' tokens:" in out and "coverage of the held-out answers' tokens:" in out
+    trimmed, manifest = load_drafter(tmp_path / "t", head.fingerprint, taps)
+    assert trimmed.cfg.draft_vocab_size == 8 and set(ids) <= set(trimmed.d2t.tolist())
+    assert "8 most frequent" in manifest.recipe["draft_vocab_trimmed"]
+    assert main([*flags, "--size", "65", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.startswith("error: --size: must lie in [1, 64]")
+    assert main([*flags[:3], "--answers-dir", str(tmp_path), "--size", "8", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.startswith("error: --answers-dir:")
+    assert not (tmp_path / "x").exists()

@@ -161,3 +161,53 @@ def manifest_for(
         drafter_config=drafter.cfg.to_dict(),
         **extra,
     )
+
+
+def trim_drafter_vocab(
+    folder: str | Path,
+    out: str | Path,
+    fingerprint: TargetFingerprint,
+    token_counts: torch.Tensor,  # [V] int64 occurrences of each target token in the training answers
+    size: int,
+    note: str,
+) -> tuple[Drafter, DrafterManifest]:
+    """Write to ``out`` the EAGLE-3 drafter of ``folder`` with its draft vocabulary cut to the ``size``
+    most frequent of its own tokens (:func:`eyas.training.losses.trim_draft_vocab`): the kept tokens'
+    head rows as trained, every other weight unchanged, ``d2t``/``t2d`` and
+    ``drafter_config.draft_vocab_size`` to match, ``note`` recorded as ``recipe.draft_vocab_trimmed``.
+    A smaller head is a smaller folder and a cheaper draft step; what it drops is the mass of the
+    rare tokens (a draft can no longer propose them)."""
+    import dataclasses
+
+    from eyas.training.losses import carry_rows, trim_draft_vocab
+
+    drafter, manifest = load_drafter(folder, fingerprint)
+    if drafter.cfg.method != "eagle3":
+        raise ValueError(f"drafter: {folder} is an {drafter.cfg.method} drafter; only EAGLE-3 has a draft vocabulary")
+    if tuple(token_counts.shape) != (drafter.cfg.target_vocab_size,):
+        raise ValueError(f"token_counts: expected [V={drafter.cfg.target_vocab_size}], got {list(token_counts.shape)}")
+    if Path(out).resolve() == Path(folder).resolve():
+        raise ValueError("out: must differ from the drafter folder it trims")
+    old_d2t = drafter.d2t.clone()  # [Vo]
+    new_d2t = trim_draft_vocab(old_d2t, token_counts, size)  # [size]
+    state = drafter.state_dict()
+    head = state["head.weight"]  # [Vo, d]
+    state["head.weight"] = carry_rows(old_d2t, head, new_d2t, head.new_zeros((size, head.shape[1])))
+    state["d2t"] = new_d2t
+    state["t2d"] = torch.zeros_like(state["t2d"])
+    state["t2d"][new_d2t] = True
+    trimmed = Drafter(dataclasses.replace(drafter.cfg, draft_vocab_size=size))
+    trimmed.load_state_dict(state)
+    trimmed.set_draft_vocab(new_d2t.clone())  # validates the map
+    new_manifest = manifest.model_copy(
+        update={
+            "drafter_config": trimmed.cfg.to_dict(),
+            "recipe": {**manifest.recipe, "draft_vocab_trimmed": note},
+        }
+    )
+    from safetensors import safe_open
+
+    with safe_open(str(Path(folder) / WEIGHTS_FILE), "pt") as f:  # written as it was stored (fp16 by default)
+        stored = f.get_tensor("head.weight").dtype
+    save_drafter(out, trimmed, new_manifest, dtype=stored)
+    return trimmed, new_manifest

@@ -309,6 +309,27 @@ def build_draft_vocab(
     return torch.sort(order[:size]).values
 
 
+def trim_draft_vocab(
+    d2t: Tensor,  # [Vd] int64 target ids of a draft vocabulary
+    token_counts: Tensor,  # [V] int64 occurrences of each target token in the training data
+    size: int,
+) -> Tensor:  # [size] int64 the kept target ids, ascending
+    """The ``size`` most frequent tokens *of the draft vocabulary* ``d2t`` (ties broken by the lower
+    target id), sorted ascending: a smaller vocabulary whose every token the drafter was trained on,
+    so its head rows carry over unchanged (:func:`carry_rows`) and nothing is retrained."""
+    _check(token_counts, "token_counts", 1)
+    if token_counts.dtype != torch.int64:
+        raise ValueError(f"token_counts: expected dtype torch.int64, got {token_counts.dtype}")
+    _check_d2t(d2t, token_counts.shape[0])
+    if d2t.unique().numel() != d2t.numel():
+        raise ValueError("d2t: draft ids must map to distinct target ids")
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= d2t.shape[0]:
+        raise ValueError(f"size: must be an int in [1, Vd={d2t.shape[0]}], got {size!r}")
+    ids = torch.sort(d2t).values  # [Vd] ascending, so the stable sort below breaks ties by the lower id
+    order = torch.sort(token_counts[ids], descending=True, stable=True).indices  # [Vd]
+    return torch.sort(ids[order[:size]]).values
+
+
 NOT_IN_OLD_VOCAB = -1  # carry_rows: a target token the old draft vocabulary lacks
 
 

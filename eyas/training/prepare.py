@@ -122,23 +122,36 @@ def answer_token_counts(cfg: TrainConfig, tokenizer, vocab_size: int):
     """Supervised-token counts ([V] int64) of every answer of the target's own to the train split
     in ``data.answers_dir`` (``<target>-sharegpt-train*.answers.jsonl``: the greedy pass and every
     sampled one), rendered as training renders them: what ``rebuild_draft_vocab`` builds from."""
+    if not cfg.data.answers_dir:
+        raise ValueError("data.answers_dir: rebuild_draft_vocab counts the answers there; set it")
+    files = train_answer_files(cfg.data.answers_dir, cfg.target, "data.answers_dir")
+    return answers_token_counts(files, tokenizer, vocab_size, cfg.data.max_len)
+
+
+def train_answer_files(answers_dir: str | Path, target: str, field: str) -> list[Path]:
+    """The regeneration files of the target's answers to the train split in ``answers_dir`` (the
+    greedy pass and every sampled one); ``field`` names the setting in the error when there are none."""
+    files = sorted(Path(answers_dir).glob(f"{target}-sharegpt-train*.answers.jsonl"))
+    if not files:
+        raise ValueError(f"{field}: {answers_dir} holds no {target}-sharegpt-train answers")
+    return files
+
+
+def answers_token_counts(files: list[Path], tokenizer, vocab_size: int, max_len: int):
+    """Supervised-token counts ([V] int64) of the answer records in ``files``, each rendered as
+    training renders it (:func:`answer_sample`)."""
     import torch
 
     from eyas.training.data import token_counts
     from eyas.training.regen import read_regenerated
 
-    if not cfg.data.answers_dir:
-        raise ValueError("data.answers_dir: rebuild_draft_vocab counts the answers there; set it")
-    files = sorted(Path(cfg.data.answers_dir).glob(f"{cfg.target}-sharegpt-train*.answers.jsonl"))
-    if not files:
-        raise ValueError(f"data.answers_dir: {cfg.data.answers_dir} holds no {cfg.target}-sharegpt-train answers")
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for path in files:
         records = read_regenerated(path)
         samples = [
             s
-            for rec in tqdm(records, desc=f"count {path.name}", leave=False)
-            if (s := answer_sample(tokenizer, rec, cfg.data.max_len)) is not None
+            for rec in tqdm(records, desc=f"count {Path(path).name}", leave=False)
+            if (s := answer_sample(tokenizer, rec, max_len)) is not None
         ]
         counts += token_counts(samples, vocab_size)
     return counts

@@ -93,3 +93,48 @@ def test_manifest_without_layout_is_eyas_v1(tiny_target, tmp_path, method):
     assert loaded.cfg.layout == EYAS_V1 and "fuse.weight" in loaded.state_dict()
     if method == "eagle3":
         assert all(t.normed for t in drafter_feature_address(loaded.cfg, tiny_target.cfg))
+
+
+def test_trim_keeps_the_frequent_tokens_rows_and_everything_else(saved, tmp_path):
+    """The saved drafter's vocabulary is the even ids 0..30; trimmed to its 5 most frequent tokens
+    (ids 2, 8, 10, 14, 30 by the counts), the kept tokens score exactly as before (their head rows
+    are the trained ones), every other weight is unchanged, the manifest says so, and the folder
+    loads and round-trips."""
+    from eyas.drafting.manifest import trim_drafter_vocab
+
+    drafter, taps, folder = saved
+    old, _ = load_drafter(folder, FP, taps)
+    counts = torch.zeros(drafter.cfg.target_vocab_size, dtype=torch.int64)
+    counts[torch.tensor([2, 8, 10, 14, 30, 4, 3])] = torch.tensor([50, 40, 30, 20, 60, 10, 99])  # 3 is not in it
+    out = tmp_path / "trimmed"
+    trimmed, manifest = trim_drafter_vocab(folder, out, FP, counts, 5, "the 5 most frequent")
+    loaded, read = load_drafter(out, FP, taps)
+    assert read == manifest and read.recipe["draft_vocab_trimmed"] == "the 5 most frequent"
+    assert loaded.cfg.draft_vocab_size == 5 and loaded.d2t.tolist() == [2, 8, 10, 14, 30]
+    assert loaded.t2d.nonzero().flatten().tolist() == [2, 8, 10, 14, 30]
+    hidden = torch.randn(3, drafter.cfg.hidden_size)
+    before = old.logits(hidden, None)  # [3, 16] over the even ids 0..30
+    after = loaded.logits(hidden, None)  # [3, 5]
+    slots = torch.tensor([1, 4, 5, 7, 15])  # ids 2, 8, 10, 14, 30 among the even ids
+    assert torch.equal(loaded.head.weight, old.head.weight[slots])  # the trained rows, bit for bit
+    torch.testing.assert_close(after, before[:, slots], rtol=1e-6, atol=1e-6)  # (a narrower matmul's rounding)
+    kept = {k: v for k, v in old.state_dict().items() if k not in ("head.weight", "d2t", "t2d")}
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in kept.items())
+    with pytest.raises(ValueError, match="^size: must be an int in \\[1, Vd=16\\]"):
+        trim_drafter_vocab(folder, tmp_path / "big", FP, counts, 17, "")
+    with pytest.raises(ValueError, match="^out: must differ"):
+        trim_drafter_vocab(folder, folder, FP, counts, 5, "")
+    with pytest.raises(ValueError, match="^token_counts: expected"):
+        trim_drafter_vocab(folder, tmp_path / "c", FP, counts[:10], 5, "")
+    assert not (tmp_path / "big").exists() and not (tmp_path / "c").exists()
+
+
+def test_trim_refuses_an_eagle1_drafter(tiny_target, tmp_path):
+    from eyas.drafting.manifest import trim_drafter_vocab
+
+    drafter = init_drafter(DrafterConfig.for_target("eagle1", tiny_target.cfg), seed=2)
+    taps = drafter_feature_address(drafter.cfg, tiny_target.cfg)
+    save_drafter(tmp_path, drafter, manifest_for("eagle1", drafter, FP, taps))
+    counts = torch.ones(tiny_target.cfg.vocab_size, dtype=torch.int64)
+    with pytest.raises(ValueError, match="^drafter: .* is an eagle1 drafter"):
+        trim_drafter_vocab(tmp_path, tmp_path / "out", FP, counts, 4, "")

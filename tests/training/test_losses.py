@@ -20,6 +20,7 @@ from eyas.training.losses import (
     target_argmax_in_draft_vocab,
     topk_accuracy,
     topk_distillation,
+    trim_draft_vocab,
     ttt_loss,
 )
 
@@ -231,6 +232,26 @@ def test_build_draft_vocab_with_ties():
     assert d2t.tolist() == [0, 2, 3, 7]
     assert build_draft_vocab(counts, 7).tolist() == [0, 1, 2, 3, 4, 5, 7]
     assert build_draft_vocab(counts, 8).tolist() == list(range(8))
+
+
+def test_trim_draft_vocab_keeps_the_most_frequent_of_its_own_tokens():
+    """d2t [9, 2, 5, 7, 0] (unsorted), counts 2:3, 5:8, 7:3, 9:1, 0:0 and 11:100 (not in d2t).
+
+    size 3: id 5 (8), then 2 and 7 (3 each) -> [2, 5, 7]; size 2: 5, then the 2-7 tie goes to the
+    lower id 2 -> [2, 5]; id 11 never enters, however frequent (its row was never trained)."""
+    d2t = torch.tensor([9, 2, 5, 7, 0])
+    counts = torch.zeros(12, dtype=torch.int64)
+    counts[torch.tensor([2, 5, 7, 9, 11])] = torch.tensor([3, 8, 3, 1, 100])
+    assert trim_draft_vocab(d2t, counts, 3).tolist() == [2, 5, 7]
+    assert trim_draft_vocab(d2t, counts, 2).tolist() == [2, 5]
+    assert trim_draft_vocab(d2t, counts, 5).tolist() == [0, 2, 5, 7, 9]
+    for size in (0, 6, True):
+        with pytest.raises(ValueError, match="^size: must be an int in \\[1, Vd=5\\]"):
+            trim_draft_vocab(d2t, counts, size)
+    with pytest.raises(ValueError, match="^d2t: draft ids must map to distinct"):
+        trim_draft_vocab(torch.tensor([2, 2, 5]), counts, 2)
+    with pytest.raises(ValueError, match="^token_counts: expected dtype torch.int64"):
+        trim_draft_vocab(d2t, counts.float(), 2)
 
 
 def test_carry_rows_keeps_shared_tokens_and_fills_the_rest():
