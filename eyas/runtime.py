@@ -46,7 +46,10 @@ ARCHITECTURE = {"eagle1": "eagle1", "hass": "eagle1", "eagle3": "eagle3"}
 # 0.35. Measured on all 80 MT-bench first turns, 40 tokens, EAGLE-3 (stage 5's drafter), against
 # fp16w target-only in the same run (bench/results/trees-fp16w-floors.json): 3/4/6 with floors
 # 0.06/0.35 1.18x (tau 1.64), 3/4/4 with 0.06/0.45 1.17x, 3/3/3 with 0.06/0.6 1.17x, plain 2/2/4
-# (the default before) 1.13x (tau 1.72, 4 rows every round). A request's own knobs still win.
+# (the default before) 1.13x (tau 1.72, 4 rows every round). Re-measured with stage 12's drafter
+# (bench/results/trees-fp16w-stage12.json): this tree 1.18x (tau 1.68); lower floors and deeper trees
+# raise tau (3/4/8 with 0.04/0.3: 1.73; 3/5/7 with 0.05/0.25: 1.73) but cost more than it buys
+# (1.14-1.15x), plain 2/4/8 0.88x (tau 1.91). A request's own knobs still win.
 FP16W_DEFAULT_TREE = TreeSpec(
     kind="dynamic", expand_width=3, max_depth=4, verify_budget=6, min_value=0.06, expand_min_value=0.35
 )

@@ -44,10 +44,10 @@ DEFAULT_SHAPES = (
     TreeShape(4, 5, 16),
     TreeShape(8, 6, 32),
 )
-# P(accept depth d | accepted d-1) before any data: the shipped EAGLE-3 drafter's, measured on all 80 MT-bench
-# first turns at fp16w with a 2/4/8 tree (bench/results/trees-fp16w-eagle3-stage3.json: accept@d 44.9, 20.3,
-# 6.6, 2.1 %, so 0.449, 0.452, 0.325, 0.318); deeper than measured, 0.3
-PRIOR_RATES = (0.45, 0.45, 0.33, 0.32, 0.3, 0.3, 0.3, 0.3)
+# P(accept depth d | accepted d-1) before any data: the shipped EAGLE-3 drafter's (stage 12's 500k point),
+# measured on all 80 MT-bench first turns at fp16w with a plain 2/4/8 tree (bench/results/trees-fp16w-stage12.json:
+# accept@d 51.2, 26.4, 10.2, 3.2 %, so 0.512, 0.516, 0.386, 0.314); deeper than measured, 0.3
+PRIOR_RATES = (0.51, 0.52, 0.39, 0.31, 0.3, 0.3, 0.3, 0.3)
 EMA = 0.3
 PRIOR_EMA = 0.2  # how fast the all-requests prior (a new request's starting estimate) follows observed acceptance
 MIN_GAIN = 1e-3  # relative improvement of J an upgrade must bring
