@@ -432,7 +432,7 @@ def cmd_import(args) -> int:
 def cmd_trim_vocab(args) -> int:
     from pathlib import Path
 
-    from eyas.drafting.manifest import load_drafter, read_manifest, trim_drafter_vocab
+    from eyas.drafting.manifest import check_compatible, read_manifest, trim_drafter_vocab
     from eyas.target.loader import load_target_head, load_tokenizer
     from eyas.training.prepare import answers_token_counts, train_answer_files
 
@@ -446,21 +446,21 @@ def cmd_trim_vocab(args) -> int:
     if not isinstance(old_size, int) or not 1 <= args.size <= old_size:
         raise ValueError(f"--size: must lie in [1, {old_size}] (the drafter's draft vocabulary), got {args.size}")
     head = load_target_head(args.target)
-    before, _ = load_drafter(args.drafter, head.fingerprint)  # the target's drafter, or refused by field
+    check_compatible(source, head.fingerprint)  # the target's drafter, or refused by field, before the count
     tokenizer, vocab = load_tokenizer(args.target), head.cfg.vocab_size
     counts = answers_token_counts(files, tokenizer, vocab, args.max_len)
     note = (
         f"the {args.size:,} most frequent (in {', '.join(p.name for p in files)}) of the {old_size:,} "
         "tokens it was trained with, their head rows as trained"
     )
-    trimmed, _ = trim_drafter_vocab(args.drafter, args.out, head.fingerprint, counts, args.size, note)
+    trimmed, _, old_d2t = trim_drafter_vocab(args.drafter, args.out, head.fingerprint, counts, args.size, note)
     coverage = {"train answers": counts}
     if held := sorted(Path(args.answers_dir).glob(f"{args.target}-sharegpt-heldout*.answers.jsonl")):
         coverage["held-out answers"] = answers_token_counts(held, tokenizer, vocab, args.max_len)
     for label, c in coverage.items():
         total = max(int(c.sum()), 1)
         print(
-            f"coverage of the {label}' tokens: {100 * int(c[before.d2t].sum()) / total:.2f} % at {old_size:,}"
+            f"coverage of the {label}' tokens: {100 * int(c[old_d2t].sum()) / total:.2f} % at {old_size:,}"
             f" -> {100 * int(c[trimmed.d2t].sum()) / total:.2f} % at {args.size:,}"
         )
     size = sum(p.stat().st_size for p in Path(args.out).iterdir())

@@ -170,14 +170,17 @@ def trim_drafter_vocab(
     token_counts: torch.Tensor,  # [V] int64 occurrences of each target token in the training answers
     size: int,
     note: str,
-) -> tuple[Drafter, DrafterManifest]:
+) -> tuple[Drafter, DrafterManifest, torch.Tensor]:
     """Write to ``out`` the EAGLE-3 drafter of ``folder`` with its draft vocabulary cut to the ``size``
     most frequent of its own tokens (:func:`eyas.training.losses.trim_draft_vocab`): the kept tokens'
     head rows as trained, every other weight unchanged, ``d2t``/``t2d`` and
     ``drafter_config.draft_vocab_size`` to match, ``note`` recorded as ``recipe.draft_vocab_trimmed``.
     A smaller head is a smaller folder and a cheaper draft step; what it drops is the mass of the
-    rare tokens (a draft can no longer propose them)."""
+    rare tokens (a draft can no longer propose them). Returns the trimmed drafter, its manifest and
+    the source's ``d2t`` ([Vo] int64, what it held before)."""
     import dataclasses
+
+    from safetensors import safe_open
 
     from eyas.training.losses import carry_rows, trim_draft_vocab
 
@@ -194,20 +197,16 @@ def trim_drafter_vocab(
     head = state["head.weight"]  # [Vo, d]
     state["head.weight"] = carry_rows(old_d2t, head, new_d2t, head.new_zeros((size, head.shape[1])))
     state["d2t"] = new_d2t
-    state["t2d"] = torch.zeros_like(state["t2d"])
-    state["t2d"][new_d2t] = True
     trimmed = Drafter(dataclasses.replace(drafter.cfg, draft_vocab_size=size))
     trimmed.load_state_dict(state)
-    trimmed.set_draft_vocab(new_d2t.clone())  # validates the map
+    trimmed.set_draft_vocab(new_d2t.clone())  # validates the map, rebuilds t2d
     new_manifest = manifest.model_copy(
         update={
             "drafter_config": trimmed.cfg.to_dict(),
             "recipe": {**manifest.recipe, "draft_vocab_trimmed": note},
         }
     )
-    from safetensors import safe_open
-
     with safe_open(str(Path(folder) / WEIGHTS_FILE), "pt") as f:  # written as it was stored (fp16 by default)
         stored = f.get_tensor("head.weight").dtype
     save_drafter(out, trimmed, new_manifest, dtype=stored)
-    return trimmed, new_manifest
+    return trimmed, new_manifest, old_d2t

@@ -150,7 +150,7 @@ def answers_token_counts(files: list[Path], tokenizer, vocab_size: int, max_len:
         records = read_regenerated(path)
         samples = [
             s
-            for rec in tqdm(records, desc=f"count {Path(path).name}", leave=False)
+            for rec in tqdm(records, desc=f"count {path.name}", leave=False)
             if (s := answer_sample(tokenizer, rec, max_len)) is not None
         ]
         counts += token_counts(samples, vocab_size)

@@ -107,7 +107,8 @@ def test_trim_keeps_the_frequent_tokens_rows_and_everything_else(saved, tmp_path
     counts = torch.zeros(drafter.cfg.target_vocab_size, dtype=torch.int64)
     counts[torch.tensor([2, 8, 10, 14, 30, 4, 3])] = torch.tensor([50, 40, 30, 20, 60, 10, 99])  # 3 is not in it
     out = tmp_path / "trimmed"
-    trimmed, manifest = trim_drafter_vocab(folder, out, FP, counts, 5, "the 5 most frequent")
+    trimmed, manifest, old_d2t = trim_drafter_vocab(folder, out, FP, counts, 5, "the 5 most frequent")
+    assert torch.equal(old_d2t, old.d2t)
     loaded, read = load_drafter(out, FP, taps)
     assert read == manifest and read.recipe["draft_vocab_trimmed"] == "the 5 most frequent"
     assert loaded.cfg.draft_vocab_size == 5 and loaded.d2t.tolist() == [2, 8, 10, 14, 30]

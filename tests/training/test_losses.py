@@ -235,11 +235,11 @@ def test_build_draft_vocab_with_ties():
 
 
 def test_trim_draft_vocab_keeps_the_most_frequent_of_its_own_tokens():
-    """d2t [9, 2, 5, 7, 0] (unsorted), counts 2:3, 5:8, 7:3, 9:1, 0:0 and 11:100 (not in d2t).
+    """d2t [9, 7, 5, 2, 0] (unsorted: the tied 7 before 2), counts 2:3, 5:8, 7:3, 9:1, 0:0 and 11:100 (not in d2t).
 
     size 3: id 5 (8), then 2 and 7 (3 each) -> [2, 5, 7]; size 2: 5, then the 2-7 tie goes to the
     lower id 2 -> [2, 5]; id 11 never enters, however frequent (its row was never trained)."""
-    d2t = torch.tensor([9, 2, 5, 7, 0])
+    d2t = torch.tensor([9, 7, 5, 2, 0])
     counts = torch.zeros(12, dtype=torch.int64)
     counts[torch.tensor([2, 5, 7, 9, 11])] = torch.tensor([3, 8, 3, 1, 100])
     assert trim_draft_vocab(d2t, counts, 3).tolist() == [2, 5, 7]
