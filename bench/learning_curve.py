@@ -10,6 +10,8 @@ Stages:
     report   benches every finished point (and the shipped drafters/smollm2-135m-eagle3 as a
              reference) in ONE ``bench/acceptance.py`` run, so one target-only baseline serves all;
              prints the table and the extrapolation; writes bench/results/learning_curve.{json,png}
+    compare  one acceptance JSON's methods against one of them: τ difference and speed ratio, each
+             with a paired bootstrap 95 % interval over the prompts (the test a point ships on)
 
 Terms:
 
@@ -312,28 +314,78 @@ def paired_tau_difference(
     """τ(other) - τ(base) over the prompts both ran, and its paired bootstrap 95 % interval: the
     prompts are resampled with replacement, the same sample for both (``records``: acceptance.py's
     per-prompt records; τ = new tokens / target forwards, pooled over the sample)."""
+    (tau, _), _ = paired_bootstrap(records, base, other, draws, seed)
+    return tau
+
+
+def paired_bootstrap(
+    records: list[dict], base: str, other: str, draws: int = 4000, seed: int = 0
+) -> tuple[tuple[tuple[float, float, float], tuple[float, float, float]], int]:
+    """Two paired comparisons of ``other`` against ``base`` on one sample of prompts, each as (whole,
+    2.5 %, 97.5 %): τ(other) - τ(base), and speed(other) / speed(base) (speed: new tokens / wall
+    seconds, pooled over the sample). The prompts both ran are resampled with replacement ``draws``
+    times, the same sample for both methods and both statistics. -> (((τ diff), (speed ratio)), prompts)."""
     import random
 
     by: dict[str, dict] = {}
     for r in records:
         by.setdefault(r["method"], {})[r["prompt"]] = r
 
+    def made(x) -> int:
+        return sum(x["round_new_tokens"]) if isinstance(x["round_new_tokens"], list) else x["round_new_tokens"]
+
     def tau(rows) -> float:
         rows = list(rows)
-        made = sum(
-            sum(x["round_new_tokens"]) if isinstance(x["round_new_tokens"], list) else x["round_new_tokens"]
-            for x in rows
-        )
-        return made / sum(x["target_forwards"] for x in rows)
+        return sum(made(x) for x in rows) / sum(x["target_forwards"] for x in rows)
+
+    def speed(rows) -> float:
+        rows = list(rows)
+        return sum(x["new_tokens"] for x in rows) / sum(x["wall_s"] for x in rows)
 
     prompts = sorted(set(by[base]) & set(by[other]))
     rng = random.Random(seed)
-    diffs = sorted(
-        tau(by[other][q] for q in sample) - tau(by[base][q] for q in sample)
-        for sample in ([rng.choice(prompts) for _ in prompts] for _ in range(draws))
+    diffs, ratios = [], []
+    for _ in range(draws):
+        sample = [rng.choice(prompts) for _ in prompts]
+        diffs.append(tau(by[other][q] for q in sample) - tau(by[base][q] for q in sample))
+        ratios.append(speed(by[other][q] for q in sample) / speed(by[base][q] for q in sample))
+    lo, hi = int(0.025 * draws), int(0.975 * draws) - 1
+    diffs.sort()
+    ratios.sort()
+    whole_tau = tau(by[other][q] for q in prompts) - tau(by[base][q] for q in prompts)
+    whole_speed = speed(by[other][q] for q in prompts) / speed(by[base][q] for q in prompts)
+    return ((whole_tau, diffs[lo], diffs[hi]), (whole_speed, ratios[lo], ratios[hi])), len(prompts)
+
+
+def cmd_compare(args) -> int:
+    """Every method of one ``bench/acceptance.py`` JSON against ``--reference``, paired over prompts."""
+    bench = json.loads(Path(args.json).read_text())
+    methods = bench["methods"]
+    if args.reference not in methods:
+        print(
+            f"error: --reference: {args.reference!r} is not a method of {args.json} ({', '.join(methods)})",
+            file=sys.stderr,
+        )
+        return 2
+    c = bench["config"]
+    print(
+        f"{args.json}: {c['num_prompts']} prompts, {c['max_new_tokens']} new tokens, {c['precision']}; paired "
+        f"bootstrap over prompts ({args.draws} draws, 95 %) against {args.reference}"
     )
-    whole = tau(by[other][q] for q in prompts) - tau(by[base][q] for q in prompts)
-    return whole, diffs[int(0.025 * draws)], diffs[int(0.975 * draws) - 1]
+    print(f"{'method':<36} {'tau':>5} {'- reference [95 %]':>26} {'speedup':>8} {'speed / reference [95 %]':>26}")
+    for name, m in methods.items():
+        if name == "target":
+            continue
+        line = f"{name:<36} {m['tau']:>5.3f} "
+        if name == args.reference:
+            line += f"{'(reference)':>26} {m['speedup']:>7.3f}x"
+        else:
+            ((d, dl, dh), (r, rl, rh)), _ = paired_bootstrap(bench["records"], args.reference, name, args.draws)
+            line += (
+                f"{f'{d:+.3f} [{dl:+.3f}, {dh:+.3f}]':>26} {m['speedup']:>7.3f}x {f'{r:.3f} [{rl:.3f}, {rh:.3f}]':>26}"
+            )
+        print(line)
+    return 0
 
 
 def made_for(pred: dict, run: Path) -> bool:
@@ -611,12 +663,22 @@ def main(argv=None) -> int:
     q.add_argument("--family", default="old", help="'old' (the committed first curve) or a wsd run's folder")
     q.add_argument("--tokens", type=int, nargs="+", required=True)
     q.add_argument("--shape", type=int, nargs=3, default=[2, 2, 4], help="the bench tree: width depth budget")
+    c = sub.add_parser("compare", help="paired tau and speed of one acceptance JSON's methods against one of them")
+    c.add_argument("--json", required=True, help="a bench/acceptance.py result (its per-prompt records)")
+    c.add_argument("--reference", default=REFERENCE_DRAFTER.name, help="the method the others are compared with")
+    c.add_argument("--draws", type=int, default=4000)
     h = sub.add_parser("heldout", help="a drafter folder's held-out top-k per step (the runs' own evaluation)")
     h.add_argument("--drafter", required=True)
     h.add_argument("--heldout-samples", type=int, default=128)
     h.add_argument("--threads", type=int)
     args = p.parse_args(argv)
-    return {"train": cmd_train, "report": cmd_report, "predict": cmd_predict, "heldout": cmd_heldout}[args.stage](args)
+    return {
+        "train": cmd_train,
+        "report": cmd_report,
+        "predict": cmd_predict,
+        "heldout": cmd_heldout,
+        "compare": cmd_compare,
+    }[args.stage](args)
 
 
 if __name__ == "__main__":
