@@ -314,17 +314,17 @@ def paired_tau_difference(
     """τ(other) - τ(base) over the prompts both ran, and its paired bootstrap 95 % interval: the
     prompts are resampled with replacement, the same sample for both (``records``: acceptance.py's
     per-prompt records; τ = new tokens / target forwards, pooled over the sample)."""
-    (tau, _), _ = paired_bootstrap(records, base, other, draws, seed)
+    tau, _ = paired_bootstrap(records, base, other, draws, seed)
     return tau
 
 
 def paired_bootstrap(
     records: list[dict], base: str, other: str, draws: int = 4000, seed: int = 0
-) -> tuple[tuple[tuple[float, float, float], tuple[float, float, float]], int]:
+) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
     """Two paired comparisons of ``other`` against ``base`` on one sample of prompts, each as (whole,
     2.5 %, 97.5 %): τ(other) - τ(base), and speed(other) / speed(base) (speed: new tokens / wall
     seconds, pooled over the sample). The prompts both ran are resampled with replacement ``draws``
-    times, the same sample for both methods and both statistics. -> (((τ diff), (speed ratio)), prompts)."""
+    times, the same sample for both methods and both statistics. -> ((τ diff), (speed ratio))."""
     import random
 
     by: dict[str, dict] = {}
@@ -354,7 +354,7 @@ def paired_bootstrap(
     ratios.sort()
     whole_tau = tau(by[other][q] for q in prompts) - tau(by[base][q] for q in prompts)
     whole_speed = speed(by[other][q] for q in prompts) / speed(by[base][q] for q in prompts)
-    return ((whole_tau, diffs[lo], diffs[hi]), (whole_speed, ratios[lo], ratios[hi])), len(prompts)
+    return (whole_tau, diffs[lo], diffs[hi]), (whole_speed, ratios[lo], ratios[hi])
 
 
 def cmd_compare(args) -> int:
@@ -380,7 +380,7 @@ def cmd_compare(args) -> int:
         if name == args.reference:
             line += f"{'(reference)':>26} {m['speedup']:>7.3f}x"
         else:
-            ((d, dl, dh), (r, rl, rh)), _ = paired_bootstrap(bench["records"], args.reference, name, args.draws)
+            (d, dl, dh), (r, rl, rh) = paired_bootstrap(bench["records"], args.reference, name, args.draws)
             line += (
                 f"{f'{d:+.3f} [{dl:+.3f}, {dh:+.3f}]':>26} {m['speedup']:>7.3f}x {f'{r:.3f} [{rl:.3f}, {rh:.3f}]':>26}"
             )
