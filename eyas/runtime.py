@@ -21,6 +21,7 @@ from eyas.drafting.manifest import load_drafter
 from eyas.drafting.model import DrafterConfig, drafter_feature_address, init_drafter
 from eyas.generate import GenerationResult, generate
 from eyas.protocol.schema import GenerateRequest
+from eyas.protocol.text import AnswerText
 from eyas.target.engine import TargetEngine
 from eyas.target.loader import (
     DEFAULT_TARGET,
@@ -189,7 +190,7 @@ class Eyas:
         handle = None if req.method == "target" else self.drafter(req.method, req.drafter)
         tree = self.tree_for(req, handle)
         engine = self.target_engine(handle.taps if handle else ())
-        stops = StopStrings(self.tokenizer, req.stop)
+        stops = AnswerText(self.tokenizer, req.stop)
         result = generate(
             engine,
             ids,
@@ -207,7 +208,7 @@ class Eyas:
         return build_report(
             req,
             r,
-            StopStrings(self.tokenizer, req.stop).text(r.token_ids),
+            AnswerText.of(self.tokenizer, r.token_ids, req.stop),
             self.loaded.precision,
             handle.source if handle else None,
             tree,
@@ -224,28 +225,6 @@ def tree_for(req: GenerateRequest, base: TreeSpec) -> TreeSpec:
         min_value=req.tree_min_value if req.tree_min_value is not None else base.min_value,
         expand_min_value=req.tree_expand_min_value if req.tree_expand_min_value is not None else base.expand_min_value,
     )
-
-
-class StopStrings:
-    """Stop strings: generation ends after the round whose text first contains one; the text is cut
-    before it (the token ids keep the whole round, as the target committed it)."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer = tokenizer
-        self.stop = [x for x in stop if x]
-        self.ids: list[int] = []
-
-    def on_tokens(self, new_ids: list[int]) -> bool:
-        if not self.stop:
-            return False
-        self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return any(x in text for x in self.stop)
-
-    def text(self, ids: list[int]) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        cuts = [text.index(x) for x in self.stop if x in text]
-        return text[: min(cuts)] if cuts else text
 
 
 def build_report(

@@ -5,7 +5,7 @@ import warnings
 
 from eyas.protocol import eyas_pb2 as eyas_dot_protocol_dot_eyas__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -50,6 +50,7 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.schema import GenerateRequest
 from eyas.protocol.service import SERVICER_FUNCTION, TIMEOUT_METADATA, decode_message, timeout_from_metadata
+from eyas.protocol.text import AnswerText
 from eyas.serve import openai_api as oai
 from eyas.serve.config import ServeConfig, parse_config  # noqa: F401 - parse_config: the app's config API
 from eyas.serve.errors import DeadlinePassed, Failure, Overloaded, ReplicaLost, failure_of, is_expected
@@ -96,6 +97,13 @@ class _Resuming:
     replacement replica, as the *committed prefix* (the prompt plus every token already streamed to
     the client) with the tokens still owed, so the client sees no duplicate and no missing token.
 
+    The committed prefix carries its own end: the target marks the chunk that completes the answer
+    (``finish``: EOS, a stop string, ``max_tokens``; ``EyasTarget.generate``). A replica lost after
+    that chunk and before its report is not resumed (a resumed request would run on past the end):
+    the stream ends with a report built here from the tokens sent, its finish reason the target's.
+    Each item's ``first`` is the answer index of its first token; a chunk that overlaps what was
+    already sent is cut to what is new, so delivery is exactly once.
+
     Greedy output is the uninterrupted run's (the continuation of a prefix is the target's argmax
     wherever it is computed). A sampled request stays a valid sample of the target's distribution:
     the resumed part draws with seed ``seed + tokens already sent``, so it is not the sample the
@@ -118,7 +126,9 @@ class _Resuming:
         self.start, self.req, self.ids, self.tokenizer = start, req, ids, tokenizer
         self.release, self.resume_timeout_s, self.deadline = release, resume_timeout_s, deadline
         self.sent: list[int] = []
+        self.finished_as: str | None = None  # the finish reason the target marked on the last chunk sent
         self.resumes = 0
+        self.started = time.monotonic()
         self.stream = start(req, ids)
 
     def __aiter__(self):
@@ -132,16 +142,26 @@ class _Resuming:
                 async for item in self._within_deadline(self.stream):
                     lost_at = None
                     if "tokens" in item:
-                        self.sent.extend(item["tokens"])
+                        item = self._new_part(item, prefix)
+                        if item is None:
+                            continue
                     elif "report" in item and (self.resumes or prefix):
                         item = {"report": self._merged(item["report"], prefix)}
                     yield item
                 return
             except _REPLICA_LOST as err:
+                owed = self.req.max_new_tokens - len(self.sent)
+                if self.finished_as is not None or owed <= 0:
+                    log.warning(
+                        "request %s: target replica lost after the answer's last token (%s); not resumed",
+                        self.req.request_id or "-",
+                        type(err).__name__,
+                    )
+                    yield {"report": self._finished_report()}
+                    return
                 now = time.monotonic()
                 lost_at = lost_at or now
-                owed = self.req.max_new_tokens - len(self.sent)
-                if owed <= 0 or now - lost_at > self.resume_timeout_s or self.release is None:
+                if now - lost_at > self.resume_timeout_s or self.release is None:
                     raise ReplicaLost(
                         "the target replica serving this request failed and none resumed it; retry the request"
                     ) from None
@@ -158,6 +178,32 @@ class _Resuming:
                     update={"max_new_tokens": owed, "seed": (self.req.seed + len(self.sent)) % 2**63}
                 )
                 self.stream = self.start(resumed, self.ids + self.sent)
+
+    def _new_part(self, item: dict, prefix: int) -> dict | None:
+        """A replica's chunk as the client's: its index in the whole answer (this attempt started
+        after ``prefix`` tokens), cut to the tokens not sent yet (None: nothing new)."""
+        first = prefix + int(item.get("first", len(self.sent) - prefix))
+        tokens = list(item["tokens"])[max(len(self.sent) - first, 0) :]
+        if first > len(self.sent):
+            raise RuntimeError(f"a chunk starts at token {first} but {len(self.sent)} were sent")
+        if not tokens:
+            return None
+        self.sent.extend(tokens)
+        self.finished_as = item.get("finish")
+        return {"tokens": tokens, "first": len(self.sent) - len(tokens), "finish": self.finished_as}
+
+    def _finished_report(self) -> dict:
+        """The report of an answer whose last token was sent before its replica died (its rounds
+        and timings went with the replica)."""
+        from eyas.generate import GenerationResult, finish
+        from eyas.runtime import build_report
+
+        reason = self.finished_as or finish(self.sent, self.req.max_new_tokens, ())[1]
+        result = GenerationResult(
+            token_ids=list(self.sent), finish_reason=reason, prefill_s=0.0, wall_s=time.monotonic() - self.started
+        )
+        text = AnswerText.of(self.tokenizer, self.sent, self.req.stop)
+        return {**build_report(self.req, result, text, None, None, None), "resumes": self.resumes}
 
     async def _within_deadline(self, stream):
         """``stream``'s items, each awaited no longer than the time left before the deadline."""
@@ -182,14 +228,12 @@ class _Resuming:
 
     def _merged(self, report: dict, prefix: int) -> dict:
         """The last replica's report over the whole answer: the first ``prefix`` tokens came before."""
-        from eyas.runtime import StopStrings
-
         tokens = self.sent[:prefix] + list(report["token_ids"])
         return {
             **report,
             "token_ids": tokens,
             "new_tokens": len(tokens),
-            "text": StopStrings(self.tokenizer, self.req.stop).text(tokens),
+            "text": AnswerText.of(self.tokenizer, tokens, self.req.stop),
             "resumes": self.resumes,
         }
 
@@ -299,8 +343,7 @@ class EyasServer:
         except ValueError as err:
             yield _refused(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
             return
-        sent: list[int] = []
-        text = ""
+        text = AnswerText(self.tokenizer, req.stop)  # the SSE stream's rule (eyas/protocol/text.py)
         async with self._request(req, ids, deadline) as items:
             async for item in items:
                 if isinstance(item, Failure):
@@ -309,13 +352,17 @@ class EyasServer:
                     )
                     return
                 if "tokens" in item:
-                    sent.extend(item["tokens"])
-                    full = self.tokenizer.decode(sent, skip_special_tokens=True)
-                    yield pb.GenerateChunk(token_ids=item["tokens"], text=full[len(text) :])
-                    text = full
+                    yield pb.GenerateChunk(
+                        token_ids=item["tokens"], text=text.push(item["tokens"]), first_token_index=item["first"]
+                    )
                 else:
                     report = item["report"]
-                    yield pb.GenerateChunk(finish_reason=report["finish_reason"], stats=_stats(report))
+                    yield pb.GenerateChunk(
+                        text=text.finish(),
+                        finish_reason=report["finish_reason"],
+                        stats=_stats(report),
+                        first_token_index=report["new_tokens"],
+                    )
 
     async def Stats(self, request: bytes | pb.StatsRequest, grpc_context=None) -> pb.StatsResponse:
         if not self._authorized(grpc_context):

@@ -78,14 +78,18 @@ class EyasClient:
 
     def stream(self, **fields) -> Iterator[pb.GenerateChunk]:
         """One chunk per round. The request is named (``request_id``, a fresh one unless given), so
-        that stopping early can cancel it by name as well as by closing the call."""
+        that stopping early can cancel it by name as well as by closing the call. Each token arrives
+        once: a chunk whose tokens were all received already (``first_token_index``) is dropped."""
         if not fields.get("request_id"):
             fields["request_id"] = uuid.uuid4().hex
         call = self.stub.GenerateStream(self.request(**fields), timeout=self.timeout_s, metadata=self._timed())
-        ended = False
+        ended, received = False, 0
         try:
             for chunk in call:
                 ended = bool(chunk.finish_reason)
+                if chunk.token_ids and chunk.first_token_index + len(chunk.token_ids) <= received:
+                    continue  # a chunk this client has already
+                received = max(received, chunk.first_token_index + len(chunk.token_ids))
                 yield chunk
         except grpc.RpcError as err:
             ended = True

@@ -43,9 +43,11 @@ from eyas import compute
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import TargetWorker
 from eyas.drafting.engine import TreeSpec
+from eyas.generate import finish, is_finished
 from eyas.protocol.messages import Refusal
 from eyas.protocol.schema import GenerateRequest
-from eyas.runtime import StopStrings, build_report, tree_for
+from eyas.protocol.text import AnswerText
+from eyas.runtime import build_report, tree_for
 from eyas.scheduler.cost import ExpertTraffic
 from eyas.scheduler.latency import LatencyCurve
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
@@ -228,7 +230,11 @@ class EyasTarget:
 
     # --- requests (from the ingress) ------------------------------------------------------------
     async def generate(self, request: dict, prompt_ids: list[int], received_at: float | None = None):
-        """Stream ``{"tokens": [...]}`` per publish, then ``{"report": ...}`` (or ``{"invalid": msg}``).
+        """Stream ``{"tokens": [...], "first": i, "finish": reason | None}`` per publish, then
+        ``{"report": ...}`` (or ``{"invalid": msg}``). ``first`` is the answer index of the chunk's
+        first token; ``finish`` is set on the chunk that completes the answer (its finish reason by
+        the one finish rule, ``eyas.generate.finish``), so that the committed tokens carry their own
+        end: an ingress whose replica dies after that chunk and before the report does not resume.
 
         The request stops early (finish reason ``cancelled``) when its caller goes away or when a
         named cancel for its ``request_id`` issued after ``received_at`` (the ingress's wall time)
@@ -245,12 +251,12 @@ class EyasTarget:
             # the drafter came up after this replica: ask it now, off the event loop
             self.loop.set_drafter_info(await asyncio.to_thread(self._drafter_info))
         future = self._submit(
-            req, prompt_ids, cancel, start, lambda new: loop.call_soon_threadsafe(queue.put_nowait, list(new))
+            req, prompt_ids, cancel, start, lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk)
         )
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, STREAM_DONE))
         try:
-            while (new := await queue.get()) is not STREAM_DONE:
-                yield {"tokens": new}
+            while (chunk := await queue.get()) is not STREAM_DONE:
+                yield chunk
             try:
                 report = future.result()
             except ValueError as err:
@@ -286,7 +292,7 @@ class EyasTarget:
 
         info = self.loop.drafter_info.get(req.method, {})
         tree = tree_for(req, info.get("default_tree", TreeSpec()))
-        stops = StopStrings(self.tokenizer, req.stop)
+        stops = AnswerText(self.tokenizer, req.stop)
         running = self.loop.submit(
             req.request_id or uuid.uuid4().hex,
             ids,
@@ -295,7 +301,7 @@ class EyasTarget:
             tree,
             SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p),
             req.seed,
-            _trimmed(req, on_new, stops, set(self.worker.cfg.eos_token_ids)),
+            _trimmed(req, on_new, stops, tuple(self.worker.cfg.eos_token_ids)),
             cancel,
         )
         report: concurrent.futures.Future = concurrent.futures.Future()
@@ -310,7 +316,12 @@ class EyasTarget:
                 self.reporter.poke()
                 report.set_result(
                     build_report(
-                        req, result, stops.text(result.token_ids), self.cfg.precision, info.get("source"), tree
+                        req,
+                        result,
+                        AnswerText.of(self.tokenizer, result.token_ids, req.stop),
+                        self.cfg.precision,
+                        info.get("source"),
+                        tree,
                     )
                 )
             except BaseException as err:  # noqa: BLE001 - a refusal (ValueError) or a failure, for the caller
@@ -488,21 +499,24 @@ def _device_kind(device: str, threads: int) -> str:
     return f"cpu-{threads}t"
 
 
-def _trimmed(req: GenerateRequest, on_tokens, stops: StopStrings, eos_ids: set[int]):
-    """The per-publish token callback: streams what the final answer keeps (up to max_new_tokens and
-    through the first stop id) and reports whether a stop string appeared."""
+def _trimmed(req: GenerateRequest, on_chunk, stops: AnswerText, eos_ids: tuple[int, ...]):
+    """The per-publish token callback: hands ``on_chunk`` what the final answer keeps of each publish
+    (up to ``max_new_tokens`` and through the first stop id) as ``{"tokens", "first", "finish"}``
+    (see ``EyasTarget.generate``), and reports whether a stop string appeared."""
     emitted: list[int] = []
 
     def tokens(new: list[int]) -> bool:
-        if on_tokens is not None:
-            chunk = []
-            for t in new:
-                if len(emitted) >= req.max_new_tokens or (emitted and emitted[-1] in eos_ids):
-                    break
-                emitted.append(t)
-                chunk.append(t)
-            if chunk:
-                on_tokens(chunk)
-        return stops.on_tokens(new)
+        first = len(emitted)
+        for t in new:
+            if len(emitted) >= req.max_new_tokens or (emitted and emitted[-1] in eos_ids):
+                break
+            emitted.append(t)
+        chunk = emitted[first:]
+        stopped = stops.on_tokens(chunk)
+        if chunk and on_chunk is not None:
+            done = is_finished(emitted, req.max_new_tokens, eos_ids, chunk, stopped)
+            reason = finish(emitted, req.max_new_tokens, eos_ids, stopped=stopped)[1] if done else None
+            on_chunk({"tokens": chunk, "first": first, "finish": reason})
+        return stopped
 
     return tokens

@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from eyas.protocol import wire
 from eyas.protocol.schema import CancelRequest, GenerateRequest, parse_cancel, parse_request
+from eyas.protocol.text import AnswerText
 from eyas.serve import openai_api as oai
 from eyas.serve.errors import Failure, Overloaded, failure_of
 
@@ -188,8 +189,7 @@ def build_http_app(server: Ingress) -> FastAPI:
         for), then ``[DONE]``; a failure is one error event. A client that closes the stream cancels
         the request (the request path's ``finally``)."""
         created = oai.now()
-        text = oai.StreamText(req.stop)
-        sent: list[int] = []
+        text = AnswerText(server.tokenizer, req.stop)  # the gRPC stream's rule (eyas/protocol/text.py)
         async with server._request(req, ids) as items:
             if parsed.kind == oai.CHAT:
                 yield sse_event(oai.chunk(parsed, response_id, created, None, None, role=True))
@@ -198,13 +198,12 @@ def build_http_app(server: Ingress) -> FastAPI:
                     yield sse_event(openai_error(item).body())
                     return
                 if "tokens" in item:
-                    sent.extend(item["tokens"])
-                    delta = text.delta(server.tokenizer.decode(sent, skip_special_tokens=True))
+                    delta = text.push(item["tokens"])
                     if delta:
                         yield sse_event(oai.chunk(parsed, response_id, created, delta, None))
                     continue
                 report = item["report"]
-                delta = text.delta(report["text"], final=True)
+                delta = text.finish()
                 if delta:
                     yield sse_event(oai.chunk(parsed, response_id, created, delta, None))
                 yield sse_event(

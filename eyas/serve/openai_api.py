@@ -376,30 +376,5 @@ def models(model_name: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "eyas"}]}
 
 
-class StreamText:
-    """The text a stream may send so far: the decoded tokens, cut before the first stop string, with
-    any tail that could still grow into a stop string held back, so that the streamed text adds up to
-    exactly the non-streamed text (which the target cuts before the stop string)."""
-
-    def __init__(self, stop: list[str]):
-        self.stop = [s for s in stop if s]
-        self.sent = ""
-
-    def safe(self, full: str, final: bool = False) -> str:
-        cuts = [full.index(s) for s in self.stop if s in full]
-        if cuts:
-            return full[: min(cuts)]
-        if final:
-            return full
-        hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
-        return full[: len(full) - hold]
-
-    def delta(self, full: str, final: bool = False) -> str:
-        safe = self.safe(full, final)
-        out = safe[len(self.sent) :] if safe.startswith(self.sent) else ""
-        self.sent = max(self.sent, safe, key=len) if safe.startswith(self.sent) else self.sent
-        return out
-
-
 def now() -> int:
     return int(time.time())

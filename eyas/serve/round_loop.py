@@ -557,6 +557,12 @@ class RoundLoop:
         if is_finished(live.out, live.max_new_tokens, live.eos, tokens, live.stopped):
             self._finish(live, None)
 
+    def _close_draft_session(self, request_id: str) -> None:
+        try:
+            self.drafter("close_session", request_id)
+        except Exception as err:  # noqa: BLE001 - logged; a lost drafter's sessions went with it
+            log.debug("drafter close_session %s: %s", request_id, err)
+
     def _finish(self, live: Live, reason: str | None, err: Exception | None = None) -> None:
         if live.future.done():
             return
@@ -566,10 +572,12 @@ class RoundLoop:
         except Exception:
             log.exception("close_session %s", live.request_id)
         if live.drafter_open and self.drafter is not None:
-            try:
-                self.drafter("close_session", live.request_id)
-            except Exception as err:  # noqa: BLE001 - logged; a lost drafter's sessions went with it
-                log.debug("drafter close_session %s: %s", live.request_id, err)
+            if self.drafter_down.is_set():  # it would wait out the call's timeout: the round loop must not
+                threading.Thread(
+                    target=self._close_draft_session, args=(live.request_id,), name="eyas-drafter-close", daemon=True
+                ).start()
+            else:
+                self._close_draft_session(live.request_id)
         if err is not None and reason == FINISH_ERROR and not live.out:
             live.future.set_exception(_as_value_error(err))
             return

@@ -5,6 +5,7 @@ Ordered: the last tests kill the drafter replica, then the target replica (twice
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import grpc
@@ -93,6 +94,27 @@ def test_stream_chunks_add_up_to_the_unary_answer(client):
     assert all(not c.finish_reason for c in chunks[:-1]) and len(chunks) >= 3
     # rounds may differ between the two runs: the tree-work scheduler picks each round's tree from live timings
     assert chunks[-1].stats.tau >= 1.0 and chunks[-1].stats.rounds >= 1
+
+
+MULTIBYTE_PROMPTS = ("Translate 'thank you' into Japanese.", "Repeat exactly: 日本語です 😀, café")
+
+
+@pytest.mark.parametrize("prompt", MULTIBYTE_PROMPTS)
+def test_a_stream_of_cjk_and_emoji_adds_up_to_the_answer_on_grpc_and_sse(client, http_url, prompt):
+    """Both streams use one text rule (eyas/protocol/text.py): a character split across tokens is
+    held back, not sent as U+FFFD, and nothing after it is lost (the SSE stream used to stop at the
+    first such character; gRPC sent the U+FFFD). The answers hold non-ASCII text."""
+    report = client.generate(prompt=prompt, method="eagle3", max_new_tokens=N)
+    assert any(ord(c) > 127 for c in report["text"]), report["text"]
+    chunks = list(client.stream(prompt=prompt, method="eagle3", max_new_tokens=N))
+    assert "".join(c.text for c in chunks) == report["text"]
+    assert [c.first_token_index for c in chunks if c.token_ids] == list(
+        itertools.accumulate([len(c.token_ids) for c in chunks if c.token_ids][:-1], initial=0)
+    )
+    streamed = _openai(http_url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=N, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == report["text"]
 
 
 def test_a_short_request_beside_a_2000_token_prompt_gets_its_first_token_while_that_prompt_prefills(

@@ -118,18 +118,6 @@ def test_spec_stats_follow_the_rounds():
     assert none["num_spec_steps"] == 0 and none["draft_acceptance_rate"] == 0.0
 
 
-def test_stream_text_never_sends_what_a_stop_string_will_cut():
-    """Streamed deltas add up to the non-streamed text (cut before the stop string), even when the
-    stop string arrives split across rounds."""
-    text = oai.StreamText(["\n\n", "END"])
-    deltas = [text.delta(full) for full in ("Hello", "Hello\n", "Hello\nwor", "Hello\nworld E", "Hello\nworld EN")]
-    assert "".join(deltas) == "Hello\nworld "  # "E", "EN" held back; "\n" sent once "wor" came
-    deltas.append(text.delta("Hello\nworld END and more", final=True))
-    assert "".join(deltas) == "Hello\nworld "
-    plain = oai.StreamText([])
-    assert plain.delta("ab") + plain.delta("abc") + plain.delta("abc", final=True) == "abc"
-
-
 def test_api_key():
     oai.check_api_key(None, None)  # no key configured: open
     oai.check_api_key("s3cret", "Bearer s3cret")
