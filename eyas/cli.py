@@ -3,7 +3,7 @@
     eyas generate --prompt TEXT [--method target|eagle1|eagle3] [--drafter PATH] [--max-new-tokens N]
                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--tree-kind dynamic|static|chain]
                   [--tree-depth D --tree-width W --tree-budget B] [--tree-min-value V --tree-expand-min-value V]
-                  [--precision fp32|fp16w|int8] [--raw] [--json]
+                  [--precision fp32|fp16w|int8|gguf] [--raw] [--json]
     eyas generate --server HOST:PORT ...   the same flags and --json output, over the Eyas gRPC service
     eyas demo [--prompt TEXT]     speculative vs target-only on the default model, with the speedup
     eyas serve [--config ray_configs/serve.yaml] [--grpc-port 9000] [--http-port 8000]
@@ -55,7 +55,7 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
         default="fp32",
-        help="served precision of the target: fp32 | fp16w (fp16 weights, fp32 compute) | int8",
+        help="served precision of the target: fp32 | fp16w (fp16 weights, fp32 compute) | int8 | gguf (the GGUF's own 4/8-bit blocks, llama.cpp's arithmetic)",
     )
     p.add_argument(
         "--dtype",

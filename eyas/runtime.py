@@ -97,11 +97,25 @@ def make_drafter(
     if precision == "fp16w":
         quantize_fp16_weights(drafter)  # drafting precision moves acceptance only, never the output
         default_tree = smaller_tree(default_tree, FP16W_DEFAULT_TREE)
+    elif precision == "gguf":
+        gguf_drafter(drafter)
+        default_tree = smaller_tree(default_tree, FP16W_DEFAULT_TREE)
     drafter = drafter.to(device=embed.weight.device, dtype=dtype)
     int8_head = dtype == torch.float32 and embed.weight.device.type == "cpu"  # fbgemm: a CPU-only path
     return DrafterHandle(
         DrafterEngine(drafter, embed, lm_head, int8_head=int8_head, taps=taps), taps, source, default_tree
     )
+
+
+def gguf_drafter(drafter: nn.Module) -> nn.Module:
+    """A drafter beside a ``gguf`` target, in place: its linears as Q8_0 blocks through the gguf
+    kernels, its decoder layer fused (``eyas.target.quantized``)."""
+    from eyas.target.quantized import FusedDraftLayer, quantize_linears
+
+    quantize_linears(drafter)
+    if FusedDraftLayer.fits(drafter.layer):
+        drafter.layer.fused = FusedDraftLayer(drafter.layer)
+    return drafter
 
 
 def smaller_tree(tree: TreeSpec, cap: TreeSpec) -> TreeSpec:

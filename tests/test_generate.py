@@ -154,6 +154,43 @@ def test_greedy_identity_fp16w_served_precision(method):
             assert generate(target, prompt, max_new_tokens=30, drafter=drafter, tree=tree).token_ids == base.token_ids
 
 
+@pytest.mark.parametrize("hidden", [64, 128])  # per-layer fused calls (head_dim 16); the whole forward in one (32)
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+def test_greedy_identity_gguf_served_precision(method, hidden):
+    """gguf (GGUF blocks, Q8 activations, integer dot products) is a served precision: speculative
+    equals target-only at it, for random drafters and for a drafter that proposes the target's own
+    chain (every row accepted: the deepest verifies), with the drafter's linears at Q8_0 too."""
+    from eyas.runtime import gguf_drafter
+    from eyas.target.quantized import QLinear, quantize_gguf
+
+    if kernels_off():
+        pytest.skip("Eyas's CPU kernels do not run here")
+    model = ours_from_hf(tiny_hf_llama(hidden=hidden, heads=4, kv_heads=2, seed=3))
+    quantize_gguf(model)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    target, drafter = engines(model, method)
+    gguf_drafter(drafter.drafter)
+    assert any(isinstance(m, QLinear) for m in drafter.drafter.modules()) and drafter.drafter.layer.fused is not None
+    for prompt in ([3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7, 7, 9, 30, 11]):
+        base = generate(TargetEngine(model, ()), prompt, max_new_tokens=30)
+        for tree in TREES:
+            assert generate(target, prompt, max_new_tokens=30, drafter=drafter, tree=tree).token_ids == base.token_ids
+        oracle = generate(
+            TargetEngine(model, ()),
+            prompt,
+            max_new_tokens=30,
+            drafter=TargetChainOracle(model, prompt),
+            tree=TreeSpec(kind="chain", max_depth=6),
+        )
+        assert oracle.token_ids == base.token_ids and oracle.target_forwards <= 30 // 7 + 2
+
+
+def kernels_off() -> bool:
+    from eyas import kernels
+
+    return kernels.load() is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("method", ["eagle1", "eagle3"])
 def test_greedy_identity_at_a_half_precision_compute_dtype(method, dtype):
@@ -416,6 +453,30 @@ def test_greedy_identity_fp16w_real_model():
     assert eyas.loaded.precision == "fp16w"
     for method in ("eagle3", "eagle1"):
         assert not any(isinstance(m, torch.nn.Linear) for m in eyas.drafter(method).engine.drafter.modules())
+    questions = [q["turns"][0] for q in mtbench_questions()]
+    for prompt in (questions[0], questions[3]):
+        base, _ = eyas.generate(parse_request(prompt=prompt, method="target", max_new_tokens=24))
+        for method in ("eagle3", "eagle1"):
+            spec, _ = eyas.generate(parse_request(prompt=prompt, method=method, max_new_tokens=24))
+            assert spec.token_ids == base.token_ids, (prompt, method)
+            assert len(spec.rounds) < len(base.rounds)
+
+
+@pytest.mark.real_model
+def test_greedy_identity_gguf_real_model():
+    """At the served gguf precision (the default GGUF's own Q4_1 / Q8_0 blocks, llama.cpp's
+    arithmetic), EAGLE-3 and EAGLE-1 speculative greedy output equals gguf target-only output on two
+    MT-bench first turns, in fewer target forwards; its drafters draft with Q8_0 blocks."""
+    from eyas.protocol.schema import parse_request
+    from eyas.runtime import Eyas
+    from eyas.training.data import mtbench_questions
+
+    if kernels_off():
+        pytest.skip("Eyas's CPU kernels do not run here")
+    eyas = Eyas(precision="gguf")
+    assert eyas.loaded.precision == "gguf" and eyas.model.fused is not None
+    for method in ("eagle3", "eagle1"):
+        assert not any(type(m) is torch.nn.Linear for m in eyas.drafter(method).engine.drafter.modules())
     questions = [q["turns"][0] for q in mtbench_questions()]
     for prompt in (questions[0], questions[3]):
         base, _ = eyas.generate(parse_request(prompt=prompt, method="target", max_new_tokens=24))

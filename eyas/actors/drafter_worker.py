@@ -54,7 +54,8 @@ class DrafterWorker:
         """Load the target's embedding and LM head (and no decoder layer: :func:`load_target_head`) plus a
         drafter per method (shipped ones by default).
         ``precision``: the served target precision; at ``fp16w`` the drafters and the target head they
-        read run with fp16 weights too (fp32 otherwise: an int8 target still drafts at fp32).
+        read run with fp16 weights too, at ``gguf`` the drafters with Q8_0 blocks and the head with the
+        GGUF's own blocks (fp32 otherwise: an int8 target still drafts at fp32).
         ``dtype``, ``device``: the target's compute dtype and where these drafters compute."""
         from eyas.runtime import make_drafter
         from eyas.target.loader import load_target_head
@@ -63,7 +64,9 @@ class DrafterWorker:
             torch.set_num_threads(threads)
         from eyas.target.loader import DTYPES
 
-        head = load_target_head(target, "fp16w" if precision == "fp16w" else "fp32", device=device, dtype=dtype)
+        head = load_target_head(
+            target, precision if precision in ("fp16w", "gguf") else "fp32", device=device, dtype=dtype
+        )
         handles = {
             m: make_drafter(
                 m,

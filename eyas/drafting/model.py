@@ -146,6 +146,7 @@ class DraftLayer(nn.Module):
         self.attn = Attention(d, heads, kv_heads, head_dim, d_in=d_in)
         self.mlp_norm = RMSNorm(d, eps)
         self.mlp = MLP(d, ffn)
+        self.fused = None  # gguf's fused kernels for this layer (eyas.target.quantized.FusedDraftLayer)
 
     def _pre(self, x: torch.Tensor) -> torch.Tensor:
         return self.attn_norm(x) if self.attn_norm is not None else x
@@ -155,6 +156,8 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
     def forward_batch(self, x, residual, cos, sin, kv, plan):  # x: [1, N, d_in]; residual: [1, N, d]
+        if self.fused is not None:
+            return self.fused.forward_batch(x, residual, cos, sin, kv, plan)
         h = residual + self.attn.forward_batch(self._pre(x), cos, sin, kv, plan, 0)
         return h + self.mlp(self.mlp_norm(h))
 

@@ -41,9 +41,21 @@ import torch
 log = logging.getLogger("eyas.kernels")
 
 SWITCH_ENV = "EYAS_CPU_KERNELS"  # "0": never use the kernels
-SOURCE = Path(__file__).with_name("cpu.cpp")
+ISA_ENV = "EYAS_CPU_ISA"  # "avx2": the baseline build even on a CPU with AVX-512 (benches compare the two)
+SOURCES = [Path(__file__).with_name("cpu.cpp"), Path(__file__).with_name("quant.cpp")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
+# The builds, best first: (name, the CPU flags it needs beyond NEEDED_CPU_FLAGS, its extra compiler flags).
+# Both compute the same bits (quant.cpp sums the same integers either way); AVX-512 VNNI takes one
+# instruction for the integer dot product where AVX2 takes two.
+BUILDS = (
+    (
+        "avx512-vnni",
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+        ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    ),
+    ("avx2", (), []),
+)
 
 _lock = threading.Lock()
 _loaded: object | None = None
@@ -62,29 +74,49 @@ def preferred() -> bool:
     return _preferred
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's instruction-set flags (/proc/cpuinfo; [] where unknown)."""
+    try:
+        return next(
+            line.split(":", 1)[1].split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return []
+
+
 def unavailable_reason() -> str | None:
     """Why the kernels cannot run here (None: they can, as far as can be told before building)."""
     if os.environ.get(SWITCH_ENV, "1") == "0":
         return f"{SWITCH_ENV}=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    try:
-        flags = next(
-            line.split(":", 1)[1].split()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
+    flags = cpu_flags()
+    if not flags:
         return "the CPU's instruction sets are unknown (no /proc/cpuinfo)"
     missing = [f for f in NEEDED_CPU_FLAGS if f not in flags]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
-def build_directory() -> Path:
+def isa() -> str:
+    """The build this CPU runs: the best of :data:`BUILDS` whose flags it has (``EYAS_CPU_ISA`` may
+    ask for a lesser one)."""
+    flags, wanted = set(cpu_flags()), os.environ.get(ISA_ENV)
+    names = [name for name, _, _ in BUILDS]
+    if wanted is not None and wanted not in names:
+        raise ValueError(f"{ISA_ENV}: {wanted!r} is not one of {names}")
+    for name, needs, _ in BUILDS[names.index(wanted) if wanted else 0 :]:
+        if set(needs) <= flags:
+            return name
+    return BUILDS[-1][0]
+
+
+def build_directory(build: str | None = None) -> Path:
     from eyas.target.loader import cache_root
 
     tag = f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
-    return cache_root() / "kernels" / tag
+    return cache_root() / "kernels" / tag / (build or isa())
 
 
 def load():
@@ -98,12 +130,13 @@ def load():
             try:
                 from torch.utils.cpp_extension import load as build
 
-                folder = build_directory()
+                name = isa()
+                folder = build_directory(name)
                 folder.mkdir(parents=True, exist_ok=True)
                 _loaded = build(
-                    name="eyas_cpu_kernels",
-                    sources=[str(SOURCE)],
-                    extra_cflags=CFLAGS,
+                    name="eyas_cpu_kernels_" + name.replace("-", "_"),
+                    sources=[str(p) for p in SOURCES],
+                    extra_cflags=CFLAGS + dict((n, f) for n, _, f in BUILDS)[name],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(folder),
                     verbose=False,

@@ -10,14 +10,9 @@
 #include <limits>
 #include <vector>
 
-namespace {
+#include "simd.h"
 
-inline float hsum8(__m256 v) {  // one fixed order
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x1));
-  return _mm_cvtss_f32(s);
-}
+namespace {
 
 // ---------------------------------------------------------------------------------------------------
 // linear: y [M, N] = x [M, K] @ W^T, W fp16, fp32 arithmetic
@@ -104,31 +99,6 @@ torch::Tensor linear_f16w(torch::Tensor x, torch::Tensor packed) {
 // attend: each query row over the keys its mask shows, in slot order
 // ---------------------------------------------------------------------------------------------------
 
-namespace {
-
-// exp for x <= 0 (scores minus their max): Cephes' range reduction and polynomial, 8 lanes
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  x = _mm256_max_ps(x, lo);
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, c1));
-  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, c2));
-  const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-}  // namespace
-
 // q [B, H, T, D], keys/values [B, Hkv, S, D] (D a multiple of 8, stride 1 along D), mask [B, T, S] bool or
 // None (every key visible) -> [B, H, T, D]. Query head h reads KV head h / (H / Hkv). A row with no visible
 // key gives zeros (a padding cell of a query grid).
@@ -161,7 +131,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   float* op = out.data_ptr<float>();
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
   const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
-  const int64_t group = H / Hkv, lanes = D / 8;
+  const int64_t group = H / Hkv;
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, B * H * T, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> score(S + 8);
@@ -177,41 +147,18 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
         std::fill(o, o + D, 0.0f);
         continue;
       }
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < n; i++) {  // scores, in slot order
-        const float* kr = kp + b * ks0 + hk * ks1 + visible[i] * ks2;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t l = 0; l < lanes; l++)
-          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * l), _mm256_loadu_ps(kr + 8 * l), acc);
-        score[i] = hsum8(acc) * fscale;
-        top = std::max(top, score[i]);
-      }
-      for (int64_t i = n; i < ((n + 7) / 8) * 8; i++) score[i] = -std::numeric_limits<float>::infinity();
-      const __m256 topv = _mm256_set1_ps(top), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-      __m256 sumv = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; i += 8) {  // unnormalised probabilities, 8 at a time; padding lanes 0
-        const __m256 sv = _mm256_loadu_ps(&score[i]);
-        const __m256 ev = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(sv, topv)), _mm256_cmp_ps(sv, ninf, _CMP_NEQ_OQ));
-        _mm256_storeu_ps(&score[i], ev);
-        sumv = _mm256_add_ps(sumv, ev);
-      }
-      const float inv = 1.0f / hsum8(sumv);
-      __m256 acc[16];  // D <= 128, checked before the parallel region
-      for (int64_t l = 0; l < lanes; l++) acc[l] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; i++) {  // the weighted values, in slot order
-        const float* vr = vp + b * vs0 + hk * vs1 + visible[i] * vs2;
-        const __m256 pw = _mm256_set1_ps(score[i]);
-        for (int64_t l = 0; l < lanes; l++) acc[l] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * l), acc[l]);
-      }
-      const __m256 invv = _mm256_set1_ps(inv);
-      for (int64_t l = 0; l < lanes; l++) _mm256_storeu_ps(o + 8 * l, _mm256_mul_ps(acc[l], invv));
+      attend_visible(qv, kp + b * ks0 + hk * ks1, ks2, vp + b * vs0 + hk * vs1, vs2, visible.data(), n, D, fscale,
+                     score.data(), o);
     }
   });
   return out;
 }
 
+void register_quant(pybind11::module& m);  // quant.cpp: the gguf precision's kernels
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_f16w", &pack_f16w, "fp16 weights [N, K] packed for linear_f16w");
   m.def("linear_f16w", &linear_f16w, "x [M, K] float32 @ packed fp16 weights^T -> [M, N], row-invariant");
   m.def("attend", &attend, "attention of each query row over its visible keys, row-invariant");
+  register_quant(m);
 }

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray.serve.config import AutoscalingConfig
 
 from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK
-from eyas.target.loader import DEFAULT_TARGET, PRECISIONS, check_device, check_dtype
+from eyas.target.loader import CPU_KERNELS, DEFAULT_TARGET, PRECISIONS, check_device, check_dtype
 
 REPLICA_KINDS = ("target", "drafter")
 
@@ -120,7 +120,7 @@ class ServeConfig(BaseModel):
         for kind in REPLICA_KINDS:
             if self.device is None and self.num_gpus(kind) > 0 and self.precision != "fp32":
                 raise ValueError(
-                    f"precision: {self.precision} (fbgemm kernels) runs on the CPU only, not on the "
+                    f"precision: {self.precision} ({CPU_KERNELS[self.precision]}) runs on the CPU only, not on the "
                     f"GPU that {kind}_num_gpus reserves (set device: cpu, or precision: fp32)"
                 )
         return self

@@ -242,6 +242,22 @@ class BatchRows:
     def key_len(self) -> int:
         return max([self.grid.key_len if self.grid else 0] + [w.start + w.hi - w.lo for w in self.wide])
 
+    def visibility(self) -> torch.Tensor:
+        """What each packed row sees of its K/V row, as one mask [N, key_len] bool (True: may attend),
+        for kernels that attend row by row (``eyas.target.quantized``)."""
+        seen = torch.zeros(self.num_rows, self.key_len, dtype=torch.bool, device=self.tokens.device)
+        for w in self.wide:
+            t = w.hi - w.lo
+            if w.mask is None:
+                seen[w.lo, : w.start + 1] = True
+            else:
+                seen[w.lo : w.hi, : w.start + t] = w.mask[0]
+        if self.grid is not None:
+            g = self.grid
+            B, _, W, S = g.mask.shape
+            seen[g.rows, :S] = g.mask.reshape(B * W, S)[g.cells]
+        return seen
+
     @classmethod
     def build(cls, groups: list[RowGroup], device: str | torch.device = "cpu") -> BatchRows:
         assert groups, "groups: at least one"

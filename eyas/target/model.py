@@ -508,6 +508,12 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(1, N, H, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)  # [N, H, hd]
         k = apply_rotary(k.view(1, N, Hkv, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)  # [N, H_kv, hd]
         v = v.view(N, Hkv, hd)
+        return self.wo(self.attend_batch(q, k, v, kv, plan, layer)[None])  # [1, N, d]
+
+    def attend_batch(self, q, k, v, kv: BatchKV, plan: BatchRows, layer: int) -> torch.Tensor:
+        """The packed rows' new K/V written into the store and their attention (see
+        :meth:`forward_batch`): q [N, H, hd], k and v [N, H_kv, hd] (rotary applied) -> [N, H * hd]."""
+        N, H, hd = q.shape
         out = q.new_empty(N, H * hd)
         for w in plan.wide:  # contiguous slots: its keys are a view of its own KV row
             keys, values = kv.write_span(
@@ -524,7 +530,7 @@ class Attention(nn.Module):
                 if self.row_stable
                 else self._attend_grid(q[g.rows], keys, values, g)
             )
-        return self.wo(out[None])  # [1, N, d]
+        return out  # [1, N, d]
 
     def _attend_grid(self, q, keys, values, g: Grid):
         """q [M, H, hd] of the grid's rows over keys/values [B, H_kv, S, hd] -> [M, H*hd]: one call.
@@ -673,12 +679,15 @@ class DecoderLayer(nn.Module):
         )
         self.mlp_norm = RMSNorm(d, eps)
         self.mlp = MoE(d, ffn, num_experts, top_k, norm_topk_prob, shared_ffn) if num_experts else MLP(d, ffn)
+        self.fused = None  # the gguf precision's fused kernels for this layer (eyas.target.quantized.FusedLayer)
 
     def forward(self, x, cos, sin, cache, layer, start, mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, start, mask)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward_batch(self, x, cos, sin, kv, plan, layer):
+        if self.fused is not None:
+            return self.fused.forward_batch(x, cos, sin, kv, plan, layer)
         x = x + self.attn.forward_batch(self.attn_norm(x), cos, sin, kv, plan, layer)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -770,6 +779,7 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
+        self.fused = None  # the gguf precision's one-call forward of every layer (eyas.target.quantized.FusedForward)
         self.requires_grad_(False)
 
     def allocate_cache(self, batch: int, max_slots: int) -> KVCache:
@@ -810,6 +820,20 @@ class TargetModel(nn.Module):
         if start + T > cache.max_slots:
             raise ValueError(f"rows: {start + T} slots exceed the KV cache ({cache.max_slots})")
         cos, sin = self.rope(positions)
+        if self.fused is not None and isinstance(cache, KVCache):
+            seen = torch.ones(B, T, start + T, dtype=torch.bool) if mask is None else mask
+            return self._run_fused(
+                self.embed(tokens),
+                cos,
+                sin,
+                cache.k,
+                cache.v,
+                torch.arange(B).repeat_interleave(T),
+                torch.arange(start, start + T).repeat(B),
+                seen.reshape(B * T, start + T),
+                taps,
+                logits_rows,
+            )
         return self._run(
             self.embed(tokens), taps, logits_rows, lambda i, layer, x: layer(x, cos, sin, cache, i, start, mask)
         )
@@ -828,6 +852,19 @@ class TargetModel(nn.Module):
         cos, sin = self.rope(plan.positions[None], plan.max_position)
         if isinstance(logits_rows, torch.Tensor):
             logits_rows = logits_rows.to(plan.tokens.device)
+        if self.fused is not None:
+            return self._run_fused(
+                self.embed(plan.tokens[None]),
+                cos,
+                sin,
+                kv.k,
+                kv.v,
+                plan.kv_rows,
+                plan.slots,
+                plan.visibility(),
+                taps,
+                logits_rows,
+            )
         return self._run(
             self.embed(plan.tokens[None]),
             taps,
@@ -846,6 +883,33 @@ class TargetModel(nn.Module):
             x = step(i, layer, x)
             if i + 1 in wanted:
                 tapped[i + 1] = x
+        return self._outputs(x, tapped, taps, logits_rows)
+
+    def _run_fused(self, x, cos, sin, k_store, v_store, kv_rows, slots, mask, taps, logits_rows) -> ForwardOut:
+        """:meth:`_run` through the fused kernels (``self.fused``: every layer in one call). x [B, T, d]
+        packed as B * T rows; cos, sin [B, T, hd]; the K/V store [L, R, H_kv, S, hd] written in place at
+        (kv_rows, slots) [B * T]; mask [B * T, key_len] bool: what each row sees of its K/V row."""
+        B, T, d = x.shape
+        wanted = sorted({t.layers_applied for t in taps} - {0})
+        out, kept = self.fused(
+            x.reshape(B * T, d),
+            cos.reshape(B * T, -1),
+            sin.reshape(B * T, -1),
+            k_store,
+            v_store,
+            kv_rows,
+            slots,
+            mask,
+            wanted,
+        )
+        tapped = {n: kept[i].view(B, T, d) for i, n in enumerate(wanted)}
+        if any(t.layers_applied == 0 for t in taps):
+            tapped[0] = x
+        return self._outputs(out.view(B, T, d), tapped, taps, logits_rows)
+
+    def _outputs(self, x, tapped, taps, logits_rows) -> ForwardOut:
+        """The features of ``taps`` from the kept layer outputs ``tapped``, and the logits of the final
+        norm of ``x`` at ``logits_rows``."""
         final = self.norm(x)
         features = (
             torch.cat(

@@ -8,13 +8,14 @@ from eyas.target.loader import PRECISIONS, load_target
 
 
 def test_precisions_are_the_served_ones():
-    assert PRECISIONS == ("fp32", "fp16w", "int8")
+    assert PRECISIONS == ("fp32", "fp16w", "int8", "gguf")
 
 
 @pytest.mark.parametrize(
     "precision, device, message",
     [
-        ("fp16", "cpu", r"^precision: 'fp16' is not one of \('fp32', 'fp16w', 'int8'\)"),
+        ("fp16", "cpu", r"^precision: 'fp16' is not one of \('fp32', 'fp16w', 'int8', 'gguf'\)"),
+        ("gguf", "cuda", r"^precision: gguf \(Eyas's CPU kernels\) runs on the CPU only, not 'cuda'"),
         ("fp16w", "cuda", r"^precision: fp16w \(fbgemm kernels\) runs on the CPU only, not 'cuda'"),
         ("int8", "cuda:0", r"^precision: int8 \(fbgemm kernels\) runs on the CPU only, not 'cuda:0'"),
     ],
@@ -69,10 +70,25 @@ def test_the_fp16w_target_head_scores_exactly_as_the_fp16w_target(tmp_path):
     assert torch.equal(head.embed.weight, full.model.embed.weight)
 
 
+def test_the_gguf_target_head_scores_exactly_as_the_gguf_target(tmp_path):
+    """An HF checkpoint at gguf: its head quantized to Q8_0 at load, the same blocks both ways."""
+    import torch
+
+    from eyas.target.loader import load_target_head
+    from eyas.target.quantized import QLinear
+
+    folder = _tiny_checkpoint(tmp_path / "ckpt", tie=True)
+    head, full = load_target_head(folder, "gguf"), load_target(folder, "gguf")
+    assert isinstance(head.lm_head, QLinear) and isinstance(full.model.lm_head, QLinear)
+    x = torch.randn(5, head.cfg.hidden_size)  # [rows, d]
+    assert torch.equal(head.lm_head(x), full.model.lm_head(x))
+    assert torch.equal(head.embed.weight, full.model.embed.weight)
+
+
 def test_a_target_head_refuses_int8(tmp_path):
     from eyas.target.loader import load_target_head
 
-    with pytest.raises(ValueError, match=r"^precision: 'int8' is not one of \('fp32', 'fp16w'\)"):
+    with pytest.raises(ValueError, match=r"^precision: 'int8' is not one of \('fp32', 'fp16w', 'gguf'\)"):
         load_target_head(tmp_path, "int8")
 
 

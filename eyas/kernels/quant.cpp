@@ -1,0 +1,944 @@
+// The `gguf` precision's kernels: a checkpoint's own quantized blocks (GGUF Q4_0, Q4_1, Q8_0), computed
+// the way llama.cpp computes them -- each activation row quantized to 8 bits per block of 32 (Q8), the
+// products of a weight block and an activation block summed in integers, then scaled in fp32 -- and the
+// per-layer glue (RMSNorm, rotary, SiLU x up, residual adds) fused around them, so that a decoder layer is
+// two calls and an attention. See eyas/kernels/__init__.py.
+//
+// Every kernel is *row-invariant*: a row's result depends on its own inputs only, in one fixed order,
+// however many rows share the call (a verify row is bit for bit the one-row decode of its token).
+//
+// One source, two builds (eyas.kernels picks one at run time by the CPU's flags): AVX2 + FMA + F16C (the
+// baseline), and AVX-512 with VNNI (`__AVX512VNNI__`), whose integer dot product is one instruction where
+// AVX2 takes two. Both sum the same integers exactly, so the two builds compute the same bits.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+#include <chrono>
+
+#include "simd.h"
+static double g_prof[6];
+static inline double nowus(){return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();}
+
+namespace eyas_quant {
+
+// GGML's type ids and block sizes (bytes per block of 32 weights)
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kBlock = 32;
+
+inline int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return 18;  // fp16 d, 16 bytes of nibbles: w = d * (q - 8)
+    case kQ4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m
+    case kQ8_0: return 34;  // fp16 d, 32 int8: w = d * q
+    default: return 0;
+  }
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One activation block: x ~= d * q, q in [-127, 127]; isum = sum(q), s = d * isum.
+struct ActBlock {
+  float d;
+  float s;
+  int32_t isum;
+  int8_t q[32];
+};
+
+// rows [M, K] float32 -> Q8 blocks [M, K/32], each block scaled by its absolute maximum / 127, rounded to
+// nearest (ties to even)
+inline void quantize_row(const float* x, int64_t K, ActBlock* out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / kBlock; b++) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 0x1));
+    const float top = _mm_cvtss_f32(m);
+    const float d = top / 127.0f;
+    const __m256 id = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++)
+      q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    // pack 32 int32 -> 32 int8 in order
+    const __m256i p01 = _mm256_packs_epi32(q[0], q[1]);  // lanes interleaved by 128-bit halves
+    const __m256i p23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i p = _mm256_packs_epi16(p01, p23);
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    out[b].d = d;
+    out[b].isum = _mm_cvtsi128_si32(s4);
+    out[b].s = d * static_cast<float>(out[b].isum);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q), p);
+  }
+}
+
+// --- weights repacked for SIMD, once at load ------------------------------------------------------
+// Outputs are interleaved in groups of kGroup (one SIMD lane each), so that a weight block's products
+// with one activation block land in the lanes of their outputs: no horizontal sum. A group's block is
+//   d [G] fp16, (m [G] fp16 for Q4_1), then the quantized values, in 4-input steps: byte 4 j + t of a
+//   step holds output j's input 4 s + t (Q8_0: 8 steps of 4 G bytes; Q4: 4 registers of 4 G bytes whose
+//   low nibbles are inputs 4 r + t and high nibbles inputs 16 + 4 r + t, GGUF's own nibble pairing).
+// Each lane computes, block by block: isum = the exact integer dot product; acc = fma(isum, dw * dx, acc);
+// (Q4_1) acc = fma(mw, sx, acc): the same arithmetic for any group width, so both builds give the same bits.
+#if defined(__AVX512VNNI__)
+constexpr int64_t kGroup = 16;
+#else
+constexpr int64_t kGroup = 8;
+#endif
+
+inline int64_t group_block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return kGroup * 18;
+    case kQ4_1: return kGroup * 20;
+    case kQ8_0: return kGroup * 34;
+    default: return 0;
+  }
+}
+
+inline int64_t quant_bytes_offset(int64_t qtype) { return qtype == kQ4_1 ? 4 * kGroup : 2 * kGroup; }
+
+#if defined(__AVX512VNNI__)
+using VecI = __m512i;
+using VecF = __m512;
+inline VecI vzero_i() { return _mm512_setzero_si512(); }
+inline VecF vzero_f() { return _mm512_setzero_ps(); }
+inline VecI vload_i(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline VecI vbcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline VecI vdot(VecI acc, VecI u, VecI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline VecI vand(VecI a, VecI b) { return _mm512_and_si512(a, b); }
+inline VecI vsrl4(VecI a) { return _mm512_srli_epi16(a, 4); }
+inline VecI vset1_8(int8_t v) { return _mm512_set1_epi8(v); }
+inline VecI vabs8(VecI a) { return _mm512_abs_epi8(a); }
+inline VecI vsign8(VecI x, VecI w) {  // x * sign(w), 0 where w is 0
+  const __mmask64 neg = _mm512_movepi8_mask(w), zero = _mm512_testn_epi8_mask(w, w);
+  return _mm512_maskz_mov_epi8(~zero, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+}
+inline VecI vsub_i32(VecI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+inline VecF vhalf(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VecF vcvt(VecI a) { return _mm512_cvtepi32_ps(a); }
+inline VecF vset1_f(float v) { return _mm512_set1_ps(v); }
+inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* p, VecF v, int64_t n) {
+  if (n == kGroup)
+    _mm512_storeu_ps(p, v);
+  else
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
+}
+inline VecF vload_f(const float* p, int64_t n) {
+  return n == kGroup ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+#else
+using VecI = __m256i;
+using VecF = __m256;
+inline VecI vzero_i() { return _mm256_setzero_si256(); }
+inline VecF vzero_f() { return _mm256_setzero_ps(); }
+inline VecI vload_i(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VecI vbcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline VecI vdot(VecI acc, VecI u, VecI s) {  // exact: |a pair's sum| < 2^15
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline VecI vand(VecI a, VecI b) { return _mm256_and_si256(a, b); }
+inline VecI vsrl4(VecI a) { return _mm256_srli_epi16(a, 4); }
+inline VecI vset1_8(int8_t v) { return _mm256_set1_epi8(v); }
+inline VecI vabs8(VecI a) { return _mm256_abs_epi8(a); }
+inline VecI vsign8(VecI x, VecI w) { return _mm256_sign_epi8(x, w); }
+inline VecI vsub_i32(VecI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+inline VecF vhalf(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VecF vcvt(VecI a) { return _mm256_cvtepi32_ps(a); }
+inline VecF vset1_f(float v) { return _mm256_set1_ps(v); }
+inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, VecF v, int64_t n) {
+  if (n == kGroup) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, v);
+    std::memcpy(p, t, sizeof(float) * n);
+  }
+}
+inline VecF vload_f(const float* p, int64_t n) {
+  if (n == kGroup) return _mm256_loadu_ps(p);
+  alignas(32) float t[8] = {0};
+  std::memcpy(t, p, sizeof(float) * n);
+  return _mm256_load_ps(t);
+}
+#endif
+
+constexpr int64_t kPrefetchBytes = 4096;
+
+// MR rows x one group of kGroup outputs over its nb weight blocks
+template <int MR, int64_t QT>
+inline void group_rows(const uint8_t* gp, int64_t nb, const ActBlock* const* act, VecF* out) {
+  constexpr int64_t GB = QT == kQ4_0 ? kGroup * 18 : (QT == kQ4_1 ? kGroup * 20 : kGroup * 34);
+  constexpr int64_t QOFF = QT == kQ4_1 ? 4 * kGroup : 2 * kGroup;
+  constexpr int64_t STEP = 4 * kGroup;  // bytes of one 4-input step (one register)
+  VecF acc[MR];
+  for (int i = 0; i < MR; i++) acc[i] = vzero_f();
+  const VecI m4 = vset1_8(0x0F);
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* blk = gp + b * GB;
+    const uint8_t* qs = blk + QOFF;
+    for (int64_t o = 0; o < GB; o += 64)  // the stream kPrefetchBytes ahead: past page ends and into the next group
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + o), _MM_HINT_T0);
+    VecI isum[MR];
+    for (int i = 0; i < MR; i++) isum[i] = vzero_i();
+    if constexpr (QT == kQ8_0) {
+      for (int64_t st = 0; st < 8; st++) {
+        const VecI w = vload_i(qs + st * STEP);
+        const VecI wabs = vabs8(w);
+        for (int i = 0; i < MR; i++) isum[i] = vdot(isum[i], wabs, vsign8(vbcast4(act[i][b].q + 4 * st), w));
+      }
+    } else {
+      for (int64_t r = 0; r < 4; r++) {
+        const VecI raw = vload_i(qs + r * STEP);
+        const VecI lo = vand(raw, m4), hi = vand(vsrl4(raw), m4);
+        for (int i = 0; i < MR; i++) {
+          isum[i] = vdot(isum[i], lo, vbcast4(act[i][b].q + 4 * r));
+          isum[i] = vdot(isum[i], hi, vbcast4(act[i][b].q + 16 + 4 * r));
+        }
+      }
+    }
+    const VecF dw = vhalf(blk);
+    for (int i = 0; i < MR; i++) {
+      const ActBlock& a = act[i][b];
+      if constexpr (QT == kQ4_0) isum[i] = vsub_i32(isum[i], 8 * a.isum);
+      acc[i] = vfma(vcvt(isum[i]), vmul(dw, vset1_f(a.d)), acc[i]);
+      if constexpr (QT == kQ4_1) acc[i] = vfma(vhalf(blk + 2 * kGroup), vset1_f(a.s), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; i++) out[i] = acc[i];
+}
+
+#if defined(__AVX512VNNI__)
+constexpr int kRowsPerPass = 8;
+#else
+constexpr int kRowsPerPass = 4;
+#endif
+
+template <int64_t QT>
+inline void rows_pass(int64_t rows, const uint8_t* gp, int64_t nb, const ActBlock* const* act, VecF* out) {
+  switch (rows) {
+#if defined(__AVX512VNNI__)
+    case 8: group_rows<8, QT>(gp, nb, act, out); break;
+    case 7: group_rows<7, QT>(gp, nb, act, out); break;
+    case 6: group_rows<6, QT>(gp, nb, act, out); break;
+    case 5: group_rows<5, QT>(gp, nb, act, out); break;
+#endif
+    case 4: group_rows<4, QT>(gp, nb, act, out); break;
+    case 3: group_rows<3, QT>(gp, nb, act, out); break;
+    case 2: group_rows<2, QT>(gp, nb, act, out); break;
+    case 1: group_rows<1, QT>(gp, nb, act, out); break;
+    default: break;
+  }
+}
+
+template <int64_t QT>
+void matmul_t(const std::vector<ActBlock>& act, int64_t M, int64_t nb, const uint8_t* w, int64_t N, float* y,
+              const float* residual) {
+  const int64_t groups = (N + kGroup - 1) / kGroup, gbytes = nb * group_block_bytes(QT);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    const ActBlock* rows[kRowsPerPass];
+    VecF out[kRowsPerPass];
+    for (int64_t g = g0; g < g1; g++) {
+      const int64_t n0 = g * kGroup, n = std::min(kGroup, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+        const int64_t mr = std::min<int64_t>(kRowsPerPass, M - m0);
+        for (int64_t i = 0; i < mr; i++) rows[i] = act.data() + (m0 + i) * nb;
+        rows_pass<QT>(mr, w + g * gbytes, nb, rows, out);
+        for (int64_t i = 0; i < mr; i++) {
+          float* yr = y + (m0 + i) * N + n0;
+          vstore(yr, residual ? vadd(vload_f(residual + (m0 + i) * N + n0, n), out[i]) : out[i], n);
+        }
+      }
+    }
+  });
+}
+
+// y [M, N] = act @ W^T (+ residual [M, N]); W repacked by repack_q
+void matmul(const std::vector<ActBlock>& act, int64_t M, int64_t K, const torch::Tensor& w, int64_t qtype, int64_t N,
+            float* y, const float* residual = nullptr) {
+  const int64_t nb = K / kBlock;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  switch (qtype) {
+    case kQ4_0: matmul_t<kQ4_0>(act, M, nb, wp, N, y, residual); break;
+    case kQ4_1: matmul_t<kQ4_1>(act, M, nb, wp, N, y, residual); break;
+    case kQ8_0: matmul_t<kQ8_0>(act, M, nb, wp, N, y, residual); break;
+    default: TORCH_CHECK(false, "qtype: ", qtype, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  }
+}
+
+void check_raw(const torch::Tensor& w, int64_t qtype, int64_t K, const char* name) {
+  TORCH_CHECK(block_bytes(qtype) > 0, name, ": qtype ", qtype, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.is_contiguous(), name,
+              ": expected [N, K/32 * block bytes] uint8 blocks");
+  TORCH_CHECK(K % kBlock == 0 && w.size(1) == K / kBlock * block_bytes(qtype), name, ": ", w.size(1),
+              " bytes a row, but ", K, " inputs take ", K / kBlock * block_bytes(qtype));
+}
+
+// raw GGUF blocks [N, K/32 * block bytes] -> [ceil(N / kGroup), K/32 * group block bytes] (padding outputs 0)
+torch::Tensor repack(torch::Tensor raw, int64_t qtype, int64_t K) {
+  check_raw(raw, qtype, K, "weight");
+  const int64_t bs = block_bytes(qtype), gbb = group_block_bytes(qtype), qoff = quant_bytes_offset(qtype);
+  const int64_t N = raw.size(0), nb = K / kBlock, groups = (N + kGroup - 1) / kGroup;
+  auto out = torch::zeros({groups, nb * gbb}, raw.options());
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t g = 0; g < groups; g++)
+    for (int64_t b = 0; b < nb; b++) {
+      uint8_t* dst = op + g * nb * gbb + b * gbb;
+      for (int64_t j = 0; j < kGroup && g * kGroup + j < N; j++) {
+        const uint8_t* src = rp + (g * kGroup + j) * nb * bs + b * bs;
+        std::memcpy(dst + 2 * j, src, 2);                                       // d
+        if (qtype == kQ4_1) std::memcpy(dst + 2 * kGroup + 2 * j, src + 2, 2);  // m
+        const uint8_t* q = src + (qtype == kQ4_1 ? 4 : 2);
+        const int64_t steps = qtype == kQ8_0 ? 8 : 4;
+        for (int64_t st = 0; st < steps; st++)
+          for (int64_t t = 0; t < 4; t++) dst[qoff + st * 4 * kGroup + 4 * j + t] = q[4 * st + t];
+      }
+    }
+  return out;
+}
+
+void check_packed(const torch::Tensor& w, int64_t qtype, int64_t K, int64_t N, const char* name) {
+  TORCH_CHECK(block_bytes(qtype) > 0, name, ": qtype ", qtype, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.is_contiguous(), name,
+              ": expected repack()'s [groups, blocks] uint8");
+  TORCH_CHECK(K % kBlock == 0 && w.size(1) == K / kBlock * group_block_bytes(qtype), name, ": ", w.size(1),
+              " bytes a group, but ", K, " inputs take ", K / kBlock * group_block_bytes(qtype));
+  TORCH_CHECK(N > 0 && w.size(0) == (N + kGroup - 1) / kGroup, name, ": ", w.size(0), " groups of ", kGroup,
+              " cannot hold ", N, " outputs");
+}
+
+std::vector<ActBlock> quantize_rows(const float* x, int64_t M, int64_t K) {
+  std::vector<ActBlock> act(M * (K / kBlock));
+  for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, act.data() + m * (K / kBlock));
+  return act;
+}
+
+// RMSNorm of each row, in one fixed order: w * (x / sqrt(mean(x^2) + eps))
+void rms_norm_rows(const float* x, int64_t M, int64_t K, const float* w, double eps, float* out) {
+  for (int64_t m = 0; m < M; m++) {
+    const float* xr = x + m * K;
+    __m256 ss = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + k);
+      ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    float sum = hsum8(ss);
+    for (; k < K; k++) sum += xr[k] * xr[k];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(K) + static_cast<float>(eps));
+    for (k = 0; k < K; k++) out[m * K + k] = w[k] * (xr[k] * inv);
+  }
+}
+
+torch::Tensor as_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, name, ": expected [M, K] float32");
+  return x.contiguous();
+}
+
+}  // namespace eyas_quant
+
+using namespace eyas_quant;
+
+// x [M, K] float32 @ W^T, W [N, K] in GGUF blocks of `qtype` repacked by repack() -> [M, N] float32
+torch::Tensor linear_q(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t N) {
+  x = as_rows(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_packed(w, qtype, K, N, "weight");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const auto act = quantize_rows(x.data_ptr<float>(), M, K);
+  matmul(act, M, K, w, qtype, N, y.data_ptr<float>());
+  return y;
+}
+
+namespace eyas_quant {
+
+// q, k, v [M, H|Hkv, hd] of RMSNorm(x) through the fused q/k/v weights, rotary applied to q and k
+void layer_qkv(const float* x, int64_t M, int64_t d, const float* norm_w, double eps, const torch::Tensor& wqkv,
+               int64_t qtype, const float* cos, const float* sin, int64_t heads, int64_t kv_heads, int64_t hd, float* q,
+               float* k, float* v) {
+  const int64_t N = (heads + 2 * kv_heads) * hd, half = hd / 2;
+  std::vector<float> h(norm_w != nullptr ? M * d : 0), qkv(M * N);
+  if (norm_w != nullptr) rms_norm_rows(x, M, d, norm_w, eps, h.data());  // none: x comes normed (a drafter's)
+  matmul(quantize_rows(norm_w != nullptr ? h.data() : x, M, d), M, d, wqkv, qtype, N, qkv.data());
+  for (int64_t m = 0; m < M; m++) {
+    const float* row = qkv.data() + m * N;
+    const float* cm = cos + m * hd;
+    const float* sm = sin + m * hd;
+    auto rotate = [&](const float* in, float* out) {  // x * cos + rotate_half(x) * sin
+      for (int64_t j = 0; j < half; j++) {
+        out[j] = in[j] * cm[j] + (-in[j + half]) * sm[j];
+        out[j + half] = in[j + half] * cm[j + half] + in[j] * sm[j + half];
+      }
+    };
+    for (int64_t i = 0; i < heads; i++) rotate(row + i * hd, q + (m * heads + i) * hd);
+    for (int64_t i = 0; i < kv_heads; i++) rotate(row + (heads + i) * hd, k + (m * kv_heads + i) * hd);
+    std::memcpy(v + m * kv_heads * hd, row + (heads + kv_heads) * hd, sizeof(float) * kv_heads * hd);
+  }
+}
+
+// out [M, d] = x1 + down(silu(gate) * up) of RMSNorm(x1), where x1 = x + wo(a)
+void layer_out_mlp(const float* x, const float* a, int64_t M, int64_t d, int64_t ha, const torch::Tensor& wo,
+                   int64_t wo_type, const float* norm_w, double eps, const torch::Tensor& w_gate_up, int64_t gate_up_type,
+                   const torch::Tensor& w_down, int64_t down_type, int64_t ffn, float* out) {
+  std::vector<float> x1(M * d), h(M * d), gu(M * 2 * ffn), act(M * ffn);
+  matmul(quantize_rows(a, M, ha), M, ha, wo, wo_type, d, x1.data(), x);
+  rms_norm_rows(x1.data(), M, d, norm_w, eps, h.data());
+  matmul(quantize_rows(h.data(), M, d), M, d, w_gate_up, gate_up_type, 2 * ffn, gu.data());
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++)
+      for (int64_t j = 0; j < ffn; j++) {
+        const float g = gu[m * 2 * ffn + j], u = gu[m * 2 * ffn + ffn + j];
+        act[m * ffn + j] = g / (1.0f + std::exp(-g)) * u;
+      }
+  });
+  matmul(quantize_rows(act.data(), M, ffn), M, ffn, w_down, down_type, d, out, x1.data());
+}
+
+}  // namespace eyas_quant
+
+// A decoder layer's attention input: q, k, v of RMSNorm(x) (norm_w empty: of x as it is) through the fused
+// q/k/v weights (repacked), with rotary position embedding (HF's rotate-half layout) on q and k. x [M, d];
+// cos, sin [M, hd].
+std::vector<torch::Tensor> attn_in(torch::Tensor x, torch::Tensor norm_w, double eps, torch::Tensor wqkv,
+                                   int64_t qtype, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+                                   int64_t kv_heads, int64_t head_dim) {
+  x = as_rows(x, "x");
+  const int64_t M = x.size(0), d = x.size(1), hd = head_dim;
+  check_packed(wqkv, qtype, d, (heads + 2 * kv_heads) * hd, "wqkv");
+  TORCH_CHECK((norm_w.numel() == d || norm_w.numel() == 0) && norm_w.scalar_type() == torch::kFloat,
+              "norm_w: expected [d] float32 (or empty: no norm)");
+  cos = as_rows(cos, "cos");
+  sin = as_rows(sin, "sin");
+  TORCH_CHECK(cos.size(0) == M && cos.size(1) == hd && sin.sizes() == cos.sizes(), "cos, sin: expected [M, hd]");
+  auto q = torch::empty({M, heads, hd}, x.options());
+  auto k = torch::empty({M, kv_heads, hd}, x.options());
+  auto v = torch::empty({M, kv_heads, hd}, x.options());
+  if (M == 0) return {q, k, v};
+  auto nw = norm_w.contiguous();
+  layer_qkv(x.data_ptr<float>(), M, d, nw.numel() ? nw.data_ptr<float>() : nullptr, eps, wqkv, qtype, cos.data_ptr<float>(),
+            sin.data_ptr<float>(), heads, kv_heads, hd, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>());
+  return {q, k, v};
+}
+
+// The rest of a decoder layer after attention: x + wo(a), then + down(silu(gate) * up) of its RMSNorm.
+// x [M, d], a [M, heads * hd] (the attention output) -> [M, d]; weights repacked, gate/up fused [2 ffn, d].
+torch::Tensor attn_out_mlp(torch::Tensor x, torch::Tensor a, torch::Tensor wo, int64_t wo_type, torch::Tensor norm_w,
+                           double eps, torch::Tensor w_gate_up, int64_t gate_up_type, torch::Tensor w_down,
+                           int64_t down_type, int64_t ffn) {
+  x = as_rows(x, "x");
+  a = as_rows(a, "a");
+  const int64_t M = x.size(0), d = x.size(1), ha = a.size(1);
+  TORCH_CHECK(a.size(0) == M, "a: ", a.size(0), " rows, x has ", M);
+  check_packed(wo, wo_type, ha, d, "wo");
+  check_packed(w_gate_up, gate_up_type, d, 2 * ffn, "w_gate_up");
+  check_packed(w_down, down_type, ffn, d, "w_down");
+  TORCH_CHECK(norm_w.numel() == d && norm_w.scalar_type() == torch::kFloat, "norm_w: expected [d] float32");
+  auto out = torch::empty({M, d}, x.options());
+  if (M == 0) return out;
+  layer_out_mlp(x.data_ptr<float>(), a.data_ptr<float>(), M, d, ha, wo, wo_type, norm_w.contiguous().data_ptr<float>(),
+                eps, w_gate_up, gate_up_type, w_down, down_type, ffn, out.data_ptr<float>());
+  return out;
+}
+
+namespace eyas_quant {
+
+// --- attention of one request's rows, per K/V head, reading its K/V once --------------------------------
+// Every (row, query head) is computed exactly as alone, in one fixed order: a key's score is q . key as one
+// 8-lane FMA chain reduced as ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)) (four keys at a time or one, the same sum
+// for each); the scores' max; exp 8 at a time over the row's visible list with padding lanes 0; the weighted
+// values in visible order; one multiply by 1 / sum. Grouping rows and heads changes only which of them read a
+// key while it is in L1: the committed prefix (slots 0..P-1, visible to every row of the request) is walked
+// in tiles, every row and head of the group scoring a tile before the next is read.
+
+template <int lanes>
+inline __m128 key_dots4(const __m256* qv, const float* k0, const float* k1, const float* k2, const float* k3) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  for (int64_t l = 0; l < lanes; l++) {
+    a0 = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k0 + 8 * l), a0);
+    a1 = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k1 + 8 * l), a1);
+    a2 = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k2 + 8 * l), a2);
+    a3 = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k3 + 8 * l), a3);
+  }
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// eight consecutive keys k, k + stride, ... (each exactly as key_dots4 / key_dot sum it)
+template <int lanes>
+inline void key_dots8(const __m256* qv, const float* k, int64_t stride, __m128* lo, __m128* hi) {
+  __m256 a[8];
+  for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+  for (int l = 0; l < lanes; l++)
+    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k + j * stride + 8 * l), a[j]);
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  *lo = _mm_add_ps(_mm256_castps256_ps128(h0), _mm256_extractf128_ps(h0, 1));
+  *hi = _mm_add_ps(_mm256_castps256_ps128(h1), _mm256_extractf128_ps(h1, 1));
+}
+
+template <int lanes>
+inline float key_dot(const __m256* qv, const float* k) {
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t l = 0; l < lanes; l++) a = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k + 8 * l), a);
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, a), _mm256_hadd_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+constexpr int64_t kKeyTile = 32;  // keys of the shared prefix read once into L1 for every row and head
+
+// rows: the request's packed rows; each sees visible[n] (the first P slots 0..P-1 shared by all of them). q [*, H,
+// hd]; heads [h0, h1) all read K/V head j, whose slots are keys/values + slot * hd. Writes out [*, H, hd].
+// lanes: head_dim / 8, a constant of the compiled code so that the accumulators stay in registers
+template <int lanes>
+void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::vector<int32_t>>& visible, int64_t P,
+                      const float* q, int64_t H, int64_t h0, int64_t h1, const float* keys, const float* values,
+                      float scale, float* out) {
+  constexpr int64_t hd = 8 * lanes;
+  const int64_t nh = h1 - h0, nr = static_cast<int64_t>(rows.size());
+  const int64_t units = nr * nh;  // (row, head) pairs
+  std::vector<int64_t> offset(units + 1, 0);
+  for (int64_t u = 0; u < units; u++) {
+    const int64_t n = static_cast<int64_t>(visible[rows[u / nh]].size());
+    offset[u + 1] = offset[u] + ((n + 7) / 8) * 8 + 8;
+  }
+  std::vector<float> score(offset[units]);
+  auto qrow = [&](int64_t u) { return q + (rows[u / nh] * H + h0 + u % nh) * hd; };
+  // 1. scores: the shared prefix in tiles, then each row's own tail
+  std::vector<float> qf(units * hd);
+  for (int64_t u = 0; u < units; u++) std::memcpy(qf.data() + u * hd, qrow(u), sizeof(float) * hd);
+  auto qvec = [&](int64_t u, __m256* qv) {
+    for (int l = 0; l < lanes; l++) qv[l] = _mm256_loadu_ps(qf.data() + u * hd + 8 * l);
+  };
+  const int64_t P4 = P / 4 * 4;
+  for (int64_t t0 = 0; t0 < P4; t0 += kKeyTile) {
+    const int64_t t1 = std::min(P4, t0 + kKeyTile);
+    // the next tile's keys into L1 and this tile's values into L2 while this one is scored: the K/V rows
+    // come from memory, and the hardware prefetchers stop at every page end
+    for (int64_t o = 0; o < kKeyTile * hd * 4; o += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(keys + (t0 + kKeyTile) * hd) + o, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(values + t0 * hd) + o, _MM_HINT_T1);
+    }
+    for (int64_t u = 0; u < units; u++) {
+      float* sc = score.data() + offset[u];
+      __m256 qv[lanes];
+      qvec(u, qv);
+      int64_t i = t0;
+      for (; i + 8 <= t1; i += 8) {  // two groups of four, interleaved: eight independent FMA chains
+        const float* k = keys + i * hd;
+        __m128 lo, hi;
+        key_dots8<lanes>(qv, k, hd, &lo, &hi);
+        _mm_storeu_ps(sc + i, lo);
+        _mm_storeu_ps(sc + i + 4, hi);
+      }
+      for (; i < t1; i += 4) {
+        const float* k = keys + i * hd;
+        _mm_storeu_ps(sc + i, key_dots4<lanes>(qv, k, k + hd, k + 2 * hd, k + 3 * hd));
+      }
+    }
+  }
+  for (int64_t u = 0; u < units; u++) {
+    const auto& vis = visible[rows[u / nh]];
+    const int64_t n = static_cast<int64_t>(vis.size());
+    float* sc = score.data() + offset[u];
+    __m256 qv[lanes];
+    qvec(u, qv);
+    int64_t i = P4;
+    for (; i + 4 <= n; i += 4)
+      _mm_storeu_ps(sc + i, key_dots4<lanes>(qv, keys + vis[i] * hd, keys + vis[i + 1] * hd, keys + vis[i + 2] * hd,
+                                             keys + vis[i + 3] * hd));
+    for (; i < n; i++) sc[i] = key_dot<lanes>(qv, keys + vis[i] * hd);
+  }
+  // 2. each (row, head): scale, max, exp 8 at a time, the sum
+  std::vector<float> inv(units);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t u = 0; u < units; u++) {
+    const int64_t n = static_cast<int64_t>(visible[rows[u / nh]].size());
+    float* sc = score.data() + offset[u];
+    for (int64_t i = n; i < ((n + 7) / 8) * 8; i++) sc[i] = ninf;
+    const __m256 scalev = _mm256_set1_ps(scale), ninfv = _mm256_set1_ps(ninf);
+    __m256 topv8 = ninfv;
+    for (int64_t i = 0; i < n; i += 8) {  // scaled (padding stays -inf), and their max (exact in any order)
+      const __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(sc + i), scalev);
+      _mm256_storeu_ps(sc + i, sv);
+      topv8 = _mm256_max_ps(topv8, sv);
+    }
+    __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(topv8), _mm256_extractf128_ps(topv8, 1));
+    t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+    t4 = _mm_max_ss(t4, _mm_shuffle_ps(t4, t4, 0x1));
+    const __m256 topv = _mm256_set1_ps(_mm_cvtss_f32(t4));
+    __m256 sumv = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 sv = _mm256_loadu_ps(sc + i);
+      const __m256 ev = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(sv, topv)), _mm256_cmp_ps(sv, ninfv, _CMP_NEQ_OQ));
+      _mm256_storeu_ps(sc + i, ev);
+      sumv = _mm256_add_ps(sumv, ev);
+    }
+    inv[u] = 1.0f / hsum8(sumv);
+  }
+  // 3. the weighted values: the shared prefix in tiles (each accumulator carried across them), then the tails
+  std::vector<float> acc(units * hd, 0.0f);
+  for (int64_t t0 = 0; t0 < P; t0 += kKeyTile) {
+    const int64_t t1 = std::min(P, t0 + kKeyTile);
+    for (int64_t u = 0; u < units; u++) {
+      const float* sc = score.data() + offset[u];
+      __m256 a[lanes];
+      for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc.data() + u * hd + 8 * l);
+      for (int64_t i = t0; i < t1; i++) {
+        const float* vr = values + i * hd;
+        const __m256 pw = _mm256_set1_ps(sc[i]);
+        for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * l), a[l]);
+      }
+      for (int l = 0; l < lanes; l++) _mm256_storeu_ps(acc.data() + u * hd + 8 * l, a[l]);
+    }
+  }
+  for (int64_t u = 0; u < units; u++) {
+    const auto& vis = visible[rows[u / nh]];
+    const int64_t n = static_cast<int64_t>(vis.size());
+    const float* sc = score.data() + offset[u];
+    __m256 a[lanes];
+    for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc.data() + u * hd + 8 * l);
+    for (int64_t i = P; i < n; i++) {
+      const float* vr = values + vis[i] * hd;
+      const __m256 pw = _mm256_set1_ps(sc[i]);
+      for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * l), a[l]);
+    }
+    const __m256 invv = _mm256_set1_ps(inv[u]);
+    float* o = out + (rows[u / nh] * H + h0 + u % nh) * hd;
+    if (n == 0) {
+      std::fill(o, o + hd, 0.0f);
+      continue;
+    }
+    for (int l = 0; l < lanes; l++) _mm256_storeu_ps(o + 8 * l, _mm256_mul_ps(a[l], invv));
+  }
+}
+
+void attend_request(const std::vector<int64_t>& rows, const std::vector<std::vector<int32_t>>& visible, int64_t P,
+                    const float* q, int64_t H, int64_t h0, int64_t h1, int64_t hd, const float* keys,
+                    const float* values, float scale, float* out) {
+  switch (hd) {
+    case 64: return attend_request_t<8>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    case 128: return attend_request_t<16>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    case 32: return attend_request_t<4>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    case 96: return attend_request_t<12>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    default: TORCH_CHECK(false, "head_dim: ", hd, " is not 32, 64, 96 or 128 (the fused attention's)");
+  }
+}
+
+}  // namespace eyas_quant
+
+// Every decoder layer of a plain Llama (RMSNorm, fused q/k/v, rotary, attention, o, SiLU-gated MLP) over N packed
+// rows, in one call: per layer, the rows' q/k/v, their K/V written into the store at (kv_rows[n], slots[n]), each
+// row's attention over the slots of its K/V row its mask shows (in slot order: the committed prefix, then its
+// tree ancestors or earlier prompt rows, then itself), and the output projection and MLP.
+//   x [N, d] (the embeddings), cos/sin [N, hd]; per layer (lists of L): the two norms' weights and the four
+//   repacked weights, their qtypes (qkv, o, gate/up, down for each layer, 4 L); kv_k/kv_v [L, R, Hkv, S, hd];
+//   kv_rows, slots [N] int64; mask [N, key_len] bool; taps: the layer counts after which x is kept.
+// -> {x after the last layer [N, d], the kept x's [len(taps), N, d]}
+std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                          std::vector<torch::Tensor> attn_norm, std::vector<torch::Tensor> mlp_norm,
+                                          std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> wo,
+                                          std::vector<torch::Tensor> w_gate_up, std::vector<torch::Tensor> w_down,
+                                          std::vector<int64_t> qtypes, double eps, int64_t heads, int64_t kv_heads,
+                                          int64_t head_dim, int64_t ffn, torch::Tensor kv_k, torch::Tensor kv_v,
+                                          torch::Tensor kv_rows, torch::Tensor slots, torch::Tensor mask,
+                                          std::vector<int64_t> taps) {
+  x = as_rows(x, "x");
+  const int64_t N = x.size(0), d = x.size(1), hd = head_dim, L = static_cast<int64_t>(wqkv.size());
+  TORCH_CHECK(L > 0 && attn_norm.size() == wqkv.size() && mlp_norm.size() == wqkv.size() && wo.size() == wqkv.size() &&
+                  w_gate_up.size() == wqkv.size() && w_down.size() == wqkv.size() &&
+                  static_cast<int64_t>(qtypes.size()) == 4 * L,
+              "layers: one of each weight and norm per layer, and 4 qtypes a layer");
+  TORCH_CHECK((hd == 32 || hd == 64 || hd == 96 || hd == 128) && kv_heads > 0 && heads % kv_heads == 0,
+              "head_dim: 32, 64, 96 or 128, and heads a multiple of kv_heads");
+  for (int64_t l = 0; l < L; l++) {
+    check_packed(wqkv[l], qtypes[4 * l], d, (heads + 2 * kv_heads) * hd, "wqkv");
+    check_packed(wo[l], qtypes[4 * l + 1], heads * hd, d, "wo");
+    check_packed(w_gate_up[l], qtypes[4 * l + 2], d, 2 * ffn, "w_gate_up");
+    check_packed(w_down[l], qtypes[4 * l + 3], ffn, d, "w_down");
+    TORCH_CHECK(attn_norm[l].numel() == d && mlp_norm[l].numel() == d && attn_norm[l].scalar_type() == torch::kFloat &&
+                    mlp_norm[l].scalar_type() == torch::kFloat && attn_norm[l].is_contiguous() &&
+                    mlp_norm[l].is_contiguous(),
+                "norms: expected [d] float32, contiguous");
+  }
+  TORCH_CHECK(kv_k.dim() == 5 && kv_k.scalar_type() == torch::kFloat && kv_k.is_contiguous() &&
+                  kv_v.sizes() == kv_k.sizes() && kv_v.scalar_type() == torch::kFloat && kv_v.is_contiguous() &&
+                  kv_k.size(0) == L && kv_k.size(2) == kv_heads && kv_k.size(4) == hd,
+              "kv_k, kv_v: expected the store's [L, R, Hkv, S, hd] float32, contiguous");
+  const int64_t R = kv_k.size(1), S = kv_k.size(3);
+  cos = as_rows(cos, "cos");
+  sin = as_rows(sin, "sin");
+  TORCH_CHECK(cos.size(0) == N && cos.size(1) == hd && sin.sizes() == cos.sizes(), "cos, sin: expected [N, hd]");
+  kv_rows = kv_rows.contiguous();
+  slots = slots.contiguous();
+  mask = mask.contiguous();
+  TORCH_CHECK(kv_rows.scalar_type() == torch::kLong && slots.scalar_type() == torch::kLong && kv_rows.numel() == N &&
+                  slots.numel() == N,
+              "kv_rows, slots: expected [N] int64");
+  TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.dim() == 2 && mask.size(0) == N && mask.size(1) <= S,
+              "mask: expected [N, key_len] bool, key_len within the store's slots");
+  const int64_t* rp = kv_rows.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const bool* mp = mask.data_ptr<bool>();
+  const int64_t key_len = mask.size(1);
+  std::vector<std::vector<int32_t>> visible(N);
+  for (int64_t n = 0; n < N; n++) {
+    TORCH_CHECK(rp[n] >= 0 && rp[n] < R && sp[n] >= 0 && sp[n] < S, "kv_rows, slots: row ", n, " is outside the store");
+    for (int64_t s = 0; s < key_len; s++)
+      if (mp[n * key_len + s]) visible[n].push_back(static_cast<int32_t>(s));
+  }
+  for (auto t : taps) TORCH_CHECK(t >= 1 && t <= L, "taps: layer counts in [1, ", L, "], got ", t);
+  // the requests (packed rows by K/V row), each one's shared visible prefix 0..P-1, and the attention's tasks
+  std::vector<std::vector<int64_t>> requests;
+  std::vector<int64_t> request_row, prefix;
+  for (int64_t n = 0; n < N; n++) {
+    auto it = std::find(request_row.begin(), request_row.end(), rp[n]);
+    if (it == request_row.end()) {
+      request_row.push_back(rp[n]);
+      requests.emplace_back();
+      it = request_row.end() - 1;
+    }
+    requests[it - request_row.begin()].push_back(n);
+  }
+  for (const auto& rows : requests) {
+    int64_t P = std::numeric_limits<int64_t>::max();
+    for (int64_t n : rows) {
+      int64_t p = 0;
+      while (p < static_cast<int64_t>(visible[n].size()) && visible[n][p] == p) p++;
+      P = std::min(P, p);
+    }
+    prefix.push_back(P);
+  }
+  struct AttnTask {
+    int64_t request, kv_row, h0, h1;
+  };
+  std::vector<AttnTask> tasks;
+  const int64_t group_heads = heads / kv_heads;
+  // a K/V head's query heads together (each key read once for all of them), split per head when there are too
+  // few such tasks to keep every thread busy
+  const bool split = false;
+  for (int64_t r = 0; r < static_cast<int64_t>(requests.size()); r++)
+    for (int64_t j = 0; j < kv_heads; j++)
+      for (int64_t g = 0; g < (split ? group_heads : 1); g++)
+        tasks.push_back({r, request_row[r], j * group_heads + (split ? g : 0),
+                         split ? j * group_heads + g + 1 : (j + 1) * group_heads});
+  auto h = x.clone();
+  auto tapped = torch::empty({static_cast<int64_t>(taps.size()), N, d}, x.options());
+  if (N == 0) return {h, tapped};
+  std::vector<float> q(N * heads * hd), k(N * kv_heads * hd), v(N * kv_heads * hd), att(N * heads * hd);
+  std::vector<float> next(N * d);
+  float* kp = kv_k.data_ptr<float>();
+  float* vp = kv_v.data_ptr<float>();
+  const int64_t group = group_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  for (int64_t l = 0; l < L; l++) {
+    float* hp = h.data_ptr<float>();
+    double t0 = nowus();
+    layer_qkv(hp, N, d, attn_norm[l].data_ptr<float>(), eps, wqkv[l], qtypes[4 * l], cos.data_ptr<float>(),
+              sin.data_ptr<float>(), heads, kv_heads, hd, q.data(), k.data(), v.data());
+    for (int64_t n = 0; n < N; n++)
+      for (int64_t j = 0; j < kv_heads; j++) {
+        const int64_t at = (((l * R + rp[n]) * kv_heads + j) * S + sp[n]) * hd;
+        std::memcpy(kp + at, k.data() + (n * kv_heads + j) * hd, sizeof(float) * hd);
+        std::memcpy(vp + at, v.data() + (n * kv_heads + j) * hd, sizeof(float) * hd);
+      }
+    double t1 = nowus();
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t a0, int64_t a1) {
+      for (int64_t a = a0; a < a1; a++) {  // one request's rows, the query heads [h0, h1) of one K/V head
+        const AttnTask& t = tasks[a];
+        const int64_t base = ((l * R + t.kv_row) * kv_heads + t.h0 / group) * S * hd;
+        attend_request(requests[t.request], visible, prefix[t.request], q.data(), heads, t.h0, t.h1, hd, kp + base,
+                       vp + base, scale, att.data());
+      }
+    });
+    double t2 = nowus();
+    layer_out_mlp(hp, att.data(), N, d, heads * hd, wo[l], qtypes[4 * l + 1], mlp_norm[l].data_ptr<float>(), eps,
+                  w_gate_up[l], qtypes[4 * l + 2], w_down[l], qtypes[4 * l + 3], ffn, next.data());
+    double t3 = nowus(); g_prof[0]+=t1-t0; g_prof[1]+=t2-t1; g_prof[2]+=t3-t2;
+    std::memcpy(hp, next.data(), sizeof(float) * N * d);
+    for (size_t t = 0; t < taps.size(); t++)
+      if (taps[t] == l + 1) std::memcpy(tapped.data_ptr<float>() + t * N * d, hp, sizeof(float) * N * d);
+  }
+  return {h, tapped};
+}
+
+// w [N, K] float32 -> GGUF blocks of `qtype` (llama.cpp's reference quantizers), for checkpoints that hold no
+// quantized blocks of their own and for the tests
+torch::Tensor quantize_weight(torch::Tensor w, int64_t qtype) {
+  w = as_rows(w, "w");
+  const int64_t N = w.size(0), K = w.size(1), nb = K / kBlock, bs = block_bytes(qtype);
+  TORCH_CHECK(bs > 0, "qtype: ", qtype, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(K % kBlock == 0, "w: ", K, " inputs, not a multiple of ", kBlock);
+  auto out = torch::zeros({N, nb * bs}, torch::TensorOptions().dtype(torch::kByte));
+  const float* wp = w.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  auto put_f16 = [](uint8_t* p, float f) {
+    const uint16_t h = _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+    std::memcpy(p, &h, 2);
+  };
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t b = 0; b < nb; b++) {
+      const float* x = wp + n * K + b * kBlock;
+      uint8_t* blk = op + (n * nb + b) * bs;
+      if (qtype == kQ8_0) {
+        float amax = 0.0f;
+        for (int j = 0; j < kBlock; j++) amax = std::max(amax, std::fabs(x[j]));
+        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        put_f16(blk, d);
+        for (int j = 0; j < kBlock; j++) blk[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::roundf(x[j] * id)));
+      } else if (qtype == kQ4_1) {
+        float lo = x[0], hi = x[0];
+        for (int j = 1; j < kBlock; j++) lo = std::min(lo, x[j]), hi = std::max(hi, x[j]);
+        const float d = (hi - lo) / 15.0f, id = d ? 1.0f / d : 0.0f;
+        put_f16(blk, d);
+        put_f16(blk + 2, lo);
+        for (int j = 0; j < kBlock / 2; j++) {
+          const int a = std::min(15, static_cast<int>((x[j] - lo) * id + 0.5f));
+          const int c = std::min(15, static_cast<int>((x[j + 16] - lo) * id + 0.5f));
+          blk[4 + j] = static_cast<uint8_t>(a | (c << 4));
+        }
+      } else {  // Q4_0
+        float amax = 0.0f, mx = 0.0f;
+        for (int j = 0; j < kBlock; j++)
+          if (std::fabs(x[j]) > amax) amax = std::fabs(x[j]), mx = x[j];
+        const float d = mx / -8.0f, id = d ? 1.0f / d : 0.0f;
+        put_f16(blk, d);
+        for (int j = 0; j < kBlock / 2; j++) {
+          const int a = std::min(15, static_cast<int>(x[j] * id + 8.5f));
+          const int c = std::min(15, static_cast<int>(x[j + 16] * id + 8.5f));
+          blk[2 + j] = static_cast<uint8_t>(a | (c << 4));
+        }
+      }
+    }
+  return out;
+}
+
+// GGUF blocks [N, K/32 * block bytes] -> [N, K] float32 (what transformers' GGUF loader gives)
+torch::Tensor dequantize_weight(torch::Tensor w, int64_t qtype, int64_t K) {
+  check_raw(w, qtype, K, "w");
+  const int64_t N = w.size(0), nb = K / kBlock, bs = block_bytes(qtype);
+  auto out = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* blk = wp + (n * nb + b) * bs;
+      float* o = op + n * K + b * kBlock;
+      const float d = f16(blk);
+      if (qtype == kQ8_0) {
+        for (int j = 0; j < kBlock; j++) o[j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+      } else if (qtype == kQ4_1) {
+        const float m = f16(blk + 2);
+        for (int j = 0; j < kBlock / 2; j++) {
+          o[j] = d * static_cast<float>(blk[4 + j] & 0x0F) + m;
+          o[j + 16] = d * static_cast<float>(blk[4 + j] >> 4) + m;
+        }
+      } else {
+        for (int j = 0; j < kBlock / 2; j++) {
+          o[j] = d * static_cast<float>((blk[2 + j] & 0x0F) - 8);
+          o[j + 16] = d * static_cast<float>((blk[2 + j] >> 4) - 8);
+        }
+      }
+    }
+  return out;
+}
+
+// --- probes for bench/roofline.py: what this machine can do, measured rather than assumed ---------------
+
+// Reads every byte of `buf` (streamed from memory when it is larger than the caches), split over the
+// threads as the kernels split their weights. -> a checksum, so that nothing is optimized away.
+int64_t probe_read(torch::Tensor buf) {
+  TORCH_CHECK(buf.is_contiguous() && buf.numel() * buf.element_size() % 32 == 0, "buf: contiguous, 32-byte multiple");
+  const auto* p = reinterpret_cast<const __m256i*>(buf.data_ptr());
+  const int64_t n = buf.numel() * buf.element_size() / 32;
+  std::vector<int64_t> sums(at::get_num_threads() * 8, 0);
+  at::parallel_for(0, n, 4096, [&](int64_t a, int64_t b) {
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    int64_t i = a;
+    for (; i + 2 <= b; i += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + 128), _MM_HINT_T0);  // 4 KB ahead, as the kernels read
+      acc0 = _mm256_xor_si256(acc0, _mm256_load_si256(p + i));
+      acc1 = _mm256_xor_si256(acc1, _mm256_load_si256(p + i + 1));
+    }
+    for (; i < b; i++) acc0 = _mm256_xor_si256(acc0, _mm256_load_si256(p + i));
+    acc0 = _mm256_xor_si256(acc0, acc1);
+    sums[at::get_thread_num() * 8] ^= _mm256_extract_epi64(acc0, 0) ^ _mm256_extract_epi64(acc0, 3);
+  });
+  int64_t out = 0;
+  for (auto v : sums) out ^= v;
+  return out;
+}
+
+// `iters` rounds of 8 independent 8-lane fp32 FMAs per thread (16 flops each): the FMA rate
+double probe_fma(int64_t iters) {
+  std::vector<float> sink(at::get_num_threads() * 16, 0.0f);
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; t++) {
+      __m256 acc[8];
+      for (int i = 0; i < 8; i++) acc[i] = _mm256_set1_ps(0.001f * (i + 1));
+      const __m256 x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(0.0001f);
+      for (int64_t it = 0; it < iters; it++)
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(acc[i], x, y);
+      __m256 s = acc[0];
+      for (int i = 1; i < 8; i++) s = _mm256_add_ps(s, acc[i]);
+      sink[at::get_thread_num() * 16] += hsum8(s);
+    }
+  });
+  double out = 0;
+  for (auto v : sink) out += v;
+  return out;
+}
+
+void register_quant(pybind11::module& m) {
+  m.def("prof", [](){ std::vector<double> v(g_prof, g_prof+3); for(auto&x: g_prof) x=0; return v;});
+  m.def("probe_read", &probe_read, "read every byte of a buffer over the threads (bandwidth probe)");
+  m.def("probe_fma", &probe_fma, "iters x 8 x 8-lane FMAs a thread (FMA-rate probe)");
+  m.def("linear_q", &linear_q, "x [M, K] float32 @ repacked GGUF-block weights^T -> [M, N], Q8 activations, row-invariant");
+  m.def("repack", &repack, "GGUF blocks [N, K/32 * block bytes] -> the kernels' output-interleaved groups");
+  m.def("group_size", []() { return kGroup; }, "outputs a repacked group interleaves (one SIMD lane each)");
+  m.def("attn_in", &attn_in, "RMSNorm, fused q/k/v (GGUF blocks) and rotary: q [M, H, hd], k, v [M, Hkv, hd]");
+  m.def("attn_out_mlp", &attn_out_mlp, "x + wo(a), then + down(silu(gate) * up) of its RMSNorm (GGUF blocks)");
+  m.def("forward_layers", &forward_layers, "every plain Llama decoder layer over packed rows, K/V written, in one call");
+  m.def("quantize_weight", &quantize_weight, "float32 [N, K] -> GGUF blocks (Q4_0, Q4_1, Q8_0)");
+  m.def("dequantize_weight", &dequantize_weight, "GGUF blocks -> float32 [N, K]");
+  m.def("isa", []() {
+#if defined(__AVX512VNNI__)
+    return std::string("avx512-vnni");
+#else
+    return std::string("avx2");
+#endif
+  });
+}

@@ -1,0 +1,244 @@
+"""The gguf precision's kernels (eyas/kernels/quant.cpp, eyas/target/quantized.py): GGUF blocks as they
+are, llama.cpp's arithmetic (Q8 activations, integer dot products), row-invariant end to end, refusing
+bad input by name; the default target's own blocks read exactly as transformers dequantizes them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eyas import kernels
+from eyas.target.quantized import BLOCK_BYTES, Q4_0, Q4_1, Q8_0, Blocks, QLinear, quantize_gguf
+from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf_llama
+
+QTYPES = (Q4_0, Q4_1, Q8_0)
+
+
+@pytest.fixture(scope="module")
+def k():
+    compiled = kernels.load()
+    if compiled is None:
+        pytest.skip(f"Eyas's CPU kernels do not run here: {kernels.why_not()}")
+    return compiled
+
+
+def q8_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernels quantize it (per row, per 32: scale absmax / 127, round half to even), float64."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)  # float32 product, as the kernel computes it; round half to even
+    return (q.double() * (amax / 127.0).double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n", [96, 50, 7])
+def test_linear_equals_q8_activations_times_the_dequantized_blocks(k, qtype, n):
+    """Any number of rows (one pass, several, a tail) and of outputs (whole groups of lanes or not)."""
+    gen = torch.Generator().manual_seed(n + qtype)
+    w = torch.randn(n, 576, generator=gen) * 0.05
+    blocks = Blocks.quantize(w, qtype)
+    assert blocks.data.shape == (n, 576 // 32 * BLOCK_BYTES[qtype])
+    dense = blocks.dequantize().double()
+    layer = QLinear(blocks)
+    for rows in (1, 3, 4, 5, 8, 9, 17):
+        x = torch.randn(rows, 576, generator=gen)
+        y = layer(x)
+        ref = q8_reference(x) @ dense.T
+        assert y.shape == (rows, n) and y.dtype == torch.float32
+        assert (y.double() - ref).abs().max().item() < 1e-5, (rows, (y.double() - ref).abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_blocks_round_trip_within_their_step(qtype):
+    gen = torch.Generator().manual_seed(qtype)
+    w = torch.randn(40, 128, generator=gen)
+    back = Blocks.quantize(w, qtype).dequantize()
+    b = w.reshape(40, 4, 32)
+    if qtype == Q8_0:  # 255 levels over [-amax, amax]: half a step
+        bound = b.abs().amax(-1) / 127 * 0.5
+    elif qtype == Q4_1:  # 16 levels over [min, max]: half a step
+        bound = (b.amax(-1) - b.amin(-1)) / 15 * 0.5
+    else:  # Q4_0: levels d * (-8..7), d = amax / 8: the far end of the range is clipped by up to a step
+        bound = b.abs().amax(-1) / 8
+    assert ((back.reshape(40, 4, 32) - b).abs() <= bound[..., None] * 1.01 + 1e-3).all()
+
+
+def test_linear_rows_are_bit_for_bit_their_one_row_calls(k):
+    gen = torch.Generator().manual_seed(3)
+    layer = QLinear(Blocks.quantize(torch.randn(3072, 576, generator=gen) * 0.05, Q4_1))
+    x = torch.randn(13, 576, generator=gen)
+    y = layer(x)
+    for i in range(13):
+        assert torch.equal(layer(x[i : i + 1]), y[i : i + 1]), f"row {i}"
+        assert torch.equal(layer(x[: i + 1])[i], y[i]), f"row {i} of {i + 1}"
+
+
+@pytest.mark.parametrize(
+    "call, problem",
+    [
+        (lambda k: k.quantize_weight(torch.zeros(2, 40), Q8_0), "w: 40 inputs, not a multiple of 32"),
+        (lambda k: k.quantize_weight(torch.zeros(2, 32), 5), "qtype: 5 is not"),
+        (lambda k: k.repack(torch.zeros(2, 33, dtype=torch.uint8), Q8_0, 32), "weight: 33 bytes a row"),
+        (
+            lambda k: k.linear_q(torch.zeros(1, 64), k.repack(k.quantize_weight(torch.zeros(4, 32), 8), 8, 32), 8, 4),
+            "weight: ",
+        ),
+        (
+            lambda k: k.linear_q(torch.zeros(1, 32, dtype=torch.float64), torch.zeros(1, 34, dtype=torch.uint8), 8, 1),
+            "x: expected",
+        ),
+        (
+            lambda k: k.linear_q(torch.zeros(1, 32), k.repack(k.quantize_weight(torch.zeros(4, 32), 8), 8, 32), 8, 400),
+            "cannot hold 400",
+        ),
+    ],
+)
+def test_the_kernels_refuse_bad_input_naming_it(k, call, problem):
+    with pytest.raises(RuntimeError, match=problem):
+        call(k)
+
+
+def test_a_gguf_verify_is_bit_for_bit_the_one_row_decodes_it_stands_for_in_both_fused_paths(k):
+    """Per-layer fusion (head_dim 16: attention through the per-row kernel between two fused calls)
+    and the whole forward in one call (head_dim 32)."""
+    per_layer = ours_from_hf(tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=5))
+    quantize_gguf(per_layer)
+    assert per_layer.fused is None and all(layer.fused is not None for layer in per_layer.layers)
+    assert_verify_rows_equal_decodes(per_layer, [3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9])
+    whole = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, seed=5))
+    origin = quantize_gguf(whole)
+    assert whole.fused is not None
+    assert origin["lm_head"] == "Q8_0 (quantized)" and origin["layers.0.mlp.w_down"] == "Q4_1 (quantized)"
+    assert_verify_rows_equal_decodes(whole, [3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9])
+
+
+def test_the_fused_forward_computes_what_the_quantized_modules_compute(k):
+    """The one-call forward (RMSNorm, q/k/v, rotary, K/V write, attention, o, MLP in C++) against the
+    same QLinear weights run module by module in PyTorch: the same model up to float rounding."""
+    fused = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, seed=7, init_std=0.05))
+    quantize_gguf(fused)
+    modules = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, seed=7, init_std=0.05))
+    quantize_gguf(modules)
+    modules.fused = None
+    for layer in modules.layers:
+        layer.fused = None
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()[None]
+
+    def logits(m):
+        return m(tokens, torch.arange(8)[None], m.allocate_cache(1, 8), 0, mask, (), logits_rows="all").logits
+
+    a, b = logits(fused), logits(modules)
+    assert (a - b).abs().max().item() < 1e-5 * a.abs().max().item() + 1e-6
+
+
+@pytest.mark.real_model
+def test_the_default_gguf_blocks_dequantize_bit_for_bit_to_the_served_fp32_weights(k):
+    """The GGUF's Q4_1 layers and Q8_0 head, read as they are (q/k rows put back in HF's order), equal
+    transformers' dequantized checkpoint exactly: the gguf precision computes with the very weights
+    fp32 serves, kept at 4 and 8 bits."""
+    from eyas.target.loader import DEFAULT_TARGET, checkpoint_folder, load_target
+    from eyas.target.quantized import gguf_source, read_gguf_blocks
+
+    fp32 = load_target(DEFAULT_TARGET, "fp32").model
+    source = gguf_source(checkpoint_folder(DEFAULT_TARGET))
+    blocks = read_gguf_blocks(source, fp32.cfg)
+    assert blocks["lm_head"].qtype == Q8_0 and blocks["layers.0.attn.wqkv"].qtype == Q4_1
+    assert len(blocks) == 4 * fp32.cfg.num_layers + 1
+    for name in (
+        "layers.0.attn.wqkv",
+        "layers.7.attn.wo",
+        "layers.15.mlp.w_gate_up",
+        "layers.29.mlp.w_down",
+        "lm_head",
+    ):
+        assert torch.equal(blocks[name].dequantize(), fp32.get_submodule(name).weight), name
+
+
+@pytest.mark.skipif("avx512_vnni" not in kernels.cpu_flags(), reason="one build only: the CPU has no AVX-512 VNNI")
+def test_the_avx2_and_avx512_builds_compute_the_same_bits(k, tmp_path):
+    """quant.cpp sums the same integers either way and scales them in the same order: the baseline
+    build (EYAS_CPU_ISA=avx2, built here in a subprocess) gives this build's outputs bit for bit."""
+    script = (
+        "import sys, torch\n"
+        "from eyas.target.quantized import Blocks, QLinear, quantize_gguf\n"
+        "from tests.testing import ours_from_hf, tiny_hf_llama\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "out = {}\n"
+        "for qt in (2, 3, 8):\n"
+        "    out[qt] = QLinear(Blocks.quantize(torch.randn(50, 576, generator=g) * 0.05, qt))(torch.randn(9, 576, generator=g))\n"
+        "m = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, seed=5))\n"
+        "quantize_gguf(m)\n"
+        "t = torch.tensor([[3, 1, 4, 1, 5, 9]])\n"
+        "out['model'] = m(t, torch.arange(6)[None], m.allocate_cache(1, 6), 0, torch.ones(6, 6, dtype=torch.bool).tril()[None], (), logits_rows='all').logits\n"
+        "from eyas import kernels\n"
+        "out['isa'] = kernels.isa()\n"
+        "torch.save(out, sys.argv[1])\n"
+    )
+    results = {}
+    for isa in ("avx2", "avx512-vnni"):
+        path = tmp_path / f"{isa}.pt"
+        env = {**__import__("os").environ, kernels.ISA_ENV: isa}
+        subprocess.run(
+            [sys.executable, "-c", script, str(path)], check=True, env=env, cwd=str(kernels.SOURCES[0].parents[2])
+        )
+        results[isa] = torch.load(path)
+    assert results["avx2"]["isa"] == "avx2" and results["avx512-vnni"]["isa"] == "avx512-vnni"
+    for key in (2, 3, 8, "model"):
+        assert torch.equal(results["avx2"][key], results["avx512-vnni"][key]), key
+
+
+@pytest.mark.parametrize("method, layout", [("eagle3", "reference"), ("eagle1", "reference"), ("eagle3", "eyas-v1")])
+def test_a_fused_draft_layer_computes_what_its_quantized_modules_compute(k, method, layout):
+    """A drafter beside a gguf target (Q8_0 blocks, its layer fused: with its own input norm, or
+    reading the reference EAGLE-3 layer's pre-normed [E(x); state]) against the same blocks run
+    module by module: the same draft states up to float rounding, over a context and a tree step."""
+    from eyas.drafting.model import DrafterConfig, init_drafter
+    from eyas.runtime import gguf_drafter
+    from eyas.target.batch_kv import RowGroup
+    from eyas.target.model import TargetConfig
+
+    target = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, seed=2)).cfg
+    assert isinstance(target, TargetConfig)
+    outs = []
+    for fused in (True, False):
+        d = gguf_drafter(init_drafter(DrafterConfig.for_target(method, target, layout=layout), seed=4))
+        assert d.layer.fused is not None
+        if not fused:
+            d.layer.fused = None
+        kv = d.allocate_store()
+        row = kv.open_row("r", 16)
+        gen = torch.Generator().manual_seed(1)
+        state, embeds = torch.randn(6, 128, generator=gen), torch.randn(6, 128, generator=gen) * 0.1
+        ctx = d.forward_batch(
+            kv,
+            [
+                (
+                    state,
+                    embeds,
+                    RowGroup(row, torch.arange(6), torch.arange(6), 0, torch.ones(6, 6, dtype=torch.bool).tril()),
+                )
+            ],
+        )[0]
+        step = d.forward_batch(
+            kv,
+            [
+                (
+                    ctx[-2:],
+                    embeds[:2],
+                    RowGroup(
+                        row,
+                        torch.arange(2),
+                        torch.tensor([6, 6]),
+                        6,
+                        torch.cat([torch.ones(2, 6, dtype=torch.bool), torch.eye(2, dtype=torch.bool)], 1),
+                    ),
+                )
+            ],
+        )[0]
+        outs.append(torch.cat([ctx, step]))
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-4 * outs[1].abs().max().item() + 1e-6
