@@ -69,6 +69,10 @@ def machine(threads: int) -> dict:
     t0 = time.perf_counter()
     k.probe_fma(iters)
     fma_s = time.perf_counter() - t0
+    k.probe_dot(1000)
+    t0 = time.perf_counter()
+    k.probe_dot(iters)
+    dot_s = time.perf_counter() - t0
     model = next(
         (
             line.split(":", 1)[1].strip()
@@ -86,6 +90,7 @@ def machine(threads: int) -> dict:
         "read_gb_s": read_bandwidth(512 << 20),  # far past any cache: DRAM
         "read_gb_s_by_mib": {16 * 2**i: read_bandwidth((16 << 20) * 2**i) for i in range(6)},
         "fma_gflop_s": iters * 8 * 8 * 2 * threads / fma_s / 1e9,
+        "int8_gmac_s": iters * 8 * k.dot_macs() * threads / dot_s / 1e9,  # the gguf kernels' integer products
     }
 
 
@@ -255,22 +260,19 @@ def agreement(eyas: Eyas, reference: Eyas, positions: int) -> float:
     return same / total
 
 
-def _logits(eyas: Eyas, tokens: torch.Tensor) -> torch.Tensor:
-    engine = eyas.target_engine(())
-    ids = tokens[0].tolist()
-    engine.open_session("roofline-agree", ids, 1, 1)
-    try:
-        return engine.prefill("roofline-agree").logits.reshape(-1, eyas.cfg.vocab_size)
-    finally:
-        engine.close_session("roofline-agree")
+@torch.inference_mode()
+def _logits(eyas: Eyas, tokens: torch.Tensor) -> torch.Tensor:  # [1, T] -> [T, V]: every position's
+    m, t = eyas.model, tokens.shape[1]
+    mask = torch.ones(t, t, dtype=torch.bool).tril()[None]
+    return m(tokens, torch.arange(t)[None], m.allocate_cache(1, t), 0, mask, (), logits_rows="all").logits[0]
 
 
 # --- the report --------------------------------------------------------------------------------------
-def floor_ms(bytes_: float, macs: float, m: dict, working_set: float) -> float:
-    """The larger of the bytes at the read bandwidth of the forward's working set (its weights and
-    K/V, read again every forward: from DRAM, or from a last-level cache large enough to hold them)
-    and the FLOPs at the FMA rate."""
-    return max(bytes_ / (read_bandwidth(int(working_set)) * 1e9), 2 * macs / (m["fma_gflop_s"] * 1e9)) * 1000
+def floor_ms(bytes_: float, macs: float, m: dict, gb_s: float, precision: str) -> float:
+    """The larger of the bytes at ``gb_s`` and the multiply-adds at the machine's rate for the mode's
+    arithmetic (gguf: the kernels' integer products; otherwise fp32 FMAs)."""
+    rate = m["int8_gmac_s"] * 1e9 if precision == "gguf" else m["fma_gflop_s"] * 1e9 / 2
+    return max(bytes_ / (gb_s * 1e9), macs / rate) * 1000
 
 
 def run(args) -> dict:
@@ -280,7 +282,9 @@ def run(args) -> dict:
         f"machine: {m['cpu']}, {args.threads} threads, flags {' '.join(m['flags'])}, kernels {m['kernel_build']}\n"
         f"  read bandwidth {m['read_gb_s']:.1f} GB/s from DRAM (512 MiB); by working set "
         + ", ".join(f"{mib} MiB {gb:.0f}" for mib, gb in m["read_gb_s_by_mib"].items())
-        + f" GB/s; fp32 FMA {m['fma_gflop_s']:.0f} GFLOP/s (measured here)",
+        + f" GB/s; fp32 FMA {m['fma_gflop_s']:.0f} GFLOP/s, int8 products {m['int8_gmac_s']:.0f} GMAC/s (measured here)\n"
+        "  floor: the bytes from DRAM or the arithmetic at the measured rate, whichever is slower; 'cache':\n"
+        "  the same with the read bandwidth of a buffer as large as the forward's working set (weights and K/V)",
         flush=True,
     )
     out = {"machine": m, "context": args.context, "modes": {}}
@@ -311,7 +315,8 @@ def run(args) -> dict:
         working = acct["weight_bytes"] + kv  # what every target forward reads again
         for name, b, macs, ms in kinds:
             ws = drafter["step_bytes"] if name.startswith("drafter") else working
-            fl = floor_ms(b, macs, m, ws)
+            fl = floor_ms(b, macs, m, m["read_gb_s"], precision)  # the bytes from DRAM: the issue's floor
+            cached = floor_ms(b, macs, m, read_bandwidth(int(ws)), precision)  # a cache as large as the working set
             table.append(
                 {
                     "kind": name,
@@ -320,7 +325,9 @@ def run(args) -> dict:
                     "ms": ms,
                     "floor_ms": fl,
                     "fraction": fl / ms,
-                    "read_gb_s": read_bandwidth(int(ws)),
+                    "working_set_gb_s": read_bandwidth(int(ws)),
+                    "cached_floor_ms": cached,
+                    "cached_fraction": cached / ms,
                 }
             )
         mode = {"account": acct, "kinds": table, "dispatch": prof, "drafter_points": drafter["cost_points"]}
@@ -328,11 +335,14 @@ def run(args) -> dict:
             mode["top1_agreement_fp32"] = agreement(eyas, reference, args.agreement)
         out["modes"][precision] = mode
         print(f"\n{precision}: weights {acct['weight_bytes'] / 1e6:.1f} MB a forward")
-        print(f"  {'kind':32} {'MB':>7} {'GFLOP':>7} {'GB/s':>6} {'ms':>7} {'floor':>7} {'of floor':>8}")
+        print(
+            f"  {'kind':32} {'MB':>7} {'GFLOP':>7} {'ms':>7} {'floor':>7} {'of floor':>8}   "
+            f"{'cache GB/s':>10} {'floor':>7} {'of floor':>8}"
+        )
         for t in table:
             print(
-                f"  {t['kind']:32} {t['mb']:7.1f} {t['gflop']:7.3f} {t['read_gb_s']:6.1f} {t['ms']:7.2f} "
-                f"{t['floor_ms']:7.2f} {t['fraction']:8.2f}"
+                f"  {t['kind']:32} {t['mb']:7.1f} {t['gflop']:7.3f} {t['ms']:7.2f} {t['floor_ms']:7.2f} "
+                f"{t['fraction']:8.2f}   {t['working_set_gb_s']:10.1f} {t['cached_floor_ms']:7.2f} {t['cached_fraction']:8.2f}"
             )
         one = verify[1]
         print(

@@ -255,6 +255,7 @@ def build_report(
         "wall_s": r.wall_s,
         "tokens_per_s": len(r.token_ids) / r.wall_s if r.wall_s > 0 else 0.0,
         "finish_reason": r.finish_reason,
+        "seed": req.seed,
         "prefill_s": r.prefill_s,
         "draft_s": r.draft_s,
         "verify_s": r.verify_s,

@@ -278,6 +278,7 @@ class Drafter(nn.Module):
         for state, embeds, g in groups:
             assert state.ndim == 2 and state.shape == embeds.shape and g.positions.shape == (state.shape[0],)
         plan = BatchRows.build([g for _, _, g in groups], kv.device)
+        kv.fit(plan.num_kv_rows, plan.key_len)  # the store grows with what is written, within the budgets
         state = torch.cat([x[0] for x in groups])[None]
         embeds = torch.cat([x[1] for x in groups])[None]
         x, residual = self.layer_input(state, embeds)  # [1, N, d_in], [1, N, d]

@@ -922,7 +922,32 @@ double probe_fma(int64_t iters) {
   return out;
 }
 
+// `iters` rounds of 8 independent integer dot products a thread, each 32 (AVX2) or 64 (AVX-512) u8 x s8
+// products: the rate of the gguf kernels' arithmetic (returns a checksum)
+int64_t probe_dot(int64_t iters) {
+  std::vector<int64_t> sink(at::get_num_threads() * 8, 0);
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; t++) {
+      VecI acc[8];
+      for (int i = 0; i < 8; i++) acc[i] = vzero_i();
+      const VecI u = vset1_8(3), s = vset1_8(-2);
+      for (int64_t it = 0; it < iters; it++)
+        for (int i = 0; i < 8; i++) acc[i] = vdot(acc[i], u, s);
+      int32_t out[sizeof(VecI) / 4];
+      for (int i = 0; i < 8; i++) {  // every accumulator read, so that none is optimized away
+        std::memcpy(out, &acc[i], sizeof(VecI));
+        sink[at::get_thread_num() * 8] += out[0];
+      }
+    }
+  });
+  int64_t out = 0;
+  for (auto v : sink) out += v;
+  return out;
+}
+
 void register_quant(pybind11::module& m) {
+  m.def("probe_dot", &probe_dot, "iters x 8 integer dot-product instructions a thread (int8 MAC-rate probe)");
+  m.def("dot_macs", []() { return static_cast<int64_t>(sizeof(VecI)); }, "u8 x s8 products one probe_dot instruction does");
   m.def("prof", [](){ std::vector<double> v(g_prof, g_prof+3); for(auto&x: g_prof) x=0; return v;});
   m.def("probe_read", &probe_read, "read every byte of a buffer over the threads (bandwidth probe)");
   m.def("probe_fma", &probe_fma, "iters x 8 x 8-lane FMAs a thread (FMA-rate probe)");

@@ -51,6 +51,7 @@ class Ingress(Protocol):
     model_name: str
     created: int
     inflight: int  # admitted requests
+    max_context: int  # the target's context: what an OpenAI request without max_tokens may fill
 
     def _validate(self, request) -> tuple[GenerateRequest, list[int]]: ...
 
@@ -168,7 +169,7 @@ def build_http_app(server: Ingress) -> FastAPI:
 
     async def _openai(request: Request, kind: str):
         parsed = oai.parse_openai(
-            kind, await read_body(request, cfg.max_body_bytes), server.tokenizer, server.model_name
+            kind, await read_body(request, cfg.max_body_bytes), server.tokenizer, server.model_name, server.max_context
         )
         try:
             req, ids = server._validate(wire.generate_request_to_proto(parsed.request))

@@ -19,6 +19,7 @@ Terms:
 from __future__ import annotations
 
 import hmac
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -65,7 +66,7 @@ UNSUPPORTED = (
     "store",
     "metadata",
 )
-DEFAULT_MAX_TOKENS = 128  # when a request gives neither max_tokens nor max_completion_tokens
+DEFAULT_MAX_TOKENS = 128  # no max_tokens and no known context (a server always knows its target's)
 DEFAULT_METHOD = "eagle3"  # when it names no Eyas method
 # Eyas's names -> the OpenAI parameter a validation error should name
 PARAM_OF_FIELD = {"max_new_tokens": "max_tokens", "prompt_ids": "messages", "prompt": "prompt"}
@@ -189,8 +190,10 @@ def check_api_key(expected: str | None, authorization: str | None) -> None:
         )
 
 
-def parse_openai(kind: str, body: object, tokenizer, model_name: str) -> OpenAIRequest:
-    """Validate an OpenAI body and turn it into the Eyas request it asks for."""
+def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_context: int | None = None) -> OpenAIRequest:
+    """Validate an OpenAI body and turn it into the Eyas request it asks for. ``max_context``: the
+    target's context; a request that gives no ``max_tokens`` may answer up to the end of it, as with
+    OpenAI and vLLM (without it, :data:`DEFAULT_MAX_TOKENS`)."""
     if not isinstance(body, dict):
         raise OpenAIError("request: the body must be a JSON object")
     for name in UNSUPPORTED:
@@ -239,14 +242,14 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str) -> OpenAIR
     stop = [parsed.stop] if isinstance(parsed.stop, str) else list(parsed.stop or [])
     fields = {
         "prompt_ids": prompt_ids,
-        "max_new_tokens": max_new if max_new is not None else DEFAULT_MAX_TOKENS,
+        "max_new_tokens": max_new if max_new is not None else default_max_tokens(len(prompt_ids), max_context),
         "temperature": parsed.temperature,
         "top_p": parsed.top_p,
         "stop": stop,
         "method": parsed.method or DEFAULT_METHOD,
     }
-    if parsed.seed is not None:
-        fields["seed"] = parsed.seed
+    # no seed: a fresh one, as OpenAI and vLLM draw (reported in the response's eyas.seed, to replay it)
+    fields["seed"] = parsed.seed if parsed.seed is not None else secrets.randbits(63)
     fields.update({k: getattr(parsed, k) for k in EYAS_EXTRAS if k != "method" and getattr(parsed, k) is not None})
     try:
         req = parse_request(**fields)
@@ -266,6 +269,14 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str) -> OpenAIR
         stream=parsed.stream,
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
     )
+
+
+def default_max_tokens(prompt_tokens: int, max_context: int | None) -> int:
+    """What a request without ``max_tokens`` may answer: the rest of the target's context (one slot is
+    the frontier token's; at least 1, so that a prompt that fills the context is refused naming it)."""
+    if max_context is None:
+        return DEFAULT_MAX_TOKENS
+    return max(max_context - prompt_tokens - 1, 1)
 
 
 def render_messages(tokenizer, messages: list[Message]) -> list[int]:
@@ -306,6 +317,7 @@ def spec_stats(report: dict) -> dict:
         "mean_acceptance_length": 1 + accepted / len(spec) if spec else 0.0,
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
         "tokens_per_target_forward": report["accept_length_mean"],
+        "seed": report.get("seed"),  # the request's sampling seed (a fresh one when it gave none)
         "target_forwards": report["target_forwards"],
         "drafter_fallback": report["drafter_fallback"],
     }

@@ -73,17 +73,35 @@ class BatchKV:
             new_rows *= 2
         new_slots = max(self.slot_capacity, -(-slots // SLOT_GRANULE) * SLOT_GRANULE)
         L, H, hd = self.shape_per_slot
-        k = torch.zeros(L, new_rows, H, new_slots, hd, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
-        b, s = self.row_capacity, self.slot_capacity
-        k[:, :b, :, :s], v[:, :b, :, :s] = self.k, self.v
+        with torch.inference_mode(False):  # a store grown inside a forward stays writable outside one
+            k = torch.zeros(L, new_rows, H, new_slots, hd, dtype=self.dtype, device=self.device)
+            v = torch.zeros_like(k)
+            b, s = self.row_capacity, self.slot_capacity
+            k[:, :b, :, :s], v[:, :b, :, :s] = self.k, self.v
         self.k, self.v = k, v
 
     def open_row(self, owner: str, slots: int) -> int:
-        """Give ``owner`` the next KV row, of ``slots`` slots (growing the store) -> that row."""
-        self.reserve(len(self.owners) + 1, slots)
+        """Give ``owner`` the next KV row, with a budget of ``slots`` slots -> that row. The storage grows
+        with what is written (:meth:`fit`), not with the budgets: a request whose answer may run to the
+        end of the context holds only the slots it has filled so far."""
+        self.reserve(len(self.owners) + 1, 0)
         self.owners.append((owner, slots))
         return len(self.owners) - 1
+
+    def fit(self, rows: int, slots: int) -> None:
+        """Make room for a forward over KV rows ``[0, rows)`` and slots ``[0, slots)``: growing the slots
+        geometrically (twice the current capacity, within the largest budget) so that a long answer
+        copies the store O(log n) times. A forward past every live row's budget is refused."""
+        if rows <= self.row_capacity and slots <= self.slot_capacity:
+            return
+        budget = max((b for _, b in self.owners), default=0)
+        if rows > len(self.owners) or slots > budget:
+            raise ValueError(
+                f"rows: the plan reaches past the K/V store ({rows} rows x {slots} slots; {len(self.owners)} rows "
+                f"of at most {budget} slots open)"
+            )
+        granule = lambda n: -(-n // SLOT_GRANULE) * SLOT_GRANULE  # noqa: E731
+        self.reserve(rows, max(granule(slots), min(2 * self.slot_capacity, granule(budget))))
 
     def close_row(self, kv_row: int) -> str | None:
         """Free ``kv_row``: the last row moves into its place with its K/V, so the live rows stay
@@ -92,7 +110,7 @@ class BatchKV:
         last, slots = self.owners.pop()
         moved = None
         if kv_row < len(self.owners):
-            self.move(len(self.owners), kv_row, slots)
+            self.move(len(self.owners), kv_row, min(slots, self.slot_capacity))
             self.owners[kv_row] = (last, slots)
             moved = last
         if not self.owners:
@@ -150,6 +168,7 @@ class BatchKV:
     def write_prefix(self, kv_row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys/values ([L, H_kv, n, hd] each) at slots ``[0, n)`` of ``kv_row`` (a prefix-cache hit)."""
         n = keys.shape[2]
+        self.fit(kv_row + 1, n)
         self.k[:, kv_row, :, :n] = keys
         self.v[:, kv_row, :, :n] = values
 

@@ -844,11 +844,7 @@ class TargetModel(nn.Module):
         """Every request's rows of one round in one forward over the engine's K/V store: one
         attention call per layer (``eyas.target.batch_kv``). -> logits [1, N or n, V] and features
         [1, N, F] in packed order; ``logits_rows``: "all", "none", or packed-row indices [n]."""
-        if plan.key_len > kv.slot_capacity or plan.num_kv_rows > kv.row_capacity:
-            raise ValueError(
-                f"rows: the plan reaches past the K/V store ({plan.num_kv_rows} rows x "
-                f"{plan.key_len} slots; {kv.row_capacity} x {kv.slot_capacity} allocated)"
-            )
+        kv.fit(plan.num_kv_rows, plan.key_len)  # the store grows with what is written, within the budgets
         cos, sin = self.rope(plan.positions[None], plan.max_position)
         if isinstance(logits_rows, torch.Tensor):
             logits_rows = logits_rows.to(plan.tokens.device)

@@ -36,6 +36,7 @@ class Server:
     def __init__(self, tokenizer, answer=REPORT, api_key=None):
         self.cfg = SimpleNamespace(api_key=api_key, max_body_bytes=1024, max_inflight_requests=4)
         self.tokenizer, self.model_name, self.created, self.inflight = tokenizer, MODEL, 0, 0
+        self.max_context = 60  # so that a request without max_tokens stays within _validate's 64
         self.answer, self.cancelled, self.ran = answer, [], 0
 
     def _validate(self, request):

@@ -87,6 +87,38 @@ def test_bad_parameters_are_refused_naming_them(tok, body, param, status):
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_no_seed_draws_a_fresh_one_as_openai_does_and_the_response_reports_it(tok):
+    """At OpenAI's default temperature 1.0 the same prompt used to get the same "sampled" answer every
+    time (no seed meant seed 0); now each request without a seed draws its own, reported in eyas.seed."""
+    seeds = {chat(tok).request.seed for _ in range(8)}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+    assert chat(tok, seed=11).request.seed == 11
+    assert (
+        oai.spec_stats(
+            {
+                "method": "target",
+                "rounds": [],
+                "accept_length_mean": 1.0,
+                "target_forwards": 0,
+                "drafter_fallback": False,
+                "seed": 123,
+            }
+        )["seed"]
+        == 123
+    )
+
+
+def test_no_max_tokens_means_the_rest_of_the_context(tok):
+    parsed = oai.parse_openai(
+        oai.CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}]}, tok, MODEL, 8192
+    )
+    assert parsed.request.max_new_tokens == 8192 - len(parsed.prompt_ids) - 1
+    given = oai.parse_openai(
+        oai.CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 9}, tok, MODEL, 8192
+    )
+    assert given.request.max_new_tokens == 9
+
+
 def test_a_completion_needs_a_prompt(tok):
     with pytest.raises(oai.OpenAIError) as info:
         oai.parse_openai(oai.COMPLETION, {"model": MODEL, "prompt": "  "}, tok, MODEL)

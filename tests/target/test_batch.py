@@ -200,3 +200,29 @@ def test_closing_a_request_moves_the_last_kv_row_into_its_place_and_the_store_is
     for rid in list(e.sessions):
         e.close_session(rid)
     assert e.kv_bytes_allocated() == 0 and e.kv_slots_allocated() == 0
+
+
+def test_the_store_grows_with_what_is_written_not_with_the_budgets(tiny_target):
+    """A request may budget its answer to the end of the context (an OpenAI request without
+    max_tokens); the store holds only the slots filled so far, grows geometrically as they fill (a
+    handful of copies for a long answer), and decodes exactly what a small budget decodes."""
+    from eyas.generate import generate
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    small = TargetEngine(tiny_target, ())
+    want = generate(small, prompt, max_new_tokens=60).token_ids
+    big = TargetEngine(tiny_target, ())
+    capacities = []
+    original_fit = big.kv.fit
+
+    def fit(rows, slots):
+        original_fit(rows, slots)
+        capacities.append(big.kv.slot_capacity)
+
+    big.kv.fit = fit
+    got = generate(big, prompt, max_new_tokens=240, stop_ids=(), on_tokens=lambda _: len(capacities) > 150)
+    assert got.token_ids[:60] == want
+    assert capacities[0] == 128  # the first 128 filled slots' granule, not the 248 budgeted (256)
+    assert sorted(set(capacities)) == [128, 256]  # grown once as the answer passed 128 slots, not once per token
+    with pytest.raises(ValueError, match="^rows: the plan reaches past the K/V store"):
+        big.kv.fit(1, 10_000)  # past every open row's budget
