@@ -1139,3 +1139,75 @@ def test_a_killed_target_replicas_draft_sessions_are_reclaimed_and_its_speculati
     assert [t for c in b for t in c.token_ids] == reference[PROMPTS[1]]
     assert a[-1].stats.resumes >= 1 and b[-1].stats.resumes >= 1
     no_leaks(client, timeout_s=90)
+
+
+def test_a_short_chaos_soak_changes_no_token_and_repeats_none(client, serve_address, reference, no_leaks):
+    """Last (it kills replicas): three gRPC clients stream EAGLE-3 answers one after another for
+    about 45 s while the drafter replica, then the target replica, then the drafter again are
+    killed (bench/chaos.py is the long soak). Every finished stream equals in-process greedy
+    target-only, no chunk repeats a token (first_token_index), no answer runs past its end, and
+    afterwards no worker holds a session."""
+    import random
+    import threading
+
+    import ray
+
+    from eyas.serve.client import EyasClient
+
+    deadline = time.monotonic() + 45
+    results: list[tuple[str, list[int], bool, str | None]] = []
+    lock = threading.Lock()
+
+    def stream_loop(seed: int) -> None:
+        rng = random.Random(seed)
+        with EyasClient(serve_address, timeout_s=300) as c:
+            while time.monotonic() < deadline:
+                prompt = rng.choice(PROMPTS)
+                tokens, duplicated, error = [], False, None
+                try:
+                    call = c.stub.GenerateStream(
+                        c.request(prompt=prompt, method="eagle3", max_new_tokens=N), metadata=c.metadata, timeout=300
+                    )
+                    for chunk in call:
+                        duplicated |= bool(chunk.token_ids) and chunk.first_token_index < len(tokens)
+                        tokens.extend(chunk.token_ids)
+                        if chunk.finish_reason == "error":
+                            error = chunk.text
+                except grpc.RpcError as err:
+                    error = str(err.code())
+                with lock:
+                    results.append((prompt, tokens, duplicated, error))
+
+    def live_actor(kind: str):
+        for w in client.stats()["workers"]:
+            if w["kind"] == kind and w.get("ok"):
+                try:
+                    return ray.get_actor(w["actor_name"], namespace=w["namespace"])
+                except ValueError:
+                    continue
+        return None
+
+    threads = [threading.Thread(target=stream_loop, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    kills = 0
+    for at, kind in ((6, "drafter"), (18, "target"), (32, "drafter")):
+        while time.monotonic() < deadline - 45 + at:
+            time.sleep(0.2)
+        actor = None
+        for _ in range(100):  # a replacement replica may still be starting
+            actor = live_actor(kind)
+            if actor is not None:
+                break
+            time.sleep(0.5)
+        if actor is not None:
+            ray.kill(actor)
+            kills += 1
+    for t in threads:
+        t.join(timeout=400)
+    assert kills >= 2 and results
+    wrong = [(p[:30], len(toks)) for p, toks, _, err in results if err is None and toks != reference[p]]
+    assert not wrong, wrong  # e.g. an answer that ran on past <|im_end|> after a drafter and a target loss
+    assert not any(dup for _, _, dup, _ in results)
+    assert sum(err is None for *_, err in results) >= len(results) - 1, [err for *_, err in results if err]
+    no_leaks(client, timeout_s=120)
