@@ -15,6 +15,7 @@ METHODS = ("target", "eagle1", "hass", "eagle3")  # hass: an EAGLE-1-architectur
 
 
 MAX_REQUEST_ID_LEN: int = 256  # a request id (``request_id``) is 1 to this many characters
+CHOICE_SEP = "#"  # choice i > 0 of a named OpenAI request with n > 1 runs as <request_id>#<i>
 # The smallest non-zero temperature (vLLM's threshold too): below it logits / T overflows fp32 for
 # ordinary logits (1e-300 is 0 in fp32), and the served distribution is the argmax's in all but name.
 MIN_TEMPERATURE: float = 1e-2

@@ -477,6 +477,16 @@ class EyasServer:
         reports = await get_registry(self.app_name).snapshot.remote()
         return merge_prometheus({r["replica"]: r["prometheus"] for r in reports if r.get("prometheus")})
 
+    async def health(self) -> str | None:
+        """Why the app cannot serve now (None: it can): a target replica must be reporting and ok, and,
+        when the app serves a drafter method, a drafter replica too (Serve's own health checks restart
+        a replica; this says whether requests would be answered)."""
+        workers = (await self.stats())["workers"]
+        for kind in ("target", "drafter") if self.cfg.methods else ("target",):
+            if not any(w["kind"] == kind and w.get("ok") for w in workers):
+                return f"no {kind} replica is ready"
+        return None
+
     async def stats(self) -> dict:
         """Every live replica's report, merged: workers (leak invariant), per-replica round loops and
         autoscaling stats, and the telemetry of all target replicas (metrics and spans concatenated)."""

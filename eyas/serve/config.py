@@ -78,6 +78,9 @@ class ServeConfig(BaseModel):
     # clients must send `Authorization: Bearer <key>` (HTTP) or that metadata (gRPC); None = open.
     # `eyas serve --api-key` or EYAS_API_KEY set it too. Never logged.
     api_key: str | None = Field(None, min_length=1, repr=False)
+    # GET /metrics without the API key (vLLM's habit: scrapers carry no key); false puts it behind the key.
+    # GET /health is always open.
+    metrics_open: bool = True
     # a request whose target replica dies resumes on another for this long before the client gets an error
     resume_timeout_s: float = Field(60.0, ge=0)
     served_model_name: str | None = None  # the OpenAI API's model id (default: the target's name)

@@ -28,11 +28,14 @@ Terms:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import uuid
 from typing import Protocol
 
 from fastapi import Depends, FastAPI, Request
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -41,6 +44,7 @@ from eyas.protocol.schema import CancelRequest, GenerateRequest, parse_cancel, p
 from eyas.protocol.text import AnswerText
 from eyas.serve import openai_api as oai
 from eyas.serve.errors import Failure, Overloaded, failure_of
+from eyas.target.loader import encode_prompt
 
 
 class Ingress(Protocol):
@@ -64,6 +68,8 @@ class Ingress(Protocol):
     async def stats(self) -> dict: ...
 
     async def prometheus(self) -> str: ...
+
+    async def health(self) -> str | None: ...
 
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -107,6 +113,30 @@ async def read_body(request: Request, max_body_bytes: int) -> object:
         raise oai.OpenAIError("request: the body nests too deeply") from None
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a prompt or a conversation (vLLM's route)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[oai.Message] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids (vLLM's route)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
+def _first_error(err: ValidationError) -> str:
+    """A pydantic error as Eyas's ``field: why``."""
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "request"
+    return f"{where}: {'is not a field of this route' if first['type'] == 'extra_forbidden' else first['msg']}"
+
+
 def _body_schema(model) -> dict:
     """``openapi_extra`` declaring ``model`` as a route's JSON body (the route reads the body itself)."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
@@ -123,7 +153,13 @@ def build_http_app(server: Ingress) -> FastAPI:
     """The HTTP API of one ``EyasServer`` replica (called by Serve when the replica starts)."""
     cfg = server.cfg
 
+    open_paths = {"/health"} | ({"/metrics"} if getattr(cfg, "metrics_open", True) else set())
+
     async def check_api_key(request: Request) -> None:
+        root = request.scope.get("root_path", "").rstrip("/")
+        path = request.url.path
+        if (path[len(root) :] if root and path.startswith(root) else path) in open_paths:
+            return  # a load balancer's probe and a scraper carry no key
         oai.check_api_key(cfg.api_key, request.headers.get("authorization"))
 
     app = FastAPI(
@@ -144,7 +180,10 @@ def build_http_app(server: Ingress) -> FastAPI:
         """404 and 405, in the route's error shape, naming the routes there are."""
         path = request.url.path
         if err.status_code == 404:
-            message = f"{path}: no such route (/v1/chat/completions, /v1/completions, /v1/models, /, /cancel, /stats, /metrics)"
+            message = (
+                f"{path}: no such route (/v1/chat/completions, /v1/completions, /v1/models, /, /cancel, /stats, "
+                "/metrics, /health, /tokenize, /detokenize)"
+            )
             code = "not_found"
         elif err.status_code == 405:
             message, code = f"{path}: method {request.method} is not allowed here", "method_not_allowed"
@@ -158,6 +197,17 @@ def build_http_app(server: Ingress) -> FastAPI:
     @app.get("/v1/models", tags=["openai"])
     async def models() -> dict:
         return oai.models(server.model_name, server.created)
+
+    @app.get("/v1/models/{model_id}", tags=["openai"])
+    async def model(model_id: str):
+        if model_id != server.model_name:
+            raise oai.OpenAIError(
+                f"model: {model_id!r} does not exist; this server serves {server.model_name!r}",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
+        return oai.models(server.model_name, server.created)["data"][0]
 
     @app.post("/v1/chat/completions", tags=["openai"], openapi_extra=_body_schema(oai.ChatRequest))
     async def chat_completions(request: Request):
@@ -176,42 +226,81 @@ def build_http_app(server: Ingress) -> FastAPI:
         except ValueError as err:
             raise oai.invalid(str(err)) from None
         response_id = ("chatcmpl-" if kind == oai.CHAT else "cmpl-") + (req.request_id or uuid.uuid4().hex)
-        if server.inflight >= cfg.max_inflight_requests:  # a 503 status, before any event is sent
+        if server.inflight + parsed.n > cfg.max_inflight_requests:  # a 503 status, before any event is sent
             return openai_response(openai_error(failure_of(Overloaded.at(server.inflight))))
+        reqs = oai.choice_requests(req, parsed.n)
         if parsed.stream:
-            return StreamingResponse(_sse(parsed, req, ids, response_id), media_type="text/event-stream")
-        report = await server._drain(req, ids)
-        if isinstance(report, Failure):
-            return openai_response(openai_error(report))
-        return JSONResponse(oai.response(parsed, response_id, oai.now(), report))
+            return StreamingResponse(_sse(parsed, reqs, ids, response_id), media_type="text/event-stream")
+        reports: dict[int, dict] = {}
+        async with contextlib.aclosing(_choices(reqs, ids)) as items:
+            async for i, item in items:
+                if isinstance(item, Failure):
+                    return openai_response(openai_error(item))
+                if "report" in item:
+                    reports[i] = item["report"]
+        return JSONResponse(oai.response(parsed, response_id, oai.now(), [reports[i] for i in range(len(reqs))]))
 
-    async def _sse(parsed: oai.OpenAIRequest, req: GenerateRequest, ids: list[int], response_id: str):
-        """Server-sent events: one chunk per round that added text, the finish, the usage (when asked
-        for), then ``[DONE]``; a failure is one error event. A client that closes the stream cancels
-        the request (the request path's ``finally``)."""
+    async def _choices(reqs: list[GenerateRequest], ids: list[int]):
+        """The items of a request's choices through the one request path, merged as ``(index,
+        item)``. Choice 0 runs first; the others start once its first token arrived: its prompt is
+        then committed and in its replica's prefix cache, so theirs is copied, not recomputed (with
+        several replicas the router sends them to the one that holds it). Leaving the generator
+        (the answer is complete, the client went away, a failure) cancels every choice."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks: list[asyncio.Task] = []
+
+        async def pump(i: int, req: GenerateRequest) -> None:
+            try:
+                async with server._request(req, ids) as items:
+                    async for item in items:
+                        if i == 0 and len(tasks) < len(reqs):
+                            tasks.extend(asyncio.create_task(pump(j, r)) for j, r in enumerate(reqs[1:], 1))
+                        await queue.put((i, item))
+            finally:
+                queue.put_nowait((i, None))  # this choice ended
+
+        tasks.append(asyncio.create_task(pump(0, reqs[0])))
+        ended = 0
+        try:
+            while ended < len(tasks):
+                i, item = await queue.get()
+                if item is None:
+                    ended += 1
+                    continue
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _sse(parsed: oai.OpenAIRequest, reqs: list[GenerateRequest], ids: list[int], response_id: str):
+        """Server-sent events: per choice a chunk per round that added text and its finish, then the
+        usage (when asked for), then ``[DONE]``; a failure is one error event. A client that closes
+        the stream cancels the request (every choice's path has a ``finally``)."""
         created = oai.now()
-        text = AnswerText(server.tokenizer, req.stop)  # the gRPC stream's rule (eyas/protocol/text.py)
-        async with server._request(req, ids) as items:
-            if parsed.kind == oai.CHAT:
-                yield sse_event(oai.chunk(parsed, response_id, created, None, None, role=True))
-            async for item in items:
+        texts = [AnswerText(server.tokenizer, r.stop) for r in reqs]  # the gRPC stream's rule (eyas/protocol/text.py)
+        reports: dict[int, dict] = {}
+        if parsed.kind == oai.CHAT:
+            for i in range(len(reqs)):
+                yield sse_event(oai.chunk(parsed, response_id, created, None, None, role=True, index=i))
+        async with contextlib.aclosing(_choices(reqs, ids)) as items:
+            async for i, item in items:
                 if isinstance(item, Failure):
                     yield sse_event(openai_error(item).body())
                     return
                 if "tokens" in item:
-                    delta = text.push(item["tokens"])
+                    delta = texts[i].push(item["tokens"])
                     if delta:
-                        yield sse_event(oai.chunk(parsed, response_id, created, delta, None))
+                        yield sse_event(oai.chunk(parsed, response_id, created, delta, None, index=i))
                     continue
-                report = item["report"]
-                delta = text.finish()
+                reports[i] = report = item["report"]
+                delta = texts[i].finish()
                 if delta:
-                    yield sse_event(oai.chunk(parsed, response_id, created, delta, None))
-                yield sse_event(
-                    oai.chunk(parsed, response_id, created, None, oai.finish_reason(report["finish_reason"]))
-                )
-                if parsed.include_usage:
-                    yield sse_event(oai.usage_chunk(parsed, response_id, created, report))
+                    yield sse_event(oai.chunk(parsed, response_id, created, delta, None, index=i))
+                reason = oai.finish_reason(report["finish_reason"])
+                yield sse_event(oai.chunk(parsed, response_id, created, None, reason, index=i))
+        if parsed.include_usage and len(reports) == len(reqs):
+            yield sse_event(oai.usage_chunk(parsed, response_id, created, [reports[i] for i in range(len(reqs))]))
         yield "data: [DONE]\n\n"
 
     # --- Eyas's own routes ---------------------------------------------------------------------------
@@ -247,6 +336,46 @@ def build_http_app(server: Ingress) -> FastAPI:
     async def stats():
         """Every live replica's report, merged (``eyas stats``)."""
         return JSONResponse(json.loads(json.dumps(await server.stats(), default=str)))
+
+    @app.get("/health", tags=["operator"])
+    async def health():
+        """200 once a target replica (and a drafter replica, when the app serves a drafter method)
+        reports ready; 503 naming what is missing otherwise. Open without the API key."""
+        why = await server.health()
+        if why is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+
+    @app.post("/tokenize", tags=["operator"], openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize(request: Request):
+        """The target's token ids of a prompt (as /v1/completions feeds it) or of a conversation (through
+        the chat template, as /v1/chat/completions does): ``{"tokens", "count", "max_model_len"}``."""
+        try:
+            body = TokenizeRequest.model_validate(await json_object(request))
+        except ValidationError as err:
+            return json_failure(failure_of(ValueError(_first_error(err))))
+        if (body.prompt is None) == (body.messages is None):
+            return json_failure(failure_of(ValueError("prompt: give prompt or messages, not both or neither")))
+        if body.messages is not None:
+            if not body.messages:
+                return json_failure(failure_of(ValueError("messages: at least one message")))
+            ids = oai.render_messages(server.tokenizer, body.messages)
+        else:
+            ids = encode_prompt(server.tokenizer, body.prompt, raw=True)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": server.max_context})
+
+    @app.post("/detokenize", tags=["operator"], openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize(request: Request):
+        """The text of token ids, as an answer's text is made (special tokens skipped): ``{"prompt"}``."""
+        try:
+            body = DetokenizeRequest.model_validate(await json_object(request))
+        except ValidationError as err:
+            return json_failure(failure_of(ValueError(_first_error(err))))
+        vocab = len(server.tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            return json_failure(failure_of(ValueError(f"tokens: {bad} is not a token id (0 to {vocab - 1})")))
+        return JSONResponse({"prompt": AnswerText.of(server.tokenizer, body.tokens)})
 
     @app.get("/metrics", tags=["eyas"], response_class=Response)
     async def metrics():

@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eyas.generate import FINISH_LENGTH
-from eyas.protocol.schema import GenerateRequest, parse_request
+from eyas.protocol.schema import CHOICE_SEP, GenerateRequest, parse_request
 from eyas.target.loader import encode_messages, encode_prompt
 
 CHAT, COMPLETION = "chat.completion", "text_completion"
@@ -66,6 +66,7 @@ UNSUPPORTED = (
     "store",
     "metadata",
 )
+MAX_CHOICES = 16  # n: choices of one prompt a request may ask for
 DEFAULT_MAX_TOKENS = 128  # no max_tokens and no known context (a server always knows its target's)
 DEFAULT_METHOD = "eagle3"  # when it names no Eyas method
 # Eyas's names -> the OpenAI parameter a validation error should name
@@ -167,6 +168,21 @@ class OpenAIRequest:
     model: str
     stream: bool
     include_usage: bool
+    n: int = 1  # choices of the one prompt, each with its own seed (choice i: seed + i)
+
+
+def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """A request's n choices as requests: choice i draws with ``seed + i`` and, when the request is
+    named, is named ``<request_id>#<i>`` (a named cancel of ``request_id`` stops every choice)."""
+    return [
+        req.model_copy(
+            update={
+                "seed": (req.seed + i) % 2**63,
+                "request_id": f"{req.request_id}{CHOICE_SEP}{i}" if req.request_id and i else req.request_id,
+            }
+        )
+        for i in range(n)
+    ]
 
 
 def _pydantic_error(err: ValidationError) -> OpenAIError:
@@ -212,10 +228,8 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_contex
             status=404,
             code="model_not_found",
         )
-    if parsed.n != 1:
-        raise OpenAIError(
-            f"n: Eyas returns one choice per request, got {parsed.n}", param="n", code="unsupported_parameter"
-        )
+    if not 1 <= parsed.n <= MAX_CHOICES:
+        raise OpenAIError(f"n: must be between 1 and {MAX_CHOICES}, got {parsed.n}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(parsed, name) != 0:
             raise OpenAIError(
@@ -268,6 +282,7 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_contex
         model=model_name,
         stream=parsed.stream,
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+        n=parsed.n,
     )
 
 
@@ -334,44 +349,67 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def response(req: OpenAIRequest, response_id: str, created: int, report: dict) -> dict:
-    """The non-streamed answer."""
-    reason = finish_reason(report["finish_reason"])
-    if req.kind == CHAT:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": report["text"]},
-            "finish_reason": reason,
-            "logprobs": None,
-        }
-    else:
-        choice = {"index": 0, "text": report["text"], "finish_reason": reason, "logprobs": None}
+def response(req: OpenAIRequest, response_id: str, created: int, reports: list[dict]) -> dict:
+    """The non-streamed answer: one choice per report, in index order."""
+    choices = []
+    for i, report in enumerate(reports):
+        reason = finish_reason(report["finish_reason"])
+        if req.kind == CHAT:
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": report["text"]},
+                    "finish_reason": reason,
+                    "logprobs": None,
+                }
+            )
+        else:
+            choices.append({"index": i, "text": report["text"], "finish_reason": reason, "logprobs": None})
     return {
         "id": response_id,
         "object": req.kind,
         "created": created,
         "model": req.model,
-        "choices": [choice],
-        "usage": usage(len(req.prompt_ids), report["new_tokens"], report.get("cached_tokens", 0)),
-        "eyas": spec_stats(report),
+        "choices": choices,
+        "usage": choices_usage(req, reports),
+        "eyas": choices_stats(reports),
     }
 
 
+def choices_usage(req: OpenAIRequest, reports: list[dict]) -> dict:
+    """OpenAI's usage of n choices: the prompt counted once, every choice's tokens; cached_tokens: the
+    prompt tokens the prefix cache supplied to choice 0 (the later choices reuse its prompt)."""
+    return usage(len(req.prompt_ids), sum(r["new_tokens"] for r in reports), reports[0].get("cached_tokens", 0))
+
+
+def choices_stats(reports: list[dict]) -> dict:
+    """The eyas object: one choice's speculation, or with n > 1 each choice's under ``choices``."""
+    if len(reports) == 1:
+        return spec_stats(reports[0])
+    return {"choices": [{**spec_stats(r), "cached_tokens": r.get("cached_tokens", 0)} for r in reports]}
+
+
 def chunk(
-    req: OpenAIRequest, response_id: str, created: int, text: str | None, reason: str | None, role: bool = False
+    req: OpenAIRequest,
+    response_id: str,
+    created: int,
+    text: str | None,
+    reason: str | None,
+    role: bool = False,
+    index: int = 0,
 ) -> dict:
-    """One streamed chunk: a text delta (or the finish), in the chat or the completion shape."""
+    """One streamed chunk of choice ``index``: a text delta (or the finish), in the chat or the completion shape."""
     if req.kind == CHAT:
         delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
         obj = "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
 
 
-def usage_chunk(req: OpenAIRequest, response_id: str, created: int, report: dict) -> dict:
+def usage_chunk(req: OpenAIRequest, response_id: str, created: int, reports: list[dict]) -> dict:
     obj = "chat.completion.chunk" if req.kind == CHAT else "text_completion"
     return {
         "id": response_id,
@@ -379,8 +417,8 @@ def usage_chunk(req: OpenAIRequest, response_id: str, created: int, report: dict
         "created": created,
         "model": req.model,
         "choices": [],
-        "usage": usage(len(req.prompt_ids), report["new_tokens"], report.get("cached_tokens", 0)),
-        "eyas": spec_stats(report),
+        "usage": choices_usage(req, reports),
+        "eyas": choices_stats(reports),
     }
 
 

@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import ray
 
+from eyas.protocol.schema import CHOICE_SEP
+
 log = logging.getLogger("eyas.registry")
 REGISTRY_PREFIX = "eyas-registry"
 DEFAULT_MAX_AGE_S = 10.0
@@ -54,10 +56,17 @@ def cancels_due(inflight: dict[str, float], cancels: dict[str, float]) -> list[s
     inflight: request id -> wall time the ingress received the request;
     cancels:  request id -> wall time the cancel was issued.
     A cancel applies to a request received no later than the cancel, so a client that reuses a
-    cancelled id for a new request (after the old one ended) is not cancelled again. Example:
-    inflight {"a": 10.0, "b": 12.0}, cancels {"a": 11.0, "b": 11.5, "c": 1.0} -> ["a"].
+    cancelled id for a new request (after the old one ended) is not cancelled again; a cancel of
+    ``a`` also stops the choices ``a#1``, ``a#2`` ... of an OpenAI request with n > 1. Example:
+    inflight {"a": 10.0, "b": 12.0, "a#1": 10.0}, cancels {"a": 11.0, "b": 11.5, "c": 1.0} -> ["a", "a#1"].
     """
-    return [rid for rid, received in inflight.items() if rid in cancels and received <= cancels[rid]]
+    out = []
+    for rid, received in inflight.items():
+        base, sep, index = rid.rpartition(CHOICE_SEP)
+        name = base if rid not in cancels and sep and index.isdigit() else rid
+        if name in cancels and received <= cancels[name]:
+            out.append(rid)
+    return out
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)

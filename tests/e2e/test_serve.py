@@ -6,6 +6,7 @@ Ordered: the last tests kill the drafter replica, then the target replica (twice
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import grpc
@@ -753,10 +754,47 @@ def test_openai_chat_and_completions_equal_target_only_with_exact_usage(
     no_leaks(client)
 
 
+def test_the_operator_routes_answer_through_serves_proxy(http_url, real_eyas):
+    """/health is 200 once the replicas report ready; /tokenize gives what the OpenAI routes encode,
+    /detokenize turns it back; /v1/models/{id} names the model (the unit tests cover refusals)."""
+    from eyas.target.loader import encode_prompt
+
+    assert _wait_for(lambda: _http(f"{http_url}/health")[0] == 200, timeout_s=60)
+    status, body = _http(f"{http_url}/tokenize", json.dumps({"prompt": "Hi there"}).encode())
+    assert status == 200 and body["tokens"] == encode_prompt(real_eyas.tokenizer, "Hi there", raw=True)
+    status, body = _http(f"{http_url}/detokenize", json.dumps({"tokens": body["tokens"]}).encode())
+    assert (status, body) == (200, {"prompt": "Hi there"})
+    assert _http(f"{http_url}/v1/models/{MODEL}")[1]["id"] == MODEL
+
+
+def test_openai_n_choices_greedy_and_sampled_with_the_prompt_computed_once(http_url, client, reference, no_leaks):
+    """n = 2 through the real openai client: greedy, both choices are the target-only answer; sampled
+    with a seed, two choices that replay exactly with the same seed; choice 1's prompt comes from the
+    prefix cache (choice 0's, computed once); usage counts the prompt once."""
+    from eyas.target.loader import load_tokenizer
+
+    oa = _openai(http_url)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    want = load_tokenizer().decode(reference[PROMPTS[0]], skip_special_tokens=True)
+    r = oa.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=N, temperature=0, n=2, extra_body={"method": "eagle3"}
+    )
+    assert [c.index for c in r.choices] == [0, 1] and all(c.message.content == want for c in r.choices)
+    assert r.usage.completion_tokens == 2 * len(reference[PROMPTS[0]])
+    assert r.model_extra["eyas"]["choices"][1]["cached_tokens"] >= 16
+    sampled = [
+        oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=1.0, n=2, seed=9)
+        for _ in range(2)
+    ]
+    assert [c.message.content for c in sampled[0].choices] == [c.message.content for c in sampled[1].choices]
+    assert [c["seed"] for c in sampled[0].model_extra["eyas"]["choices"]] == [9, 10]  # each choice its own seed
+    no_leaks(client)
+
+
 @pytest.mark.parametrize(
     "kwargs,param",
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"logprobs": True}, "logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": 5}, "temperature"),

@@ -59,7 +59,7 @@ def test_a_chat_request_is_the_templated_conversation(tok):
 @pytest.mark.parametrize(
     "body,param,status",
     [
-        ({"n": 2}, "n", 400),
+        ({"n": 17}, "n", 400),
         ({"logprobs": True}, "logprobs", 400),
         ({"tools": [{"type": "function"}]}, "tools", 400),
         ({"frequency_penalty": 0.5}, "frequency_penalty", 400),

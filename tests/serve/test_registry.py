@@ -29,3 +29,10 @@ def test_a_cancel_stops_only_requests_received_no_later_than_it():
     assert sorted(cancels_due(inflight, cancels)) == ["a", "d"]
     assert cancels_due({}, cancels) == []
     assert cancels_due(inflight, {}) == []
+
+
+def test_a_cancel_of_a_name_stops_every_choice_of_it():
+    """An OpenAI request with n > 1 runs its choices as <id>, <id>#1, <id>#2: cancelling <id> stops
+    them all, and no other request whose name merely starts alike."""
+    inflight = {"q": 10.0, "q#1": 10.5, "q#2": 10.5, "qq": 10.0, "q#1x": 10.0, "late#1": 20.0}
+    assert sorted(cancels_due(inflight, {"q": 11.0, "late": 11.0})) == ["q", "q#1", "q#2"]
