@@ -14,7 +14,8 @@ Every finished stream is classified:
     lost        the stream ended in an error after some tokens
     refused     the stream ended in an error before any token
 and a *stall* is a gap between two chunks of one stream longer than ``--stall-s`` (its length is kept).
-Every request is appended to ``--log`` (JSONL) as it finishes, so a run cut short keeps its records; at
+Every request is appended to ``--log`` (JSONL) as it finishes, so a run cut short keeps its records and
+``--resume`` adds a new run's to them (the plot draws the last run; the counts cover all); at
 the end the leak invariant is checked (no session, no K/V slot on any worker), the counts are printed as
 a table and a timeline plot (requests by outcome, kills, stalls) is written beside ``--json``.
 
@@ -193,6 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--stall-s", type=float, default=2.0, help="a gap between chunks longer than this is a stall")
     ap.add_argument("--settle-s", type=float, default=180.0, help="how long the leak invariant may take to hold")
+    ap.add_argument("--resume", action="store_true", help="count the requests an interrupted run left in --log")
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "chaos.json")
     ap.add_argument(
         "--log", type=Path, help="every request as JSONL, appended as it finishes (default: next to --json)"
@@ -221,6 +223,11 @@ def main(argv=None) -> int:
     lock = threading.Lock()
     log_path = args.log or args.json.with_suffix(".jsonl")
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if args.resume and log_path.exists():  # an earlier, interrupted run's requests count toward this report
+        records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+        print(f"resuming: {len(records)} requests from {log_path}", flush=True)
+    elif log_path.exists():
+        log_path.unlink()
     leaks = None
     try:
         with open(log_path, "a") as log:
@@ -312,7 +319,7 @@ def report(args, records: list[dict], kills: list[dict], leaks, start: float) ->
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(summary, indent=1))
-    plot(records, kills, start, args.json.with_suffix(".png"))
+    plot([r for r in records if r["start"] >= start], kills, start, args.json.with_suffix(".png"))  # this run
     print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     bad = counts["wrong"] + counts["duplicated"] + counts["lost"]
     return 0 if bad == 0 and leaks == [] else 1
