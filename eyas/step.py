@@ -96,6 +96,8 @@ class Published:
     seed: Seed
     tokens: tuple[int, ...]
     compute_s: float = 0.0
+    # per emitted token (logprob, ((token, logprob), ...top alternatives)), when the request asked for them
+    logprobs: tuple | None = None
 
 
 class TargetSide(Protocol):

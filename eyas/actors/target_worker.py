@@ -40,7 +40,7 @@ from eyas.step import Decided, Published
 from eyas.target.engine import PrefillProgress, TargetEngine
 from eyas.target.model import FeatureTap, TargetModel
 from eyas.target.prefix_cache import PrefixCache
-from eyas.verification.accept import decide
+from eyas.verification.accept import decide, emitted_logprobs
 from eyas.verification.sampling import SamplingParams
 
 RPC_METHODS = {
@@ -64,6 +64,7 @@ class Verdict:
 
     decided: Decided  # the round, its rows (None for the prefill) and decision
     reply: pb.AcceptDecision | None = None  # its message, encoded once when a caller speaks protobuf
+    logprobs: tuple | None = None  # the emitted tokens' (eyas.verification.accept.emitted_logprobs), when asked for
 
     @property
     def round(self) -> int:
@@ -91,6 +92,7 @@ class WorkerSession:
     published: Verdict | None = None  # the last published round
     published_result: tuple[Published, PublishAck] | None = None  # its result, returned again to a duplicate
     published_reply: pb.PublishAck | None = None  # the same as a message, once a caller asked for one
+    logprobs: int | None = None  # top alternatives each emitted token's logprob carries (None: no logprobs)
 
 
 def _same_rows(a: FlatTree, b: FlatTree) -> bool:
@@ -165,7 +167,12 @@ class TargetWorker:
         engine = self.engine_for(tuple(FeatureTap(layer, normed) for layer, normed in spec.taps))
         engine.open_session(spec.request_id, list(spec.prompt_ids), spec.max_new_tokens, spec.max_tree_rows)
         self.sessions[spec.request_id] = WorkerSession(
-            engine, list(spec.prompt_ids), spec.max_tree_rows, sampling, torch.Generator().manual_seed(spec.seed)
+            engine,
+            list(spec.prompt_ids),
+            spec.max_tree_rows,
+            sampling,
+            torch.Generator().manual_seed(spec.seed),
+            logprobs=spec.logprobs,
         )
         return tuple(self.cfg.eos_token_ids)
 
@@ -213,7 +220,9 @@ class TargetWorker:
             return s.published_result[0]  # applied twice: a no-op with the same result
         t0 = time.perf_counter()
         seed, ack = s.engine.publish(request_id, round, verdict.decision)
-        published = Published(seed=seed, tokens=tuple(ack.output_tokens), compute_s=time.perf_counter() - t0)
+        published = Published(
+            seed=seed, tokens=tuple(ack.output_tokens), compute_s=time.perf_counter() - t0, logprobs=verdict.logprobs
+        )
         s.pending, s.published, s.published_result, s.published_reply = None, verdict, (published, ack), None
         return published
 
@@ -463,6 +472,11 @@ class TargetWorker:
         """Decide a verified round under the session's sampler; it is the session's pending verdict."""
         t1 = time.perf_counter()
         decision = decide(verified, s.prompt_ids, s.sampling, s.generator)
+        logprobs = (
+            None
+            if s.logprobs is None
+            else tuple(emitted_logprobs(verified.logits, decision, verified.flat is None, s.logprobs))
+        )
         t2 = time.perf_counter()
         moe = verified.flat is not None and s.engine.cfg.num_experts  # MoE: what this verify read (design 0x09A)
         s.pending = Verdict(
@@ -475,7 +489,8 @@ class TargetWorker:
                 accept_s=t2 - t1,
                 expert_bytes=s.engine.last_request_expert_bytes.get(verified.request_id, 0) if moe else 0,
                 batch_expert_bytes=s.engine.last_expert_bytes if moe else 0,
-            )
+            ),
+            logprobs=logprobs,
         )
         return s.pending
 

@@ -15,6 +15,7 @@ METHODS = ("target", "eagle1", "hass", "eagle3")  # hass: an EAGLE-1-architectur
 
 
 MAX_REQUEST_ID_LEN: int = 256  # a request id (``request_id``) is 1 to this many characters
+MAX_LOGPROBS: int = 20  # top alternatives per token a request may ask for (OpenAI's bound)
 CHOICE_SEP = "#"  # choice i > 0 of a named OpenAI request with n > 1 runs as <request_id>#<i>
 # The smallest non-zero temperature (vLLM's threshold too): below it logits / T overflows fp32 for
 # ordinary logits (1e-300 is 0 in fp32), and the served distribution is the argmax's in all but name.
@@ -89,6 +90,9 @@ class GenerateRequest(BaseModel):
     # (eyas.drafting.tree, "value floors"); default: the drafter's default tree's
     tree_min_value: float | None = None
     tree_expand_min_value: float | None = None
+    # each emitted token's log-probability under the target's raw distribution (before temperature and
+    # top-k/top-p: vLLM's default "raw_logprobs"), with this many top alternatives; None: none
+    logprobs: int | None = None
 
     @field_validator("method")
     @classmethod
@@ -130,6 +134,13 @@ class GenerateRequest(BaseModel):
     def _top_p(cls, v):
         if not (0 < v <= 1):
             raise ValueError(f"must lie in (0, 1], got {v}")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"must be between 0 and {MAX_LOGPROBS} (top alternatives per token), got {v}")
         return v
 
     @field_validator("top_k")

@@ -62,6 +62,33 @@ class Detokenizer:
         return self._step(final=True) if self.read_offset < len(self.ids) else ""
 
 
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's symbol for each byte, inverted (GPT-2's table: printable bytes stand for
+    themselves, the others shift to code points from 256 up)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_table()
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes one token stands for (a byte-level BPE token may be part of a character, whose text
+    alone reads U+FFFD): its byte-level symbols mapped back to bytes, else (a special token, another
+    tokenizer's kind) its text's UTF-8."""
+    symbols = tokenizer.convert_ids_to_tokens(int(token_id))
+    if token_id in getattr(tokenizer, "all_special_ids", ()) or not all(c in _BYTE_OF_CHAR for c in symbols):
+        return tokenizer.decode([int(token_id)]).encode("utf-8")
+    return bytes(_BYTE_OF_CHAR[c] for c in symbols)
+
+
 class AnswerText:
     """An answer's text as a client may see it: the complete text cut before the first stop string,
     released as deltas that never take anything back.

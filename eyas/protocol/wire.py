@@ -362,6 +362,9 @@ class SessionSpec:
     top_k: int = 0
     seed: int = 0
     taps: tuple[tuple[int, bool], ...] = ()  # (layers_applied, normed) per feature tap; () = none
+    # each emitted token's raw log-probability with this many top alternatives (None: none). Objects
+    # only: a Verifier over gRPC computes none (OpenSessionRequest has no such field)
+    logprobs: int | None = None
 
 
 def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
@@ -422,6 +425,7 @@ def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> S
 
 _OPTIONAL_REQUEST_FIELDS = (
     "prompt",
+    "logprobs",
     "max_new_tokens",
     "temperature",
     "top_p",

@@ -183,14 +183,18 @@ class _Resuming:
         """A replica's chunk as the client's: its index in the whole answer (this attempt started
         after ``prefix`` tokens), cut to the tokens not sent yet (None: nothing new)."""
         first = prefix + int(item.get("first", len(self.sent) - prefix))
-        tokens = list(item["tokens"])[max(len(self.sent) - first, 0) :]
+        skip = max(len(self.sent) - first, 0)
+        tokens = list(item["tokens"])[skip:]
         if first > len(self.sent):
             raise RuntimeError(f"a chunk starts at token {first} but {len(self.sent)} were sent")
         if not tokens:
             return None
         self.sent.extend(tokens)
         self.finished_as = item.get("finish")
-        return {"tokens": tokens, "first": len(self.sent) - len(tokens), "finish": self.finished_as}
+        part = {"tokens": tokens, "first": len(self.sent) - len(tokens), "finish": self.finished_as}
+        if "logprobs" in item:
+            part["logprobs"] = list(item["logprobs"])[skip:]
+        return part
 
     def _finished_report(self) -> dict:
         """The report of an answer whose last token was sent before its replica died (its rounds

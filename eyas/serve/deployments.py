@@ -303,6 +303,7 @@ class EyasTarget:
             req.seed,
             _trimmed(req, on_new, stops, tuple(self.worker.cfg.eos_token_ids)),
             cancel,
+            logprobs=req.logprobs,
         )
         report: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -505,7 +506,7 @@ def _trimmed(req: GenerateRequest, on_chunk, stops: AnswerText, eos_ids: tuple[i
     (see ``EyasTarget.generate``), and reports whether a stop string appeared."""
     emitted: list[int] = []
 
-    def tokens(new: list[int]) -> bool:
+    def tokens(new: list[int], logprobs: tuple | None = None) -> bool:
         first = len(emitted)
         for t in new:
             if len(emitted) >= req.max_new_tokens or (emitted and emitted[-1] in eos_ids):
@@ -516,7 +517,10 @@ def _trimmed(req: GenerateRequest, on_chunk, stops: AnswerText, eos_ids: tuple[i
         if chunk and on_chunk is not None:
             done = is_finished(emitted, req.max_new_tokens, eos_ids, chunk, stopped)
             reason = finish(emitted, req.max_new_tokens, eos_ids, stopped=stopped)[1] if done else None
-            on_chunk({"tokens": chunk, "first": first, "finish": reason})
+            item = {"tokens": chunk, "first": first, "finish": reason}
+            if logprobs is not None:
+                item["logprobs"] = list(logprobs[: len(chunk)])  # the kept tokens', in order
+            on_chunk(item)
         return stopped
 
     return tokens

@@ -232,13 +232,17 @@ def build_http_app(server: Ingress) -> FastAPI:
         if parsed.stream:
             return StreamingResponse(_sse(parsed, reqs, ids, response_id), media_type="text/event-stream")
         reports: dict[int, dict] = {}
+        logprobs = [[] for _ in reqs] if req.logprobs is not None else None
         async with contextlib.aclosing(_choices(reqs, ids)) as items:
             async for i, item in items:
                 if isinstance(item, Failure):
                     return openai_response(openai_error(item))
                 if "report" in item:
                     reports[i] = item["report"]
-        return JSONResponse(oai.response(parsed, response_id, oai.now(), [reports[i] for i in range(len(reqs))]))
+                elif logprobs is not None:
+                    logprobs[i].extend(item.get("logprobs", ()))
+        answer = [reports[i] for i in range(len(reqs))]
+        return JSONResponse(oai.response(parsed, response_id, oai.now(), answer, logprobs))
 
     async def _choices(reqs: list[GenerateRequest], ids: list[int]):
         """The items of a request's choices through the one request path, merged as ``(index,
@@ -289,9 +293,15 @@ def build_http_app(server: Ingress) -> FastAPI:
                     yield sse_event(openai_error(item).body())
                     return
                 if "tokens" in item:
+                    before = len(texts[i].detok.text)
                     delta = texts[i].push(item["tokens"])
-                    if delta:
-                        yield sse_event(oai.chunk(parsed, response_id, created, delta, None, index=i))
+                    lp = (
+                        oai.logprobs_object(parsed, item["tokens"], item.get("logprobs", []), before)
+                        if reqs[i].logprobs is not None
+                        else None
+                    )
+                    if delta or lp:
+                        yield sse_event(oai.chunk(parsed, response_id, created, delta, None, index=i, logprobs=lp))
                     continue
                 reports[i] = report = item["report"]
                 delta = texts[i].finish()

@@ -27,7 +27,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eyas.generate import FINISH_LENGTH
-from eyas.protocol.schema import CHOICE_SEP, GenerateRequest, parse_request
+from eyas.protocol.schema import CHOICE_SEP, MAX_LOGPROBS, GenerateRequest, parse_request
+from eyas.protocol.text import Detokenizer, token_bytes
 from eyas.target.loader import encode_messages, encode_prompt
 
 CHAT, COMPLETION = "chat.completion", "text_completion"
@@ -45,8 +46,6 @@ EYAS_EXTRAS = (
 )
 # OpenAI parameters Eyas knows and does not implement: refused by name, never ignored
 UNSUPPORTED = (
-    "logprobs",
-    "top_logprobs",
     "tools",
     "tool_choice",
     "functions",
@@ -67,6 +66,7 @@ UNSUPPORTED = (
     "metadata",
 )
 MAX_CHOICES = 16  # n: choices of one prompt a request may ask for
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs (OpenAI's bound there; chat's top_logprobs: 20)
 DEFAULT_MAX_TOKENS = 128  # no max_tokens and no known context (a server always knows its target's)
 DEFAULT_METHOD = "eagle3"  # when it names no Eyas method
 # Eyas's names -> the OpenAI parameter a validation error should name
@@ -152,10 +152,13 @@ class _Common(_Strict):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(_Common):
     prompt: str
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     n: int = 1  # choices of the one prompt, each with its own seed (choice i: seed + i)
+    tokenizer: object = None  # renders logprobs' tokens
 
 
 def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:
@@ -254,6 +258,12 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_contex
             raise OpenAIError("prompt: encodes to no token", param="prompt")
         max_new = parsed.max_tokens
     stop = [parsed.stop] if isinstance(parsed.stop, str) else list(parsed.stop or [])
+    if kind == CHAT:
+        if parsed.top_logprobs is not None and not parsed.logprobs:
+            raise OpenAIError("top_logprobs: only with logprobs: true", param="top_logprobs")
+        logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
+    else:
+        logprobs = parsed.logprobs
     fields = {
         "prompt_ids": prompt_ids,
         "max_new_tokens": max_new if max_new is not None else default_max_tokens(len(prompt_ids), max_context),
@@ -261,6 +271,7 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_contex
         "top_p": parsed.top_p,
         "stop": stop,
         "method": parsed.method or DEFAULT_METHOD,
+        "logprobs": logprobs,
     }
     # no seed: a fresh one, as OpenAI and vLLM draw (reported in the response's eyas.seed, to replay it)
     fields["seed"] = parsed.seed if parsed.seed is not None else secrets.randbits(63)
@@ -283,6 +294,7 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_contex
         stream=parsed.stream,
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
         n=parsed.n,
+        tokenizer=tokenizer,
     )
 
 
@@ -349,22 +361,26 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def response(req: OpenAIRequest, response_id: str, created: int, reports: list[dict]) -> dict:
-    """The non-streamed answer: one choice per report, in index order."""
+def response(
+    req: OpenAIRequest, response_id: str, created: int, reports: list[dict], logprobs: list[list] | None = None
+) -> dict:
+    """The non-streamed answer: one choice per report, in index order; ``logprobs``: each choice's
+    emitted tokens' (see :func:`logprobs_object`), when the request asked for them."""
     choices = []
     for i, report in enumerate(reports):
         reason = finish_reason(report["finish_reason"])
+        lp = logprobs_object(req, report["token_ids"], logprobs[i]) if logprobs is not None else None
         if req.kind == CHAT:
             choices.append(
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": report["text"]},
                     "finish_reason": reason,
-                    "logprobs": None,
+                    "logprobs": lp,
                 }
             )
         else:
-            choices.append({"index": i, "text": report["text"], "finish_reason": reason, "logprobs": None})
+            choices.append({"index": i, "text": report["text"], "finish_reason": reason, "logprobs": lp})
     return {
         "id": response_id,
         "object": req.kind,
@@ -373,6 +389,40 @@ def response(req: OpenAIRequest, response_id: str, created: int, reports: list[d
         "choices": choices,
         "usage": choices_usage(req, reports),
         "eyas": choices_stats(reports),
+    }
+
+
+def logprobs_object(req: OpenAIRequest, token_ids: list[int], entries: list, offset: int = 0) -> dict:
+    """OpenAI's logprobs of ``token_ids``, from the target's ``entries`` ((logprob, ((id, logprob), ...)) per
+    token): chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}`` or completions' ``{tokens,
+    token_logprobs, top_logprobs, text_offset}`` (``offset``: the text before the first token)."""
+    tok = req.tokenizer
+    text = lambda t: tok.decode([t])  # noqa: E731 - a token alone (a partial character reads U+FFFD; bytes has it all)
+    pairs = list(zip(token_ids, entries))
+    if req.kind == CHAT:
+        return {
+            "content": [
+                {
+                    "token": text(t),
+                    "logprob": lp,
+                    "bytes": list(token_bytes(tok, t)),
+                    "top_logprobs": [
+                        {"token": text(a), "logprob": v, "bytes": list(token_bytes(tok, a))} for a, v in top
+                    ],
+                }
+                for t, (lp, top) in pairs
+            ],
+            "refusal": None,
+        }
+    detok, offsets = Detokenizer(tok), []
+    for t, _ in pairs:
+        offsets.append(offset + len(detok.text))
+        detok.push([t])
+    return {
+        "tokens": [text(t) for t, _ in pairs],
+        "token_logprobs": [lp for _, (lp, _) in pairs],
+        "top_logprobs": [{text(a): v for a, v in top} for _, (_, top) in pairs],
+        "text_offset": offsets,
     }
 
 
@@ -397,14 +447,16 @@ def chunk(
     reason: str | None,
     role: bool = False,
     index: int = 0,
+    logprobs: dict | None = None,
 ) -> dict:
-    """One streamed chunk of choice ``index``: a text delta (or the finish), in the chat or the completion shape."""
+    """One streamed chunk of choice ``index``: a text delta (or the finish), in the chat or the
+    completion shape; ``logprobs``: its tokens' (:func:`logprobs_object`)."""
     if req.kind == CHAT:
         delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
 

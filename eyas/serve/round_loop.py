@@ -100,6 +100,7 @@ class Live(DraftState):
     cached_tokens: int = 0  # prompt rows the target's prefix cache supplied at open
     stopped: bool = False
     eos: tuple[int, ...] = ()
+    logprobs: int | None = None  # top alternatives of each emitted token's logprob (None: no logprobs)
 
 
 class WorkerTarget:
@@ -242,8 +243,11 @@ class RoundLoop:
         seed: int,
         on_tokens=None,
         cancel: threading.Event | None = None,
+        logprobs: int | None = None,
     ) -> concurrent.futures.Future:
-        """-> a future of the ``GenerationResult``; validation errors of the prefill surface through it."""
+        """-> a future of the ``GenerationResult``; validation errors of the prefill surface through it.
+        ``logprobs``: each publish hands ``on_tokens`` its tokens' logprobs too (``on_tokens(tokens,
+        logprobs)``), with this many top alternatives each."""
         live = Live(
             request_id=request_id,
             method=method,
@@ -258,6 +262,7 @@ class RoundLoop:
             cancel=cancel or threading.Event(),
             arrival=time.perf_counter(),
             acceptance=AcceptanceEstimate.from_prior(self.prior),
+            logprobs=logprobs,
         )
         with self.lock:
             self.pending.append(live)
@@ -359,6 +364,7 @@ class RoundLoop:
             live.sampling.top_k,
             live.rng_seed,
             taps,
+            logprobs=live.logprobs,
         )
         try:
             live.eos = self.target("open", spec)
@@ -480,7 +486,7 @@ class RoundLoop:
                         batch_expert_bytes=v.batch_expert_bytes,
                     )
                 )
-            self._emit(live, list(ack.tokens))
+            self._emit(live, list(ack.tokens), ack.logprobs)
 
     def _prefill_progress(self, prefilling: list[Live], r) -> int:
         """Each prefilling request's part of the round ``r``: a refusal fails it; a ``PrefillProgress``
@@ -499,7 +505,7 @@ class RoundLoop:
                     self._finish(live, FINISH_ERROR, ValueError(ack.message))
                     continue
                 live.prefill_s = time.perf_counter() - live.arrival
-                self._emit(live, list(ack.tokens))
+                self._emit(live, list(ack.tokens), ack.logprobs)
         return sum(x.prompt_done for x in prefilling) - before
 
     # --- helpers ------------------------------------------------------------------------------------
@@ -550,9 +556,11 @@ class RoundLoop:
             log.info("the drafter answers again: reseeding the draft sessions")
             self.drafter_down.clear()
 
-    def _emit(self, live: Live, tokens: list[int]) -> None:
+    def _emit(self, live: Live, tokens: list[int], logprobs: tuple | None = None) -> None:
         live.out.extend(tokens)
-        if live.on_tokens is not None and live.on_tokens(tokens):
+        if live.on_tokens is not None and (
+            live.on_tokens(tokens) if live.logprobs is None else live.on_tokens(tokens, logprobs)
+        ):
             live.stopped = True
         if is_finished(live.out, live.max_new_tokens, live.eos, tokens, live.stopped):
             self._finish(live, None)

@@ -195,3 +195,26 @@ def decide(v: Verified, prompt_ids: list[int], sampling: SamplingParams, generat
     if sampling.greedy:
         return greedy_accept(v.flat, v.logits)
     return stochastic_accept(v.flat, target_probs(v.logits, sampling), generator)
+
+
+def emitted_logprobs(
+    logits: torch.Tensor, decision: AcceptDecision, prefill: bool, top: int
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """Each token a round emits, with its log-probability under the target's raw distribution at the
+    row that emitted it (log-softmax of the logits: before temperature and top-k/top-p, as vLLM's
+    default ``raw_logprobs`` reports), and the ``top`` most likely tokens there with theirs.
+
+    logits: the round's [R, V] (a prefill's: [1, V], its last prompt row). Emitted token i of a verify
+    is ``accepted_tokens[i]`` (then the frontier), drawn from row ``accepted_rows[i]``: a verify row's
+    logits are its one-row decode's, so speculation does not change a logprob. -> one
+    ``(logprob, ((token, logprob), ...))`` per emitted token, in order."""
+    rows = [logits.shape[0] - 1] if prefill else decision.accepted_rows.tolist()
+    tokens = ([] if prefill else decision.accepted_tokens.tolist()) + [decision.frontier_token]
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [A, V]
+    chosen = lp[torch.arange(len(rows)), torch.tensor(tokens)].tolist()
+    if top:
+        values, ids = lp.topk(top, dim=-1)
+        alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alternatives = [()] * len(rows)
+    return list(zip(chosen, alternatives))

@@ -767,6 +767,43 @@ def test_the_operator_routes_answer_through_serves_proxy(http_url, real_eyas):
     assert _http(f"{http_url}/v1/models/{MODEL}")[1]["id"] == MODEL
 
 
+def test_openai_logprobs_are_the_targets_and_speculation_leaves_them(http_url, client, reference, no_leaks):
+    """logprobs / top_logprobs through the real openai client: one entry per answer token, its bytes
+    adding up to the answer's, the chosen token the most likely at greedy; EAGLE-3's equal target-only's
+    within fp32's exactness; streamed, the chunks' entries add up to the same; completions' shape too."""
+    oa = _openai(http_url)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    runs = {
+        method: oa.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=N,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            extra_body={"method": method},
+        )
+        for method in ("target", "eagle3")
+    }
+    content = {m: r.choices[0].logprobs.content for m, r in runs.items()}
+    assert len(content["target"]) == len(reference[PROMPTS[0]])
+    assert all(e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob for e in content["target"])
+    text = bytes(b for e in content["target"] for b in e.bytes).decode("utf-8", errors="replace")
+    assert text.startswith(runs["target"].choices[0].message.content)  # the end token's bytes may follow
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(content["target"], content["eagle3"]))
+    streamed = oa.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=N, temperature=0, logprobs=True, stream=True
+    )
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in content["target"]]
+    done = oa.completions.create(
+        model=MODEL, prompt="The three primary colours are", max_tokens=8, temperature=0, logprobs=2
+    )
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    no_leaks(client)
+
+
 def test_openai_n_choices_greedy_and_sampled_with_the_prompt_computed_once(http_url, client, reference, no_leaks):
     """n = 2 through the real openai client: greedy, both choices are the target-only answer; sampled
     with a seed, two choices that replay exactly with the same seed; choice 1's prompt comes from the
@@ -795,7 +832,7 @@ def test_openai_n_choices_greedy_and_sampled_with_the_prompt_computed_once(http_
     "kwargs,param",
     [
         ({"n": 0}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": 5}, "temperature"),
         ({"extra_body": {"tree_depth": -1}}, "tree_depth"),

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eyas.protocol.text import REPLACEMENT_CHAR, AnswerText, Detokenizer
+from eyas.protocol.text import REPLACEMENT_CHAR, AnswerText, Detokenizer, token_bytes
 from eyas.target.loader import load_tokenizer
 
 MIXED = "Hi 😀 ok 日本語です, café (cafe\u0301) 👩‍💻 done"
@@ -89,3 +89,10 @@ def test_the_detokenizer_is_independent_of_the_chunking(tokenizer):
         one.push([t])
     all_at_once.push(ids)
     assert one.text == all_at_once.text == MIXED
+
+
+def test_each_tokens_bytes_add_up_to_the_texts_even_inside_a_character(tokenizer):
+    """The logprobs' ``bytes``: a token that ends inside an emoji has the emoji's first bytes."""
+    ids = tokenizer.encode(MIXED)
+    assert b"".join(token_bytes(tokenizer, t) for t in ids) == MIXED.encode("utf-8")
+    assert token_bytes(tokenizer, tokenizer.eos_token_id) == tokenizer.eos_token.encode()

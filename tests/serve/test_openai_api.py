@@ -60,7 +60,8 @@ def test_a_chat_request_is_the_templated_conversation(tok):
     "body,param,status",
     [
         ({"n": 17}, "n", 400),
-        ({"logprobs": True}, "logprobs", 400),
+        ({"top_logprobs": 3}, "top_logprobs", 400),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", 400),
         ({"tools": [{"type": "function"}]}, "tools", 400),
         ({"frequency_penalty": 0.5}, "frequency_penalty", 400),
         ({"mystery": 1}, "mystery", 400),

@@ -591,3 +591,64 @@ def test_a_planned_tree_keeps_the_requests_value_floors():
     floored = TreeSpec(expand_width=3, max_depth=4, verify_budget=6, min_value=0.06, expand_min_value=0.35)
     assert tree_spec(TreeShape(2, 3, 6), floored) == TreeSpec("dynamic", 2, 3, 6, min_value=0.06, expand_min_value=0.35)
     assert tree_spec(TreeShape(2, 3, 6)) == TreeSpec("dynamic", 2, 3, 6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "gguf"])
+def test_logprobs_are_the_targets_own_and_speculation_does_not_change_them(tiny_target, precision):
+    """Each emitted token's logprob (and its top 3) comes with its publish: the target's raw
+    log-softmax at the row that emitted it. Under EAGLE-1 they equal target-only's, bit for bit at gguf
+    (row-invariant kernels) and within 1e-5 at fp32 (whose GEMM rounds differently by row count),
+    and they match a teacher-forced forward of prompt + answer."""
+    from tests.testing import ours_from_hf, tiny_hf_llama
+
+    model = tiny_target
+    if precision == "gguf":
+        from eyas import kernels
+        from eyas.target.quantized import quantize_gguf
+
+        if kernels.load() is None:
+            pytest.skip("Eyas's CPU kernels do not run here")
+        model = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, vocab=64, seed=3))
+        quantize_gguf(model)
+    target = TargetWorker(model)
+    drafter = DrafterWorker({"eagle1": tiny_eagle1_engine(model)}, model.cfg.vocab_size)
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(drafter, 30, local=True, drafter=True),
+        drafter.info(),
+        PromptLengthPolicy(Budgets(max_batch=4)),
+        FLAT.copy(),
+    )
+    got: dict[str, list] = {"target": [], "eagle1": []}
+    try:
+        for method in got:
+            tokens: list[int] = []
+
+            def on_tokens(new, logprobs, out=got[method], tokens=tokens):
+                assert len(logprobs) == len(new)
+                tokens.extend(new)
+                out.extend(logprobs)
+                return False
+
+            r = loop.submit(
+                method, [3, 1, 4, 1, 5], 16, method, TreeSpec(), SamplingParams(), 0, on_tokens, logprobs=3
+            ).result(timeout=120)
+            assert r.token_ids == tokens[: len(r.token_ids)]
+    finally:
+        loop.close()
+    if precision == "gguf":
+        assert got["eagle1"] == got["target"]
+    else:
+        for (a, ta), (b, tb) in zip(got["eagle1"], got["target"]):
+            assert abs(a - b) < 1e-5 and [t for t, _ in ta] == [t for t, _ in tb]
+    answer = generate(TargetEngine(model, ()), [3, 1, 4, 1, 5], max_new_tokens=16).token_ids
+    ids = torch.tensor([[3, 1, 4, 1, 5, *answer]])
+    t = ids.shape[1]
+    mask = torch.ones(t, t, dtype=torch.bool).tril()[None]
+    with torch.inference_mode():
+        logits = model(ids, torch.arange(t)[None], model.allocate_cache(1, t), 0, mask, (), logits_rows="all").logits[0]
+    want = torch.log_softmax(logits[4 : 4 + len(answer)], dim=-1)
+    for i, (lp, top) in enumerate(got["target"][: len(answer)]):
+        assert abs(lp - float(want[i, answer[i]])) < 1e-4, i
+        assert [tok for tok, _ in top] == want[i].topk(3).indices.tolist()
+    assert target.leak_check()["ok"]
