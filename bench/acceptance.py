@@ -69,6 +69,7 @@ class Method:
     drafter: str | None = None  # checkpoint folder, "random-init", None for target
     trained_as: str | None = None  # the manifest's recipe.trained_as
     depth: int = 0  # the tree's max depth (0 for target)
+    baseline: str = "target"  # the target-only method its speedup and identity are measured against
 
     @property
     def is_speculative(self) -> bool:
@@ -224,7 +225,7 @@ def summarize(methods: list[Method], records: list[dict], eos_ids: set[int]) -> 
         round_tokens = sum(n for r in rows for n in r["round_new_tokens"])
         for p in prompts:
             by[(m.name, p)]["identical"] = trim_after_eos(by[(m.name, p)]["token_ids"], eos_ids) == trim_after_eos(
-                by[("target", p)]["token_ids"], eos_ids
+                by[(m.baseline, p)]["token_ids"], eos_ids
             )
         same = sum(by[(m.name, p)]["identical"] for p in prompts)
         out[m.name] = {
@@ -251,10 +252,20 @@ def summarize(methods: list[Method], records: list[dict], eos_ids: set[int]) -> 
             "accept_length_mean": sum(accepts) / rounds if rounds else None,
             "prompts": len(prompts),
         }
-    base = out["target"]["tokens_per_s"]
-    for s in out.values():
-        s["speedup"] = s["tokens_per_s"] / base if base else None
+    for m in methods:
+        base = out[m.baseline]["tokens_per_s"]
+        out[m.name]["speedup"] = out[m.name]["tokens_per_s"] / base if base else None
     return out
+
+
+def with_processors(methods: list[Method], processors: dict) -> list[Method]:
+    """Each method twice: as it is, and with the logits ``processors`` on every request (named
+    ``<method>+proc``, measured against ``target+proc``), alternating in the same run."""
+    twins = [
+        Method(f"{m.name}+proc", {**m.request, **processors}, m.drafter, m.trained_as, m.depth, "target+proc")
+        for m in methods
+    ]
+    return methods + twins
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -372,6 +383,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="dynamic trees width/depth/budget[@min_value/expand_min_value] or default, comma-separated "
         "(e.g. default,2/2/4,3/4/4@0.06/0.45): each drafter runs on each, against one target-only baseline",
     )
+    p.add_argument(
+        "--processors",
+        help="logits processors as JSON, e.g. '{\"frequency_penalty\": 0.5}': every method runs with and without "
+        "them in the same run (the twins named <method>+proc, against target+proc)",
+    )
     p.add_argument("--drafters", help="the folder of drafter folders to bench (default: the repository's drafters/)")
     p.add_argument(
         "--methods",
@@ -423,6 +439,8 @@ def main(argv=None) -> int:
                 )
                 return 2
             methods = [m for m in methods if m.name == "target" or m.name in wanted]
+        if args.processors:
+            methods = with_processors(methods, json.loads(args.processors))
         records = bench(eyas, methods, prompt_ids, args.max_new_tokens)
     summary = summarize(methods, records, eos_ids)
 
@@ -457,6 +475,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "device": args.device,
         "greedy": True,
+        "processors": json.loads(args.processors) if args.processors else None,
         "threads": torch.get_num_threads(),
         "tree_overrides": tree_overrides or None,
         "trees": args.trees,

@@ -45,6 +45,13 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="over the answer so far, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="over the answer so far, in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and answer; 1 = off")
+    p.add_argument(
+        "--logit-bias", default=None, help="JSON object: token id -> bias in [-100, 100], e.g. '{\"2\": -100}'"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tree-kind", default="dynamic", choices=["dynamic", "static", "chain"])
     p.add_argument("--tree-depth", type=int)
@@ -68,6 +75,18 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--request-id", help="name the request (so that `eyas cancel` can stop it); default: the server names it"
     )
+
+
+def _logit_bias(raw: str | None) -> dict:
+    if raw is None:
+        return {}
+    try:
+        bias = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"logit_bias: not valid JSON ({err.msg})") from None
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias: expected a JSON object of token id -> bias")
+    return bias
 
 
 def _request(args, method: str | None = None):
@@ -99,6 +118,11 @@ def _request(args, method: str | None = None):
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=_logit_bias(args.logit_bias),
         seed=args.seed,
         drafter=args.drafter,
         tree_kind=args.tree_kind,

@@ -121,7 +121,8 @@ class EngineTarget:
             return v
         prompt_ids, sampling, generator = self.samplers[v.request_id]
         t0 = time.perf_counter()
-        decision = decide(v, prompt_ids, sampling, generator)  # accept
+        output = self.engine.answer_ids(v.request_id) if sampling.processes and v.flat is not None else ()
+        decision = decide(v, prompt_ids, sampling, generator, output)  # accept
         return Decided(
             request_id=v.request_id, round=v.round, decision=decision, flat=v.flat, accept_s=time.perf_counter() - t0
         )

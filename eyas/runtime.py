@@ -200,7 +200,7 @@ class Eyas:
 
     def generate(self, req: GenerateRequest) -> tuple[GenerationResult, dict]:
         ids = self.prompt_ids(req)
-        sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
+        sampling = SamplingParams.of(req)
         handle = None if req.method == "target" else self.drafter(req.method, req.drafter)
         tree = self.tree_for(req, handle)
         engine = self.target_engine(handle.taps if handle else ())

@@ -161,7 +161,7 @@ class TargetWorker:
         """:meth:`open_session` for a ``SessionSpec`` object (checked as the message is) -> the
         target's stop token ids."""
         wire.check_session_spec(spec, vocab_size=self.vocab_size)
-        sampling = SamplingParams(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
+        sampling = SamplingParams.of(spec)
         if spec.request_id in self.sessions:
             raise ValueError(f"request_id: {spec.request_id!r} already has a live session")
         engine = self.engine_for(tuple(FeatureTap(layer, normed) for layer, normed in spec.taps))
@@ -471,7 +471,8 @@ class TargetWorker:
     def _decide(self, s: WorkerSession, verified, t0: float) -> Verdict:
         """Decide a verified round under the session's sampler; it is the session's pending verdict."""
         t1 = time.perf_counter()
-        decision = decide(verified, s.prompt_ids, s.sampling, s.generator)
+        output = s.engine.answer_ids(verified.request_id) if s.sampling.processes and verified.flat is not None else ()
+        decision = decide(verified, s.prompt_ids, s.sampling, s.generator, output)
         logprobs = (
             None
             if s.logprobs is None

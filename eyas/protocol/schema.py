@@ -16,6 +16,9 @@ METHODS = ("target", "eagle1", "hass", "eagle3")  # hass: an EAGLE-1-architectur
 
 MAX_REQUEST_ID_LEN: int = 256  # a request id (``request_id``) is 1 to this many characters
 MAX_LOGPROBS: int = 20  # top alternatives per token a request may ask for (OpenAI's bound)
+MAX_PENALTY: float = 2.0  # presence_penalty / frequency_penalty lie in [-2, 2] (OpenAI's bound)
+MAX_LOGIT_BIAS: float = 100.0  # a logit_bias entry lies in [-100, 100] (OpenAI's bound)
+MAX_LOGIT_BIAS_ENTRIES: int = 1024  # token ids one request may bias
 CHOICE_SEP = "#"  # choice i > 0 of a named OpenAI request with n > 1 runs as <request_id>#<i>
 # The smallest non-zero temperature (vLLM's threshold too): below it logits / T overflows fp32 for
 # ordinary logits (1e-300 is 0 in fp32), and the served distribution is the argmax's in all but name.
@@ -93,6 +96,64 @@ class GenerateRequest(BaseModel):
     # each emitted token's log-probability under the target's raw distribution (before temperature and
     # top-k/top-p: vLLM's default "raw_logprobs"), with this many top alternatives; None: none
     logprobs: int | None = None
+    # the logits processors (eyas.verification.processors), applied by the target to every verify row
+    # with that row's own history (the answer so far and its path in the tree): OpenAI's presence and
+    # frequency penalties (over the answer), vLLM's repetition penalty (over prompt and answer) and
+    # min_p, and a bias added to the logit of each token id given
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, v):  # JSON object keys arrive as strings: "50256" is token 50256
+        if isinstance(v, dict):
+            out = {}
+            for k, b in v.items():
+                if isinstance(k, str):
+                    if not k.strip().isdigit():
+                        raise ValueError(f"logit_bias: keys are token ids, got {k[:40]!r}")
+                    k = int(k)
+                out[k] = b
+            return out
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} token ids, got {len(v)}")
+        for token, bias in v.items():
+            if not 0 <= token <= INT32_MAX:
+                raise ValueError(f"token ids must be >= 0, got {token}")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(
+                    f"token {token}: a bias must lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
+                )
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v):
+        if not (math.isfinite(v) and -MAX_PENALTY <= v <= MAX_PENALTY):
+            raise ValueError(f"must lie in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition(cls, v):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"must be a finite number > 0 (1 = off), got {v}")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v):
+        if not 0 <= v <= 1:
+            raise ValueError(f"must lie in [0, 1], got {v}")
+        return v
 
     @field_validator("method")
     @classmethod

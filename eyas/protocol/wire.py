@@ -365,6 +365,12 @@ class SessionSpec:
     # each emitted token's raw log-probability with this many top alternatives (None: none). Objects
     # only: a Verifier over gRPC computes none (OpenSessionRequest has no such field)
     logprobs: int | None = None
+    # the logits processors (eyas.verification.processors; checked by SamplingParams)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
 
 
 def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
@@ -379,6 +385,11 @@ def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
         seed=spec.seed,
         tap_layers=[t[0] for t in spec.taps],
         tap_normed=[t[1] for t in spec.taps],
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        min_p=spec.min_p,
+        logit_bias=dict(spec.logit_bias),
     )
 
 
@@ -393,6 +404,7 @@ def check_session_spec(spec: SessionSpec, *, vocab_size: int) -> SessionSpec:
     _at_least(spec.max_tree_rows, 1, "max_tree_rows")
     if any(layer < 0 for layer, _ in spec.taps):
         raise WireError(f"tap_layers: {[layer for layer, _ in spec.taps]} must be >= 0")
+    _in_vocab([t for t, _ in spec.logit_bias], vocab_size, "logit_bias")
     return spec
 
 
@@ -416,7 +428,18 @@ def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> S
         top_k=msg.top_k if msg.HasField("top_k") else defaults.top_k,
         seed=msg.seed,
         taps=tuple(zip((int(x) for x in msg.tap_layers), (bool(x) for x in msg.tap_normed))),
+        **{
+            name: getattr(msg, name)
+            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+            if msg.HasField(name)
+        },
+        logit_bias=tuple(sorted(_in_vocab_bias(dict(msg.logit_bias), vocab_size).items())),
     )
+
+
+def _in_vocab_bias(bias: dict[int, float], vocab_size: int) -> dict[int, float]:
+    _in_vocab(list(bias), vocab_size, "logit_bias")
+    return bias
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,6 +449,10 @@ def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> S
 _OPTIONAL_REQUEST_FIELDS = (
     "prompt",
     "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
     "max_new_tokens",
     "temperature",
     "top_p",
@@ -449,6 +476,8 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
         fields["prompt_ids"] = list(msg.prompt_ids)
     if msg.messages:
         fields["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages]
+    if msg.logit_bias:
+        fields["logit_bias"] = dict(msg.logit_bias)
     with _inbound():
         return parse_request(raw=msg.raw, stop=list(msg.stop), **fields)
 
@@ -471,5 +500,10 @@ def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
     fields = {name: getattr(req, name) for name in _OPTIONAL_REQUEST_FIELDS if getattr(req, name) is not None}
     messages = [pb.ChatMessage(role=m.role, content=m.content) for m in req.messages or ()]
     return pb.GenerateRequest(
-        raw=req.raw, stop=list(req.stop), prompt_ids=list(req.prompt_ids or ()), messages=messages, **fields
+        raw=req.raw,
+        stop=list(req.stop),
+        prompt_ids=list(req.prompt_ids or ()),
+        messages=messages,
+        logit_bias=req.logit_bias,
+        **fields,
     )

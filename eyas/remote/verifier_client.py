@@ -35,7 +35,7 @@ from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.remote.verifier_server import GRPC_OPTIONS
 from eyas.step import Decided, DrafterUnavailable, DraftState, Published, SessionDrafter, round_step
-from eyas.verification.sampling import SamplingParams
+from eyas.verification.sampling import SamplingParams, session_spec
 
 log = logging.getLogger(__name__)
 
@@ -174,17 +174,7 @@ class RemoteVerifier:
         taps: tuple[tuple[int, bool], ...] = (),
     ) -> SessionInfo:
         """``taps``: the drafter's feature address as (layers_applied, normed) pairs; () for none."""
-        spec = wire.SessionSpec(
-            request_id,
-            tuple(prompt_ids),
-            max_new_tokens,
-            max_tree_rows,
-            sampling.temperature,
-            sampling.top_p,
-            sampling.top_k,
-            seed,
-            tuple(taps),
-        )
+        spec = session_spec(request_id, prompt_ids, max_new_tokens, max_tree_rows, sampling, seed, taps)
         reply = self._rpc("OpenSession", wire.session_spec_to_proto(spec))
         if reply.request_id != request_id or reply.max_tree_rows != max_tree_rows:
             raise wire.WireError(

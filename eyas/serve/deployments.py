@@ -299,7 +299,7 @@ class EyasTarget:
             req.max_new_tokens,
             req.method,
             tree,
-            SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p),
+            SamplingParams.of(req),
             req.seed,
             _trimmed(req, on_new, stops, tuple(self.worker.cfg.eos_token_ids)),
             cancel,

@@ -50,7 +50,6 @@ UNSUPPORTED = (
     "tool_choice",
     "functions",
     "function_call",
-    "logit_bias",
     "response_format",
     "parallel_tool_calls",
     "audio",
@@ -137,6 +136,10 @@ class _Common(_Strict):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
+    # vLLM's sampling extras (extra_body)
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
     # the Eyas extension (extra_body)
     method: str | None = None
     tree_kind: str | None = None
@@ -234,12 +237,11 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_contex
         )
     if not 1 <= parsed.n <= MAX_CHOICES:
         raise OpenAIError(f"n: must be between 1 and {MAX_CHOICES}, got {parsed.n}", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(parsed, name) != 0:
+    for key in parsed.logit_bias or {}:
+        if not key.strip().isdigit() or int(key) >= len(tokenizer):
             raise OpenAIError(
-                f"{name}: penalties are not supported (they would change the target's distribution)",
-                param=name,
-                code="unsupported_parameter",
+                f"logit_bias: {key[:40]!r} is not a token id of this model (0 to {len(tokenizer) - 1})",
+                param="logit_bias",
             )
     if parsed.stream_options is not None and not parsed.stream:
         raise OpenAIError("stream_options: only allowed with stream: true", param="stream_options")
@@ -272,6 +274,11 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_contex
         "stop": stop,
         "method": parsed.method or DEFAULT_METHOD,
         "logprobs": logprobs,
+        "presence_penalty": parsed.presence_penalty,
+        "frequency_penalty": parsed.frequency_penalty,
+        "repetition_penalty": parsed.repetition_penalty,
+        "min_p": parsed.min_p,
+        "logit_bias": parsed.logit_bias or {},
     }
     # no seed: a fresh one, as OpenAI and vLLM draw (reported in the response's eyas.seed, to replay it)
     fields["seed"] = parsed.seed if parsed.seed is not None else secrets.randbits(63)

@@ -49,7 +49,7 @@ from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
 from eyas.step import Decided, DrafterUnavailable, DraftState, Published, round_step
 from eyas.target.engine import PrefillProgress
-from eyas.verification.sampling import SamplingParams
+from eyas.verification.sampling import SamplingParams, session_spec
 
 log = logging.getLogger("eyas.round_loop")
 NEVER_ACCEPTS = AcceptanceEstimate([0.0] * 8)  # target-only requests: no tree ever pays
@@ -354,14 +354,12 @@ class RoundLoop:
         info = self.drafter_info.get(live.method, {})
         taps = tuple(tuple(t) for t in info.get("taps", ())) if live.method != "target" else ()
         max_rows = live.tree.max_candidates + 1 if live.method != "target" else 1
-        spec = wire.SessionSpec(
+        spec = session_spec(
             live.request_id,
-            tuple(live.prompt_ids),
+            live.prompt_ids,
             live.max_new_tokens,
             max_rows,
-            live.sampling.temperature,
-            live.sampling.top_p,
-            live.sampling.top_k,
+            live.sampling,
             live.rng_seed,
             taps,
             logprobs=live.logprobs,

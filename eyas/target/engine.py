@@ -205,6 +205,12 @@ class TargetEngine:
         s = self._session(request_id)
         return self.kv.k[:, s.kv_row, :, : s.committed_len], self.kv.v[:, s.kv_row, :, : s.committed_len]
 
+    def answer_ids(self, request_id: str) -> list[int]:
+        """The committed answer so far: the accepted tokens after the prompt (the frontier, emitted
+        but not yet an input row, excluded). The history the logits processors read."""
+        s = self._session(request_id)
+        return s.tokens[s.prompt_len :]
+
     def committed_seed(self, request_id: str) -> Seed:
         """A reseed for a drafter that lost its state: every committed row's verified feature from
         position 0 (design 0x05D: a drafter reseeds from committed state, never an unverified row)."""

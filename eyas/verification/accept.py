@@ -29,6 +29,7 @@ import torch
 
 from eyas.protocol.messages import ROOT_ROW, AcceptDecision
 from eyas.protocol.tree import RETRIEVE_PAD, FlatTree
+from eyas.verification.processors import processed_logits
 from eyas.verification.sampling import SamplingParams, sample, target_probs
 
 if TYPE_CHECKING:  # the type only: verification imports nothing of the target
@@ -180,21 +181,31 @@ def _accept_child(
     return None
 
 
-def decide(v: Verified, prompt_ids: list[int], sampling: SamplingParams, generator: torch.Generator) -> AcceptDecision:
+def decide(
+    v: Verified,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    generator: torch.Generator,
+    output_ids: list[int] = (),
+) -> AcceptDecision:
     """The accept step: a pure function of the verified rows (design 0x05C). A prefill accepts every
     prompt row and draws the frontier from the last row; a verify accepts greedily or by the
-    stochastic rule below."""
+    stochastic rule below, over the logits as the request's processors leave them, each row under
+    its own path's history (``processors.processed_logits``; ``output_ids``: the committed answer so
+    far, the previous frontier excluded)."""
     if v.flat is None:  # prefill: every prompt row is accepted, the frontier comes from the last
         rows = torch.arange(len(prompt_ids), dtype=torch.int64)
         accepted = torch.tensor(prompt_ids[1:], dtype=torch.int64)
+        last = processed_logits(v.logits[-1:], None, prompt_ids, [], sampling)  # [1, V]
         if sampling.greedy:
-            frontier = int(v.logits[-1].argmax())
+            frontier = int(last[0].argmax())
         else:
-            frontier = int(sample(target_probs(v.logits[-1:], sampling)[0], generator))
+            frontier = int(sample(target_probs(last, sampling)[0], generator))
         return AcceptDecision(rows, accepted, frontier)
+    logits = processed_logits(v.logits, v.flat, prompt_ids, list(output_ids), sampling)  # [R, V]
     if sampling.greedy:
-        return greedy_accept(v.flat, v.logits)
-    return stochastic_accept(v.flat, target_probs(v.logits, sampling), generator)
+        return greedy_accept(v.flat, logits)
+    return stochastic_accept(v.flat, target_probs(logits, sampling), generator)
 
 
 def emitted_logprobs(

@@ -828,10 +828,46 @@ def test_openai_n_choices_greedy_and_sampled_with_the_prompt_computed_once(http_
     no_leaks(client)
 
 
+def test_openai_logits_processors_are_exact_under_speculation(http_url, client, reference, no_leaks):
+    """Penalties, a logit bias and vLLM's repetition penalty through the real openai client: EAGLE-3's
+    greedy answer equals target-only's under the same processors (each verify row processed with its
+    own path's history), the processors changed the answer, and a banned token never appears."""
+    oa = _openai(http_url)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    banned = reference[PROMPTS[0]][0]  # the unprocessed answer's first token
+    runs = {
+        method: oa.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=N,
+            temperature=0,
+            frequency_penalty=0.8,
+            presence_penalty=0.4,
+            logit_bias={str(banned): -100},
+            logprobs=True,
+            extra_body={"method": method, "repetition_penalty": 1.2},
+        )
+        for method in ("target", "eagle3")
+    }
+    answers = {m: r.choices[0].message.content for m, r in runs.items()}
+    assert answers["eagle3"] == answers["target"]
+    assert runs["eagle3"].model_extra["eyas"]["num_spec_steps"] > 0
+    tokens = [e.token for e in runs["target"].choices[0].logprobs.content]
+    assert tokens == [e.token for e in runs["eagle3"].choices[0].logprobs.content]
+    from eyas.target.loader import load_tokenizer
+
+    tok = load_tokenizer()
+    assert answers["target"] != tok.decode(reference[PROMPTS[0]], skip_special_tokens=True)
+    assert tok.decode([banned]) not in tokens
+    no_leaks(client)
+
+
 @pytest.mark.parametrize(
     "kwargs,param",
     [
         ({"n": 0}, "n"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": 5}, "temperature"),

@@ -54,6 +54,11 @@ def test_the_bounds_themselves_pass_and_fit_the_wire():
         tree_budget=MAX_TREE_BUDGET,
         tree_min_value=1.0,
         tree_expand_min_value=0.0,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=1e-3,
+        min_p=1.0,
+        logit_bias={0: -100.0, INT32_MAX: 100.0},
     )
     assert wire.generate_request_from_proto(wire.generate_request_to_proto(req)) == req
     assert parse_request(prompt="hi", temperature=1).temperature == 1.0  # an int is a float

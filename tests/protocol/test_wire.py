@@ -198,6 +198,25 @@ def test_session_spec_defaults_and_rejections():
             wire.session_spec_from_proto(bad, vocab_size=VOCAB)
 
 
+def test_session_spec_carries_the_logits_processors():
+    spec = wire.SessionSpec(
+        request_id="r",
+        prompt_ids=(1, 2),
+        max_new_tokens=4,
+        max_tree_rows=3,
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
+        repetition_penalty=1.3,
+        min_p=0.1,
+        logit_bias=((1, -100.0), (5, 2.5)),
+    )
+    assert wire.session_spec_from_proto(wire.session_spec_to_proto(spec), vocab_size=VOCAB) == spec
+    bad = wire.session_spec_to_proto(spec)
+    bad.logit_bias[VOCAB] = 1.0
+    with pytest.raises(WireError, match="^logit_bias: "):
+        wire.session_spec_from_proto(bad, vocab_size=VOCAB)
+
+
 def test_generate_request_round_trip_keeps_unset_fields_unset():
     req = parse_request(prompt="hi", method="eagle1", tree_depth=0, top_p=0.9, stop=["\n"], tree_min_value=0.0)
     msg = wire.generate_request_to_proto(req)

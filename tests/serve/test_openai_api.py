@@ -63,7 +63,13 @@ def test_a_chat_request_is_the_templated_conversation(tok):
         ({"top_logprobs": 3}, "top_logprobs", 400),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", 400),
         ({"tools": [{"type": "function"}]}, "tools", 400),
-        ({"frequency_penalty": 0.5}, "frequency_penalty", 400),
+        ({"frequency_penalty": 2.5}, "frequency_penalty", 400),
+        ({"presence_penalty": -3}, "presence_penalty", 400),
+        ({"repetition_penalty": 0}, "repetition_penalty", 400),
+        ({"min_p": 1.5}, "min_p", 400),
+        ({"logit_bias": {"abc": 1}}, "logit_bias", 400),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias", 400),
+        ({"logit_bias": {"5": 101}}, "logit_bias", 400),
         ({"mystery": 1}, "mystery", 400),
         ({"model": "gpt-4o"}, "model", 404),
         ({"max_tokens": True}, "max_tokens", 400),
@@ -86,6 +92,19 @@ def test_bad_parameters_are_refused_naming_them(tok, body, param, status):
     err = info.value
     assert err.status == status and err.param.split(".")[0] == param, err.body()
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_processors_reach_the_request(tok):
+    req = chat(
+        tok,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"42": -100, "7": 2.5},
+        repetition_penalty=1.1,
+        min_p=0.05,
+    ).request
+    assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.min_p) == (0.5, -0.25, 1.1, 0.05)
+    assert req.logit_bias == {42: -100.0, 7: 2.5}
 
 
 def test_no_seed_draws_a_fresh_one_as_openai_does_and_the_response_reports_it(tok):

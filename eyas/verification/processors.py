@@ -1,0 +1,92 @@
+"""Logits processors, exact under speculation: every verify row is processed with the history of
+*its own* path in the draft tree, so a row's processed logits are the ones a one-row decode of that
+path would compute, and acceptance (``accept.py``) keeps exactly the processed target distribution.
+
+Terms:
+
+- **history of a row**: the answer's tokens so far (committed output, the previous frontier
+  included: it is the tree's root row) followed by the tokens of the row's ancestors below the root
+  and its own. A prefill's one row (the last prompt row) has an empty history.
+- **logit bias**: a constant added to the logits of the given token ids (OpenAI's ``logit_bias``).
+- **repetition penalty** ``r`` (vLLM's and HF's): a token seen in the prompt or the history has its
+  logit divided by ``r`` where positive and multiplied by ``r`` where not.
+- **frequency / presence penalty** (OpenAI's): ``logit -= frequency * count + presence * (count > 0)``
+  where ``count`` is the token's occurrences in the history (the answer only, not the prompt).
+
+Order (vLLM's): logit bias, then the repetition penalty, then frequency and presence; temperature,
+min-p, top-k and top-p follow in ``sampling.target_probs``. Pure functions: tensors in, tensors out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eyas.protocol.tree import FlatTree
+from eyas.verification.sampling import SamplingParams
+
+
+def processed_logits(
+    logits: torch.Tensor,  # [R, V] float: one row per flat tree row (a prefill: [1, V])
+    flat: FlatTree | None,  # the verified tree (None: a prefill's last prompt row)
+    prompt_ids: list[int],
+    output_ids: list[int],  # the committed answer so far, the previous frontier excluded
+    params: SamplingParams,
+) -> torch.Tensor:  # [R, V] float32
+    """``logits`` with ``params``' processors applied to each row under its own history (module
+    docstring). Unchanged (the same tensor) when no processor is on."""
+    if not params.processes:
+        return logits
+    assert logits.ndim == 2, "logits: [R, V]"
+    rows, vocab = logits.shape
+    out = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=out.device)
+        if int(ids.max()) >= vocab:
+            raise ValueError(f"logit_bias: token id {int(ids.max())} is outside the vocabulary of size {vocab}")
+        out[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=out.device)
+    penalized = params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+    if not penalized:
+        return out
+    counts, tokens = history_counts(flat, output_ids, rows)  # [R, U], [U]
+    if params.repetition_penalty != 1.0:
+        in_prompt = torch.isin(tokens, torch.tensor(prompt_ids, dtype=torch.int64))  # [U]
+        seen = (counts > 0) | in_prompt  # [R, U]
+        # tokens only the prompt holds: their columns are penalized too
+        prompt_only = torch.tensor(sorted(set(prompt_ids) - set(tokens.tolist())), dtype=torch.int64)
+        tokens_all = torch.cat([tokens, prompt_only])  # [U + P]
+        seen = torch.cat([seen, torch.ones(rows, prompt_only.numel(), dtype=torch.bool)], 1)  # [R, U + P]
+        sel = out[:, tokens_all.to(out.device)]  # [R, U + P]
+        r = params.repetition_penalty
+        sel = torch.where(seen.to(out.device), torch.where(sel > 0, sel / r, sel * r), sel)
+        out[:, tokens_all.to(out.device)] = sel
+    if params.presence_penalty or params.frequency_penalty:
+        c = counts.to(out.device, out.dtype)  # [R, U]
+        idx = tokens.to(out.device)
+        out[:, idx] -= params.frequency_penalty * c + params.presence_penalty * (c > 0).to(out.dtype)
+    return out
+
+
+def history_counts(
+    flat: FlatTree | None,
+    output_ids: list[int],
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [R, U] float32 occurrences, [U] int64 token ids
+    """Each row's history (module docstring) as counts over the tokens any history holds: the answer
+    so far is every row's, then each row adds its path's tokens (the root row's token, the previous
+    frontier, and the tokens of its ancestors and itself). Rows are in topological order (a parent
+    before its children), so a row's counts are its parent's plus its own token."""
+    path_tokens = [] if flat is None else flat.tokens.tolist()
+    tokens = torch.tensor(sorted(set(output_ids) | set(path_tokens)), dtype=torch.int64)  # [U]
+    column = {t: i for i, t in enumerate(tokens.tolist())}
+    base = torch.zeros(tokens.numel())
+    for t in output_ids:
+        base[column[t]] += 1
+    if flat is None:
+        return base.expand(rows, -1).clone(), tokens
+    assert flat.num_rows == rows, "one logits row per flat row"
+    parents = flat.parents.tolist()
+    counts = torch.empty(rows, tokens.numel())
+    for row in range(rows):
+        counts[row] = base if row == 0 else counts[parents[row]]
+        counts[row, column[path_tokens[row]]] += 1
+    return counts, tokens
