@@ -19,6 +19,8 @@ min-p, top-k and top-p follow in ``sampling.target_probs``. Pure functions: tens
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from eyas.protocol.tree import FlatTree
@@ -76,17 +78,17 @@ def history_counts(
     frontier, and the tokens of its ancestors and itself). Rows are in topological order (a parent
     before its children), so a row's counts are its parent's plus its own token."""
     path_tokens = [] if flat is None else flat.tokens.tolist()
-    tokens = torch.tensor(sorted(set(output_ids) | set(path_tokens)), dtype=torch.int64)  # [U]
-    column = {t: i for i, t in enumerate(tokens.tolist())}
-    base = torch.zeros(tokens.numel())
-    for t in output_ids:
-        base[column[t]] += 1
+    answer = Counter(output_ids)
+    tokens = sorted(set(answer) | set(path_tokens))  # [U]
+    column = {t: i for i, t in enumerate(tokens)}
+    base = [float(answer.get(t, 0)) for t in tokens]
     if flat is None:
-        return base.expand(rows, -1).clone(), tokens
+        return torch.tensor([base] * rows).reshape(rows, len(tokens)), torch.tensor(tokens, dtype=torch.int64)
     assert flat.num_rows == rows, "one logits row per flat row"
     parents = flat.parents.tolist()
-    counts = torch.empty(rows, tokens.numel())
-    for row in range(rows):
-        counts[row] = base if row == 0 else counts[parents[row]]
-        counts[row, column[path_tokens[row]]] += 1
-    return counts, tokens
+    counts: list[list[float]] = []
+    for row in range(rows):  # host lists: a tree has tens of rows, a history hundreds of distinct tokens
+        own = list(base if row == 0 else counts[parents[row]])
+        own[column[path_tokens[row]]] += 1
+        counts.append(own)
+    return torch.tensor(counts).reshape(rows, len(tokens)), torch.tensor(tokens, dtype=torch.int64)
