@@ -73,6 +73,7 @@ class GenerationResult:
     drafter_fallback: bool = False  # the drafter failed and the rest of the request ran target-only
     drafter_reseeds: int = 0  # times the drafter was reseeded from the target's committed state
     cached_tokens: int = 0  # prompt tokens whose K/V and features came from the target's prefix cache
+    queue_s: float = 0.0  # seconds it waited for admission to the batch (a serving loop's queue)
 
     @property
     def target_forwards(self) -> int:

@@ -151,10 +151,13 @@ class EyasTarget:
         self.locked = _Locked(self.worker, self.worker_lock)
         self.tokenizer = load_tokenizer(c.target)
         self.telemetry = Telemetry(
-            f"eyas-target-{self.replica_id}", console=c.console_spans, otlp_endpoint=c.otlp_endpoint
+            f"eyas-target-{self.replica_id}",
+            model_name=c.target,
+            console=c.console_spans,
+            otlp_endpoint=c.otlp_endpoint,
         )
         self.telemetry.add_kv_source(lambda: {"target": self.locked.leak_check()["kv_bytes_allocated"]})
-        self.telemetry.add_queue_source(lambda: self.loop.work()["pending"])
+        self.telemetry.add_load_source(self._load)
         self.telemetry.add_prefix_cache_source(lambda: self.locked.prefix_cache_stats())
         self.drafter = (
             None
@@ -285,9 +288,14 @@ class EyasTarget:
         are recorded together, then reported, so a scrape that sees it counted also sees its
         latencies; a request whose caller went away is counted as well (finish reason ``cancelled``)."""
         first_token_at: list[float] = []
+        last_chunk_at: list[float] = []
 
         def on_new(new) -> None:
-            first_token_at[:] = first_token_at or [time.time()]
+            now = time.time()
+            first_token_at[:] = first_token_at or [now]
+            if last_chunk_at:
+                self.telemetry.record_gap(req.method, now - last_chunk_at[0], len(new["tokens"]))
+            last_chunk_at[:] = [now]
             on_tokens(new)
 
         info = self.loop.drafter_info.get(req.method, {})
@@ -311,7 +319,12 @@ class EyasTarget:
             try:
                 result = done.result()
                 self.telemetry.record_latency(
-                    req.method, time.time() - start, first_token_at[0] - start if first_token_at else None
+                    req.method,
+                    time.time() - start,
+                    first_token_at[0] - start if first_token_at else None,
+                    result.queue_s,
+                    len(ids),
+                    len(result.token_ids),
                 )
                 self.telemetry.record_request(req.method, result.finish_reason, result.drafter_fallback)
                 self.reporter.poke()
@@ -330,6 +343,17 @@ class EyasTarget:
 
         running.add_done_callback(finished)
         return report
+
+    def _load(self) -> dict[str, float]:
+        """Requests running and waiting, and the K/V slots held as a fraction of the replica's capacity
+        (``max_batch`` rows of the whole context): the gauges vLLM's dashboards chart."""
+        work, leak = self.loop.work(), self.locked.leak_check()
+        capacity = self.cfg.max_batch * self.worker.cfg.max_context
+        return {
+            "num_requests_running": work["live"],
+            "num_requests_waiting": work["pending"],
+            "kv_cache_usage_perc": min(leak["kv_slots_allocated"] / capacity, 1.0) if capacity else 0.0,
+        }
 
     # --- autoscaling and stats -------------------------------------------------------------------
     def record_autoscaling_stats(self) -> dict[str, float]:

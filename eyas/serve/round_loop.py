@@ -93,6 +93,7 @@ class Live(DraftState):
     cancel: threading.Event
     arrival: float
     acceptance: AcceptanceEstimate
+    opened: float | None = None  # when its target session opened (admission); None while queued
     out: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
     prefill_s: float = 0.0
@@ -366,6 +367,7 @@ class RoundLoop:
         )
         try:
             live.eos = self.target("open", spec)
+            live.opened = time.perf_counter()
             live.cached_tokens = live.prompt_done = self.target("cached_tokens", live.request_id)
         except Exception as err:  # noqa: BLE001 - handed to the request's caller, which maps it
             live.future.set_exception(_as_value_error(err))
@@ -588,7 +590,8 @@ class RoundLoop:
             live.future.set_exception(_as_value_error(err))
             return
         tokens, finished_as = finish(live.out, live.max_new_tokens, live.eos, stopped=live.stopped)
-        wall = time.perf_counter() - live.arrival
+        now = time.perf_counter()
+        wall = now - live.arrival
         result = GenerationResult(
             token_ids=tokens,
             finish_reason=reason or finished_as,
@@ -598,6 +601,7 @@ class RoundLoop:
             drafter_fallback=live.fallback,
             drafter_reseeds=live.reseeds,
             cached_tokens=live.cached_tokens,
+            queue_s=max((live.opened or now) - live.arrival, 0.0),
         )
         if self.on_finish is not None:
             self.on_finish(live.request_id, result)

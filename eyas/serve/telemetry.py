@@ -22,9 +22,19 @@ Metrics (instrument names):
 - vLLM's spec-decode counters, same meaning: ``eyas.spec_decode.num_drafts`` (rounds that verified a
   drafted token), ``.num_draft_tokens`` (drafted tokens verified), ``.num_accepted_tokens``,
   ``.num_accepted_tokens_per_pos`` (attribute ``position``, 0-based depth).
-- ``eyas.draft.duration``, ``eyas.verify.duration`` (histograms per round, seconds),
-  ``eyas.request.duration`` and ``eyas.request.time_to_first_token`` (per request, seconds, from the
-  ingress's receipt), ``eyas.queue_depth`` (observable gauge: requests waiting to join the batch).
+- ``eyas.draft.duration``, ``eyas.verify.duration`` (histograms per round, seconds).
+- The series vLLM's dashboards chart, under Eyas's prefix with vLLM's suffixes (``eyas_`` where vLLM
+  writes ``vllm:``), same meaning: ``eyas.time_to_first_token``, ``eyas.inter_token_latency`` (each
+  token's share of the gap since the previous streamed chunk: a round emits several at once),
+  ``eyas.e2e_request_latency`` and ``eyas.request_queue_time`` (histograms, seconds, from the
+  ingress's receipt; attribute ``method``), ``eyas.prompt_tokens`` / ``eyas.generation_tokens``
+  (counters), ``eyas.num_requests_running`` / ``eyas.num_requests_waiting`` and
+  ``eyas.kv_cache_usage_perc`` (observable gauges; the last a fraction, 0 to 1, of the replica's K/V
+  capacity: ``max_batch`` rows of the whole context), ``eyas.prefix_cache.queries`` /
+  ``.hits`` (observable counters, prompt tokens).
+
+Every series carries a ``model_name`` label (the served target's name), as vLLM's do, so a dashboard
+written for vLLM reads Eyas with its metric prefix changed (``docs/grafana/eyas.json`` is one).
 
 The same instruments also feed an OpenTelemetry ``PrometheusMetricReader`` over a registry of this
 object's own (:meth:`Telemetry.prometheus_text`); the app's ``GET /metrics`` merges the target
@@ -89,11 +99,13 @@ class Telemetry:
         self,
         service_name: str = "eyas",
         *,
+        model_name: str = "",
         max_spans: int = 512,
         console: bool = False,
         otlp_endpoint: str | None = None,
     ):
         resource = Resource.create({"service.name": service_name})
+        self.labels = {"model_name": model_name}  # on every series
         self.spans = _RingExporter(max_spans)
         self.tracer_provider = TracerProvider(resource=resource)
         self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
@@ -114,15 +126,9 @@ class Telemetry:
         self.prometheus_reader = PrometheusMetricReader(
             registry=self.prometheus_registry, disable_target_info=True, scope_info_enabled=False
         )
-        seconds = View(
-            instrument_name="eyas.*.duration", aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS)
-        )
-        ttft = View(
-            instrument_name="eyas.request.time_to_first_token",
-            aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS),
-        )
+        seconds = View(instrument_unit="s", aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS))
         self.meter_provider = MeterProvider(
-            metric_readers=[self.reader, self.prometheus_reader], resource=resource, views=[seconds, ttft]
+            metric_readers=[self.reader, self.prometheus_reader], resource=resource, views=[seconds]
         )
         meter = self.meter_provider.get_meter("eyas")
         self.accept_length = meter.create_histogram("eyas.accept_length", unit="{token}")
@@ -143,12 +149,17 @@ class Telemetry:
         self.num_accepted_per_pos = meter.create_counter("eyas.spec_decode.num_accepted_tokens_per_pos", unit="{token}")
         self.draft_duration = meter.create_histogram("eyas.draft.duration", unit="s")
         self.verify_duration = meter.create_histogram("eyas.verify.duration", unit="s")
-        self.request_duration = meter.create_histogram("eyas.request.duration", unit="s")
-        self.ttft = meter.create_histogram("eyas.request.time_to_first_token", unit="s")
+        self.request_duration = meter.create_histogram("eyas.e2e_request_latency", unit="s")
+        self.ttft = meter.create_histogram("eyas.time_to_first_token", unit="s")
+        self.itl = meter.create_histogram("eyas.inter_token_latency", unit="s")
+        self.queue_time = meter.create_histogram("eyas.request_queue_time", unit="s")
+        self.prompt_tokens = meter.create_counter("eyas.prompt_tokens", unit="{token}")
+        self.generation_tokens = meter.create_counter("eyas.generation_tokens", unit="{token}")
         self._kv_sources: list[Callable[[], dict[str, int]]] = []
-        self._queue_sources: list[Callable[[], int]] = []
+        self._load_sources: list[Callable[[], dict[str, float]]] = []
         meter.create_observable_gauge("eyas.kv_bytes", callbacks=[self._observe_kv], unit="By")
-        meter.create_observable_gauge("eyas.queue_depth", callbacks=[self._observe_queue], unit="{request}")
+        for key in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            meter.create_observable_gauge(f"eyas.{key}", callbacks=[lambda o, key=key: self._observe_load(key)])
         # vLLM's prefix-cache counters, same meaning: prompt tokens looked up, and of them found cached
         self._prefix_sources: list[Callable[[], dict[str, int]]] = []
         meter.create_observable_counter(
@@ -176,22 +187,24 @@ class Telemetry:
             try:
                 total += int(source()[key])
             except Exception as err:  # noqa: BLE001 - logged; an unreachable worker must not break metric collection
-                log.debug("prefix-cache metric source failed: %s", err)
-        return [Observation(total)]
+                log.warning("prefix-cache metric source failed (%s): the series is left out of this scrape", err)
+                return []
+        return [Observation(total, self.labels)]
 
-    def add_queue_source(self, source: Callable[[], int]) -> None:
-        """``source() -> requests waiting``, read at each metrics collection."""
-        self._queue_sources.append(source)
+    def add_load_source(self, source: Callable[[], dict[str, float]]) -> None:
+        """``source() -> {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"}``, read
+        at each metrics collection."""
+        self._load_sources.append(source)
 
-    def _observe_queue(self, _options):
-        total = 0
-        for source in self._queue_sources:
+    def _observe_load(self, key: str):
+        total = 0.0
+        for source in self._load_sources:
             try:
-                total += int(source())
+                total += float(source()[key])
             except Exception as err:  # noqa: BLE001 - logged; an unreachable loop must not break metric collection
-                log.debug("queue metric source failed: %s", err)
-                continue
-        return [Observation(total)]
+                log.warning("load metric source failed (%s): %s is left out of this scrape", err, key)
+                return []
+        return [Observation(total, self.labels)]
 
     def _observe_kv(self, _options):
         totals: dict[str, int] = {}
@@ -200,9 +213,9 @@ class Telemetry:
                 for side, n in source().items():
                     totals[side] = totals.get(side, 0) + int(n)
             except Exception as err:  # noqa: BLE001 - logged; an unreachable worker must not break metric collection
-                log.debug("kv metric source failed: %s", err)
-                continue
-        return [Observation(n, {"side": side}) for side, n in totals.items()]
+                log.warning("kv metric source failed (%s): the series is left out of this scrape", err)
+                return []
+        return [Observation(n, {"side": side, **self.labels}) for side, n in totals.items()]
 
     def record_round(self, rec: RoundRecord) -> None:
         """Spans and metrics of one round (design 0x0C)."""
@@ -232,27 +245,27 @@ class Telemetry:
         self.tracer.start_span("publish", context=ctx, start_time=t).end(end_time=end)
         root.end(end_time=end)
 
-        self.accept_length.record(d.accept_length)
-        self.verify_duration.record(rec.verify_s)
+        self.accept_length.record(d.accept_length, self.labels)
+        self.verify_duration.record(rec.verify_s, self.labels)
         rows = 1 if rec.flat is None else rec.flat.num_rows
-        self.verify_rows.record(rows)
-        self.tree_nodes.record(rows - 1)
+        self.verify_rows.record(rows, self.labels)
+        self.tree_nodes.record(rows - 1, self.labels)
         if rec.batch_expert_bytes:
-            self.expert_bytes.record(rec.expert_bytes)
+            self.expert_bytes.record(rec.expert_bytes, self.labels)
         if rec.flat is None or rows == 1:
             return
-        self.draft_duration.record(rec.draft_s)
-        self.num_drafts.add(1)
-        self.num_draft_tokens.add(rows - 1)
-        self.num_accepted_tokens.add(d.accept_length)
+        self.draft_duration.record(rec.draft_s, self.labels)
+        self.num_drafts.add(1, self.labels)
+        self.num_draft_tokens.add(rows - 1, self.labels)
+        self.num_accepted_tokens.add(d.accept_length, self.labels)
         for position in range(d.accept_length):
-            self.num_accepted_per_pos.add(1, {"position": position})
+            self.num_accepted_per_pos.add(1, {"position": position, **self.labels})
         accepted = set(d.accepted_rows.tolist())
         depths = rec.flat.depths.tolist()
         probs = rec.flat.draft_probs.tolist()
         for row in range(1, rows):
-            depth = {"depth": int(depths[row])}
-            bucket = {"bucket": confidence_bucket(float(probs[row]))}
+            depth = {"depth": int(depths[row]), **self.labels}
+            bucket = {"bucket": confidence_bucket(float(probs[row])), **self.labels}
             self.proposed.add(1, depth)
             self.conf_proposed.add(1, bucket)
             if row in accepted:
@@ -260,15 +273,35 @@ class Telemetry:
                 self.conf_accepted.add(1, bucket)
 
     def record_request(self, method: str, finish_reason: str, fallback: bool) -> None:
-        self.requests.add(1, {"method": method, "finish_reason": finish_reason})
+        self.requests.add(1, {"method": method, "finish_reason": finish_reason, **self.labels})
         if fallback:
-            self.fallbacks.add(1, {"method": method})
+            self.fallbacks.add(1, {"method": method, **self.labels})
 
-    def record_latency(self, method: str, duration_s: float, ttft_s: float | None) -> None:
-        """A finished request's time from the ingress's receipt to its end (and to its first token)."""
-        self.request_duration.record(max(duration_s, 0.0), {"method": method})
+    def record_latency(
+        self,
+        method: str,
+        duration_s: float,
+        ttft_s: float | None,
+        queue_s: float = 0.0,
+        prompt_tokens: int = 0,
+        generation_tokens: int = 0,
+    ) -> None:
+        """A finished request: its time from the ingress's receipt to its end, to its first token and
+        to its admission to the batch, and its prompt and generated tokens."""
+        attrs = {"method": method, **self.labels}
+        self.request_duration.record(max(duration_s, 0.0), attrs)
         if ttft_s is not None:
-            self.ttft.record(max(ttft_s, 0.0), {"method": method})
+            self.ttft.record(max(ttft_s, 0.0), attrs)
+        self.queue_time.record(max(queue_s, 0.0), attrs)
+        self.prompt_tokens.add(prompt_tokens, self.labels)
+        self.generation_tokens.add(generation_tokens, self.labels)
+
+    def record_gap(self, method: str, gap_s: float, tokens: int) -> None:
+        """A streamed chunk of ``tokens`` tokens ``gap_s`` after the previous one: each token's share
+        of the gap is one inter-token latency (a round emits its accepted tokens at once)."""
+        attrs = {"method": method, **self.labels}
+        for _ in range(tokens):
+            self.itl.record(max(gap_s, 0.0) / tokens, attrs)
 
     def prometheus_text(self) -> str:
         """This object's metrics in Prometheus's text format, as the OTel Prometheus exporter renders them."""

@@ -1095,8 +1095,11 @@ def test_metrics_endpoint_parses_and_its_counters_move(http_url, client):
         "eyas_requests_total",
         "eyas_spec_decode_num_drafts_total",
         "eyas_spec_decode_num_draft_tokens_total",
-        "eyas_request_duration_seconds_count",
-        "eyas_request_time_to_first_token_seconds_count",
+        "eyas_e2e_request_latency_seconds_count",
+        "eyas_time_to_first_token_seconds_count",
+        "eyas_request_queue_time_seconds_count",
+        "eyas_inter_token_latency_seconds_count",
+        "eyas_generation_tokens_total",
         "eyas_verify_duration_seconds_count",
     )
     before = scrape()
