@@ -258,6 +258,28 @@ def summarize(methods: list[Method], records: list[dict], eos_ids: set[int]) -> 
     return out
 
 
+def with_suffix(methods: list[Method]) -> list[Method]:
+    """Suffix drafts beside the drafters (eyas.drafting.suffix): ``suffix`` (alone, no drafter) and, for
+    each dynamic-tree drafter method, ``<method>+suffix`` (suffix candidates grafted into its tree)."""
+    from eyas.drafting.suffix import SuffixSpec
+
+    spec = SuffixSpec()
+    out = list(methods) + [Method("suffix", {"method": "suffix"}, "suffix", None, spec.max_depth)]
+    for m in methods:
+        if m.is_speculative and m.request.get("tree_kind") == "dynamic":
+            out.append(
+                Method(
+                    f"{m.name}+suffix",
+                    {**m.request, "suffix": True},
+                    m.drafter,
+                    m.trained_as,
+                    max(m.depth, spec.max_depth),
+                    m.baseline,
+                )
+            )
+    return out
+
+
 def with_processors(methods: list[Method], processors: dict) -> list[Method]:
     """Each method twice: as it is, and with the logits ``processors`` on every request (named
     ``<method>+proc``, measured against ``target+proc``), alternating in the same run."""
@@ -384,6 +406,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(e.g. default,2/2/4,3/4/4@0.06/0.45): each drafter runs on each, against one target-only baseline",
     )
     p.add_argument(
+        "--suffix",
+        action="store_true",
+        help="also suffix drafts alone (method suffix) and grafted into each drafter's tree (<method>+suffix)",
+    )
+    p.add_argument(
         "--processors",
         help="logits processors as JSON, e.g. '{\"frequency_penalty\": 0.5}': every method runs with and without "
         "them in the same run (the twins named <method>+proc, against target+proc)",
@@ -439,6 +466,8 @@ def main(argv=None) -> int:
                 )
                 return 2
             methods = [m for m in methods if m.name == "target" or m.name in wanted]
+        if args.suffix:
+            methods = with_suffix(methods)
         if args.processors:
             methods = with_processors(methods, json.loads(args.processors))
         records = bench(eyas, methods, prompt_ids, args.max_new_tokens)
@@ -476,6 +505,7 @@ def main(argv=None) -> int:
         "device": args.device,
         "greedy": True,
         "processors": json.loads(args.processors) if args.processors else None,
+        "suffix": args.suffix,
         "threads": torch.get_num_threads(),
         "tree_overrides": tree_overrides or None,
         "trees": args.trees,

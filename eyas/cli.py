@@ -39,7 +39,14 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
         "turns (system, user, assistant; the last the user's), or @FILE holding one",
     )
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    p.add_argument("--method", default="eagle3", help="target | eagle1 | hass | eagle3 (default eagle3)")
+    p.add_argument(
+        "--method",
+        default="eagle3",
+        help="target | eagle1 | hass | eagle3 | suffix (suffix drafts alone; default eagle3)",
+    )
+    p.add_argument(
+        "--suffix", action="store_true", help="graft suffix drafts (from the prompt and answer) into the drafter's tree"
+    )
     p.add_argument("--drafter", help="a drafter checkpoint folder (default: the one shipped for the method)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -114,6 +121,7 @@ def _request(args, method: str | None = None):
         messages=messages,
         raw=args.raw,
         method=method or args.method,
+        suffix=getattr(args, "suffix", False) and method not in ("target", "suffix"),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

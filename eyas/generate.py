@@ -23,9 +23,20 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.drafting.engine import DrafterEngine, TreeSpec
+from eyas.drafting.suffix import SuffixSpec
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import FlatTree
-from eyas.step import Decided, DraftState, Published, SessionDrafter, round_step
+from eyas.step import (
+    SUFFIX,
+    Decided,
+    DraftState,
+    Published,
+    SessionDrafter,
+    SuffixSide,
+    round_step,
+    suffix_tree_spec,
+    verify_rows,
+)
 from eyas.target.engine import PrefillProgress, TargetEngine, Verified
 from eyas.verification.accept import decide
 from eyas.verification.sampling import SamplingParams
@@ -151,21 +162,31 @@ def generate(
     request_id: str = "local",
     stop_ids: tuple[int, ...] | None = None,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
+    suffix: SuffixSpec | None = None,
 ) -> GenerationResult:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids``; speculative when ``drafter`` is given.
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``; speculative when ``drafter`` is given,
+    or ``suffix``: suffix drafts from the request's own history (``eyas.drafting.suffix``), alone
+    without a drafter, grafted into its tree with one.
 
     on_tokens: called with each publish's new tokens; returning True stops (finish reason "stop")."""
     if type(max_new_tokens) is not int or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
     stop_ids = tuple(target.cfg.eos_token_ids if stop_ids is None else stop_ids)
-    sides = EngineTarget(target), SessionDrafter(drafter) if drafter is not None else None
+    drafter_side = SessionDrafter(drafter) if drafter is not None else None
+    if suffix is not None:
+        drafter_side = SuffixSide(drafter_side, suffix)
+        tree = tree if drafter is not None else suffix_tree_spec(suffix)
+    sides = EngineTarget(target), drafter_side
     sides[0].add(request_id, prompt_ids, sampling, torch.Generator().manual_seed(seed))
+    speculative = drafter_side is not None
     state = DraftState(
         request_id=request_id,
-        method="target" if drafter is None else "drafter",
+        method="target" if not speculative else ("drafter" if drafter is not None else SUFFIX),
+        suffix=suffix is not None and drafter is not None,
         draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens),
     )
-    target.open_session(request_id, prompt_ids, max_new_tokens, tree.max_candidates + 1 if drafter is not None else 1)
+    rows = verify_rows(tree, suffix if state.suffix else None) if speculative else 1
+    target.open_session(request_id, prompt_ids, max_new_tokens, rows)
     cached_tokens = target.sessions[request_id].cached_tokens
     try:
         t_start = time.perf_counter()
@@ -175,7 +196,7 @@ def generate(
         prefill_s = time.perf_counter() - t_start
         rounds: list[RoundStats] = []
         while not is_finished(out, max_new_tokens, stop_ids, emitted, stopped):
-            r = round_step(*sides, [(state, tree if drafter is not None else None)])  # one round
+            r = round_step(*sides, [(state, tree if speculative else None)])  # one round
             decision, emitted = r.verdicts[0].decision, r.published[request_id].tokens
             out.extend(emitted)
             stopped = bool(on_tokens and on_tokens(list(emitted)))
@@ -191,8 +212,8 @@ def generate(
         wall_s = time.perf_counter() - t_start
     finally:
         target.close_session(request_id)
-        if drafter is not None:
-            drafter.close_session(request_id)
+        if drafter_side is not None:
+            drafter_side.close_session(request_id)
     token_ids, reason = finish(out, max_new_tokens, stop_ids, stopped=stopped)
     return GenerationResult(
         token_ids=token_ids,

@@ -19,9 +19,11 @@ from eyas import compute
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.manifest import load_drafter
 from eyas.drafting.model import DrafterConfig, drafter_feature_address, init_drafter
+from eyas.drafting.suffix import SuffixSpec
 from eyas.generate import GenerationResult, generate
 from eyas.protocol.schema import GenerateRequest
 from eyas.protocol.text import AnswerText
+from eyas.step import SUFFIX, suffix_tree_spec
 from eyas.target.engine import TargetEngine
 from eyas.target.loader import (
     DEFAULT_TARGET,
@@ -201,8 +203,9 @@ class Eyas:
     def generate(self, req: GenerateRequest) -> tuple[GenerationResult, dict]:
         ids = self.prompt_ids(req)
         sampling = SamplingParams.of(req)
-        handle = None if req.method == "target" else self.drafter(req.method, req.drafter)
-        tree = self.tree_for(req, handle)
+        handle = None if req.method in ("target", SUFFIX) else self.drafter(req.method, req.drafter)
+        suffix = SuffixSpec() if req.method == SUFFIX or req.suffix else None
+        tree = self.tree_for(req, handle) if req.method != SUFFIX else suffix_tree_spec(suffix)
         engine = self.target_engine(handle.taps if handle else ())
         stops = AnswerText(self.tokenizer, req.stop)
         result = generate(
@@ -211,6 +214,7 @@ class Eyas:
             max_new_tokens=req.max_new_tokens,
             sampling=sampling,
             drafter=handle.engine if handle else None,
+            suffix=suffix,
             tree=tree,
             seed=req.seed,
             request_id=req.request_id or uuid.uuid4().hex,
@@ -247,6 +251,7 @@ def build_report(
     """The machine-readable output of ``eyas generate --json`` (in-process and over ``--server``)."""
     return {
         "method": req.method,
+        "suffix": req.suffix,
         "token_ids": r.token_ids,
         "text": text,
         "new_tokens": len(r.token_ids),
@@ -264,7 +269,7 @@ def build_report(
         "drafter_reseeds": r.drafter_reseeds,
         "cached_tokens": r.cached_tokens,
         "precision": precision,
-        "drafter": drafter if req.method != "target" else None,
+        "drafter": drafter if req.method not in ("target", SUFFIX) else None,
         "tree": None
         if req.method == "target" or tree is None
         else {

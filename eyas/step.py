@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from eyas.drafting.engine import TreeSpec
+from eyas.drafting.suffix import SuffixIndex, SuffixSpec, graft, suffix_tree
 from eyas.protocol.messages import AcceptDecision, Refusal, Seed
 from eyas.protocol.tree import DraftTree, FlatTree
 from eyas.target.engine import PrefillProgress
@@ -43,6 +44,7 @@ log = logging.getLogger("eyas.step")
 # hold its session (scale-up, scale-down, a replaced replica).
 MAX_DRAFTER_RESEEDS = 4
 CONSUME_SEED_ONLY = TreeSpec(kind="chain", max_depth=0)  # a plain round's drafter call: context rows only
+SUFFIX = "suffix"  # the method that drafts from the request's own history alone (SuffixSide)
 
 
 class DrafterUnavailable(RuntimeError):
@@ -60,7 +62,8 @@ class DraftState:
     :func:`round_step` (and by no one else)."""
 
     request_id: str
-    method: str  # "target" | "eagle1" | "hass" | "eagle3"
+    method: str  # "target" | "eagle1" | "hass" | "eagle3" | "suffix" (suffix drafts alone)
+    suffix: bool = False  # suffix drafts grafted into the drafter's tree (SuffixSide)
     draft_slots: int = 0  # draft KV slots its session opens with
     seed: Seed | None = None  # the last publish's seed (None until its prompt is prefilled)
     unread: list[Seed] = field(default_factory=list)  # seeds the drafter has not read yet, in order
@@ -156,6 +159,86 @@ class SessionDrafter:
             self.drafter.publish(request_id)
 
 
+def suffix_tree_spec(spec: SuffixSpec) -> TreeSpec:
+    """The tree a suffix-alone request plans its rounds with (its rows and depth bound)."""
+    return TreeSpec(kind="dynamic", expand_width=1, max_depth=spec.max_depth, verify_budget=spec.budget)
+
+
+def verify_rows(tree: TreeSpec, suffix: SuffixSpec | None = None) -> int:
+    """The verify rows a speculative request's target session opens with: the root, the drafter's
+    tree and, grafted into it, up to ``suffix.budget`` suffix candidates."""
+    return tree.max_candidates + 1 + (suffix.budget if suffix is not None else 0)
+
+
+class SuffixSide:
+    """A drafter side with suffix drafts (``eyas.drafting.suffix``), over an inner drafter side (or
+    none): a request of method ``suffix`` drafts from its own history alone, one with ``suffix``
+    set gets the suffix candidates grafted into its drafter's tree (one tree, one verify), and any
+    other passes through. Owns every such request's :class:`SuffixIndex`, fed from the seeds the
+    round step hands the drafter (their ``advanced_tokens`` are the committed history, in order).
+    ``inner`` may change between rounds (None while the drafter is down: suffix-alone requests go on
+    drafting, the others' calls raise DrafterUnavailable as the drafter's would)."""
+
+    def __init__(self, inner: DrafterSide | None, spec: SuffixSpec = SuffixSpec()):
+        self.inner, self.spec = inner, spec
+        self.indexes: dict[str, SuffixIndex] = {}
+        self.alone: set[str] = set()
+
+    def over(self, inner: DrafterSide | None) -> SuffixSide:
+        self.inner = inner
+        return self
+
+    def serves(self, state: DraftState) -> bool:
+        """Whether the request can draft now: a suffix-alone one always, others while a drafter is up
+        (so a request does not spend its reseeds while the drafter is down)."""
+        return state.method == SUFFIX or self.inner is not None
+
+    def open_session(self, state: DraftState) -> None:
+        if state.method == SUFFIX or state.suffix:
+            self.indexes[state.request_id] = SuffixIndex(self.spec.max_match)
+        if state.method == SUFFIX:
+            self.alone.add(state.request_id)
+            return
+        if self.inner is None:
+            raise DrafterUnavailable("drafter: none is up")
+        self.inner.open_session(state)
+
+    def close_session(self, request_id: str) -> None:
+        self.indexes.pop(request_id, None)
+        if request_id in self.alone:
+            self.alone.discard(request_id)
+        elif self.inner is not None:
+            self.inner.close_session(request_id)
+
+    def propose_batch(self, items: list[tuple[str, list[Seed], TreeSpec]]) -> tuple[list[DraftTree | Refusal], float]:
+        neural = [item for item in items if item[0] not in self.alone]
+        trees, compute_s = {}, 0.0
+        if neural:  # first: a drafter that raises leaves every seed unread, the suffix indexes' too
+            if self.inner is None:
+                raise DrafterUnavailable("drafter: none is up")
+            out, compute_s = self.inner.propose_batch(neural)
+            trees = {item[0]: tree for item, tree in zip(neural, out)}
+        t0 = time.perf_counter()
+        for request_id, seeds, _ in items:
+            index = self.indexes.get(request_id)
+            if index is not None:
+                for seed in seeds:
+                    index.extend(seed.advanced_tokens.tolist())
+        result = []
+        for request_id, _, tree in items:
+            drafted = trees.get(request_id, DraftTree.empty())
+            index = self.indexes.get(request_id)
+            if index is not None and tree.max_candidates > 0 and not isinstance(drafted, Refusal):
+                drafted = graft(drafted, suffix_tree(index, self.spec))
+            result.append(drafted)
+        return result, compute_s + time.perf_counter() - t0  # the suffix work counts as drafting
+
+    def publish(self, request_ids: list[str]) -> None:
+        neural = [r for r in request_ids if r not in self.alone]
+        if neural and self.inner is not None:
+            self.inner.publish(neural)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Round:
     """What one :func:`round_step` did, for the loop's records."""
@@ -248,6 +331,8 @@ def propose(
     drafter was unavailable)."""
     trees = {s.request_id: DraftTree.empty() for s, _ in batch}
     drafting = [(s, tree) for s, tree in batch if s.speculative and (tree is not None or s.needs_reseed)]
+    if isinstance(drafter, SuffixSide):  # while the drafter is down only suffix-alone requests draft
+        drafting = [(s, tree) for s, tree in drafting if drafter.serves(s)]
     if drafter is None or not drafting:
         return trees, [], 0.0, False
     for s, _ in drafting:
@@ -262,7 +347,8 @@ def propose(
         )
     except DrafterUnavailable:
         for s, _ in drafting:
-            s.needs_reseed, s.drafter_open = True, False
+            if not (isinstance(drafter, SuffixSide) and s.method == SUFFIX):  # its session needs no drafter
+                s.needs_reseed, s.drafter_open = True, False
         return trees, [], 0.0, True
     drafted = []
     for (s, _), tree in zip(drafting, out):

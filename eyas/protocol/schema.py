@@ -11,7 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-METHODS = ("target", "eagle1", "hass", "eagle3")  # hass: an EAGLE-1-architecture drafter trained with HASS
+# hass: an EAGLE-1-architecture drafter trained with HASS; suffix: drafts from the request's own prompt
+# and answer alone (eyas.drafting.suffix), no drafter model
+METHODS = ("target", "eagle1", "hass", "eagle3", "suffix")
 
 
 MAX_REQUEST_ID_LEN: int = 256  # a request id (``request_id``) is 1 to this many characters
@@ -77,6 +79,9 @@ class GenerateRequest(BaseModel):
     messages: list[ChatTurn] | None = None
     raw: bool = False  # False: wrap the prompt in the chat template
     method: str = "eagle3"
+    # graft suffix drafts (continuations of what the prompt and answer already hold) into the drafter's
+    # tree, verified in the same forward (eyas.drafting.suffix); method "suffix" drafts with them alone
+    suffix: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -231,6 +236,15 @@ class GenerateRequest(BaseModel):
         if v is not None and not (math.isfinite(v) and 0 <= v <= 1):
             raise ValueError(f"must be a path value in [0, 1], got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _suffix(self):
+        if self.suffix and self.method in ("target", "suffix"):
+            raise ValueError(
+                f"suffix: grafts suffix drafts into a drafter's tree; method {self.method!r} has none "
+                "(use method 'suffix' for suffix drafts alone)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _prompt(self):

@@ -460,6 +460,7 @@ _OPTIONAL_REQUEST_FIELDS = (
     "seed",
     "request_id",
     "method",
+    "suffix",
     "tree_kind",
     "tree_depth",
     "tree_width",

@@ -54,7 +54,7 @@ from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
 from eyas.serve.registry import Reporter, app_name, cancels_due, get_registry
 from eyas.serve.round_loop import RoundLoop, WorkerCalls
 from eyas.serve.telemetry import Telemetry
-from eyas.step import DrafterUnavailable
+from eyas.step import SUFFIX, DrafterUnavailable, suffix_tree_spec
 from eyas.target.loader import load_tokenizer
 from eyas.verification.sampling import SamplingParams
 
@@ -299,7 +299,11 @@ class EyasTarget:
             on_tokens(new)
 
         info = self.loop.drafter_info.get(req.method, {})
-        tree = tree_for(req, info.get("default_tree", TreeSpec()))
+        tree = (
+            suffix_tree_spec(self.loop.suffix_side.spec)
+            if req.method == SUFFIX
+            else tree_for(req, info.get("default_tree", TreeSpec()))
+        )
         stops = AnswerText(self.tokenizer, req.stop)
         running = self.loop.submit(
             req.request_id or uuid.uuid4().hex,
@@ -312,6 +316,7 @@ class EyasTarget:
             _trimmed(req, on_new, stops, tuple(self.worker.cfg.eos_token_ids)),
             cancel,
             logprobs=req.logprobs,
+            suffix=req.suffix,
         )
         report: concurrent.futures.Future = concurrent.futures.Future()
 

@@ -47,7 +47,16 @@ from eyas.protocol.messages import Refusal, Seed
 from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK, PLAIN, ExpertTraffic, TreeShape
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
-from eyas.step import Decided, DrafterUnavailable, DraftState, Published, round_step
+from eyas.step import (
+    SUFFIX,
+    Decided,
+    DrafterUnavailable,
+    DraftState,
+    Published,
+    SuffixSide,
+    round_step,
+    verify_rows,
+)
 from eyas.target.engine import PrefillProgress
 from eyas.verification.sampling import SamplingParams, session_spec
 
@@ -195,6 +204,8 @@ class RoundLoop:
         # the round step's two sides over these workers (eyas.step)
         self.target_side = WorkerTarget(target)
         self.drafter_side = WorkerDrafter(drafter) if drafter is not None else None
+        # suffix drafts (eyas.drafting.suffix) for the requests that ask for them, over the drafter side
+        self.suffix_side = SuffixSide(None)
         self.policy, self.curve = policy, curve
         # what a round's drafting adds (the propose call, hop included); live rounds refit it
         self.draft_cost = (
@@ -245,13 +256,16 @@ class RoundLoop:
         on_tokens=None,
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
+        suffix: bool = False,
     ) -> concurrent.futures.Future:
         """-> a future of the ``GenerationResult``; validation errors of the prefill surface through it.
         ``logprobs``: each publish hands ``on_tokens`` its tokens' logprobs too (``on_tokens(tokens,
-        logprobs)``), with this many top alternatives each."""
+        logprobs)``), with this many top alternatives each. ``suffix``: suffix drafts grafted into the
+        drafter's tree (method ``suffix``: suffix drafts alone)."""
         live = Live(
             request_id=request_id,
             method=method,
+            suffix=suffix,
             draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens),
             prompt_ids=list(prompt_ids),
             max_new_tokens=max_new_tokens,
@@ -354,7 +368,7 @@ class RoundLoop:
         """The request's target session; a refusal (naming the field) fails its future."""
         info = self.drafter_info.get(live.method, {})
         taps = tuple(tuple(t) for t in info.get("taps", ())) if live.method != "target" else ()
-        max_rows = live.tree.max_candidates + 1 if live.method != "target" else 1
+        max_rows = verify_rows(live.tree, self.suffix_side.spec if live.suffix else None) if live.speculative else 1
         spec = session_spec(
             live.request_id,
             live.prompt_ids,
@@ -404,12 +418,14 @@ class RoundLoop:
         shapes = {rid: self._fit(self.live[rid], shape) for rid, shape in plan.shapes.items()} if plan else {}
         batch = [self.live[rid] for rid in shapes]
         for x in prefilling:  # no drafter for its method (by the time its prompt is done): target-only
-            if x.speculative and (self.drafter is None or x.method not in self.drafter_info):
+            if x.speculative and x.method != SUFFIX and (self.drafter is None or x.method not in self.drafter_info):
                 x.fallback = True
         start_ns = time.time_ns()
+        neural = None if self.drafter_down.is_set() else self.drafter_side
+        suffixed = any(x.method == SUFFIX or x.suffix for x in [*batch, *prefilling])
         r = round_step(
             self.target_side,
-            None if self.drafter_down.is_set() else self.drafter_side,
+            self.suffix_side.over(neural) if suffixed else neural,
             [(x, self._tree(x, shapes[x.request_id])) for x in batch],
             prefilling,
             self.max_prefill_rows,
@@ -579,7 +595,9 @@ class RoundLoop:
             self.target("close", live.request_id)
         except Exception:
             log.exception("close_session %s", live.request_id)
-        if live.drafter_open and self.drafter is not None:
+        self.suffix_side.indexes.pop(live.request_id, None)
+        self.suffix_side.alone.discard(live.request_id)
+        if live.drafter_open and self.drafter is not None and live.method != SUFFIX:
             if self.drafter_down.is_set():  # it would wait out the call's timeout: the round loop must not
                 threading.Thread(
                     target=self._close_draft_session, args=(live.request_id,), name="eyas-drafter-close", daemon=True

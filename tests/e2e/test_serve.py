@@ -828,6 +828,26 @@ def test_openai_n_choices_greedy_and_sampled_with_the_prompt_computed_once(http_
     no_leaks(client)
 
 
+def test_openai_suffix_drafts_alone_and_grafted_equal_target_only(http_url, client, reference, no_leaks):
+    """method suffix (no drafter model) and EAGLE-3 with suffix drafts grafted, through the real openai
+    client: the greedy answer is target-only's, and the eyas object reports speculation."""
+    from eyas.target.loader import load_tokenizer
+
+    oa = _openai(http_url)
+    want = load_tokenizer().decode(reference[PROMPTS[0]], skip_special_tokens=True)
+    for extra in ({"method": "suffix"}, {"method": "eagle3", "suffix": True}):
+        r = oa.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=N,
+            temperature=0,
+            extra_body=extra,
+        )
+        assert r.choices[0].message.content == want, extra
+        assert r.model_extra["eyas"]["method"] == extra["method"]
+    no_leaks(client)
+
+
 def test_openai_logits_processors_are_exact_under_speculation(http_url, client, reference, no_leaks):
     """Penalties, a logit bias and vLLM's repetition penalty through the real openai client: EAGLE-3's
     greedy answer equals target-only's under the same processors (each verify row processed with its

@@ -652,3 +652,52 @@ def test_logprobs_are_the_targets_own_and_speculation_does_not_change_them(tiny_
         assert abs(lp - float(want[i, answer[i]])) < 1e-4, i
         assert [tok for tok, _ in top] == want[i].topk(3).indices.tolist()
     assert target.leak_check()["ok"]
+
+
+def test_suffix_drafts_alone_and_grafted_in_batched_rounds_are_token_identical_and_survive_a_drafter_loss(
+    tiny_target, workers, monkeypatch
+):
+    """Requests of method suffix (no drafter) and EAGLE requests with suffix drafts grafted share rounds
+    with plain EAGLE and target-only ones; every answer is target-only's; suffix candidates were
+    verified (more rows than the EAGLE trees alone give); while the drafter is down the suffix-alone
+    requests go on drafting and nobody spends a reseed on it; no index or session is left."""
+    from eyas.serve import round_loop
+    from eyas.step import suffix_tree_spec
+
+    monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
+    target, drafter = workers
+    down = DownDrafter(drafter, down_at=4, probes_down=3)
+    loop = RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(down, 30, local=True, drafter=True),
+        drafter.info(),
+        PromptLengthPolicy(),
+        FLAT.copy(),
+    )
+    kinds = [("suffix", False), ("eagle1", True), ("eagle1", False), ("target", False)]
+    jobs = [(p * 3, kinds[i % 4]) for i, p in enumerate(prompts(8))]
+    try:
+        futures = [
+            loop.submit(
+                f"s{i}",
+                p,
+                40,
+                method,
+                suffix_tree_spec(loop.suffix_side.spec) if method == "suffix" else TreeSpec(),
+                SamplingParams(),
+                0,
+                suffix=suffix,
+            )
+            for i, (p, (method, suffix)) in enumerate(jobs)
+        ]
+        results = [f.result(timeout=120) for f in futures]
+    finally:
+        loop.close()
+    base = TargetEngine(tiny_target, ())
+    for (p, kind), r in zip(jobs, results):
+        assert r.token_ids == generate(base, p, max_new_tokens=40).token_ids, kind
+    alone = [r for (_, kind), r in zip(jobs, results) if kind[0] == "suffix"]
+    assert all(sum(x.tree_nodes for x in r.rounds) > 0 and not r.drafter_reseeds for r in alone)
+    assert not any(r.drafter_fallback for r in results)
+    assert not loop.suffix_side.indexes and not loop.suffix_side.alone
+    assert not target.sessions and not drafter.session_method

@@ -1,0 +1,161 @@
+"""Suffix drafts: candidate continuations from text the request has already seen (its prompt and its
+answer so far), found by suffix matching as SuffixDecoding does (Oliaro et al., arXiv 2411.04975),
+and grafted into a drafter's tree (:func:`graft`). No model runs: a draft costs a dictionary lookup.
+
+Terms:
+
+- **history**: the request's tokens in order, its prompt and its answer, the frontier (the tree's
+  root token) last.
+- **match**: the longest suffix of the history, of ``min_match`` to ``max_match`` tokens, that also
+  ended earlier in the history; its **occurrences** are those earlier ends (the newest
+  ``max_occurrences``).
+- **continuation tree**: the trie of the tokens that followed each occurrence, up to ``max_depth``.
+  A node's **score** is the fraction of its parent's occurrences that go on with its token
+  (SuffixDecoding's frequency score; the tree's ``draft_probs``, as a drafter's conditional
+  confidences); its **path value** is the product of the scores from the root, an estimate of the
+  chance that the target accepts the whole path.
+- The tree keeps the ``budget`` nodes of highest path value, each at least ``min_value``; a node's
+  value never exceeds its parent's, so the kept set holds every kept node's ancestors.
+
+Pure functions and one small owner (:class:`SuffixIndex`, one per request); no Ray, no torch compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
+
+
+@dataclass(frozen=True, kw_only=True)
+class SuffixSpec:
+    """How suffix candidates are drawn (module docstring)."""
+
+    max_depth: int = 8  # the deepest candidate (a copied span may run past a drafter's depth)
+    budget: int = 6  # candidate rows at most
+    min_value: float = 0.3  # a candidate's path value at least this
+    min_match: int = 2  # tokens of the shortest suffix that counts as a match
+    max_match: int = 12  # tokens of the longest suffix looked up
+    max_occurrences: int = 32  # the newest earlier occurrences of the match read
+
+    def __post_init__(self):
+        for name in ("max_depth", "budget", "min_match", "max_match", "max_occurrences"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise ValueError(f"suffix.{name}: must be a positive int, got {getattr(self, name)!r}")
+        if self.min_match > self.max_match:
+            raise ValueError(f"suffix.min_match: {self.min_match} exceeds max_match {self.max_match}")
+        if not 0.0 <= self.min_value <= 1.0:
+            raise ValueError(f"suffix.min_value: a path value in [0, 1], got {self.min_value!r}")
+
+
+class SuffixIndex:
+    """One request's history and, for every n-gram of it (n <= ``max_match``), where it ended. Owned
+    by the loop side that drafts for the request; grows by :meth:`extend` only."""
+
+    def __init__(self, max_match: int):
+        self.max_match = max_match
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            end = len(self.tokens) - 1
+            for n in range(1, min(self.max_match, end + 1) + 1):
+                self.ends.setdefault(tuple(self.tokens[end - n + 1 : end + 1]), []).append(end)
+
+    @property
+    def entries(self) -> int:
+        """Positions recorded (the index's size, about ``max_match`` a token)."""
+        return sum(len(v) for v in self.ends.values())
+
+    def occurrences(self, spec: SuffixSpec) -> list[int]:
+        """The earlier ends of the longest matching suffix (module docstring), newest last; [] if none."""
+        last = len(self.tokens) - 1
+        for n in range(min(spec.max_match, last), spec.min_match - 1, -1):
+            ends = self.ends.get(tuple(self.tokens[last - n + 1 :]), ())
+            earlier = [e for e in ends if e < last]
+            if earlier:
+                return earlier[-spec.max_occurrences :]
+        return []
+
+
+def suffix_tree(index: SuffixIndex, spec: SuffixSpec) -> DraftTree:
+    """The continuation tree of the history's match (module docstring), rooted at the frontier."""
+    ends = index.occurrences(spec)
+    if not ends:
+        return DraftTree.empty()
+    tokens = index.tokens
+    node_token: list[int] = []
+    node_parent: list[int] = []
+    node_depth: list[int] = []
+    node_count: list[int] = []
+    child: dict[tuple[int, int], int] = {}
+    for e in ends:
+        parent = PARENT_IS_ROOT
+        for d in range(1, spec.max_depth + 1):
+            if e + d >= len(tokens):
+                break
+            key = (parent, tokens[e + d])
+            node = child.get(key)
+            if node is None:
+                node = child[key] = len(node_token)
+                node_token.append(tokens[e + d])
+                node_parent.append(parent)
+                node_depth.append(d)
+                node_count.append(0)
+            node_count[node] += 1
+            parent = node
+    score, value = [], []
+    for i in range(len(node_token)):  # parents are created before their children
+        p = node_parent[i]
+        base, above = (len(ends), 1.0) if p == PARENT_IS_ROOT else (node_count[p], value[p])
+        score.append(node_count[i] / base)
+        value.append(above * score[i])
+    ranked = sorted(range(len(value)), key=lambda i: (-value[i], node_depth[i], i))
+    kept = sorted(i for i in ranked[: spec.budget] if value[i] >= spec.min_value)
+    return _tree([(node_token[i], node_parent[i], node_depth[i], score[i]) for i in kept], kept)
+
+
+def _tree(nodes: list[tuple[int, int, int, float]], ids: list[int]) -> DraftTree:
+    """(token, parent id, depth, score) of nodes whose parents come first -> a DraftTree (ids remapped)."""
+    if not nodes:
+        return DraftTree.empty()
+    at = {node_id: i for i, node_id in enumerate(ids)}
+    parents = [PARENT_IS_ROOT if p == PARENT_IS_ROOT else at[p] for _, p, _, _ in nodes]
+    return DraftTree(
+        torch.tensor([t for t, _, _, _ in nodes], dtype=torch.int64),
+        torch.tensor(parents, dtype=torch.int64),
+        torch.tensor([d for _, _, d, _ in nodes], dtype=torch.int64),
+        torch.tensor([v for _, _, _, v in nodes], dtype=torch.float32),
+    )
+
+
+def graft(base: DraftTree, extra: DraftTree) -> DraftTree:
+    """One tree with every path of ``base`` and of ``extra`` (both rooted at the same frontier): a node
+    of ``extra`` whose path ``base`` already holds is that node (its score the larger of the two);
+    the others are added after ``base``'s, in ``extra``'s order. Verified in one forward."""
+    if extra.num_nodes == 0:
+        return base
+    nodes = [
+        (int(t), int(p), int(d), float(v))
+        for t, p, d, v in zip(
+            base.tokens.tolist(), base.parents.tolist(), base.depths.tolist(), base.draft_probs.tolist()
+        )
+    ]
+    child = {(p, t): i for i, (t, p, _, _) in enumerate(nodes)}
+    where: list[int] = []
+    extra_nodes = zip(extra.tokens.tolist(), extra.parents.tolist(), extra.depths.tolist(), extra.draft_probs.tolist())
+    for t, p, d, v in extra_nodes:
+        parent = PARENT_IS_ROOT if p == PARENT_IS_ROOT else where[p]
+        node = child.get((parent, t))
+        if node is None:
+            node = child[(parent, t)] = len(nodes)
+            nodes.append((t, parent, d, v))
+        else:
+            old = nodes[node]
+            nodes[node] = (old[0], old[1], old[2], max(old[3], v))
+        where.append(node)
+    return _tree(nodes, list(range(len(nodes))))

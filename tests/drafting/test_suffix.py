@@ -1,0 +1,138 @@
+"""Suffix drafts (eyas.drafting.suffix): the index, the continuation tree, grafting into a drafter's
+tree, and exactness through the decode loop (alone and grafted; greedy and sampled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.drafting.suffix import SuffixIndex, SuffixSpec, graft, suffix_tree
+from eyas.generate import generate
+from eyas.protocol.schema import parse_request
+from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
+from eyas.target.engine import TargetEngine
+from eyas.verification.sampling import target_probs
+from tests.test_generate import P_THRESHOLD, PROMPT, SAMPLING, TREE, chi_square_p, engines
+
+
+def paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    tokens, parents, out = tree.tokens.tolist(), tree.parents.tolist(), set()
+    for i in range(tree.num_nodes):
+        path, walk = [], i
+        while walk != PARENT_IS_ROOT:
+            path.insert(0, tokens[walk])
+            walk = parents[walk]
+        out.add(tuple(path))
+    return out
+
+
+def test_the_longest_earlier_suffix_gives_a_frequency_scored_continuation_tree():
+    """History 1 2 3 4 5 9 | 1 2 3 4 6 7 | 1 2 3: the match "1 2 3" occurred twice, followed by
+    4 5 9 ... and 4 6 7 ...: 4 has score 1, 5 and 6 one half each; values multiply along a path."""
+    index = SuffixIndex(12)
+    index.extend([1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 7, 1, 2, 3])
+    assert index.occurrences(SuffixSpec()) == [2, 8]
+    tree = suffix_tree(index, SuffixSpec(budget=6, min_value=0.0, max_depth=3))
+    assert paths(tree) == {(4,), (4, 5), (4, 5, 9), (4, 6), (4, 6, 7)}
+    probs = dict(zip(tree.tokens.tolist(), tree.draft_probs.tolist()))
+    assert (probs[4], probs[5], probs[6], probs[9], probs[7]) == (1.0, 0.5, 0.5, 1.0, 1.0)
+    # a value floor above 1/2 keeps only the certain first token
+    assert paths(suffix_tree(index, SuffixSpec(min_value=0.6))) == {(4,)}
+    # a history whose tail never occurred before drafts nothing
+    fresh = SuffixIndex(12)
+    fresh.extend([1, 2, 3, 4, 5])
+    assert suffix_tree(fresh, SuffixSpec()).num_nodes == 0
+
+
+def test_the_budget_keeps_the_highest_path_values_with_their_ancestors():
+    """ "7 8" occurred three times, followed by 1 1 1, 2 2 6 and 1 1 9: 1 and 1-1 are worth 2/3, every
+    other path 1/3 (ties go to the shallower node)."""
+    index = SuffixIndex(8)
+    index.extend([7, 8, 1, 1, 1, 5, 7, 8, 2, 2, 6, 7, 8, 1, 1, 9, 7, 8])
+    assert index.occurrences(SuffixSpec()) == [1, 7, 12]
+    tree = suffix_tree(index, SuffixSpec(budget=3, min_value=0.0))
+    assert paths(tree) == {(1,), (1, 1), (2,)}
+    assert paths(suffix_tree(index, SuffixSpec(budget=3, min_value=0.5))) == {(1,), (1, 1)}
+
+
+def test_graft_merges_shared_paths_and_appends_the_rest_in_one_tree():
+    base = DraftTree(
+        torch.tensor([4, 8, 5]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2]), torch.tensor([0.4, 0.2, 0.3])
+    )
+    extra = DraftTree(
+        torch.tensor([4, 5, 6, 9]), torch.tensor([-1, 0, 1, 0]), torch.tensor([1, 2, 3, 2]), torch.ones(4)
+    )
+    merged = graft(base, extra)
+    assert paths(merged) == paths(base) | paths(extra)
+    assert merged.num_nodes == 5  # 4 and 4-5 shared
+    assert merged.draft_probs[0] == 1.0  # the larger score of a shared node
+    assert graft(base, DraftTree.empty()) is base
+
+
+@pytest.mark.parametrize("method", [None, "eagle1", "eagle3"])
+def test_greedy_identity_with_suffix_drafts(tiny_target, method):
+    """Suffix drafts alone (no drafter) and grafted into EAGLE trees: greedy output equals target-only,
+    and on a repetitive prompt they take fewer target forwards than target-only."""
+    target, drafter = engines(tiny_target, method or "eagle3")
+    for prompt in ([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4], [5, 6, 7, 5, 6, 7, 5, 6, 7]):
+        base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=40, stop_ids=())
+        spec = generate(
+            target if method else TargetEngine(tiny_target, ()),
+            prompt,
+            max_new_tokens=40,
+            stop_ids=(),
+            drafter=drafter if method else None,
+            suffix=SuffixSpec(),
+        )
+        assert spec.token_ids == base.token_ids
+        assert len(spec.rounds) < len(base.rounds)
+
+
+def test_sampled_speculation_with_grafted_suffix_drafts_matches_the_target_joint(small_vocab_suffix):
+    """1,500 draws of (x1, x2) through EAGLE trees with suffix drafts grafted: chi-square p > 1e-3."""
+    model, target, drafter = small_vocab_suffix
+    counts = torch.zeros(model.cfg.vocab_size, model.cfg.vocab_size)
+    for i in range(1500):
+        r = generate(
+            target,
+            PROMPT * 3,
+            max_new_tokens=2,
+            sampling=SAMPLING,
+            drafter=drafter,
+            tree=TREE,
+            seed=i,
+            stop_ids=(),
+            suffix=SuffixSpec(min_value=0.0),
+        )
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+    assert chi_square_p(counts, joint(model, PROMPT * 3)) > P_THRESHOLD
+
+
+def joint(model, prompt: list[int]) -> torch.Tensor:
+    """P(x1, x2) of target-only sampling after ``prompt``, from plain forwards: [V, V]."""
+
+    def last_probs(ids):
+        cache = model.allocate_cache(1, len(ids))
+        mask = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()[None]
+        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, 0, mask, ()).logits[0, -1:]
+        return target_probs(logits, SAMPLING)[0].double()
+
+    p1 = last_probs(prompt)
+    return torch.stack([p1[x] * last_probs(prompt + [x]) for x in range(model.cfg.vocab_size)])
+
+
+@pytest.fixture(scope="module")
+def small_vocab_suffix():
+    from tests.testing import ours_from_hf, tiny_hf_llama
+
+    model = ours_from_hf(tiny_hf_llama(vocab=8, init_std=0.3, seed=5))
+    target, drafter = engines(model, "eagle1", seed=1)
+    return model, target, drafter
+
+
+def test_suffix_is_a_method_and_a_flag_refused_where_it_means_nothing():
+    assert parse_request(prompt="hi", method="suffix").method == "suffix"
+    assert parse_request(prompt="hi", method="eagle3", suffix=True).suffix
+    for method in ("target", "suffix"):
+        with pytest.raises(ValueError, match="^suffix: "):
+            parse_request(prompt="hi", method=method, suffix=True)
