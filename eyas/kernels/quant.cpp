@@ -19,11 +19,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-#include <chrono>
 
 #include "simd.h"
-static double g_prof[6];
-static inline double nowus(){return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();}
 
 namespace eyas_quant {
 
@@ -766,7 +763,6 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t l = 0; l < L; l++) {
     float* hp = h.data_ptr<float>();
-    double t0 = nowus();
     layer_qkv(hp, N, d, attn_norm[l].data_ptr<float>(), eps, wqkv[l], qtypes[4 * l], cos.data_ptr<float>(),
               sin.data_ptr<float>(), heads, kv_heads, hd, q.data(), k.data(), v.data());
     for (int64_t n = 0; n < N; n++)
@@ -775,7 +771,6 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
         std::memcpy(kp + at, k.data() + (n * kv_heads + j) * hd, sizeof(float) * hd);
         std::memcpy(vp + at, v.data() + (n * kv_heads + j) * hd, sizeof(float) * hd);
       }
-    double t1 = nowus();
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t a0, int64_t a1) {
       for (int64_t a = a0; a < a1; a++) {  // one request's rows, the query heads [h0, h1) of one K/V head
         const AttnTask& t = tasks[a];
@@ -784,10 +779,8 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
                        vp + base, scale, att.data());
       }
     });
-    double t2 = nowus();
     layer_out_mlp(hp, att.data(), N, d, heads * hd, wo[l], qtypes[4 * l + 1], mlp_norm[l].data_ptr<float>(), eps,
                   w_gate_up[l], qtypes[4 * l + 2], w_down[l], qtypes[4 * l + 3], ffn, next.data());
-    double t3 = nowus(); g_prof[0]+=t1-t0; g_prof[1]+=t2-t1; g_prof[2]+=t3-t2;
     std::memcpy(hp, next.data(), sizeof(float) * N * d);
     for (size_t t = 0; t < taps.size(); t++)
       if (taps[t] == l + 1) std::memcpy(tapped.data_ptr<float>() + t * N * d, hp, sizeof(float) * N * d);
@@ -948,7 +941,6 @@ int64_t probe_dot(int64_t iters) {
 void register_quant(pybind11::module& m) {
   m.def("probe_dot", &probe_dot, "iters x 8 integer dot-product instructions a thread (int8 MAC-rate probe)");
   m.def("dot_macs", []() { return static_cast<int64_t>(sizeof(VecI)); }, "u8 x s8 products one probe_dot instruction does");
-  m.def("prof", [](){ std::vector<double> v(g_prof, g_prof+3); for(auto&x: g_prof) x=0; return v;});
   m.def("probe_read", &probe_read, "read every byte of a buffer over the threads (bandwidth probe)");
   m.def("probe_fma", &probe_fma, "iters x 8 x 8-lane FMAs a thread (FMA-rate probe)");
   m.def("linear_q", &linear_q, "x [M, K] float32 @ repacked GGUF-block weights^T -> [M, N], Q8 activations, row-invariant");
