@@ -56,7 +56,9 @@ class DataConfig(BaseModel):
     # where the training features come from: "cache" (extracted once to disk, float16, then read)
     # or "online" (the frozen target runs inside the training step, in feature_dtype; nothing on disk)
     features: Literal["cache", "online"] = "cache"
-    feature_dtype: Literal["float32", "bfloat16"] = "float32"  # online extraction's compute dtype
+    # online extraction's compute dtype; "gguf": the target at the gguf precision (its checkpoint's own
+    # 4-bit blocks, eyas.target.quantized), so a drafter learns the features it is served at gguf
+    feature_dtype: Literal["float32", "bfloat16", "gguf"] = "float32"
     # the held-out split is the target's own answers to held-out first turns (what a drafter drafts
     # when served); None: as the train split (regenerate)
     heldout_answers: bool | None = None

@@ -61,11 +61,13 @@ def prepare_features(cfg: TrainConfig, eyas) -> tuple[FeatureCache | FeatureCach
             caches.append(train.caches[0] if len(train.caches) == 1 else train)
             continue
         if split == "train" and cfg.data.features == "online":
-            caches.append(
-                OnlineFeatures(
-                    eyas.model, train_samples(cfg, eyas.tokenizer, folder), taps, DTYPES[cfg.data.feature_dtype]
-                )
-            )
+            if cfg.data.feature_dtype == "gguf":  # a second copy of the target, at the precision it is served
+                from eyas.target.loader import load_target
+
+                model, dtype = load_target(cfg.target, "gguf", device=cfg.device).model, DTYPES["float32"]
+            else:
+                model, dtype = eyas.model, DTYPES[cfg.data.feature_dtype]
+            caches.append(OnlineFeatures(model, train_samples(cfg, eyas.tokenizer, folder), taps, dtype))
             continue
         cache = FeatureCache(folder)
         if cache.manifest_path.exists() and cache.manifest().get("complete"):
