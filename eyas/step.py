@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from eyas.drafting.engine import TreeSpec
-from eyas.drafting.suffix import SuffixIndex, SuffixSpec, graft, suffix_tree
+from eyas.drafting.suffix import SuffixIndex, SuffixSpec, expected_accepted, graft, suffix_tree
 from eyas.protocol.messages import AcceptDecision, Refusal, Seed
 from eyas.protocol.tree import DraftTree, FlatTree
 from eyas.target.engine import PrefillProgress
@@ -45,6 +45,7 @@ log = logging.getLogger("eyas.step")
 MAX_DRAFTER_RESEEDS = 4
 CONSUME_SEED_ONLY = TreeSpec(kind="chain", max_depth=0)  # a plain round's drafter call: context rows only
 SUFFIX = "suffix"  # the method that drafts from the request's own history alone (SuffixSide)
+EMPTY = DraftTree.empty()
 
 
 class DrafterUnavailable(RuntimeError):
@@ -211,27 +212,41 @@ class SuffixSide:
             self.inner.close_session(request_id)
 
     def propose_batch(self, items: list[tuple[str, list[Seed], TreeSpec]]) -> tuple[list[DraftTree | Refusal], float]:
-        neural = [item for item in items if item[0] not in self.alone]
+        t0 = time.perf_counter()
+        suffix: dict[str, DraftTree] = {}
+        for request_id, seeds, tree in items:  # indexing is idempotent: a failed drafter call may hand them again
+            index = self.indexes.get(request_id)
+            if index is not None:
+                for seed in seeds:
+                    index.extend_seed(seed.start_position, seed.advanced_tokens.tolist())
+                if tree.max_candidates > 0:
+                    suffix[request_id] = suffix_tree(index, self.spec)
+        suffix_s = time.perf_counter() - t0
+        # a grafted request whose suffix span is likely enough: its drafter only reads its seeds
+        neural = [
+            (
+                rid,
+                seeds,
+                CONSUME_SEED_ONLY
+                if expected_accepted(suffix.get(rid, EMPTY)) >= self.spec.drafter_skip_value
+                else tree,
+            )
+            for rid, seeds, tree in items
+            if rid not in self.alone
+        ]
         trees, compute_s = {}, 0.0
-        if neural:  # first: a drafter that raises leaves every seed unread, the suffix indexes' too
+        if neural:
             if self.inner is None:
                 raise DrafterUnavailable("drafter: none is up")
             out, compute_s = self.inner.propose_batch(neural)
             trees = {item[0]: tree for item, tree in zip(neural, out)}
-        t0 = time.perf_counter()
-        for request_id, seeds, _ in items:
-            index = self.indexes.get(request_id)
-            if index is not None:
-                for seed in seeds:
-                    index.extend(seed.advanced_tokens.tolist())
         result = []
-        for request_id, _, tree in items:
+        for request_id, _, _ in items:
             drafted = trees.get(request_id, DraftTree.empty())
-            index = self.indexes.get(request_id)
-            if index is not None and tree.max_candidates > 0 and not isinstance(drafted, Refusal):
-                drafted = graft(drafted, suffix_tree(index, self.spec))
+            if request_id in suffix and not isinstance(drafted, Refusal):
+                drafted = graft(drafted, suffix[request_id])
             result.append(drafted)
-        return result, compute_s + time.perf_counter() - t0  # the suffix work counts as drafting
+        return result, compute_s + suffix_s  # the suffix work counts as drafting
 
     def publish(self, request_ids: list[str]) -> None:
         neural = [r for r in request_ids if r not in self.alone]

@@ -39,6 +39,10 @@ class SuffixSpec:
     min_match: int = 2  # tokens of the shortest suffix that counts as a match
     max_match: int = 12  # tokens of the longest suffix looked up
     max_occurrences: int = 32  # the newest earlier occurrences of the match read
+    # grafted (hybrid): when the suffix tree's expected accepted tokens (its nodes' path values added)
+    # reach this, the drafter only reads its seeds that round and grows no tree: the copied span is
+    # likely enough that the drafter's steps and rows would cost more than they could add
+    drafter_skip_value: float = 1.0
 
     def __post_init__(self):
         for name in ("max_depth", "budget", "min_match", "max_match", "max_occurrences"):
@@ -56,8 +60,15 @@ class SuffixIndex:
 
     def __init__(self, max_match: int):
         self.max_match = max_match
-        self.tokens: list[int] = []
+        self.tokens: list[int] = []  # the history from position 1 (a seed's tokens are the next row's)
         self.ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend_seed(self, start_position: int, advanced_tokens: list[int]) -> None:
+        """A seed's tokens: ``advanced_tokens[i]`` sits at position ``start_position + 1 + i``. Tokens
+        already indexed (a seed handed over again, after a drafter call that failed) are skipped."""
+        first = start_position + 1
+        assert first <= len(self.tokens) + 1, "seeds arrive in order, without gaps"
+        self.extend(advanced_tokens[len(self.tokens) + 1 - first :])
 
     def extend(self, tokens: list[int]) -> None:
         for t in tokens:
@@ -117,6 +128,15 @@ def suffix_tree(index: SuffixIndex, spec: SuffixSpec) -> DraftTree:
     ranked = sorted(range(len(value)), key=lambda i: (-value[i], node_depth[i], i))
     kept = sorted(i for i in ranked[: spec.budget] if value[i] >= spec.min_value)
     return _tree([(node_token[i], node_parent[i], node_depth[i], score[i]) for i in kept], kept)
+
+
+def expected_accepted(tree: DraftTree) -> float:
+    """The tokens a tree is expected to get accepted: its nodes' path values (the products of their
+    ``draft_probs`` from the root) added, each node's value the chance that its whole path is kept."""
+    value: list[float] = []
+    for p, q in zip(tree.parents.tolist(), tree.draft_probs.tolist()):
+        value.append(q * (1.0 if p == PARENT_IS_ROOT else value[p]))
+    return sum(value)
 
 
 def _tree(nodes: list[tuple[int, int, int, float]], ids: list[int]) -> DraftTree:

@@ -136,3 +136,44 @@ def test_suffix_is_a_method_and_a_flag_refused_where_it_means_nothing():
     for method in ("target", "suffix"):
         with pytest.raises(ValueError, match="^suffix: "):
             parse_request(prompt="hi", method=method, suffix=True)
+
+
+def test_the_drafter_grows_no_tree_in_a_round_whose_suffix_span_is_likely():
+    """Grafted: a request whose suffix tree expects at least ``drafter_skip_value`` accepted tokens asks
+    its drafter only to read its seeds (the context-rows-only tree); another grows its own tree; a
+    seed handed over again (after a failed drafter call) is not indexed twice."""
+    from eyas.protocol.messages import Seed
+    from eyas.step import CONSUME_SEED_ONLY, DraftState, SuffixSide
+
+    class Inner:  # the inner drafter side's protocol: records the trees asked for, drafts nothing
+        def __init__(self):
+            self.asked = {}
+
+        def open_session(self, state):
+            pass
+
+        def close_session(self, request_id):
+            pass
+
+        def propose_batch(self, items):
+            self.asked.update({rid: tree for rid, _, tree in items})
+            return [DraftTree.empty() for _ in items], 0.0
+
+        def publish(self, request_ids):
+            pass
+
+    inner = Inner()
+    side = SuffixSide(inner, SuffixSpec())
+    histories = {"copying": [5, 6, 7, 8] * 6, "fresh": list(range(10, 34))}
+    seeds = {}
+    for rid, tokens in histories.items():
+        side.open_session(DraftState(request_id=rid, method="eagle3", suffix=True))
+        seeds[rid] = Seed(torch.zeros(len(tokens), 0), torch.tensor(tokens), 0, 0)
+    trees, _ = side.propose_batch([(rid, [seeds[rid]], TREE) for rid in histories])
+    assert inner.asked == {"copying": CONSUME_SEED_ONLY, "fresh": TREE}
+    assert paths(trees[0]) >= {(5,), (5, 6), (5, 6, 7)} and trees[1].num_nodes == 0
+    side.propose_batch([(rid, [seeds[rid]], TREE) for rid in histories])  # the same seeds again
+    assert side.indexes["copying"].tokens == histories["copying"]
+    for rid in histories:
+        side.close_session(rid)
+    assert not side.indexes
