@@ -270,7 +270,7 @@ def with_suffix(methods: list[Method]) -> list[Method]:
             out.append(
                 Method(
                     f"{m.name}+suffix",
-                    {**m.request, "suffix": True},
+                    {**m.request, "suffix_drafts": True},
                     m.drafter,
                     m.trained_as,
                     max(m.depth, spec.max_depth),

@@ -29,6 +29,8 @@ import json
 import sys
 import warnings
 
+from eyas.protocol.schema import METHODS
+
 
 def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="the user message (wrapped in the chat template unless --raw)")
@@ -42,10 +44,13 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--method",
         default="eagle3",
-        help="target | eagle1 | hass | eagle3 | suffix (suffix drafts alone; default eagle3)",
+        metavar="{" + ",".join(METHODS) + "}",
+        help="the drafter, or target-only decoding, or suffix drafts alone (default eagle3)",
     )
     p.add_argument(
-        "--suffix", action="store_true", help="graft suffix drafts (from the prompt and answer) into the drafter's tree"
+        "--suffix-drafts",
+        action="store_true",
+        help="graft suffix drafts (from the prompt and answer) into the drafter's tree",
     )
     p.add_argument("--drafter", help="a drafter checkpoint folder (default: the one shipped for the method)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -69,11 +74,13 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
         default="fp32",
+        metavar="{fp32,fp16w,int8,gguf}",
         help="served precision of the target: fp32 | fp16w (fp16 weights, fp32 compute) | int8 | gguf (the GGUF's own 4/8-bit blocks, llama.cpp's arithmetic)",
     )
     p.add_argument(
         "--dtype",
         default="float32",
+        metavar="{float32,bfloat16,float16}",
         help="compute dtype at precision fp32: float32 | bfloat16 | float16 (the drafter follows)",
     )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (precision fp32; not yet run on a GPU)")
@@ -121,7 +128,7 @@ def _request(args, method: str | None = None):
         messages=messages,
         raw=args.raw,
         method=method or args.method,
-        suffix=getattr(args, "suffix", False) and method not in ("target", "suffix"),
+        suffix_drafts=getattr(args, "suffix_drafts", False) and method not in ("target", "suffix"),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -300,6 +307,7 @@ def cmd_serve(args) -> int:
     if api_key:
         app_args = {**app_args, "api_key": api_key}
     app_args = {**app_args, **{k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None}}
+    app_args = {**app_args, **_model_args(args, app_args)}
     config = parse_config(app_args)  # a bad config fails here, naming the field, before Ray starts
     config_warnings = config.warnings()
     flags = {"host": args.host, "http_port": args.http_port, "grpc_port": args.grpc_port}
@@ -350,6 +358,40 @@ def cmd_serve(args) -> int:
     serve.shutdown()
     ray.shutdown()
     return 0
+
+
+def _model_args(args, app_args: dict) -> dict:
+    """``eyas serve MODEL [--precision P] [--drafter DIR]`` as app args: the drafter's manifest names
+    its method; another target than the default with no drafter of its own serves target-only (and
+    suffix drafts), since the shipped drafters are bound to the default target."""
+    from pathlib import Path
+
+    from eyas.target.loader import DEFAULT_TARGET
+
+    out: dict = {}
+    if args.model:
+        if args.model != DEFAULT_TARGET and not Path(args.model).exists():
+            raise ValueError(
+                f"model: {args.model!r} is neither {DEFAULT_TARGET} nor an existing .gguf file or checkpoint folder"
+            )
+        out["target"] = args.model
+    if args.precision:
+        out["precision"] = args.precision
+    if args.drafter:
+        from eyas.drafting.manifest import read_manifest
+
+        if not Path(args.drafter).is_dir():
+            raise ValueError(f"drafter: {args.drafter} is not a drafter folder")
+        method = read_manifest(Path(args.drafter)).method
+        out.update(methods=[method], drafters={method: args.drafter})
+    elif args.model and args.model != DEFAULT_TARGET and not app_args.get("drafters"):
+        print(
+            f"note: no --drafter for {args.model}: serving target-only and suffix drafts (the shipped drafters "
+            f"belong to {DEFAULT_TARGET})",
+            file=sys.stderr,
+        )
+        out.update(methods=[], drafter_replicas=0)
+    return out
 
 
 def cmd_stats(args) -> int:
@@ -502,6 +544,7 @@ def cmd_trim_vocab(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eyas", description="EAGLE-family speculative decoding")
+    parser.add_argument("--version", action="version", version=f"eyas {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate an answer")
     _add_generate_flags(g)
@@ -523,6 +566,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--dtype", help="overrides the config's autocast dtype: float32 | bfloat16 | float16")
     t.set_defaults(func=cmd_train)
     s = sub.add_parser("serve", help="start a local Ray and the Eyas Serve application")
+    s.add_argument(
+        "model",
+        nargs="?",
+        help="the target to serve: smollm2-135m, a .gguf file or an HF checkpoint folder (overrides the config's); "
+        "another model than the default serves target-only and suffix drafts unless --drafter names one for it",
+    )
+    s.add_argument("--precision", metavar="{fp32,fp16w,int8,gguf}", help="the target's served precision")
+    s.add_argument("--drafter", help="a drafter folder bound to the target (its manifest's method is served)")
     s.add_argument("--config", help="a Serve config (ray_configs/serve.yaml); its eyas application's args are used")
     s.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
     s.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray (default: all cores)")
@@ -616,6 +667,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a gRPC call's failure: one line naming the server, never a traceback
+        import grpc
+
+        if not isinstance(err, grpc.RpcError) or not hasattr(err, "code"):
+            raise
+        server = getattr(args, "server", None)
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            print(f"error: --server {server}: no Eyas server answers there ({err.details()})", file=sys.stderr)
+        else:
+            print(f"error: --server {server}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eyas")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

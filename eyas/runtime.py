@@ -204,7 +204,7 @@ class Eyas:
         ids = self.prompt_ids(req)
         sampling = SamplingParams.of(req)
         handle = None if req.method in ("target", SUFFIX) else self.drafter(req.method, req.drafter)
-        suffix = SuffixSpec() if req.method == SUFFIX or req.suffix else None
+        suffix = SuffixSpec() if req.method == SUFFIX or req.suffix_drafts else None
         tree = self.tree_for(req, handle) if req.method != SUFFIX else suffix_tree_spec(suffix)
         engine = self.target_engine(handle.taps if handle else ())
         stops = AnswerText(self.tokenizer, req.stop)
@@ -251,7 +251,7 @@ def build_report(
     """The machine-readable output of ``eyas generate --json`` (in-process and over ``--server``)."""
     return {
         "method": req.method,
-        "suffix": req.suffix,
+        "suffix_drafts": req.suffix_drafts,
         "token_ids": r.token_ids,
         "text": text,
         "new_tokens": len(r.token_ids),

@@ -241,3 +241,60 @@ def test_trim_vocab_counts_the_answers_and_writes_a_loadable_drafter(capsys, tmp
     assert main([*flags[:3], "--answers-dir", str(tmp_path), "--size", "8", "--out", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.startswith("error: --answers-dir:")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["stats", "--server", "127.0.0.1:9"],
+        ["cancel", "r1", "--server", "127.0.0.1:9"],
+        ["generate", "--prompt", "hi", "--server", "127.0.0.1:9"],
+    ],
+)
+def test_a_client_command_with_no_server_there_says_so_in_one_line(argv, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --server 127.0.0.1:9: no Eyas server answers there") and "\n" not in err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("eyas ")
+
+
+def test_serve_model_in_one_line_resolves_to_the_app_args(tmp_path, capsys):
+    """`eyas serve MODEL [--precision P] [--drafter DIR]`: the drafter's manifest names its method;
+    another model with no drafter of its own serves target-only (said on stderr); a model that does not
+    exist is refused naming it."""
+    import json
+
+    assert (
+        main(
+            [
+                "serve",
+                "--check-config",
+                "smollm2-135m",
+                "--precision",
+                "gguf",
+                "--drafter",
+                "drafters/smollm2-135m-eagle1",
+            ]
+        )
+        == 0
+    )
+    args = json.loads(capsys.readouterr().out)["args"]
+    assert args == {
+        "target": "smollm2-135m",
+        "precision": "gguf",
+        "methods": ["eagle1"],
+        "drafters": {"eagle1": "drafters/smollm2-135m-eagle1"},
+    }
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    assert main(["serve", "--check-config", str(other)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["args"] == {"target": str(other), "methods": [], "drafter_replicas": 0}
+    assert "target-only" in out.err
+    assert main(["serve", "--check-config", str(tmp_path / "missing.gguf")]) == 2
+    assert capsys.readouterr().err.startswith("error: model:")

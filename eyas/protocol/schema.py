@@ -81,7 +81,7 @@ class GenerateRequest(BaseModel):
     method: str = "eagle3"
     # graft suffix drafts (continuations of what the prompt and answer already hold) into the drafter's
     # tree, verified in the same forward (eyas.drafting.suffix); method "suffix" drafts with them alone
-    suffix: bool = False
+    suffix_drafts: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -239,9 +239,9 @@ class GenerateRequest(BaseModel):
 
     @model_validator(mode="after")
     def _suffix(self):
-        if self.suffix and self.method in ("target", "suffix"):
+        if self.suffix_drafts and self.method in ("target", "suffix"):
             raise ValueError(
-                f"suffix: grafts suffix drafts into a drafter's tree; method {self.method!r} has none "
+                f"suffix_drafts: grafts suffix drafts into a drafter's tree; method {self.method!r} has none "
                 "(use method 'suffix' for suffix drafts alone)"
             )
         return self

@@ -460,7 +460,7 @@ _OPTIONAL_REQUEST_FIELDS = (
     "seed",
     "request_id",
     "method",
-    "suffix",
+    "suffix_drafts",
     "tree_kind",
     "tree_depth",
     "tree_width",

@@ -55,6 +55,7 @@ from eyas.serve import openai_api as oai
 from eyas.serve.config import ServeConfig, parse_config  # noqa: F401 - parse_config: the app's config API
 from eyas.serve.errors import DeadlinePassed, Failure, Overloaded, ReplicaLost, failure_of, is_expected
 from eyas.serve.registry import HEAD_NODE_RESOURCE, app_name, get_registry
+from eyas.step import SUFFIX
 from eyas.target.engine import check_context
 from eyas.target.loader import load_target_config, load_tokenizer, request_prompt_ids
 
@@ -463,8 +464,10 @@ class EyasServer:
 
     def _validate(self, request: pb.GenerateRequest) -> tuple[GenerateRequest, list[int]]:
         req = wire.generate_request_from_proto(request)
-        if req.method != "target" and req.method not in self.cfg.methods:
-            raise ValueError(f"method: this deployment serves {['target', *self.cfg.methods]}, not {req.method!r}")
+        if req.method not in ("target", SUFFIX) and req.method not in self.cfg.methods:
+            raise ValueError(
+                f"method: this deployment serves {['target', SUFFIX, *self.cfg.methods]}, not {req.method!r}"
+            )
         ids, field = request_prompt_ids(self.tokenizer, req, len(self.tokenizer))
         check_context(len(ids), req.max_new_tokens, self.max_context, field)
         return req, ids

@@ -316,7 +316,7 @@ class EyasTarget:
             _trimmed(req, on_new, stops, tuple(self.worker.cfg.eos_token_ids)),
             cancel,
             logprobs=req.logprobs,
-            suffix=req.suffix,
+            suffix=req.suffix_drafts,
         )
         report: concurrent.futures.Future = concurrent.futures.Future()
 

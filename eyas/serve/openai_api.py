@@ -35,7 +35,7 @@ CHAT, COMPLETION = "chat.completion", "text_completion"
 # Eyas's own request fields that an OpenAI body may carry as extras
 EYAS_EXTRAS = (
     "method",
-    "suffix",
+    "suffix_drafts",
     "tree_kind",
     "tree_depth",
     "tree_width",
@@ -143,7 +143,7 @@ class _Common(_Strict):
     min_p: float = 0.0
     # the Eyas extension (extra_body)
     method: str | None = None
-    suffix: bool | None = None
+    suffix_drafts: bool | None = None
     tree_kind: str | None = None
     tree_depth: int | None = None
     tree_width: int | None = None

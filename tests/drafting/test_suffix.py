@@ -132,10 +132,10 @@ def small_vocab_suffix():
 
 def test_suffix_is_a_method_and_a_flag_refused_where_it_means_nothing():
     assert parse_request(prompt="hi", method="suffix").method == "suffix"
-    assert parse_request(prompt="hi", method="eagle3", suffix=True).suffix
+    assert parse_request(prompt="hi", method="eagle3", suffix_drafts=True).suffix_drafts
     for method in ("target", "suffix"):
-        with pytest.raises(ValueError, match="^suffix: "):
-            parse_request(prompt="hi", method=method, suffix=True)
+        with pytest.raises(ValueError, match="^suffix_drafts: "):
+            parse_request(prompt="hi", method=method, suffix_drafts=True)
 
 
 def test_the_drafter_grows_no_tree_in_a_round_whose_suffix_span_is_likely():

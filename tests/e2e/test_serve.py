@@ -835,7 +835,7 @@ def test_openai_suffix_drafts_alone_and_grafted_equal_target_only(http_url, clie
 
     oa = _openai(http_url)
     want = load_tokenizer().decode(reference[PROMPTS[0]], skip_special_tokens=True)
-    for extra in ({"method": "suffix"}, {"method": "eagle3", "suffix": True}):
+    for extra in ({"method": "suffix"}, {"method": "eagle3", "suffix_drafts": True}):
         r = oa.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": PROMPTS[0]}],
