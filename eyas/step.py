@@ -189,6 +189,16 @@ class SuffixSide:
         self.inner = inner
         return self
 
+    def stats(self) -> dict:
+        """What the suffix indexes hold now (``eyas stats``): requests, history tokens, index entries
+        (each an n-gram end, about ``max_match`` a token: the memory grows with the live histories)."""
+        indexes = list(self.indexes.values())
+        return {
+            "requests": len(indexes),
+            "history_tokens": sum(len(ix.tokens) for ix in indexes),
+            "index_entries": sum(ix.entries for ix in indexes),
+        }
+
     def serves(self, state: DraftState) -> bool:
         """Whether the request can draft now: a suffix-alone one always, others while a drafter is up
         (so a request does not spend its reseeds while the drafter is down)."""

@@ -62,6 +62,7 @@ class SuffixIndex:
         self.max_match = max_match
         self.tokens: list[int] = []  # the history from position 1 (a seed's tokens are the next row's)
         self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.entries = 0  # positions recorded (the index's size, about ``max_match`` a token)
 
     def extend_seed(self, start_position: int, advanced_tokens: list[int]) -> None:
         """A seed's tokens: ``advanced_tokens[i]`` sits at position ``start_position + 1 + i``. Tokens
@@ -76,11 +77,7 @@ class SuffixIndex:
             end = len(self.tokens) - 1
             for n in range(1, min(self.max_match, end + 1) + 1):
                 self.ends.setdefault(tuple(self.tokens[end - n + 1 : end + 1]), []).append(end)
-
-    @property
-    def entries(self) -> int:
-        """Positions recorded (the index's size, about ``max_match`` a token)."""
-        return sum(len(v) for v in self.ends.values())
+                self.entries += 1
 
     def occurrences(self, spec: SuffixSpec) -> list[int]:
         """The earlier ends of the longest matching suffix (module docstring), newest last; [] if none."""

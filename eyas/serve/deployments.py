@@ -386,6 +386,7 @@ class EyasTarget:
                 "draft_cost": self.loop.draft_cost.to_dict(),
                 "experts": self.loop.experts.to_dict(),
                 "rounds": self.loop.rounds,
+                "suffix": self.loop.suffix_side.stats(),
                 **work,
             },
             "autoscaling": self._autoscaling(work, leak),

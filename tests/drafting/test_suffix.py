@@ -32,6 +32,7 @@ def test_the_longest_earlier_suffix_gives_a_frequency_scored_continuation_tree()
     index = SuffixIndex(12)
     index.extend([1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 7, 1, 2, 3])
     assert index.occurrences(SuffixSpec()) == [2, 8]
+    assert index.entries == sum(min(12, end + 1) for end in range(15))  # one per n-gram end, n <= 12
     tree = suffix_tree(index, SuffixSpec(budget=6, min_value=0.0, max_depth=3))
     assert paths(tree) == {(4,), (4, 5), (4, 5, 9), (4, 6), (4, 6, 7)}
     probs = dict(zip(tree.tokens.tolist(), tree.draft_probs.tolist()))

@@ -700,4 +700,5 @@ def test_suffix_drafts_alone_and_grafted_in_batched_rounds_are_token_identical_a
     assert all(sum(x.tree_nodes for x in r.rounds) > 0 and not r.drafter_reseeds for r in alone)
     assert not any(r.drafter_fallback for r in results)
     assert not loop.suffix_side.indexes and not loop.suffix_side.alone
+    assert loop.suffix_side.stats() == {"requests": 0, "history_tokens": 0, "index_entries": 0}
     assert not target.sessions and not drafter.session_method
