@@ -184,6 +184,7 @@ def generate(
         method="target" if not speculative else ("drafter" if drafter is not None else SUFFIX),
         suffix=suffix is not None and drafter is not None,
         draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens),
+        processors=(sampling, tuple(prompt_ids)) if sampling.processes and drafter is not None else None,
     )
     rows = verify_rows(tree, suffix if state.suffix else None) if speculative else 1
     target.open_session(request_id, prompt_ids, max_new_tokens, rows)

@@ -19,6 +19,7 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import Refusal, Seed
 from eyas.protocol.tree import DraftTree
+from eyas.verification.processors import draft_processor
 
 
 class DrafterWorker:
@@ -110,13 +111,19 @@ class DrafterWorker:
             self.draft_points[m] = e.measure_cost(tree, depths, repeats)
         return self.draft_points
 
-    def open_session(self, request_id: str, method: str, max_slots: int) -> None:
+    def open_session(
+        self, request_id: str, method: str, max_slots: int, sampling=None, prompt_ids: tuple[int, ...] = ()
+    ) -> None:
+        """``sampling``: the request's ``SamplingParams`` when a logits processor is on (with its
+        ``prompt_ids``): the drafter drafts under them (``eyas.verification.processors.draft_processor``)."""
         wire.check_request_id(request_id)
         if method not in self.engines:
             raise ValueError(f"method: this drafter worker serves {sorted(self.engines)}, not {method!r}")
         if request_id in self.session_method:
             raise ValueError(f"request_id: {request_id!r} already has a live draft session")
-        self.engines[method].open_session(request_id, max_slots)
+        engine = self.engines[method]
+        process = None if sampling is None else draft_processor(sampling, list(prompt_ids), engine.draft_columns)
+        engine.open_session(request_id, max_slots, process)
         self.session_method[request_id] = method
 
     def propose(self, request_id: str, seed: pb.Seed | Seed, tree: TreeSpec) -> tuple[DraftTree, float]:

@@ -16,7 +16,8 @@ never commits a row built on an unverified feature). A round:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -103,6 +104,10 @@ class DraftSession:
     max_slots: int  # the slots it may use in that row
     committed_len: int = 0  # context rows: built on verified target features
     provisional_len: int = 0  # tree rows of the current round, after the context rows
+    # the request's logits processors over the draft logits (``eyas.verification.processors.
+    # draft_processor``: logits [P, C], each row's history -> logits) and the committed tokens they read
+    process: Callable | None = None
+    history: list[int] = field(default_factory=list)  # the seeds' advanced tokens, in order
 
 
 class DrafterEngine:
@@ -143,10 +148,23 @@ class DrafterEngine:
         """Bytes the padded store holds (0 once every session is closed)."""
         return self.kv.nbytes
 
-    def open_session(self, request_id: str, max_slots: int) -> None:
+    def open_session(self, request_id: str, max_slots: int, process: Callable | None = None) -> None:
+        """``process``: the request's logits processors over this drafter's logits (None: none), so
+        that its tree is drafted for the processed distribution the target verifies."""
         if request_id in self.sessions:
             raise ValueError(f"request_id: {request_id!r} already has a live draft session")
-        self.sessions[request_id] = DraftSession(request_id, self.kv.open_row(request_id, max_slots), max_slots)
+        self.sessions[request_id] = DraftSession(
+            request_id, self.kv.open_row(request_id, max_slots), max_slots, process=process
+        )
+
+    @property
+    def draft_columns(self) -> dict[int, int] | None:
+        """Target token id -> this drafter's logit column (an EAGLE-3 draft vocabulary; None: the same ids)."""
+        if self.drafter.head is None:
+            return None
+        if not hasattr(self, "_columns"):
+            self._columns = {int(t): i for i, t in enumerate(self.drafter.d2t.tolist())}
+        return self._columns
 
     def close_session(self, request_id: str) -> None:
         """Forget a request; the last KV row moves into its place, so live rows stay ``[0, live)``."""
@@ -157,10 +175,14 @@ class DrafterEngine:
             raise ValueError(f"request_id: {request_id!r} has no live draft session")
         return self.sessions[request_id]
 
-    def _top_children(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _top_children(self, hidden: torch.Tensor, k: int, processed=()) -> tuple[torch.Tensor, torch.Tensor]:
         # one LM-head call for every parent row of every request in the batch
-        """hidden: [P, d] -> the top-k (target ids [P, k] int64, confidences [P, k] float32)."""
-        probs = torch.softmax(self.drafter.logits(hidden, self.lm_head), dim=-1)
+        """hidden: [P, d] -> the top-k (target ids [P, k] int64, confidences [P, k] float32).
+        ``processed``: (first row, rows, process, histories) of the requests with logits processors."""
+        logits = self.drafter.logits(hidden, self.lm_head)
+        for lo, n, process, histories in processed:
+            logits[lo : lo + n] = process(logits[lo : lo + n], histories)
+        probs = torch.softmax(logits, dim=-1)
         conf, ids = probs.topk(k, dim=-1)
         return self.drafter.to_target_ids(ids), conf
 
@@ -184,7 +206,12 @@ class DrafterEngine:
         # 2. grow the trees over provisional rows (design 0x05B, 0x06B), all requests in lockstep ------
         while active := [g for g in growths if g.parent_hidden is not None]:
             k = max(g.builder.children_per_parent for g in active)
-            tokens, conf = self._top_children(torch.cat([g.parent_hidden for g in active]), k)
+            processed, lo = [], 0
+            for g in active:
+                if g.s.process is not None:
+                    processed.append((lo, g.parent_hidden.shape[0], g.s.process, g.parent_histories()))
+                lo += g.parent_hidden.shape[0]
+            tokens, conf = self._top_children(torch.cat([g.parent_hidden for g in active]), k, processed)
             steps, lo = [], 0
             for g in active:
                 n, kk = g.parent_hidden.shape[0], g.builder.children_per_parent
@@ -296,8 +323,21 @@ class _Growth:
         rows = RowGroup(self.s.kv_row, self.host_tokens, torch.arange(n, n + a), n, mask if a > 1 else None)
         return state, embed(self.seed.advanced_tokens), rows
 
+    def parent_histories(self) -> list[list[int]]:
+        """Each parent row's history for the logits processors: the committed tokens, then its path."""
+        out = []
+        for node in self.parents:
+            path, walk = [], node
+            while walk != PARENT_IS_ROOT:
+                path.insert(0, self.builder.node(walk).token)
+                walk = self.builder.node(walk).parent
+            out.append(self.s.history + path)
+        return out
+
     def start_tree(self, hidden: torch.Tensor) -> None:  # [A, d] outputs of the context rows
         self.s.committed_len += hidden.shape[0]
+        if self.s.process is not None:
+            self.s.history.extend(self.host_tokens.tolist())
         self.base = self.s.committed_len  # first provisional slot
         self.last_position = self.s.committed_len - 1  # position of the seed's row; depth-k rows sit at +k
         self.grows = self.builder is not None and not self.builder.done

@@ -489,8 +489,9 @@ class EyasDrafter:
     async def info(self) -> dict:
         return await self._call("info")
 
-    async def open_session(self, request_id: str, method: str, max_slots: int) -> None:
-        return await self._call("open_session", request_id, method, max_slots)
+    async def open_session(self, request_id: str, method: str, max_slots: int, *processors) -> None:
+        """``processors``: the request's (SamplingParams, prompt ids) when a logits processor is on."""
+        return await self._call("open_session", request_id, method, max_slots, *processors)
 
     async def propose_batch(self, items: list) -> tuple[list, float]:
         return await self._call("propose_batch", items)

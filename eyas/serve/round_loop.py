@@ -143,7 +143,8 @@ class WorkerDrafter:
         self.local = getattr(calls, "local", False)
 
     def open_session(self, state: Live) -> None:
-        self.calls("open_session", state.request_id, state.method, state.draft_slots)
+        extra = state.processors if state.processors is not None else ()  # (SamplingParams, prompt ids)
+        self.calls("open_session", state.request_id, state.method, state.draft_slots, *extra)
 
     def close_session(self, request_id: str) -> None:
         self.calls("close_session", request_id)
@@ -278,6 +279,7 @@ class RoundLoop:
             arrival=time.perf_counter(),
             acceptance=AcceptanceEstimate.from_prior(self.prior),
             logprobs=logprobs,
+            processors=(sampling, tuple(prompt_ids)) if sampling.processes else None,
         )
         with self.lock:
             self.pending.append(live)

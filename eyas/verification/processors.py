@@ -92,3 +92,42 @@ def history_counts(
         own[column[path_tokens[row]]] += 1
         counts.append(own)
     return torch.tensor(counts).reshape(rows, len(tokens)), torch.tensor(tokens, dtype=torch.int64)
+
+
+def draft_processor(params: SamplingParams, prompt_ids: list[int], columns: dict[int, int] | None = None):
+    """The request's processors for a drafter's logits, so that the tree is drafted for the
+    distribution that is verified: -> ``process(logits [P, C], histories) -> [P, C]``, where row i's
+    history is the committed tokens after the first (``Seed.advanced_tokens`` joined: the prompt from
+    its second token, the answer, the frontier) followed by its tree path. ``columns`` maps a target
+    token id to its logit column (an EAGLE-3 draft vocabulary; None: the ids themselves); a token the
+    drafter cannot draft has no column and is skipped. None when no processor is on."""
+    if not params.processes:
+        return None
+    answer_from = max(len(prompt_ids) - 1, 0)  # history index of the first answer token
+    prompt = list(prompt_ids)
+
+    def col(tokens):
+        return [t if columns is None else columns[t] for t in tokens if columns is None or t in columns]
+
+    bias = [(c, b) for t, b in params.logit_bias for c in col([t])]
+
+    def process(logits: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:  # [P, C] -> [P, C]
+        out = logits.float().clone()
+        width = out.shape[1]
+        if bias:
+            ids = torch.tensor([c for c, _ in bias if c < width], dtype=torch.int64)
+            out[:, ids] += torch.tensor([b for c, b in bias if c < width])
+        for row, history in enumerate(histories):
+            answer = Counter(col(history[answer_from:]))
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(c for c in set(answer) | set(col(prompt)) if c < width), dtype=torch.int64)
+                sel = out[row, seen]
+                r = params.repetition_penalty
+                out[row, seen] = torch.where(sel > 0, sel / r, sel * r)
+            if answer and (params.presence_penalty or params.frequency_penalty):
+                ids = torch.tensor([c for c in answer if c < width], dtype=torch.int64)
+                n = torch.tensor([float(answer[c]) for c in answer if c < width])
+                out[row, ids] -= params.frequency_penalty * n + params.presence_penalty * (n > 0).float()
+        return out
+
+    return process

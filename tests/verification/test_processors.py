@@ -167,3 +167,34 @@ def test_sampled_speculation_with_processors_matches_the_processed_target_joint(
         counts[r.token_ids[0], r.token_ids[1]] += 1
     assert chi_square_p(counts, joint(model, processed=True)) > P_THRESHOLD
     assert chi_square_p(counts, joint(model, processed=False)) < P_THRESHOLD
+
+
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+def test_the_drafter_drafts_under_the_requests_processors(tiny_target, method):
+    """The draft tree is grown for the processed distribution: a token the plain drafter proposes first
+    never appears in a tree drafted under a -100 bias on it, and the greedy output is unchanged."""
+    import torch
+
+    from eyas.drafting.engine import TreeSpec
+    from eyas.protocol.messages import AcceptDecision
+    from eyas.verification.processors import draft_processor
+
+    target, drafter = engines(tiny_target, method)
+    prompt = [1, 2, 3, 4, 5]
+    target.open_session("t", prompt, 8, 40)
+    v = target.prefill("t")
+    seed, _ = target.publish("t", v.round, AcceptDecision(torch.arange(len(prompt)), torch.tensor(prompt[1:]), 7))
+    target.close_session("t")
+    tree = TreeSpec(expand_width=3, max_depth=3, verify_budget=12)
+    drafter.open_session("plain", 64)
+    plain = drafter.propose("plain", seed, tree)
+    drafter.close_session("plain")
+    banned = int(plain.tokens[0])
+    params = SamplingParams(logit_bias=((banned, -100.0),))
+    drafter.open_session("biased", 64, draft_processor(params, prompt, drafter.draft_columns))
+    biased = drafter.propose("biased", seed, tree)
+    drafter.close_session("biased")
+    assert banned in plain.tokens.tolist() and banned not in biased.tokens.tolist()
+    base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=30, sampling=params, stop_ids=())
+    spec = generate(target, prompt, max_new_tokens=30, sampling=params, drafter=drafter, stop_ids=())
+    assert spec.token_ids == base.token_ids
