@@ -175,10 +175,30 @@ def _materialize_gguf(gguf: Path) -> Path:
 
 
 def _write_materialized(gguf: Path, folder: Path) -> None:
+    """The first load of a GGUF: its stages as a progress bar on stderr (about 40 s here in all)."""
+    from tqdm import tqdm
+
+    stages = tqdm(total=3, desc=f"converting {gguf.name} once (cached in {folder.parent})", unit="stage")
+    try:
+        _convert(gguf, folder, stages)
+    finally:
+        stages.close()
+
+
+def _convert(gguf: Path, folder: Path, stages) -> None:
+    import time
+
+    t0 = time.perf_counter()
+    stages.set_postfix_str("importing transformers")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    stages.set_postfix_str("tokenizer")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    stages.update()
+    stages.set_postfix_str("dequantizing the weights")
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    stages.update()
+    stages.set_postfix_str("writing safetensors")
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
@@ -197,6 +217,8 @@ def _write_materialized(gguf: Path, folder: Path) -> None:
     if folder.exists():  # a folder without eyas_target.json: an unfinished write from before
         shutil.rmtree(folder)
     tmp.rename(folder)
+    stages.update()
+    stages.set_postfix_str(f"done in {time.perf_counter() - t0:.0f} s")
 
 
 def _read_tensors(folder: Path, names: set[str]) -> dict[str, torch.Tensor]:
