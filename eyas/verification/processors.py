@@ -46,25 +46,39 @@ def processed_logits(
         if int(ids.max()) >= vocab:
             raise ValueError(f"logit_bias: token id {int(ids.max())} is outside the vocabulary of size {vocab}")
         out[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=out.device)
-    penalized = params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-    if not penalized:
+    if not _penalizes(params):
         return out
     counts, tokens = history_counts(flat, output_ids, rows)  # [R, U], [U]
+    return _penalize(out, counts, tokens, list(prompt_ids), params)
+
+
+def _penalizes(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
+
+
+def _penalize(
+    out: torch.Tensor,  # [R, C] float32, changed in place: one row per history
+    counts: torch.Tensor,  # [R, U] each row's occurrences of ``columns`` in its answer history
+    columns: torch.Tensor,  # [U] int64 the logit columns counted
+    prompt_columns: list[int],  # the prompt's tokens' columns (the repetition penalty reads them too)
+    params: SamplingParams,
+) -> torch.Tensor:  # out
+    """The repetition penalty over prompt and answer, then the frequency and presence penalties over
+    the answer (module docstring), each row under its own counts."""
+    rows = out.shape[0]
     if params.repetition_penalty != 1.0:
-        in_prompt = torch.isin(tokens, torch.tensor(prompt_ids, dtype=torch.int64))  # [U]
+        in_prompt = torch.isin(columns, torch.tensor(prompt_columns, dtype=torch.int64))  # [U]
         seen = (counts > 0) | in_prompt  # [R, U]
-        # tokens only the prompt holds: their columns are penalized too
-        prompt_only = torch.tensor(sorted(set(prompt_ids) - set(tokens.tolist())), dtype=torch.int64)
-        tokens_all = torch.cat([tokens, prompt_only])  # [U + P]
+        # columns only the prompt holds: penalized too
+        prompt_only = torch.tensor(sorted(set(prompt_columns) - set(columns.tolist())), dtype=torch.int64)
+        columns_all = torch.cat([columns, prompt_only]).to(out.device)  # [U + P]
         seen = torch.cat([seen, torch.ones(rows, prompt_only.numel(), dtype=torch.bool)], 1)  # [R, U + P]
-        sel = out[:, tokens_all.to(out.device)]  # [R, U + P]
+        sel = out[:, columns_all]  # [R, U + P]
         r = params.repetition_penalty
-        sel = torch.where(seen.to(out.device), torch.where(sel > 0, sel / r, sel * r), sel)
-        out[:, tokens_all.to(out.device)] = sel
+        out[:, columns_all] = torch.where(seen.to(out.device), torch.where(sel > 0, sel / r, sel * r), sel)
     if params.presence_penalty or params.frequency_penalty:
         c = counts.to(out.device, out.dtype)  # [R, U]
-        idx = tokens.to(out.device)
-        out[:, idx] -= params.frequency_penalty * c + params.presence_penalty * (c > 0).to(out.dtype)
+        out[:, columns.to(out.device)] -= params.frequency_penalty * c + params.presence_penalty * (c > 0).to(out.dtype)
     return out
 
 
@@ -110,24 +124,17 @@ def draft_processor(params: SamplingParams, prompt_ids: list[int], columns: dict
         return [t if columns is None else columns[t] for t in tokens if columns is None or t in columns]
 
     bias = [(c, b) for t, b in params.logit_bias for c in col([t])]
+    prompt_columns = col(prompt)
 
     def process(logits: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:  # [P, C] -> [P, C]
         out = logits.float().clone()
-        width = out.shape[1]
         if bias:
-            ids = torch.tensor([c for c, _ in bias if c < width], dtype=torch.int64)
-            out[:, ids] += torch.tensor([b for c, b in bias if c < width])
-        for row, history in enumerate(histories):
-            answer = Counter(col(history[answer_from:]))
-            if params.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(c for c in set(answer) | set(col(prompt)) if c < width), dtype=torch.int64)
-                sel = out[row, seen]
-                r = params.repetition_penalty
-                out[row, seen] = torch.where(sel > 0, sel / r, sel * r)
-            if answer and (params.presence_penalty or params.frequency_penalty):
-                ids = torch.tensor([c for c in answer if c < width], dtype=torch.int64)
-                n = torch.tensor([float(answer[c]) for c in answer if c < width])
-                out[row, ids] -= params.frequency_penalty * n + params.presence_penalty * (n > 0).float()
-        return out
+            out[:, torch.tensor([c for c, _ in bias], dtype=torch.int64)] += torch.tensor([b for _, b in bias])
+        if not _penalizes(params):
+            return out
+        answers = [Counter(col(history[answer_from:])) for history in histories]
+        counted = sorted(set().union(*answers))  # [U] the columns any row's answer holds
+        counts = torch.tensor([[float(a[c]) for c in counted] for a in answers]).reshape(len(answers), len(counted))
+        return _penalize(out, counts, torch.tensor(counted, dtype=torch.int64), prompt_columns, params)
 
     return process

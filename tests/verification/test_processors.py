@@ -198,3 +198,19 @@ def test_the_drafter_drafts_under_the_requests_processors(tiny_target, method):
     base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=30, sampling=params, stop_ids=())
     spec = generate(target, prompt, max_new_tokens=30, sampling=params, drafter=drafter, stop_ids=())
     assert spec.token_ids == base.token_ids
+
+
+def test_the_drafters_processors_are_the_verifiers_row_by_row():
+    """draft_processor (the drafter's histories: the committed tokens from the prompt's second, then
+    the path) gives each tree row the logits processed_logits gives it, bias and every penalty on."""
+    from eyas.verification.processors import draft_processor
+
+    flat = flatten_tree(TREE3, frontier_token=7, base_position=10)
+    logits = torch.randn(flat.num_rows, V, generator=torch.Generator().manual_seed(3)) * 3
+    prompt, answer = [3, 4, 4, 9], [9, 12, 12]
+    params = SamplingParams(
+        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3, logit_bias=((2, 3.0), (40, -7.5))
+    )
+    histories = [prompt[1:] + answer + path for path in paths(flat)]
+    drafted = draft_processor(params, prompt)(logits, histories)
+    assert torch.allclose(drafted, processed_logits(logits, flat, prompt, answer, params))
