@@ -221,11 +221,15 @@ class SuffixSide:
             raise DrafterUnavailable("drafter: none is up")
         self.inner.open_session(state)
 
-    def close_session(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> bool:
+        """Drop a request's suffix state. -> whether it drafted with suffix drafts alone (no drafter session)."""
         self.indexes.pop(request_id, None)
-        if request_id in self.alone:
-            self.alone.discard(request_id)
-        elif self.inner is not None:
+        alone = request_id in self.alone
+        self.alone.discard(request_id)
+        return alone
+
+    def close_session(self, request_id: str) -> None:
+        if not self.forget(request_id) and self.inner is not None:
             self.inner.close_session(request_id)
 
     def propose_batch(self, items: list[tuple[str, list[Seed], TreeSpec]]) -> tuple[list[DraftTree | Refusal], float]:

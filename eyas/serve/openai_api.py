@@ -239,12 +239,6 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_contex
         )
     if not 1 <= parsed.n <= MAX_CHOICES:
         raise OpenAIError(f"n: must be between 1 and {MAX_CHOICES}, got {parsed.n}", param="n")
-    for key in parsed.logit_bias or {}:
-        if not key.strip().isdigit() or int(key) >= len(tokenizer):
-            raise OpenAIError(
-                f"logit_bias: {key[:40]!r} is not a token id of this model (0 to {len(tokenizer) - 1})",
-                param="logit_bias",
-            )
     if parsed.stream_options is not None and not parsed.stream:
         raise OpenAIError("stream_options: only allowed with stream: true", param="stream_options")
     max_param = "max_tokens"
@@ -295,6 +289,11 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_contex
         raise OpenAIError(
             f"{param}:{str(err).split(':', 1)[1]}" if ":" in str(err) else str(err), param=param
         ) from None
+    if req.logit_bias and max(req.logit_bias) >= len(tokenizer):  # the keys are checked by the request model
+        raise OpenAIError(
+            f"logit_bias: {max(req.logit_bias)} is not a token id of this model (0 to {len(tokenizer) - 1})",
+            param="logit_bias",
+        )
     return OpenAIRequest(
         kind=kind,
         request=req,

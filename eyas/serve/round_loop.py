@@ -597,9 +597,7 @@ class RoundLoop:
             self.target("close", live.request_id)
         except Exception:
             log.exception("close_session %s", live.request_id)
-        self.suffix_side.indexes.pop(live.request_id, None)
-        self.suffix_side.alone.discard(live.request_id)
-        if live.drafter_open and self.drafter is not None and live.method != SUFFIX:
+        if not self.suffix_side.forget(live.request_id) and live.drafter_open and self.drafter is not None:
             if self.drafter_down.is_set():  # it would wait out the call's timeout: the round loop must not
                 threading.Thread(
                     target=self._close_draft_session, args=(live.request_id,), name="eyas-drafter-close", daemon=True
