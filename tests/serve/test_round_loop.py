@@ -48,6 +48,19 @@ class FlakyDrafter:
         return self.worker.propose_batch(items)
 
 
+def local_loop(target, drafter, info, policy, curve=FLAT, **kwargs) -> RoundLoop:
+    """A RoundLoop over a target worker and a drafter worker (or a stand-in around one) in this process,
+    both called directly (``WorkerCalls(..., local=True)``)."""
+    return RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(drafter, 30, local=True, drafter=True),
+        info,
+        policy,
+        curve.copy(),
+        **kwargs,
+    )
+
+
 def prompts(n):
     g = torch.Generator().manual_seed(11)
     return [
@@ -76,13 +89,7 @@ def assert_target_only_output(target_model, jobs, results, n):
 @pytest.mark.parametrize("policy", [TreeWorkPolicy(Budgets(max_batch=8)), PromptLengthPolicy(Budgets(max_batch=4))])
 def test_many_requests_in_batched_rounds_are_token_identical_to_target_only(tiny_target, workers, policy):
     target, drafter = workers
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(drafter, 30, local=True, drafter=True),
-        drafter.info(),
-        policy,
-        FLAT.copy(),
-    )
+    loop = local_loop(target, drafter, drafter.info(), policy)
     jobs = [(p, "eagle1" if i % 3 else "target") for i, p in enumerate(prompts(8))]
     results = run_all(loop, jobs)
     assert_target_only_output(tiny_target, jobs, results, 20)
@@ -96,13 +103,7 @@ def test_a_drafter_that_dies_is_reseeded_then_given_up_and_no_token_changes(tiny
     flaky = FlakyDrafter(drafter, fail_calls={3, 6, 7, 8, 9, 10})
     # the fixed-tree policy drafts every round, so the drafter's failing calls land where counted (the
     # tree-work policy may stop drafting once it has measured what drafting costs)
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(flaky, 30, local=True, drafter=True),
-        drafter.info(),
-        PromptLengthPolicy(),
-        FLAT.copy(),
-    )
+    loop = local_loop(target, flaky, drafter.info(), PromptLengthPolicy())
     jobs = [(p, "eagle1") for p in prompts(4)]
     results = run_all(loop, jobs, n=30)
     assert_target_only_output(tiny_target, jobs, results, 30)
@@ -151,13 +152,7 @@ def test_a_drafter_that_goes_down_makes_rounds_plain_at_once_and_comes_back_by_r
     monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
     target, drafter = workers
     down = DownDrafter(drafter, down_at=3, probes_down=4)
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(down, 30, local=True, drafter=True),
-        drafter.info(),
-        PromptLengthPolicy(),
-        FLAT.copy(),
-    )
+    loop = local_loop(target, down, drafter.info(), PromptLengthPolicy())
     jobs = [(p, "eagle1") for p in prompts(4)]
     results = run_all(loop, jobs, n=60)
     assert_target_only_output(tiny_target, jobs, results, 60)
@@ -170,13 +165,7 @@ def test_a_drafter_that_goes_down_makes_rounds_plain_at_once_and_comes_back_by_r
 
 def test_cancel_and_bad_requests_leave_the_others_alone(tiny_target, workers):
     target, drafter = workers
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(drafter, 30, local=True, drafter=True),
-        drafter.info(),
-        TreeWorkPolicy(),
-        FLAT.copy(),
-    )
+    loop = local_loop(target, drafter, drafter.info(), TreeWorkPolicy())
     cancel = threading.Event()
     try:
         bad = loop.submit("bad", [1, 10_000], 8, "eagle1", TreeSpec(), SamplingParams(), 0)
@@ -306,13 +295,7 @@ def test_arrivals_between_rounds_are_prefilled_together_in_one_forward(tiny_targ
     the five valid ones, prefills them in ONE batched call, and every output is target-only's."""
     target, drafter = workers
     counting = CountingTarget(target)
-    loop = RoundLoop(
-        WorkerCalls(counting, 30, local=True),
-        WorkerCalls(drafter, 30, local=True, drafter=True),
-        drafter.info(),
-        TreeWorkPolicy(Budgets(max_batch=8)),
-        FLAT.copy(),
-    )
+    loop = local_loop(counting, drafter, drafter.info(), TreeWorkPolicy(Budgets(max_batch=8)))
     jobs = [(p, "eagle1" if i % 2 else "target") for i, p in enumerate(prompts(5))]
     try:
         with loop.lock:  # the loop thread waits: every request below arrives before its next look
@@ -345,12 +328,11 @@ def test_an_moe_target_reports_expert_bytes_per_request_and_per_round_and_the_bu
     experts = ExpertTraffic(**target.engine_for(()).expert_traffic_shape())
     budget = None if budget_rows is None else experts.predict(budget_rows)
     records = []
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(drafter, 30, local=True, drafter=True),
+    loop = local_loop(
+        target,
+        drafter,
         drafter.info(),
         TreeWorkPolicy(Budgets(max_batch=8, max_expert_bytes=budget)),
-        FLAT.copy(),
         on_round=records.append,
         experts=experts,
     )
@@ -408,13 +390,7 @@ def test_plain_rounds_skip_the_drafter_and_its_seeds_catch_up_exactly(tiny_targe
     target, drafter = workers
     counting = FlakyDrafter(drafter, fail_calls=set())
     policy = EveryThirdRoundPolicy()
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(counting, 30, local=True, drafter=True),
-        drafter.info(),
-        policy,
-        FLAT.copy(),
-    )
+    loop = local_loop(target, counting, drafter.info(), policy)
     jobs = [(p, "eagle1") for p in prompts(3)]
     results = run_all(loop, jobs, n=24)
     assert_target_only_output(tiny_target, jobs, results, 24)
@@ -450,13 +426,7 @@ def test_the_loops_own_thread_joins_no_seeds_so_no_second_openmp_team_slows_the_
     thread runs no torch.cat, and the output is target-only's."""
     target, drafter = workers
     calls = _TorchCallsOnThisThread()
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(drafter, 30, local=True, drafter=True),
-        drafter.info(),
-        EveryThirdRoundPolicy(),
-        FLAT.copy(),
-    )
+    loop = local_loop(target, drafter, drafter.info(), EveryThirdRoundPolicy())
     round_ = loop._round
 
     def watched_round():
@@ -480,13 +450,7 @@ def test_the_loop_starts_from_the_drafters_measured_cost_and_skips_a_drafter_tha
     target, drafter = workers
     measured = drafter.measure_costs(repeats=1)
     assert set(measured) == {"eagle1"} and [d for d, _, _ in measured["eagle1"]] == [1, 3, 5, 5]
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(drafter, 30, local=True, drafter=True),
-        drafter.info(),
-        TreeWorkPolicy(Budgets()),
-        FLAT.copy(),
-    )
+    loop = local_loop(target, drafter, drafter.info(), TreeWorkPolicy(Budgets()))
     # fitted to the measurement itself (not the optimistic 0); a timing-free check, since a loaded
     # machine can measure any shape of costs
     assert loop.draft_cost.to_dict() == DraftCost.from_points(measured["eagle1"]).to_dict()
@@ -495,13 +459,7 @@ def test_the_loop_starts_from_the_drafters_measured_cost_and_skips_a_drafter_tha
 
     drafter.draft_points["eagle1"] = [(1, 0, 1000.0), (3, 8, 3000.0), (5, 16, 5000.0)]
     counting = FlakyDrafter(drafter, fail_calls=set())
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(counting, 30, local=True, drafter=True),
-        drafter.info(),
-        TreeWorkPolicy(Budgets()),
-        FLAT.copy(),
-    )
+    loop = local_loop(target, counting, drafter.info(), TreeWorkPolicy(Budgets()))
     assert loop.draft_cost.predict(5) == pytest.approx(5000.0)
     jobs = [(p, "eagle1") for p in prompts(2)]
     results = run_all(loop, jobs, n=12)
@@ -517,13 +475,8 @@ def test_a_steep_latency_curve_turns_speculation_off_in_the_loop(tiny_target, wo
     target, drafter = workers
     counting = FlakyDrafter(drafter, fail_calls=set())
     rows = []
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(counting, 30, local=True, drafter=True),
-        drafter.info(),
-        TreeWorkPolicy(Budgets()),
-        STEEP.copy(),
-        on_round=lambda rec: rows.append(rec.flat),
+    loop = local_loop(
+        target, counting, drafter.info(), TreeWorkPolicy(Budgets()), STEEP, on_round=lambda rec: rows.append(rec.flat)
     )
     loop.curve.observe = lambda rows, ms, weight=0: None  # keep the curve steep whatever this CPU measures
     jobs = [(p, "eagle1") for p in prompts(3)]
@@ -539,14 +492,7 @@ def test_a_short_request_beside_a_long_prompt_gets_its_first_token_within_three_
     within 3 rounds of arriving, long before the long prompt's; every output is target-only's."""
     target, drafter = workers
     counting = CountingTarget(target)
-    loop = RoundLoop(
-        WorkerCalls(counting, 30, local=True),
-        WorkerCalls(drafter, 30, local=True, drafter=True),
-        drafter.info(),
-        TreeWorkPolicy(Budgets()),
-        FLAT.copy(),
-        max_prefill_rows=16,
-    )
+    loop = local_loop(counting, drafter, drafter.info(), TreeWorkPolicy(Budgets()), max_prefill_rows=16)
     long, short = [(5 * i + 3) % 60 + 1 for i in range(200)], [3, 1, 4, 1, 5]
     first_token_call, submitted = {}, {}
 
@@ -612,13 +558,7 @@ def test_logprobs_are_the_targets_own_and_speculation_does_not_change_them(tiny_
         quantize_gguf(model)
     target = TargetWorker(model)
     drafter = DrafterWorker({"eagle1": tiny_eagle1_engine(model)}, model.cfg.vocab_size)
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(drafter, 30, local=True, drafter=True),
-        drafter.info(),
-        PromptLengthPolicy(Budgets(max_batch=4)),
-        FLAT.copy(),
-    )
+    loop = local_loop(target, drafter, drafter.info(), PromptLengthPolicy(Budgets(max_batch=4)))
     got: dict[str, list] = {"target": [], "eagle1": []}
     try:
         for method in got:
@@ -667,13 +607,7 @@ def test_suffix_drafts_alone_and_grafted_in_batched_rounds_are_token_identical_a
     monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
     target, drafter = workers
     down = DownDrafter(drafter, down_at=4, probes_down=3)
-    loop = RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(down, 30, local=True, drafter=True),
-        drafter.info(),
-        PromptLengthPolicy(),
-        FLAT.copy(),
-    )
+    loop = local_loop(target, down, drafter.info(), PromptLengthPolicy())
     kinds = [("suffix", False), ("eagle1", True), ("eagle1", False), ("target", False)]
     jobs = [(p * 3, kinds[i % 4]) for i, p in enumerate(prompts(8))]
     try:
