@@ -425,9 +425,13 @@ def cmd_experiment(args) -> int:
         address=args.address,
         check=not args.no_check,
         plan_rates=tuple(args.plan_rates),
+        precision=args.precision,
+        max_target_replicas=args.max_target_replicas,
     )
     print_experiment_summary(doc, out)
-    return 0 if doc["errors"] == 0 and doc["incorrect"] == 0 else 1
+    report = doc.get("report") or {}
+    ok = doc["errors"] == 0 and doc["incorrect"] == 0 and (report.get("success") or not report.get("expected"))
+    return 0 if ok else 1
 
 
 def _num(x) -> str:
@@ -438,33 +442,61 @@ def print_experiment_summary(doc: dict, out: str) -> None:
     def f(x, unit="s"):
         return "-" if x is None else f"{x:.2f} {unit}".strip()
 
-    caps = doc.get("time_to_added_capacity_s", {})
+    cal = doc.get("calibration") or {}
+    if cal:
+        runs = cal["runs"]
+        each = ", ".join(f"{len(r['output_tokens']) / r['makespan_s']:.2f}" for r in runs if r["makespan_s"])
+        print(
+            f"\ncapacity of one target replica: {cal['capacity_per_s']:.2f} req/s "
+            f"(median of {len(runs)} closed loops of {runs[0]['requests']} requests, {runs[0]['concurrency']} in flight: "
+            f"{each}; "
+            f"p50 latency {f(runs[0]['p50_latency_s'])}; pending verify rows at capacity {cal['rows_at_capacity']:.0f}, "
+            f"the policy's threshold {cal['threshold_rows_per_replica']:g} a replica)"
+        )
+        rates = ", ".join(
+            f"{a}{'' if b is None else f' -> {b}'} = {x:.2f}{'' if y is None or y == x else f' -> {y:.2f}'} req/s"
+            for (a, b), (x, y) in zip(cal["rates"], cal["rates_per_s"])
+        )
+        print(f"phases: {rates}")
     print(
         f"\nrequests {doc['requests']}: {doc['errors']} errors, {doc['incorrect']} incorrect "
         f"(checked against target-only: {doc['checked']})"
     )
     print(
         f"p50 / p99 latency: {f(doc['p50_latency_s'])} / {f(doc['p99_latency_s'])}; "
-        f"p99 steady {f(doc.get('p99_steady_s'))}, in the burst {f(doc.get('p99_burst_s'))}"
+        f"p99 steady {f(doc.get('p99_steady_s'))}, in the load window {f(doc.get('p99_window_s'))}"
     )
-    for name, t in (caps.get("replicas") or {}).items():
-        if name != "EyasServer":
-            print(f"burst -> added {name} replica: {f(t)}")
-    print(
-        f"burst -> added node: {f(caps.get('nodes'))}; a target replica from asked to running: "
-        f"{f(doc.get('target_replica_startup_s'))}"
-    )
-    print(
-        f"target replicas: start {doc['initial_target_replicas']}, peak {doc['peak_target_replicas']}, "
-        f"end {doc['final_target_replicas']}; nodes peak {doc.get('peak_nodes')}, end {doc.get('final_nodes')}"
-    )
+    rep = doc.get("report") or {}
+    if rep:
+        th, rp, nd = rep["threshold"], rep["replica"], rep.get("node") or {}
+        w0, w1 = rep["window"]
+        print(
+            f"load window {w0:.0f}-{w1:.0f} s: pending verify rows per target replica peaked at "
+            f"{th['peak_rows_per_replica']:.0f} (threshold {th['rows_per_replica']:g}); crossed at {f(th['crossed_at'])}"
+        )
+        print(
+            f"target replica: asked for at {f(rp['asked_at'])}, running at {f(rp['running_at'])}, "
+            f"back to {rep['initial_replicas']} at {f(rp['back_at'])} (peak {rp['peak']})"
+        )
+        if nd:
+            print(
+                f"target node: asked for at {f(nd['asked_at'])}, running at {f(nd['running_at'])}, "
+                f"given back at {f(nd['back_at'])} (peak {nd['peak']})"
+            )
+        verdict = (
+            "SUCCESS: scaled up in the load window and back down after"
+            if rep["success"]
+            else f"NOT A SUCCESS: {rep['why']}"
+        )
+        print(verdict if rep.get("expected", True) else rep["why"])
     sim = doc.get("simulator", {})
     if sim:
-        print(f"\n{'simulator vs measured':<22} {'predicted':>10} {'measured':>10} {'error':>8}")
-        for key in ("p50_latency_s", "p99_latency_s", "peak_replicas", "final_replicas"):
-            p, m = sim["predicted"].get(key), sim["measured"].get(key)
-            err = sim.get("error", {}).get(key)
-            print(f"{key:<22} {_num(p):>10} {_num(m):>10} {'-' if err is None else f'{100 * err:+.0f}%':>8}")
+        print(f"\n{'simulator (fitted on the calibration) vs measured':<30}")
+        print(f"{'':<26} {'predicted':>10} {'interval':>17} {'measured':>10} {'error':>8}")
+        for key, p in sim["predicted"].items():
+            m, err, iv = sim["measured"].get(key), sim.get("error", {}).get(key), sim["interval"].get(key)
+            span = "-" if iv is None else f"[{_num(iv[0])}, {_num(iv[1])}]"
+            print(f"{key:<26} {_num(p):>10} {span:>17} {_num(m):>10} {'-' if err is None else f'{100 * err:+.0f}%':>8}")
         if sim.get("plan"):
             print(f"\n{'plan: rate/s':<14} {'replicas':>9} {'nodes':>6} {'p50 s':>7} {'p99 s':>7} {'tok/s':>9}")
             for row in sim["plan"]:
@@ -650,6 +682,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     a.add_argument("--cluster-config", help="fake multi-node cluster config (default ray_configs/fake_cluster.yaml)")
     a.add_argument("--address", help="run on this running Ray cluster instead of starting the fake one")
+    a.add_argument(
+        "--precision",
+        metavar="{fp32,fp16w,int8,gguf}",
+        help="serve the target at this precision instead of the config's (a faster or slower replica)",
+    )
+    a.add_argument(
+        "--max-target-replicas",
+        type=int,
+        help="let the target deployment grow to N replicas (Serve's bound and the policy's; the fake cluster has 5 target hosts)",
+    )
     a.add_argument("--no-check", action="store_true", help="skip the target-only exactness check of every answer")
     a.add_argument(
         "--plan-rates",

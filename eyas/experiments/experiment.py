@@ -5,17 +5,22 @@ One run:
 1. starts Ray's fake multi-node cluster (ray_configs/fake_cluster.yaml: each "node" is another raylet
    on this machine; node types stand in for target and drafter hosts through custom resources), or
    joins a running cluster (``--address``);
-2. deploys the app of ray_configs/autoscale.yaml (target and drafter deployments, each with its own
-   tree-work autoscaling policy);
-3. replays the workload's arrivals (:func:`eyas.experiments.workload.arrivals`) as streaming gRPC clients,
-   and checks every answer against in-process greedy target-only decoding of the same prompt
+2. **calibrates**: deploys the app of ray_configs/autoscale.yaml with its replicas pinned
+   (:func:`pinned_args`) and measures one target replica's **capacity** on the workload's calibration
+   mix (:func:`measure_capacity`: closed loops, ``max_batch`` requests in flight); on the fake cluster
+   also two pinned replicas once (the shared host's parallelism);
+3. redeploys with the autoscaler's bounds and replays the workload's arrivals (its ``"Nx"`` rates
+   resolved against the capacity: :meth:`~eyas.experiments.workload.Workload.at_capacity`) as
+   streaming gRPC clients, checking every answer against in-process greedy target-only decoding
    (speculation must not change a token);
 4. samples every ``sample_interval_s``: request rate, requests in flight, the tree work the replicas
-   report (pending verify rows, draft rows, KV bytes), replicas per deployment (``serve.status()``),
-   alive nodes per type (``ray.nodes()``), p50/p99 latency over a trailing window and tokens/s;
-5. writes ``timeline.json`` and ``timeline.png`` (shared time axes) and prints a summary: time from the
-   burst to added capacity, p99 in the burst against steady state, and the simulator's prediction of
-   the same run (:func:`predict`) against what was measured.
+   report (pending verify rows, draft rows, KV bytes), replicas per deployment running and asked for
+   (``serve.status()``), alive nodes per type (``ray.nodes()``) and those being launched (the
+   autoscaler's status), p50/p99 latency over a trailing window and tokens/s;
+5. writes ``timeline.json`` and ``timeline.png`` (shared time axes) and a summary: the calibration,
+   the scaling report (:func:`~eyas.experiments.workload.scaling_report`: threshold crossed, capacity
+   asked for / running / given back, a verdict and why), and the simulator fitted on the calibration
+   alone (:func:`simulator_report`) predicting the same run beside what was measured.
 
 Node types are read from the cluster config: a node counts as type T when it offers the custom
 resource T (the fake and real configs both follow that convention); every other node is the head.
@@ -23,13 +28,17 @@ resource T (the fake and real configs both follow that convention); every other 
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
+import copy
+import itertools
 import json
 import logging
 import math
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,9 +59,12 @@ from eyas.experiments.workload import (
     Timeline,
     Workload,
     arrivals,
+    load_window,
     percentile,
     phase_spans,
     plot_timeline,
+    scaling_events,
+    scaling_report,
     summary,
 )
 
@@ -359,6 +371,30 @@ class Calibration:
     cost_scale: float = 1.0  # round cost multiplier fitted to the run's makespan (fit_cost_scale)
 
 
+CALIBRATION_PHASE = -1  # Arrival.phase of a calibration request (it belongs to no phase of the workload)
+
+
+@dataclass(frozen=True)
+class CapacityRun:
+    """One calibration repeat: ``requests`` prompts answered by one target replica, ``concurrency`` of
+    them in flight at a time (a closed loop). Its **capacity** is the answered requests over the
+    makespan (first send to last answer)."""
+
+    requests: int
+    concurrency: int
+    makespan_s: float
+    output_tokens: tuple[int, ...]  # per answered request
+    p50_latency_s: float
+    p99_latency_s: float
+    peak_pending_rows: float  # the target's pending verify rows, highest sample while it ran
+    errors: int
+    incorrect: int
+
+    @property
+    def capacity_per_s(self) -> float:
+        return len(self.output_tokens) / self.makespan_s if self.makespan_s > 0 else 0.0
+
+
 def calibrate(stats: dict, reports: list[dict], startup_s: float, prompt_len: float) -> Calibration:
     """``stats``: the app's last ``Stats``; ``reports``: per request its final stats (RequestLog.stats).
 
@@ -381,6 +417,36 @@ def calibrate(stats: dict, reports: list[dict], startup_s: float, prompt_len: fl
     )
 
 
+@dataclass(frozen=True)
+class PolicyTiming:
+    """How Serve feeds the target policy: what the simulator copies so that it decides when Serve does.
+
+    ``look_back_s``: Serve averages each replica's reports over this window (``look_back_period_s``);
+    ``lag_s``: a report reaches the controller up to ``metrics_interval_s`` late; ``control_s``: how
+    often the policy is called (Serve's control loop runs about every 0.1 s; a coarser step keeps the
+    simulation fast and moves a decision by at most that much)."""
+
+    look_back_s: float = 0.0
+    lag_s: float = 0.0
+    control_s: float = 1.0
+
+    @classmethod
+    def of(cls, autoscaling: dict | None) -> PolicyTiming:
+        a = autoscaling or {}
+        return cls(
+            look_back_s=float(a.get("look_back_period_s", 30.0)),
+            lag_s=float(a.get("metrics_interval_s", 10.0)),
+            control_s=0.5,
+        )
+
+
+RECENT_S = 15.0  # predict: the policy's rows estimate uses the output lengths of this many seconds of arrivals
+#: on a shared host, the share of a round's compute a starting replica takes: half (its start-up is
+#: partly reading and building the model, partly timing its latency curve, which computes). Checked on
+#: two step_burst runs: 0 predicted their burst p99 at -33 % and +2 %, 1 at -11 % and +30 %.
+LOAD_SHARE = 0.5
+
+
 def predict(
     schedule: list[Arrival],
     cal: Calibration,
@@ -390,21 +456,39 @@ def predict(
     until_s: float,
     control_interval_s: float = 1.0,
     host_replicas: float | None = None,
+    timing: PolicyTiming | None = None,
 ) -> sim.SimResult:
     """Simulate the replayed arrivals on replicas of the calibrated cost, scaled by the same policy.
 
     The policy sees what a target replica reports (``RoundLoop.work``): pending verify rows = requests
     in rounds x half their rounds x rows per round (on average half of a request is still to run) +
-    queued requests x (prompt rows + output rows). ``host_replicas``: the replicas share one host
-    (the fake cluster; see ``sim.ReplicaModel.host_replicas``).
+    queued requests x (prompt rows + output rows), averaged over ``timing.look_back_s`` and
+    ``timing.lag_s`` late, as Serve hands it over. ``host_replicas``: the replicas share one host (the
+    fake cluster; see ``sim.ReplicaModel.host_replicas``).
     """
+    timing = timing or PolicyTiming(control_s=control_interval_s)
     state = {"s": ScalingState.initial(initial_replicas)}
+    seen: list[tuple[float, float]] = []  # (time, pending rows) at every control tick
     mean_out = sum(a.max_new_tokens for a in schedule) / len(schedule)
+    times = [a.t for a in schedule]
+    prefix = list(itertools.accumulate((a.max_new_tokens for a in schedule), initial=0))
+
+    def recent_out(t: float) -> float:
+        """The mean output length of the arrivals in the last ``RECENT_S`` (what is in flight now:
+        a workload whose answers grow, short_to_long, must not be judged by the whole run's mean)."""
+        lo, hi = bisect.bisect_right(times, t - RECENT_S), bisect.bisect_right(times, t)
+        return (prefix[hi] - prefix[lo]) / (hi - lo) if hi > lo else mean_out
 
     def scale(s: sim.ScalingState) -> int:
-        rows = s.running * mean_out / cal.tokens_per_round / 2 * cal.rows_per_request + s.queued * (
-            cal.prompt_len + mean_out
-        )
+        out = recent_out(s.time_s)
+        rows = s.running * out / cal.tokens_per_round / 2 * cal.rows_per_request + s.queued * (cal.prompt_len + out)
+        seen.append((s.time_s, rows))
+        now = s.time_s - timing.lag_s
+        window = [r for t, r in seen if now - timing.look_back_s < t <= now]
+        if timing.look_back_s or timing.lag_s:
+            if not window:  # nothing reported yet: Serve keeps the count
+                return s.replicas
+            rows = sum(window) / len(window)
         replicas, state["s"] = decide_target_replicas(
             [ReplicaMetrics(pending_verify_rows=rows, timestamp=s.time_s)],
             ScalingState(s.replicas, state["s"].above_since, state["s"].below_since, state["s"].last_decision_at),
@@ -423,6 +507,7 @@ def predict(
         max_batch=max_batch,
         prefill_rows_per_prompt_token=1.0,
         host_replicas=host_replicas,
+        load_share=LOAD_SHARE if host_replicas is not None else 0.0,
     )
     workload = sim.Workload(
         sim.Arrivals.explicit([a.t for a in schedule]),
@@ -431,7 +516,7 @@ def predict(
     )
     cluster = sim.ClusterModel(
         replicas=initial_replicas,
-        autoscaling=sim.Autoscaling(scale, control_interval_s=control_interval_s, startup_delay_s=cal.startup_s),
+        autoscaling=sim.Autoscaling(scale, control_interval_s=timing.control_s, startup_delay_s=cal.startup_s),
     )
     return sim.simulate(workload, model, cluster, until_s=until_s, horizon_s=until_s + 600)
 
@@ -448,9 +533,10 @@ def fit_cost_scale(
     iterations: int = 24,
 ) -> float:
     """The one fitted parameter: the factor on the calibrated round cost that makes the simulated run
-    take as long as the measured one (first arrival to last answer). Latency percentiles and replica
-    counts are then predictions, not fits. Bisection on a log scale over [1/32, 32]: the simulated
-    makespan grows with the cost, and 24 halvings pin the factor to about 1e-6 (relative).
+    of ``schedule`` take as long as the measured one (first arrival to last answer). Bisection on a log
+    scale over [1/32, 32]: the simulated makespan grows with the cost, and 24 halvings pin the factor
+    to about 1e-6 (relative). The experiment fits it on the calibration repeats only
+    (:func:`fit_on_capacity_run`), so that everything it then says about the workload is a prediction.
 
     Why a factor at all: the start-up curve times one request's rows; a batched round of many
     ragged requests (per-segment attention, sampling and bookkeeping) costs more than its rows say.
@@ -465,6 +551,16 @@ def fit_cost_scale(
         else:
             hi = mid
     return math.exp((lo + hi) / 2)
+
+
+def fit_on_capacity_run(cal: Calibration, run: CapacityRun, max_batch: int) -> float:
+    """The cost scale that makes one replica, simulated, answer the repeat's requests (all queued at
+    once, ``min(concurrency, max_batch)`` in a batch: the calibration's closed loop) in its makespan."""
+    one = TargetScalingConfig(min_replicas=1, max_replicas=1)
+    schedule = [Arrival(0.0, "calibration", "", n, 0) for n in run.output_tokens]
+    return fit_cost_scale(
+        schedule, cal, one, min(run.concurrency, max_batch), 1, until_s=0.0, measured_makespan_s=run.makespan_s
+    )
 
 
 CAPACITY_BATCHES = 8  # a saturated replica's capacity is timed over this many full batches of requests
@@ -525,16 +621,50 @@ def plan(
 
 
 # --- the run -------------------------------------------------------------------------------------------
-def _references(target: str, schedule: list[Arrival]) -> dict[tuple[str, int], list[int]]:
-    """Greedy target-only tokens per (prompt, max_new_tokens), in-process: the exactness reference."""
+def _references(cfg, workload: Workload) -> dict[tuple[str, int], list[int]]:
+    """Greedy target-only tokens per (prompt, max_new_tokens) of every kind in every mix, in-process at
+    the app's precision and dtype: the exactness reference (known before the capacity is)."""
     from eyas.protocol.schema import parse_request
     from eyas.runtime import Eyas
 
-    rt = Eyas(target)
-    keys = sorted({(a.prompt, a.max_new_tokens) for a in schedule})
+    rt = Eyas(cfg.target, precision=cfg.precision, dtype=cfg.dtype)
+    keys = sorted({(k.prompt, k.max_new_tokens) for mix in workload.mixes.values() for k in mix.prompts})
     return {
         k: rt.generate(parse_request(prompt=k[0], method="target", max_new_tokens=k[1]))[1]["token_ids"] for k in keys
     }
+
+
+def with_max_target_replicas(args: dict, n: int) -> dict:
+    """The app's args with the target deployment allowed ``n`` replicas: Serve's bound and the
+    policy's, which must agree (:mod:`eyas.autoscale.serve_policy`)."""
+    out = copy.deepcopy(args)
+    a = out.get("target_autoscaling")
+    if not a:
+        raise ValueError("--max-target-replicas: the serve config's target has no autoscaling_config")
+    if n < a.get("min_replicas", 1):
+        raise ValueError(f"--max-target-replicas: {n} is below the target's min_replicas {a.get('min_replicas', 1)}")
+    a["max_replicas"] = n
+    a.setdefault("policy", {}).setdefault("policy_kwargs", {})["max_replicas"] = n
+    return out
+
+
+def pinned_args(args: dict, target_replicas: int | None = None) -> dict:
+    """The app's args with each autoscaling deployment held at its initial count (``min = max``; the
+    target at ``target_replicas`` when given): the calibration's deployment, which the autoscaler may
+    not grow. (Deployed with ``serve.run``, a change of args restarts the replicas: ~17 s here.)"""
+    out = copy.deepcopy(args)
+    for kind in ("target", "drafter"):
+        a = out.get(f"{kind}_autoscaling")
+        if not a:
+            continue
+        n = a.get("initial_replicas", a.get("min_replicas", 1))
+        if kind == "target" and target_replicas is not None:
+            n = target_replicas
+        a.update(min_replicas=n, max_replicas=n, initial_replicas=n)
+        kwargs = (a.get("policy") or {}).get("policy_kwargs")
+        if kwargs is not None:
+            kwargs.update(min_replicas=n, max_replicas=n)
+    return out
 
 
 def _read_serve_doc(path: str | Path) -> dict:
@@ -608,8 +738,16 @@ def run_autoscale(
     check: bool = True,
     plan_rates: tuple[float, ...] = (100.0, 1000.0),
     progress: bool = True,
+    precision: str | None = None,
+    max_target_replicas: int | None = None,
 ) -> dict:
-    """Run the experiment; returns the summary (also in ``out_dir/timeline.json``)."""
+    """Run the experiment; returns the summary (also in ``out_dir/timeline.json``).
+
+    Phases: (0) reference answers in-process; (1) deploy with the replicas pinned and measure one
+    target replica's capacity (``workload.calibration``); (2) release the autoscaler (a light update)
+    and replay the workload, its ``"Nx"`` rates resolved against that capacity; (3) the report: what
+    scaled when and why (:func:`~eyas.experiments.workload.scaling_report`), and the simulator, fitted
+    on the calibration alone, predicting the run beside what was measured."""
     from tqdm import tqdm
 
     from eyas.serve.config import parse_config
@@ -617,68 +755,93 @@ def run_autoscale(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     args = load_serve_config(serve_config or REPO_CONFIGS / "autoscale.yaml")
+    if precision is not None:
+        args["precision"] = precision
+    if max_target_replicas is not None:
+        args = with_max_target_replicas(args, max_target_replicas)
     cfg = parse_config(args)
     cluster_doc = yaml.safe_load(Path(cluster_config or REPO_CONFIGS / "fake_cluster.yaml").read_text())
     node_types = [t for t in cluster_doc["available_node_types"] if t != cluster_doc["head_node_type"]]
-    schedule = arrivals(workload)
-    if not schedule:
-        raise ValueError(f"workload {workload.name}: the phases produce no arrival")
-    references = _references(cfg.target, schedule) if check else {}
+    if progress:
+        print("experiment: greedy target-only reference answers, in-process ...", file=sys.stderr, flush=True)
+    references = _references(cfg, workload) if check else {}
     cluster = None if address else FakeCluster(cluster_doc)
     timeline = Timeline(
         workload.name,
-        meta={
-            "serve_args": args,
-            "node_types": node_types,
-            "arrivals": len(schedule),
-            "address": address or "fake cluster",
-        },
+        meta={"serve_args": args, "node_types": node_types, "address": address or "fake cluster"},
     )
     try:
         if cluster is not None:
             address = cluster.start()
-        summary_doc = _run(workload, schedule, address, args, node_types, references, timeline, out, progress, tqdm)
+        summary_doc = _run(
+            workload, address, args, cfg, node_types, references, timeline, out, progress, tqdm, cluster is not None
+        )
     finally:
         _stop_serve()
         if cluster is not None:
             cluster.shutdown()
-    cal_doc = summary_doc.pop("_calibration")
-    policy = TargetScalingConfig(**((cfg.target_autoscaling or {}).get("policy", {}).get("policy_kwargs") or {}))
-    # on the fake cluster every node is a process on this machine: its cores bound the rounds in flight
-    host = (os.cpu_count() or 1) / cfg.torch_threads if cluster is not None else None
+    replayed = summary_doc.pop("_workload")
+    # on the fake cluster every node is a process on this machine: how many rounds it runs at once was
+    # calibrated (two pinned replicas' capacity over one's), at most its cores over a replica's threads
+    host = None
+    if cluster is not None:
+        cores = (os.cpu_count() or 1) / cfg.torch_threads
+        host = min(cores, max(1.0, summary_doc["calibration"]["host_replicas"] or cores))
     until = timeline.samples[-1].t if timeline.samples else 0.0
-    initial = summary_doc["initial_target_replicas"]
-    cal = Calibration(**cal_doc)
-    cal = Calibration(
-        **{
-            **cal_doc,
-            "cost_scale": fit_cost_scale(
-                schedule, cal, policy, cfg.max_batch, initial, until, summary_doc["makespan_s"], host_replicas=host
-            ),
-        }
+    summary_doc["simulator"] = simulator_report(
+        summary_doc, Calibration(**summary_doc.pop("_calibration")), replayed, cfg, host, until, plan_rates
     )
-    cal_doc = cal.__dict__
-    predicted = predict(schedule, cal, policy, cfg.max_batch, initial, until_s=until, host_replicas=host)
-    summary_doc["simulator"] = {
-        "calibration": cal_doc,
-        "predicted": {
-            "p50_latency_s": predicted.p50_latency_s,
-            "p99_latency_s": predicted.p99_latency_s,
-            "makespan_s": predicted.makespan_s,
-            "peak_replicas": predicted.peak_replicas,
-            "final_replicas": predicted.timeline[-1].replicas if predicted.timeline else None,
-        },
-        "measured": {
-            "p50_latency_s": summary_doc["p50_latency_s"],
-            "p99_latency_s": summary_doc["p99_latency_s"],
-            # the simulator counts a replica from launch (starting, as Serve does once it is asked for)
-            "peak_replicas": summary_doc["peak_target_replicas_asked"],
-            "makespan_s": summary_doc["makespan_s"],
-            "final_replicas": summary_doc["final_target_replicas"],
+    timeline.meta["summary"] = summary_doc
+    timeline.write_json(out / "timeline.json")
+    plot_timeline(timeline, out / "timeline.png", workload=replayed)
+    return summary_doc
+
+
+def simulator_report(
+    doc: dict,
+    base: Calibration,
+    replayed: Workload,
+    cfg,
+    host: float | None,
+    until: float,
+    plan_rates: tuple[float, ...] = (),
+) -> dict:
+    """The simulator, fitted on the calibration alone, beside what the run measured.
+
+    One fit per calibration repeat (:func:`fit_on_capacity_run`); the prediction is the median of
+    theirs and its interval their span. ``doc``: the run's summary (its ``calibration`` runs and
+    ``report``); ``base``: the calibration's costs with ``cost_scale`` 1; ``replayed``: the workload in
+    requests/s; ``host``: rounds the shared host runs at once (None: a host per replica)."""
+    schedule = arrivals(replayed)
+    policy = TargetScalingConfig(**((cfg.target_autoscaling or {}).get("policy", {}).get("policy_kwargs") or {}))
+    timing = PolicyTiming.of(cfg.target_autoscaling)
+    window = tuple(doc["report"]["window"])
+    initial = doc["initial_target_replicas"]
+    predictions = []
+    for run in (CapacityRun(**r) for r in doc["calibration"]["runs"]):
+        cal = Calibration(**{**base.__dict__, "cost_scale": fit_on_capacity_run(base, run, cfg.max_batch)})
+        r = predict(schedule, cal, policy, cfg.max_batch, initial, until_s=until, host_replicas=host, timing=timing)
+        predictions.append((cal, predicted_outcome(r, window, initial)))
+    measured = measured_outcome(doc)
+    predicted = {k: _median([p[k] for _, p in predictions]) for k in measured}
+    middle = predictions[len(predictions) // 2][0]
+    return {
+        "fitted_on": "calibration",
+        "calibration": middle.__dict__,
+        "cost_scales": [c.cost_scale for c, _ in predictions],
+        "predicted": predicted,
+        "interval": {k: _span([p[k] for _, p in predictions]) for k in measured},
+        "measured": measured,
+        "error": {
+            k: (predicted[k] - measured[k]) / measured[k]
+            if (measured[k] or 0) > 0 and predicted[k] is not None
+            else None
+            for k in measured
         },
         "host_replicas": host,
+        "timing": timing.__dict__,
         "plan": plan(
-            cal,
+            middle,
             policy,
             cfg.max_batch,
             list(plan_rates),
@@ -688,14 +851,48 @@ def run_autoscale(
         if plan_rates
         else [],
     }
-    p, m = summary_doc["simulator"]["predicted"], summary_doc["simulator"]["measured"]
-    summary_doc["simulator"]["error"] = {
-        k: (p[k] - m[k]) / m[k] if m[k] else None for k in ("p50_latency_s", "p99_latency_s", "peak_replicas")
+
+
+#: what the simulator predicts and the run measures, side by side
+OUTCOME_KEYS = ("time_to_added_capacity_s", "p99_window_s", "peak_replicas", "peak_nodes", "scale_down_s")
+
+
+def predicted_outcome(r: sim.SimResult, window: tuple[float, float], initial: int) -> dict:
+    """The outcome keys (:data:`OUTCOME_KEYS`) of a simulated run. ``p99_window_s``: the p99 latency of
+    the requests that arrived in the load window; a target replica is a node (one each)."""
+    points = [(p.time_s, p.ready + p.starting, p.ready) for p in r.timeline]
+    ev = scaling_events(points, initial, window[1])
+    lat = [q.latency_s for q in r.requests if window[0] <= q.arrival_s < window[1] and not math.isnan(q.finish_s)]
+    return {
+        "time_to_added_capacity_s": None if ev.running_at is None else ev.running_at - window[0],
+        "p99_window_s": percentile(lat, 99),
+        "peak_replicas": ev.peak,
+        "peak_nodes": ev.peak,
+        "scale_down_s": None if ev.back_at is None else ev.back_at - window[1],
     }
-    timeline.meta["summary"] = summary_doc
-    timeline.write_json(out / "timeline.json")
-    plot_timeline(timeline, out / "timeline.png", workload=workload)
-    return summary_doc
+
+
+def measured_outcome(doc: dict) -> dict:
+    """The outcome keys of the measured run (from ``_run``'s summary and its report)."""
+    rep = doc["report"]
+    node = rep.get("node") or {}
+    return {
+        "time_to_added_capacity_s": rep["time_to_added_capacity_s"],
+        "p99_window_s": doc.get("p99_window_s"),
+        "peak_replicas": rep["replica"]["peak"],
+        "peak_nodes": node.get("peak"),
+        "scale_down_s": rep["scale_down_s"],
+    }
+
+
+def _median(values: list) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    return known[len(known) // 2] if known else None
+
+
+def _span(values: list) -> list | None:
+    known = [v for v in values if v is not None]
+    return [min(known), max(known)] if known else None
 
 
 def _stop_serve() -> None:
@@ -710,7 +907,67 @@ def _stop_serve() -> None:
         log.exception("stopping Serve")
 
 
-def _run(workload, schedule, address, args, node_types, references, timeline, out, progress, tqdm) -> dict:
+def measure_capacity(
+    address: str, workload: Workload, max_batch: int, stats_client, references, progress, replicas: int = 1
+) -> list[tuple[CapacityRun, list[dict]]]:
+    """The calibration (see :class:`~eyas.experiments.workload.CalibrationSpec`): ``repeats`` closed
+    loops of ``requests`` prompts from the calibration mix, ``concurrency`` in flight, against the
+    pinned app; per repeat its capacity, latency, peak tree work, any wrong answer and the requests'
+    final stats. ``replicas`` > 1 (target replicas pinned there): one repeat, with that many times
+    the requests and the concurrency (how far a shared host's capacity grows with replicas)."""
+    spec = workload.calibration
+    mix = workload.calibration_mix()
+    concurrency = (spec.concurrency or max_batch) * replicas
+    n = (spec.requests or 2 * (spec.concurrency or max_batch)) * replicas
+    repeats = spec.repeats if replicas == 1 else 1
+    rng = random.Random(workload.seed + 7919 + replicas)
+    runs = []
+    for repeat in range(repeats):
+        kinds = rng.choices(mix.prompts, weights=[k.weight for k in mix.prompts], k=n)
+        batch = [Arrival(0.0, k.name, k.prompt, k.max_new_tokens, CALIBRATION_PHASE) for k in kinds]
+        replay = Replay(address, workload, batch, max_clients=concurrency)  # one client thread each: a closed loop
+        replay.start()
+        peak = 0.0
+        deadline = time.monotonic() + 600
+        while len(replay.finished()) < n and time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                stats = stats_client.stats()
+            except Exception as err:  # noqa: BLE001 - a missed sample: the next one reads the peak
+                log.warning("Stats failed while calibrating: %s", err)
+                continue
+            targets = [a for a in stats.get("autoscaling", {}).values() if a.get("kind") == "target"]
+            peak = max(peak, sum(a.get("pending_verify_rows", 0.0) for a in targets))
+        replay.close(stats_client)
+        ok = [r for r in replay.logs if r.error is None]
+        lat = [r.latency_s for r in ok]
+        run = CapacityRun(
+            requests=n,
+            concurrency=concurrency,
+            makespan_s=max((r.done_t for r in ok), default=0.0),
+            output_tokens=tuple(len(r.tokens) for r in ok),
+            p50_latency_s=percentile(lat, 50) or 0.0,
+            p99_latency_s=percentile(lat, 99) or 0.0,
+            peak_pending_rows=peak,
+            errors=n - len(ok),
+            incorrect=sum(
+                bool(references) and r.tokens != references[(r.arrival.prompt, r.arrival.max_new_tokens)] for r in ok
+            ),
+        )
+        runs.append((run, [r.stats for r in ok if r.stats]))
+        if progress:
+            print(
+                f"calibration {repeat + 1}/{repeats} ({replicas} target replica{'s' if replicas > 1 else ''}): "
+                f"{n} requests, {concurrency} in flight: "
+                f"{run.capacity_per_s:.2f} req/s, p50 latency {run.p50_latency_s:.2f} s, "
+                f"peak pending verify rows {peak:.0f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return runs
+
+
+def _run(workload, address, args, cfg, node_types, references, timeline, out, progress, tqdm, shared_host) -> dict:
     import ray
     from ray import serve
 
@@ -726,20 +983,56 @@ def _run(workload, schedule, address, args, node_types, references, timeline, ou
         http_options={"host": "127.0.0.1", "port": free_port()},
         grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
     )
+    if progress:
+        print("experiment: deploying with the replicas pinned (calibration) ...", file=sys.stderr, flush=True)
     t_deploy = time.monotonic()
-    serve.run(build_app(args), name="eyas", route_prefix="/")
+    serve.run(build_app(pinned_args(args)), name="eyas", route_prefix="/")
     deploy_s = time.monotonic() - t_deploy
     grpc_address = f"127.0.0.1:{grpc_port}"
     stats_client = EyasClient(grpc_address, timeout_s=60)
-    replay = Replay(grpc_address, workload, schedule)
+    measured = measure_capacity(grpc_address, workload, cfg.max_batch, stats_client, references, progress)
+    runs = [r for r, _ in measured]
+    cal_reports = [rep for _, reps in measured for rep in reps]
+    capacity = statistics.median(r.capacity_per_s for r in runs)
+    if not capacity > 0:
+        raise RuntimeError("calibration: no request was answered; see the replicas' logs")
+    cal_stats = stats_client.stats()
+    host_runs: list[CapacityRun] = []
+    if (
+        shared_host and workload.calibration.shared_host
+    ):  # every replica a process on this machine: how much do two get done beside each other?
+        if progress:
+            print("experiment: two target replicas pinned (the shared host's parallelism) ...", file=sys.stderr)
+        serve.run(build_app(pinned_args(args, target_replicas=2)), name="eyas", route_prefix="/")
+        host_runs = [
+            r for r, _ in measure_capacity(grpc_address, workload, cfg.max_batch, stats_client, references, progress, 2)
+        ]
+    host_replicas = host_runs[0].capacity_per_s / capacity if host_runs else None
+    replayed = workload.at_capacity(capacity) if workload.relative else workload
+    schedule = arrivals(replayed)
+    if not schedule:
+        raise ValueError(f"workload {workload.name}: the phases produce no arrival")
+    t_release = time.monotonic()
+    serve.run(build_app(args), name="eyas", route_prefix="/")  # the autoscaler's bounds back
+    _wait_for_nodes(node_types, cfg, timeout_s=60)
+    release_s = time.monotonic() - t_release
+    if progress:
+        print(
+            f"experiment: capacity {capacity:.2f} req/s; autoscaler released ({release_s:.1f} s); "
+            f"replaying {len(schedule)} arrivals",
+            file=sys.stderr,
+            flush=True,
+        )
+    timeline.meta.update(arrivals=len(schedule), capacity_per_s=capacity)
+    replay = Replay(grpc_address, replayed, schedule)
     bar = tqdm(total=len(schedule), desc=f"{workload.name}", unit="req", disable=not progress)
     replay.on_done = lambda rec: bar.update(1)
     initial = {k: v[0] for k, v in replica_states().items()}
     target_states: list[tuple[float, int, int]] = []
-    for (start, _), phase in zip(phase_spans(workload), workload.phases):
+    for (start, _), phase in zip(phase_spans(replayed), replayed.phases):
         if phase.label:
             timeline.mark(start, phase.label)
-    timeline.mark(0.0, "deployed", deploy_s=deploy_s)
+    timeline.mark(0.0, "released", release_s=release_s)
     replay.start()
     end_t = schedule[-1].t + workload.drain_s
     last_stats: dict = {}
@@ -750,7 +1043,10 @@ def _run(workload, schedule, address, args, node_types, references, timeline, ou
         except Exception:
             log.warning("Stats failed", exc_info=True)
         states = replica_states()
-        s = sample_now(replay, last_stats, {k: v[0] for k, v in states.items()}, count_nodes(ray.nodes(), node_types))
+        nodes = count_nodes(ray.nodes(), node_types)
+        s = sample_now(replay, last_stats, {k: v[0] for k, v in states.items()}, nodes)
+        s.asked_replicas = {k: run + start for k, (run, start) in states.items()}
+        s.asked_nodes = asked_nodes(nodes)
         target_states.append((s.t, *states.get("EyasTarget", (0, 0))))
         timeline.add(s)
         all_done = len(replay.finished()) == len(schedule)
@@ -788,19 +1084,24 @@ def _run(workload, schedule, address, args, node_types, references, timeline, ou
     )
     doc = summary(timeline)
     lat = [r.latency_s for r in logs if r.error is None]
+    window = load_window(replayed)
+    doc["p99_window_s"] = percentile(
+        [r.latency_s for r in logs if r.error is None and window[0] <= r.arrival.t < window[1]], 99
+    )
     burst = next(
-        ((a, b) for (a, b), ph in zip(phase_spans(workload), workload.phases) if ph.label == BURST_START), None
+        ((a, b) for (a, b), ph in zip(phase_spans(replayed), replayed.phases) if ph.label == BURST_START), None
     )
     if burst is not None:  # by arrival: requests that came before the burst, and during it
         doc["p99_steady_s"] = percentile([r.latency_s for r in logs if r.error is None and r.arrival.t < burst[0]], 99)
-        doc["p99_burst_s"] = percentile(
-            [r.latency_s for r in logs if r.error is None and burst[0] <= r.arrival.t < burst[1]], 99
-        )
+        doc["p99_burst_s"] = doc["p99_window_s"]
     target_counts = [s.replicas.get("EyasTarget", 0) for s in timeline.samples]
+    errors = sum(r.error is not None for r in logs) + sum(r.errors for r in runs)
+    incorrect = sum(r.correct is False for r in logs) + sum(r.incorrect for r in runs)
+    policy = TargetScalingConfig(**((cfg.target_autoscaling or {}).get("policy", {}).get("policy_kwargs") or {}))
     doc.update(
         requests=len(logs),
-        errors=sum(r.error is not None for r in logs),
-        incorrect=sum(r.correct is False for r in logs),
+        errors=errors,
+        incorrect=incorrect,
         checked=bool(references),
         p50_latency_s=percentile(lat, 50),
         p99_latency_s=percentile(lat, 99),
@@ -809,14 +1110,77 @@ def _run(workload, schedule, address, args, node_types, references, timeline, ou
         final_target_replicas=target_counts[-1] if target_counts else 0,
         deploy_s=deploy_s,
         makespan_s=max((r.done_t for r in logs if r.error is None), default=0.0) - schedule[0].t,
+        calibration={
+            "capacity_per_s": capacity,
+            "runs": [r.__dict__ | {"output_tokens": list(r.output_tokens)} for r in runs],
+            "host_runs": [r.__dict__ | {"output_tokens": list(r.output_tokens)} for r in host_runs],
+            "host_replicas": host_replicas,
+            "rows_at_capacity": statistics.median(r.peak_pending_rows for r in runs),
+            "threshold_rows_per_replica": policy.target_verify_rows_per_replica,
+            "rates": [[p.rate_start, p.rate_end] for p in workload.phases],
+            "rates_per_s": [[p.rate_start, p.end_rate] for p in replayed.phases],
+        },
+        report=scaling_report(
+            timeline,
+            replayed,
+            deployment="EyasTarget",
+            node_type="target_host" if "target_host" in node_types else None,
+            rows_per_replica=policy.target_verify_rows_per_replica,
+            errors=errors,
+            incorrect=incorrect,
+        ),
     )
     doc["peak_target_replicas_asked"] = max((run + start for _, run, start in target_states), default=0)
-    startup = replica_startup_s(target_states)
-    doc["target_replica_startup_s"] = startup
+    doc["target_replica_startup_s"] = replica_startup_s(target_states)
+    # fitted on the calibration only: its stats (the latency curve, rows per round) and its requests;
+    # a new replica's start-up is the pinned deployment's (node launch, model load, latency curve)
     doc["_calibration"] = calibrate(
-        last_stats, [r.stats for r in logs if r.stats], startup or deploy_s, prompt_len=_mean_prompt_len(args, schedule)
+        cal_stats, cal_reports, deploy_s, prompt_len=_mean_prompt_len(args, schedule)
     ).__dict__
+    doc["_workload"] = replayed
     return doc
+
+
+def _wait_for_nodes(node_types: list[str], cfg, timeout_s: float) -> None:
+    """After a redeploy: wait (up to ``timeout_s``) until the target nodes are back to the replicas the
+    app starts with, so that the replay's first sample is the cluster at rest."""
+    import ray
+
+    want = (cfg.target_autoscaling or {}).get("initial_replicas", (cfg.target_autoscaling or {}).get("min_replicas", 1))
+    if "target_host" not in node_types:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and count_nodes(ray.nodes(), node_types)["target_host"] > want:
+        time.sleep(1.0)
+
+
+def asked_nodes(alive: dict[str, int]) -> dict[str, int]:
+    """Per node type, the nodes Ray's autoscaler has asked for: running, being set up and launches
+    not yet started, all from one snapshot of its status (the GCS KV; mixing it with the fresher
+    ``alive`` counts a node that has just started twice). {} when the status is not readable
+    (another autoscaler version, or none); a type it does not list keeps its ``alive`` count."""
+    try:
+        from ray._private import ray_constants
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+        report = json.loads(raw)["autoscaler_report"] if raw else None
+    except Exception as err:  # noqa: BLE001 - an optional view: the run goes on without it
+        log.debug("autoscaler status not readable: %s", err)
+        return {}
+    if not report:
+        return {}
+    out = {k: 0 for k in alive if k != HEAD}
+    for node_type, count in (report.get("active_nodes") or {}).items():
+        if node_type in out:
+            out[node_type] += int(count)
+    for pending in report.get("pending_nodes") or []:
+        if len(pending) > 1 and pending[1] in out:
+            out[pending[1]] += 1
+    for node_type, count in (report.get("pending_launches") or {}).items():
+        if node_type in out:
+            out[node_type] += int(count)
+    return {k: max(v, alive.get(k, 0)) if v == 0 else v for k, v in out.items()}
 
 
 def _mean_prompt_len(args: dict, schedule: list[Arrival]) -> float:

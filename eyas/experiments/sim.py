@@ -225,6 +225,9 @@ class ReplicaModel:
     # round takes max(1, B / H) times as long (Ray's fake multi-node cluster: every node is a process
     # on the same machine). Example: H = 2, three replicas busy -> every new round takes 1.5x.
     host_replicas: float | None = None
+    # on a shared host, a starting replica (loading its model, timing its latency curve) counts as
+    # this fraction of a round in flight (0: starting costs the host nothing; 1: as much as serving)
+    load_share: float = 0.0
 
     def __post_init__(self):
         if self.host_replicas is not None and not self.host_replicas > 0:
@@ -233,6 +236,8 @@ class ReplicaModel:
             raise ValueError(f"ReplicaModel.tokens_per_round: {self.tokens_per_round} must be >= 1 (bonus token)")
         if self.max_batch < 1:
             raise ValueError(f"ReplicaModel.max_batch: {self.max_batch} must be >= 1")
+        if not 0.0 <= self.load_share <= 1.0:
+            raise ValueError(f"ReplicaModel.load_share: {self.load_share} must be in [0, 1]")
         if self.rows_per_request < 0 or self.draft_rows_per_request < 0 or self.prefill_rows_per_prompt_token < 0:
             raise ValueError("ReplicaModel: row counts must be >= 0")
 
@@ -621,8 +626,9 @@ class _Sim:
             dur = self.round_s.get(r.running)
             if dur is None:
                 dur = self.round_s[r.running] = m.round_ms(r.running) / MS_PER_S
-        if m.host_replicas is not None:  # a shared host: the rounds in flight share its speed
-            dur *= max(1.0, self.busy_count / m.host_replicas)
+        if m.host_replicas is not None:  # a shared host: the rounds in flight (and model loads) share its speed
+            loading = m.load_share * sum(x.status == STARTING for x in self.alive.values()) if m.load_share else 0.0
+            dur *= max(1.0, (self.busy_count + loading) / m.host_replicas)
         self.push(t + dur, _ROUND_END, r)
 
     def round_end(self, r: _Replica, t: float) -> None:

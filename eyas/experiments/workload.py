@@ -9,10 +9,15 @@ Terms
 * **Workload** (:class:`Workload`, a YAML file under ``ray_configs/workloads/``): a list of
   **phases** played back to back, and named **mixes** of prompt kinds.
 * **Phase** (:class:`Phase`): ``duration_s`` seconds during which requests arrive at a rate that
-  moves from ``rate_start`` to ``rate_end`` requests/s, along a straight line (``shape: linear``) or
+  moves from ``rate_start`` to ``rate_end``, along a straight line (``shape: linear``) or
   a half-cosine ease (``shape: cosine``, flat at both ends, for a diurnal curve). Phase ``i`` covers
   the half-open interval ``[start_i, start_i + duration_s)`` of workload time, where ``start_i`` is
   the sum of the earlier phases' durations.
+* **Rate**: requests/s (``0.5``, for replaying a trace), or a multiple of the **capacity**
+  (``"3x"``): the request rate one target replica sustains on the workload's calibration mix,
+  measured by the experiment before the phases (:class:`CalibrationSpec`). Written in capacity, a
+  burst of ``"3x"`` overloads one replica on a slow machine and a fast one alike, so the same file
+  scales on both; :meth:`Workload.at_capacity` turns it into requests/s.
 * **Mix** (:class:`Mix`): prompt kinds (:class:`PromptKind`) with weights; each arrival draws one
   kind with probability ``weight / sum(weights)`` from its phase's mix.
 * **Arrival** (:class:`Arrival`): one request to send, at workload time ``t`` seconds.
@@ -33,14 +38,15 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from eyas.experiments import sim
@@ -83,18 +89,76 @@ class Mix(BaseModel):
         return self
 
 
+CAPACITY_MULTIPLE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*x\s*$")
+
+
+def _check_rate(value: float | str) -> float | str:
+    """A rate is requests/s (a number >= 0) or a multiple of the calibrated capacity: ``"3x"``, ``"0.05x"``."""
+    if isinstance(value, str):
+        if not CAPACITY_MULTIPLE.match(value):
+            raise PydanticCustomError(
+                "rate",
+                "a rate is requests/s (a number) or a multiple of the calibrated capacity such as '3x', got '{value}'",
+                {"value": value},
+            )
+        return value.strip()
+    if not value >= 0:
+        raise PydanticCustomError("rate", "a rate must be >= 0, got {value}", {"value": value})
+    return float(value)
+
+
+#: requests/s (a float), or a multiple of one target replica's calibrated capacity (``"3x"``)
+Rate = Annotated[float | str, AfterValidator(_check_rate)]
+
+
+def absolute_rate(rate: float | str, capacity_per_s: float) -> float:
+    """``rate`` in requests/s: a number as it is, ``"Nx"`` as ``N * capacity_per_s``."""
+    if isinstance(rate, str):
+        return float(CAPACITY_MULTIPLE.match(rate).group(1)) * capacity_per_s
+    return rate
+
+
+class CalibrationSpec(BaseModel):
+    """How ``eyas experiment autoscale`` measures one target replica's capacity before the phases.
+
+    The app is deployed with its replicas pinned (the autoscaler may not add any); ``repeats`` times,
+    ``requests`` prompts drawn from ``mix`` are sent at once by ``concurrency`` clients (a closed loop:
+    each client sends its next prompt when its last one is answered). One repeat's **capacity** is its
+    requests / its makespan (first send to last answer): the rate one replica sustains with
+    ``concurrency`` requests in flight, whose latency the run reports beside it. The capacity a
+    ``"Nx"`` rate multiplies is the median over the repeats; the simulator is fitted on each repeat.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    mix: str | None = Field(None, description="The mix calibrated on; None = default_mix.")
+    concurrency: int | None = Field(
+        None, ge=1, description="Requests in flight while calibrating; None = the app's max_batch."
+    )
+    requests: int | None = Field(None, ge=1, description="Requests per repeat; None = 2 x concurrency.")
+    repeats: int = Field(3, ge=1, le=20, description="Calibration repeats (the simulator's interval spans them).")
+    shared_host: bool = Field(
+        True,
+        description=(
+            "On the fake cluster (every replica a process on this machine), also measure two pinned target "
+            "replicas once: how many rounds the host runs at once, for the simulator (false: its cores)."
+        ),
+    )
+
+
 class Phase(BaseModel):
     """A stretch of ``duration_s`` seconds whose arrival rate moves from ``rate_start`` to ``rate_end``."""
 
     model_config = ConfigDict(extra="forbid")
 
     duration_s: float = Field(gt=0, description="Length of the phase in seconds.")
-    rate_start: float = Field(ge=0, description="Arrival rate (requests/s) at the start of the phase.")
-    rate_end: float | None = Field(
+    rate_start: Rate = Field(
+        description="Arrival rate at the start of the phase: requests/s, or a multiple of the calibrated capacity ('3x')."
+    )
+    rate_end: Rate | None = Field(
         None,
-        ge=0,
         description=(
-            "Arrival rate (requests/s) at the end of the phase; None means the same as rate_start (a constant rate)."
+            "Arrival rate at the end of the phase (requests/s or 'Nx'); None means the same as rate_start (a constant rate)."
         ),
     )
     shape: Literal["linear", "cosine"] = Field(
@@ -110,14 +174,36 @@ class Phase(BaseModel):
     )
 
     @property
+    def relative(self) -> bool:
+        """True when a rate is a multiple of the calibrated capacity (``"3x"``): resolve it first."""
+        return isinstance(self.rate_start, str) or isinstance(self.rate_end, str)
+
+    def at_capacity(self, capacity_per_s: float) -> Phase:
+        """This phase in requests/s: every ``"Nx"`` rate becomes ``N * capacity_per_s``."""
+        return self.model_copy(
+            update={
+                "rate_start": absolute_rate(self.rate_start, capacity_per_s),
+                "rate_end": None if self.rate_end is None else absolute_rate(self.rate_end, capacity_per_s),
+            }
+        )
+
+    @property
     def end_rate(self) -> float:
         """The rate at the end of the phase (``rate_end``, or ``rate_start`` when that is None)."""
+        self._require_absolute()
         return self.rate_start if self.rate_end is None else self.rate_end
 
     @property
     def max_rate(self) -> float:
         """The highest rate in the phase: both shapes are monotonic, so it is at one of the ends."""
         return max(self.rate_start, self.end_rate)
+
+    def _require_absolute(self) -> None:
+        if self.relative:
+            raise ValueError(
+                f"phase rate {self.rate_start!r} is a multiple of the calibrated capacity: resolve the workload "
+                "with Workload.at_capacity(requests_per_s) first (eyas experiment autoscale calibrates it)"
+            )
 
     def rate(self, offset_s: float) -> float:
         """The rate ``offset_s`` seconds into the phase (clamped to ``[0, duration_s]``).
@@ -126,6 +212,7 @@ class Phase(BaseModel):
         ``start + (end - start) * (1 - cos(pi * f)) / 2``. Both equal the midpoint of start and
         end at ``f = 0.5``.
         """
+        self._require_absolute()
         f = min(max(offset_s / self.duration_s, 0.0), 1.0)
         if self.shape == "cosine":
             f = (1.0 - math.cos(math.pi * f)) / 2.0
@@ -151,6 +238,16 @@ class Workload(BaseModel):
     latency_target_s: float | None = Field(
         None, gt=0, description=("Optional end-to-end latency goal in seconds (drawn on the plot's latency panel).")
     )
+    calibration: CalibrationSpec = Field(
+        default_factory=CalibrationSpec, description="How one target replica's capacity is measured first."
+    )
+    expect_scaling: bool = Field(
+        True,
+        description=(
+            "A scale-up experiment: the report calls the run a success only when target capacity was added "
+            "while the load lasted (the burst phase, else the phases) and given back after."
+        ),
+    )
 
     @model_validator(mode="after")
     def _mix_names_exist(self) -> Workload:
@@ -160,7 +257,24 @@ class Workload(BaseModel):
         for i, phase in enumerate(self.phases):
             if phase.mix is not None and phase.mix not in self.mixes:
                 raise _unknown_mix(f"phases.{i}.mix", phase.mix, known)
+        if self.calibration.mix is not None and self.calibration.mix not in self.mixes:
+            raise _unknown_mix("calibration.mix", self.calibration.mix, known)
         return self
+
+    @property
+    def relative(self) -> bool:
+        """True when a phase's rate is a multiple of the calibrated capacity."""
+        return any(phase.relative for phase in self.phases)
+
+    def at_capacity(self, capacity_per_s: float) -> Workload:
+        """The workload in requests/s, with ``"Nx"`` rates read as multiples of ``capacity_per_s``."""
+        if not capacity_per_s > 0:
+            raise ValueError(f"capacity_per_s: {capacity_per_s} must be > 0")
+        return self.model_copy(update={"phases": [p.at_capacity(capacity_per_s) for p in self.phases]})
+
+    def calibration_mix(self) -> Mix:
+        """The mix the capacity is measured on."""
+        return self.mixes[self.calibration.mix or self.default_mix]
 
     def phase_mix(self, index: int) -> Mix:
         """The mix that phase ``index`` draws from (its own, or ``default_mix``)."""
@@ -306,7 +420,9 @@ class Sample:
     deployment name -> running replicas. ``nodes``: node type -> alive nodes. ``p50_latency_s`` /
     ``p99_latency_s``: end-to-end latency percentiles over the requests that finished in a trailing
     window (None when none did). ``tokens_per_s``: output tokens of the requests that finished in
-    the last interval, divided by the interval.
+    the last interval, divided by the interval. ``asked_replicas``: deployment -> running + starting
+    replicas (a replica counts from the moment Serve is asked for it). ``asked_nodes``: node type ->
+    alive nodes plus those Ray's autoscaler is launching (empty when its status is not readable).
     """
 
     t: float
@@ -321,6 +437,8 @@ class Sample:
     p50_latency_s: float | None
     p99_latency_s: float | None
     tokens_per_s: float
+    asked_replicas: dict[str, int] = field(default_factory=dict)  # running + starting (what was asked for)
+    asked_nodes: dict[str, int] = field(default_factory=dict)  # alive + launching, per type (Ray's autoscaler)
 
     @property
     def total_nodes(self) -> int:
@@ -492,6 +610,133 @@ def _p99_steady(samples: list[Sample], burst_t: float | None) -> float | None:
 
 
 # --------------------------------------------------------------------------------------------------
+# What happened: the scaling report
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScalingEvents:
+    """When capacity was asked for, ran and was given back, relative to a load window ``[start, end)``.
+
+    From a series of ``(t, asked, running)`` points of one deployment (or node type), with
+    ``initial`` the count before the load. ``asked_at`` / ``running_at``: the first ``t`` at which
+    ``asked`` / ``running`` exceed ``initial`` (None: never); ``back_at``: the first ``t`` after both
+    ``running_at`` and the window's end at which ``asked`` is back at ``initial`` or below (None:
+    never, or nothing was added); ``peak``: the most asked for. Times are absolute (workload time).
+    """
+
+    asked_at: float | None
+    running_at: float | None
+    back_at: float | None
+    peak: int
+
+
+def scaling_events(points: list[tuple[float, int, int]], initial: int, end: float) -> ScalingEvents:
+    """See :class:`ScalingEvents`. Worked example: initial 1, points (0,1,1) (5,2,1) (9,2,2) (20,1,1),
+    window end 12 -> asked at 5, running at 9, back at 20, peak 2."""
+    asked_at = next((t for t, asked, _ in points if asked > initial), None)
+    running_at = next((t for t, _, run in points if run > initial), None)
+    back_at = None
+    if running_at is not None:
+        back_at = next((t for t, asked, _ in points if t >= max(running_at, end) and asked <= initial), None)
+    return ScalingEvents(asked_at, running_at, back_at, max((a for _, a, _ in points), default=initial))
+
+
+def load_window(workload: Workload) -> tuple[float, float]:
+    """The span the load should scale up in: the phase labelled ``burst_start`` when there is one,
+    else all the phases (a load that grows in rate or in work per request)."""
+    spans = phase_spans(workload)
+    for (start, end), phase in zip(spans, workload.phases):
+        if phase.label == BURST_START:
+            return start, end
+    return 0.0, total_duration(workload)
+
+
+def scaling_report(
+    timeline: Timeline,
+    workload: Workload,
+    *,
+    deployment: str,
+    node_type: str | None,
+    rows_per_replica: float,
+    errors: int = 0,
+    incorrect: int = 0,
+) -> dict:
+    """What the autoscaler did and whether a scale-up experiment succeeded, and if not, why.
+
+    ``workload`` is the one replayed (rates in requests/s). The signal is the target policy's:
+    the pending verify rows of all target replicas over ``rows_per_replica`` (its
+    ``target_verify_rows_per_replica``) is the replicas it asks for; the load **crossed** the
+    threshold at the first sample in the load window (:func:`load_window`) whose rows exceed
+    ``rows_per_replica`` x the replicas running then. (The policy acts on Serve's window average
+    and after its upscale delay, so a brief crossing need not add a replica.)
+
+    A run with ``workload.expect_scaling`` is a **success** when it had no error and no incorrect
+    answer, a target replica was asked for no earlier than the window's start, ran before its end,
+    and the count was back at its start by the end of the run. Otherwise ``why`` names the first
+    reason in this order: errors; scaled before the load window (the quieter load alone crossed the
+    threshold); thresholds not crossed; crossed but nothing asked for (the policy's delay and window
+    outlasted the crossing); asked for but never running (capacity unavailable: no node, or
+    ``max_replicas`` reached); running only after the window ended (start-up longer than the burst);
+    not given back by the end of the run.
+    """
+    start, end = load_window(workload)
+    samples = sorted(timeline.samples, key=lambda s: s.t)
+    if not samples:
+        return {"success": False, "why": "no samples were taken", "window": [start, end]}
+    initial = samples[0].asked_replicas.get(deployment, samples[0].replicas.get(deployment, 0))
+    points = [
+        (s.t, s.asked_replicas.get(deployment, s.replicas.get(deployment, 0)), s.replicas.get(deployment, 0))
+        for s in samples
+    ]
+    replica = scaling_events(points, initial, end)
+    node = None
+    if node_type is not None:
+        first = samples[0].nodes.get(node_type, 0)
+        node_points = [
+            (s.t, s.asked_nodes.get(node_type, s.nodes.get(node_type, 0)), s.nodes.get(node_type, 0)) for s in samples
+        ]
+        node = scaling_events(node_points, first, end)
+    in_window = [s for s in samples if start <= s.t < end]
+    per_replica = [s.pending_verify_rows / max(s.replicas.get(deployment, 0), 1) for s in in_window]
+    crossed_at = next((s.t for s, r in zip(in_window, per_replica) if r > rows_per_replica), None)
+    why = None
+    if errors or incorrect:
+        why = f"{errors} errors and {incorrect} incorrect answers"
+    elif replica.asked_at is not None and replica.asked_at < start:
+        why = f"scaled before the load window: a replica was asked for at {replica.asked_at:.1f} s, the window starts at {start:.1f} s"
+    elif replica.asked_at is None and crossed_at is None:
+        why = (
+            f"thresholds not crossed: pending verify rows per target replica peaked at {max(per_replica, default=0):.0f}, "
+            f"under the policy's {rows_per_replica:g}"
+        )
+    elif replica.asked_at is None:
+        why = f"crossed the threshold at {crossed_at:.1f} s but no replica was asked for (the policy's delay and window outlasted the load)"
+    elif replica.running_at is None:
+        why = f"capacity unavailable: a replica was asked for at {replica.asked_at:.1f} s and never ran (no node, or max_replicas)"
+    elif replica.running_at >= end:
+        why = f"too slow: the replica asked for at {replica.asked_at:.1f} s ran at {replica.running_at:.1f} s, after the load ended at {end:.1f} s"
+    elif replica.back_at is None:
+        why = "the added capacity was not given back by the end of the run"
+    return {
+        "expected": workload.expect_scaling,
+        "success": workload.expect_scaling and why is None,
+        "why": why if workload.expect_scaling else "not a scale-up experiment (expect_scaling: false)",
+        "window": [start, end],
+        "initial_replicas": initial,
+        "threshold": {
+            "rows_per_replica": rows_per_replica,
+            "peak_rows_per_replica": max(per_replica, default=0.0),
+            "crossed_at": crossed_at,
+        },
+        "replica": asdict(replica),
+        "node": asdict(node) if node is not None else None,
+        "time_to_added_capacity_s": None if replica.running_at is None else replica.running_at - start,
+        "scale_down_s": None if replica.back_at is None else replica.back_at - end,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
 # Plot
 # --------------------------------------------------------------------------------------------------
 
@@ -506,8 +751,8 @@ def plot_timeline(timeline: Timeline, path: str | Path, workload: Workload | Non
     1. request rate (measured; plus the planned :func:`rate_at` curve when ``workload`` is given)
        and in-flight requests (right axis);
     2. pending verify rows and draft rows;
-    3. replicas per deployment (step lines);
-    4. alive nodes per type (step lines);
+    3. replicas per deployment running (step lines) and asked for (dotted);
+    4. alive nodes per type (step lines) and asked for (dotted: alive plus launching);
     5. p50 / p99 latency (left axis; the workload's ``latency_target_s`` as a dotted line when
        given) and tokens/s (right axis).
 
@@ -523,8 +768,8 @@ def plot_timeline(timeline: Timeline, path: str | Path, workload: Workload | Non
     fig, axes = plt.subplots(5, 1, sharex=True, figsize=(13, 13))
     _plot_load(axes[0], samples, ts, workload)
     _plot_work(axes[1], samples, ts)
-    _plot_counts(axes[2], ts, [s.replicas for s in samples], "replicas")
-    _plot_counts(axes[3], ts, [s.nodes for s in samples], "nodes")
+    _plot_counts(axes[2], ts, [s.replicas for s in samples], "replicas", [s.asked_replicas for s in samples])
+    _plot_counts(axes[3], ts, [s.nodes for s in samples], "nodes", [s.asked_nodes for s in samples])
     _plot_latency(axes[4], samples, ts, workload)
     _plot_events(axes, timeline.events)
     axes[-1].set_xlabel("time since start (s)")
@@ -559,10 +804,15 @@ def _plot_work(ax, samples: list[Sample], ts: list[float]) -> None:
     _legend(ax)
 
 
-def _plot_counts(ax, ts: list[float], counts: list[dict[str, int]], ylabel: str) -> None:
+def _plot_counts(
+    ax, ts: list[float], counts: list[dict[str, int]], ylabel: str, asked: list[dict[str, int]] | None = None
+) -> None:
     names = sorted({name for c in counts for name in c})
     for name in names:
-        ax.step(ts, [c.get(name, 0) for c in counts], where="post", label=name)
+        (line,) = ax.step(ts, [c.get(name, 0) for c in counts], where="post", label=name)
+        if asked and any(name in a for a in asked):
+            values = [a.get(name, c.get(name, 0)) for a, c in zip(asked, counts)]
+            ax.step(ts, values, where="post", color=line.get_color(), linestyle=":", label=f"{name} asked for")
     ax.set_ylabel(ylabel)
     ax.yaxis.get_major_locator().set_params(integer=True)
     ax.set_ylim(bottom=0)

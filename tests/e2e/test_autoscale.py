@@ -2,9 +2,11 @@
 
 ``eyas experiment autoscale`` runs in a subprocess, as a user runs it: it starts the fake cluster of
 ray_configs/fake_cluster.yaml (each node another raylet on this machine; target replicas need a
-``target_host`` node), deploys ray_configs/autoscale.yaml with a lower verify-row target so that this
-small burst is enough, replays tests/e2e/workloads/tiny_burst.yaml and checks every answer against
-in-process greedy target-only decoding. It runs first in tests/e2e (no other Ray may run beside it).
+``target_host`` node), deploys ray_configs/autoscale.yaml pinned at one replica and measures its
+capacity, releases the autoscaler, replays tests/e2e/workloads/tiny_burst.yaml (its rates multiples of
+that capacity, so the burst overloads one replica on a slow machine and a fast one alike) and checks
+every answer against in-process greedy target-only decoding. It runs first in tests/e2e (no other
+Ray may run beside it).
 """
 
 from __future__ import annotations
@@ -25,14 +27,10 @@ def test_a_burst_adds_a_node_and_a_target_replica_and_idle_removes_them(tmp_path
     serve = yaml.safe_load((ROOT / "ray_configs/autoscale.yaml").read_text())
     args = serve["applications"][0]["args"]
     kwargs = args["target_autoscaling"]["policy"]["policy_kwargs"]
-    # 1 verify row per replica: any request in flight during the burst asks for the second replica
-    # (one run: asked ~0.5 s into the burst, running 18 s later, back to 1 at the end). At the earlier
-    # 10 rows the 3-s average rarely held above the threshold for the upscale delay and a CI run saw
-    # no second replica; 3 rows passed. 1 row once ran past the subprocess's 900 s: not the cluster
-    # but the 100 req/s plan after it, whose simulator rebuilt its routing table at every replica start
-    # and stop, O(N^2) in the ~50,000 replicas that policy asks for (now O(1) each: ~2 s), so this
-    # test also guards that.
-    kwargs.update(target_verify_rows_per_replica=1, max_replicas=2, upscale_delay_s=1, downscale_delay_s=10)
+    # 64 pending verify rows a replica (the shipped 256 is half of what one carries at capacity with 16
+    # in flight; this calibration keeps 4 in flight): the burst, 1.5x the measured capacity, grows a
+    # queue on any machine. At most 2 replicas; quick delays to keep the test short.
+    kwargs.update(target_verify_rows_per_replica=64, max_replicas=2, upscale_delay_s=1, downscale_delay_s=10)
     args["target_autoscaling"]["max_replicas"] = 2
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump(serve))
@@ -62,6 +60,15 @@ def test_a_burst_adds_a_node_and_a_target_replica_and_idle_removes_them(tmp_path
     doc = json.loads((out / "timeline.json").read_text())
     s = doc["meta"]["summary"]
     assert s["requests"] > 0 and s["errors"] == 0 and s["incorrect"] == 0 and s["checked"]
+    cal = s["calibration"]
+    assert (
+        cal["capacity_per_s"] > 0 and len(cal["runs"]) == 2 and cal["rates_per_s"][1][0] == 1.5 * cal["capacity_per_s"]
+    )
+    rep = s["report"]
+    assert rep["success"] and rep["why"] is None, rep
+    w0, w1 = rep["window"]
+    assert w0 <= rep["replica"]["asked_at"] < rep["replica"]["running_at"] < w1 < rep["replica"]["back_at"]
+    assert rep["threshold"]["crossed_at"] is not None and rep["node"]["running_at"] is not None
     samples = doc["samples"]
     targets = [x["replicas"].get("EyasTarget", 0) for x in samples]
     target_nodes = [x["nodes"].get("target_host", 0) for x in samples]
@@ -69,4 +76,8 @@ def test_a_burst_adds_a_node_and_a_target_replica_and_idle_removes_them(tmp_path
     assert targets[-1] == targets[0] and target_nodes[-1] == target_nodes[0], (targets, target_nodes)
     assert all(x["completed"] <= s["requests"] for x in samples) and samples[-1]["completed"] == s["requests"]
     assert (out / "timeline.png").stat().st_size > 10_000
-    assert s["simulator"]["predicted"]["p99_latency_s"] > 0 and s["simulator"]["plan"][0]["peak_replicas"] >= 1
+    sim = s["simulator"]
+    assert sim["fitted_on"] == "calibration" and len(sim["cost_scales"]) == 2
+    assert sim["predicted"]["peak_replicas"] >= 1 and sim["predicted"]["time_to_added_capacity_s"] is not None
+    assert sim["plan"][0]["peak_replicas"] >= 1
+    assert "SUCCESS" in run.stdout and "simulator (fitted on the calibration)" in run.stdout

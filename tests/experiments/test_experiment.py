@@ -97,3 +97,89 @@ def test_the_autoscale_app_config_is_valid_and_asks_for_those_node_types():
         AutoscalingConfig(**auto)
         cls(**auto["policy"]["policy_kwargs"])  # the knobs are valid for the policy
         assert auto["policy"]["policy_function"].endswith(cls.__name__)
+
+
+# ---- fitted on the calibration only --------------------------------------------------------------------
+
+
+def test_the_cost_scale_fitted_on_a_calibration_repeat_reproduces_its_makespan_and_grows_with_it():
+    """A repeat of 32 requests, 16 in flight: the fitted factor makes one simulated replica answer them
+    in the measured makespan; a makespan twice as long fits a larger factor (about twice)."""
+    from eyas.experiments.experiment import CapacityRun, fit_on_capacity_run
+
+    def run(makespan):
+        return CapacityRun(32, 16, makespan, (20,) * 32, 1.0, 2.0, 100.0, 0, 0)
+
+    fast, slow = fit_on_capacity_run(CAL, run(8.0), max_batch=16), fit_on_capacity_run(CAL, run(16.0), max_batch=16)
+    one = TargetScalingConfig(min_replicas=1, max_replicas=1)
+    again = predict(
+        [Arrival(0.0, "k", "", 20, 0)] * 32,
+        Calibration(**{**CAL.__dict__, "cost_scale": fast}),
+        one,
+        max_batch=16,
+        initial_replicas=1,
+        until_s=0.0,
+    )
+    assert abs(again.makespan_s - 8.0) < 0.05 and 1.7 < slow / fast < 2.3
+    assert run(8.0).capacity_per_s == 4.0
+
+
+def test_serves_window_and_report_lag_delay_the_simulated_scale_up():
+    """The policy sees Serve's look-back average, a report interval late: the simulated replica is
+    asked for later than with instantaneous reports, never earlier."""
+    from eyas.experiments.experiment import PolicyTiming
+
+    policy = TargetScalingConfig(min_replicas=1, max_replicas=4, target_verify_rows_per_replica=20, upscale_delay_s=1)
+    burst = [Arrival(10 + i * 0.1, "k", "p", 20, 1) for i in range(200)]
+
+    def first_start(timing):
+        r = predict(burst, CAL, policy, max_batch=8, initial_replicas=1, until_s=60, timing=timing)
+        return next(p.time_s for p in r.timeline if p.starting > 0)
+
+    now = first_start(PolicyTiming(control_s=0.5))
+    late = first_start(PolicyTiming(look_back_s=3.0, lag_s=1.0, control_s=0.5))
+    assert 10 < now < late <= now + 4.5, (now, late)
+    assert PolicyTiming.of({"look_back_period_s": 3, "metrics_interval_s": 1}) == PolicyTiming(3.0, 1.0, 0.5)
+
+
+def test_on_a_shared_host_a_loading_replica_slows_the_serving_ones():
+    """Fake cluster: every node is a process on one machine, so a replica loading its model takes a
+    share of the cores the serving replica computes on. One replica, a second starting for 20 s: the
+    first's rounds run at half speed while it loads (host of 1 round at once), not with a host each."""
+    from eyas.experiments import sim
+
+    model = dict(verify_ms=sim.Curve.from_points({1: 100.0}), max_batch=1)
+    steady = sim.Workload(sim.Arrivals.explicit([0.0] * 20), output_len=10, prompt_len=1)
+    two_at_five = sim.Autoscaling(lambda s: 2 if s.time_s >= 5 else 1, control_interval_s=1.0, startup_delay_s=20.0)
+    cluster = sim.ClusterModel(replicas=1, autoscaling=two_at_five)
+    own = sim.simulate(steady, sim.ReplicaModel(**model, host_replicas=1.0), cluster)
+    shared = sim.simulate(steady, sim.ReplicaModel(**model, host_replicas=1.0, load_share=1.0), cluster)
+    assert shared.makespan_s > own.makespan_s + 5.0, (own.makespan_s, shared.makespan_s)
+
+
+def test_the_calibration_pins_the_autoscaled_deployments():
+    from eyas.experiments.experiment import load_serve_config, pinned_args
+
+    args = load_serve_config(CONFIGS / "autoscale.yaml")
+    pinned = pinned_args(args)
+    for kind in ("target", "drafter"):
+        a = pinned[f"{kind}_autoscaling"]
+        assert a["min_replicas"] == a["max_replicas"] == a["initial_replicas"] == 1
+        assert a["policy"]["policy_kwargs"]["max_replicas"] == 1
+    two = pinned_args(args, target_replicas=2)["target_autoscaling"]
+    assert two["min_replicas"] == two["max_replicas"] == 2
+    assert args["target_autoscaling"]["max_replicas"] == 3, "the caller's args are left as they were"
+
+
+def test_max_target_replicas_moves_serves_bound_and_the_policys_together_and_refuses_what_cannot_be():
+    from eyas.experiments.experiment import load_serve_config, with_max_target_replicas
+
+    args = load_serve_config(CONFIGS / "autoscale.yaml")
+    five = with_max_target_replicas(args, 5)["target_autoscaling"]
+    assert five["max_replicas"] == five["policy"]["policy_kwargs"]["max_replicas"] == 5
+    fake = yaml.safe_load((CONFIGS / "fake_cluster.yaml").read_text())
+    assert fake["available_node_types"]["target_host"]["max_workers"] >= 5, "room for 5 target hosts"
+    with pytest.raises(ValueError, match="--max-target-replicas: 0 is below"):
+        with_max_target_replicas(args, 0)
+    with pytest.raises(ValueError, match="no autoscaling_config"):
+        with_max_target_replicas({"target_autoscaling": None}, 4)

@@ -15,10 +15,13 @@ from eyas.experiments.workload import (
     Timeline,
     Workload,
     arrivals,
+    load_window,
     load_workload,
     percentile,
     plot_timeline,
     rate_at,
+    scaling_events,
+    scaling_report,
     summary,
     total_duration,
 )
@@ -222,16 +225,175 @@ def test_shipped_workloads_load(filename):
     path = WORKLOADS / filename
     assert path.read_text().startswith("#"), "each workload file opens with a comment saying what it tests"
     w = load_workload(path)
-    arr = arrivals(w)
+    assert w.relative, "the shipped workloads are written in units of the calibrated capacity"
+    arr = arrivals(w.at_capacity(2.0))
     assert w.name == path.stem and arr and all(a.t < total_duration(w) for a in arr)
 
 
 def test_shipped_step_burst_shape():
-    w = load_workload(WORKLOADS / "step_burst.yaml")
-    assert total_duration(w) == 80
-    assert [rate_at(w, t) for t in (5, 40, 70)] == [0.12, 1.0, 0.05]
+    w = load_workload(WORKLOADS / "step_burst.yaml").at_capacity(2.0)
+    assert total_duration(w) == 100
+    assert [rate_at(w, t) for t in (5, 40, 80)] == [0.6, 4.0, 0.1]  # 0.3x, 2x, 0.05x of 2 req/s
+    assert load_window(w) == (30.0, 70.0)
     tokens = {k.max_new_tokens for m in w.mixes.values() for k in m.prompts}
     assert min(tokens) >= 16 and max(tokens) <= 24
+
+
+# ---- rates in units of capacity -------------------------------------------------------------------------
+
+
+def test_a_rate_in_capacity_units_resolves_against_the_measured_capacity():
+    """'3x' is three times the capacity; a number stays requests/s; the same file at twice the capacity
+    sends about twice the requests (a faster machine gets a proportionally heavier load)."""
+    w = workload([{"duration_s": 60, "rate_start": "0.5x"}, {"duration_s": 60, "rate_start": "3x", "rate_end": 1.5}])
+    assert w.relative and not w.at_capacity(2.0).relative
+    fast = w.at_capacity(4.0)
+    assert (fast.phases[0].rate_start, fast.phases[1].rate_start, fast.phases[1].rate_end) == (2.0, 12.0, 1.5)
+    slow_n = sum(a.phase == 0 for a in arrivals(w.at_capacity(2.0)))
+    fast_n = sum(a.phase == 0 for a in arrivals(fast))
+    assert 60 - 4 * 60**0.5 < slow_n < 60 + 4 * 60**0.5 and 1.5 < fast_n / slow_n < 2.6
+    with pytest.raises(ValueError, match="multiple of the calibrated capacity"):
+        arrivals(w)  # not resolved yet: no silent guess of the capacity
+    with pytest.raises(ValueError, match="capacity_per_s"):
+        w.at_capacity(0.0)
+
+
+@pytest.mark.parametrize("bad", ["3", "x3", "3y", "-1x"])
+def test_a_bad_rate_names_its_field(tmp_path, bad):
+    text = GOOD.replace("MIXNAME", "short").replace(
+        "{duration_s: 5, rate_start: 1}", f"{{duration_s: 5, rate_start: '{bad}'}}"
+    )
+    path = write(tmp_path, "rate.yaml", text)
+    with pytest.raises(ValueError) as info:
+        load_workload(path)
+    assert str(info.value).startswith(f"{path}: phases.0.rate_start: ") and "'3x'" in str(info.value)
+
+
+def test_the_calibration_mix_must_exist():
+    with pytest.raises(ValueError, match="calibration.mix: unknown mix 'long'"):
+        workload([{"duration_s": 5, "rate_start": "1x"}], calibration={"mix": "long"})
+    assert workload([{"duration_s": 5, "rate_start": "1x"}]).calibration_mix().prompts[0].name == "a"
+
+
+# ---- the scaling report ---------------------------------------------------------------------------------
+
+
+def test_scaling_events_worked_example():
+    """initial 1; asked 2 at t=5, running 2 at t=9, back to 1 at t=20; the window ends at 12."""
+    ev = scaling_events([(0, 1, 1), (5, 2, 1), (9, 2, 2), (20, 1, 1)], initial=1, end=12)
+    assert (ev.asked_at, ev.running_at, ev.back_at, ev.peak) == (5, 9, 20, 2)
+    never = scaling_events([(0, 1, 1), (5, 1, 1)], initial=1, end=3)
+    assert (never.asked_at, never.running_at, never.back_at, never.peak) == (None, None, None, 1)
+
+
+def scaled(asked: list[int], running: list[int], rows: list[float]) -> Timeline:
+    """One sample a second; target replicas asked / running and pending verify rows per second."""
+    timeline = Timeline("t")
+    for t, (a, r, w) in enumerate(zip(asked, running, rows)):
+        timeline.add(
+            Sample(
+                t=float(t),
+                request_rate=1.0,
+                in_flight=1,
+                completed=t,
+                pending_verify_rows=w,
+                draft_rows=0.0,
+                kv_bytes_used=0.0,
+                replicas={"EyasTarget": r},
+                nodes={"target_host": r},
+                p50_latency_s=None,
+                p99_latency_s=None,
+                tokens_per_s=1.0,
+                asked_replicas={"EyasTarget": a},
+                asked_nodes={"target_host": a},
+            )
+        )
+    return timeline
+
+
+BURST = workload(
+    [
+        {"duration_s": 4, "rate_start": 0.1},
+        {"duration_s": 4, "rate_start": 2, "label": "burst_start"},
+        {"duration_s": 4, "rate_start": 0},
+    ]
+)  # the load window is [4, 8)
+
+
+@pytest.mark.parametrize(
+    "asked, running, rows, why",
+    [
+        (
+            [1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 1, 1],
+            [1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 1, 1],
+            [0, 0, 0, 0, 90, 90, 90, 0, 0, 0, 0, 0],
+            None,
+        ),
+        (
+            [1] * 12,
+            [1] * 12,
+            [10] * 12,
+            "thresholds not crossed: pending verify rows per target replica peaked at 10, under the policy's 64",
+        ),
+        (
+            [1] * 12,
+            [1] * 12,
+            [0, 0, 0, 0, 0, 90, 0, 0, 0, 0, 0, 0],
+            "crossed the threshold at 5.0 s but no replica was asked for",
+        ),
+        (
+            [1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2],
+            [1] * 12,
+            [90] * 12,
+            "capacity unavailable: a replica was asked for at 5.0 s",
+        ),
+        (
+            [1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 1, 1],
+            [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 1, 1],
+            [0, 0, 0, 0, 90, 90, 90, 90, 0, 0, 0, 0],
+            "too slow: the replica asked for at 5.0 s ran at 8.0 s, after the load ended at 8.0 s",
+        ),
+        (
+            [1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2],
+            [1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2],
+            [0, 0, 0, 0, 90, 90, 90, 0, 0, 0, 0, 0],
+            "the added capacity was not given back",
+        ),
+        (
+            [1, 1, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1],
+            [1, 1, 1, 2, 2, 2, 2, 2, 1, 1, 1, 1],
+            [90] * 12,
+            "scaled before the load window: a replica was asked for at 2.0 s",
+        ),
+    ],
+)
+def test_the_report_calls_a_run_a_success_only_when_it_scaled_in_the_window_and_back_and_says_why_not(
+    asked, running, rows, why
+):
+    rep = scaling_report(
+        scaled(asked, running, rows), BURST, deployment="EyasTarget", node_type="target_host", rows_per_replica=64
+    )
+    assert rep["window"] == [4.0, 8.0] and rep["success"] is (why is None)
+    if why is None:
+        assert rep["time_to_added_capacity_s"] == 2.0 and rep["replica"]["back_at"] == 10 and rep["scale_down_s"] == 2.0
+        assert rep["node"]["running_at"] == 6 and rep["threshold"]["crossed_at"] == 4.0
+    else:
+        assert rep["why"].startswith(why), rep["why"]
+
+
+def test_errors_fail_the_report_and_a_steady_workload_is_not_judged():
+    ok = (
+        [1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 1, 1],
+        [1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 1, 1],
+        [0, 0, 0, 0, 90, 90, 90, 0, 0, 0, 0, 0],
+    )
+    rep = scaling_report(scaled(*ok), BURST, deployment="EyasTarget", node_type=None, rows_per_replica=64, incorrect=1)
+    assert not rep["success"] and rep["why"] == "0 errors and 1 incorrect answers" and rep["node"] is None
+    steady = BURST.model_copy(update={"expect_scaling": False})
+    rep = scaling_report(
+        scaled([1] * 12, [1] * 12, [0] * 12), steady, deployment="EyasTarget", node_type=None, rows_per_replica=64
+    )
+    assert not rep["success"] and not rep["expected"] and "expect_scaling: false" in rep["why"]
 
 
 # ---- timeline ----------------------------------------------------------------------------------------
@@ -337,7 +499,7 @@ def test_percentile():
 
 def test_plot_writes_png(tmp_path):
     path = tmp_path / "timeline.png"
-    w = load_workload(WORKLOADS / "step_burst.yaml")
+    w = load_workload(WORKLOADS / "step_burst.yaml").at_capacity(2.0)
     plot_timeline(hand_built(), path, workload=w)
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
