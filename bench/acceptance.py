@@ -280,11 +280,12 @@ def with_suffix(methods: list[Method]) -> list[Method]:
     return out
 
 
-def with_processors(methods: list[Method], processors: dict) -> list[Method]:
-    """Each method twice: as it is, and with the logits ``processors`` on every request (named
-    ``<method>+proc``, measured against ``target+proc``), alternating in the same run."""
+def with_processors(methods: list[Method], processors: dict, tag: str = "proc") -> list[Method]:
+    """Each method twice: as it is, and with the request fields ``processors`` (logits processors, a
+    ``response_format``) on every request (named ``<method>+<tag>``, measured against
+    ``target+<tag>``), alternating in the same run."""
     twins = [
-        Method(f"{m.name}+proc", {**m.request, **processors}, m.drafter, m.trained_as, m.depth, "target+proc")
+        Method(f"{m.name}+{tag}", {**m.request, **processors}, m.drafter, m.trained_as, m.depth, f"target+{tag}")
         for m in methods
     ]
     return methods + twins
@@ -415,6 +416,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="logits processors as JSON, e.g. '{\"frequency_penalty\": 0.5}': every method runs with and without "
         "them in the same run (the twins named <method>+proc, against target+proc)",
     )
+    p.add_argument(
+        "--json-schema",
+        help="structured output: a JSON schema (JSON text or @FILE) every twin request answers in "
+        "(response_format json_schema; the twins named <method>+json, against target+json)",
+    )
     p.add_argument("--drafters", help="the folder of drafter folders to bench (default: the repository's drafters/)")
     p.add_argument(
         "--methods",
@@ -468,8 +474,19 @@ def main(argv=None) -> int:
             methods = [m for m in methods if m.name == "target" or m.name in wanted]
         if args.suffix:
             methods = with_suffix(methods)
+        extra, tags = {}, []
         if args.processors:
-            methods = with_processors(methods, json.loads(args.processors))
+            extra.update(json.loads(args.processors))
+            tags.append("proc")
+        if args.json_schema:
+            text = Path(args.json_schema[1:]).read_text() if args.json_schema.startswith("@") else args.json_schema
+            extra["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "bench", "schema": json.loads(text)},
+            }
+            tags.append("json")
+        if extra:
+            methods = with_processors(methods, extra, "+".join(tags))
         records = bench(eyas, methods, prompt_ids, args.max_new_tokens)
     summary = summarize(methods, records, eos_ids)
 
@@ -505,6 +522,7 @@ def main(argv=None) -> int:
         "device": args.device,
         "greedy": True,
         "processors": json.loads(args.processors) if args.processors else None,
+        "json_schema": args.json_schema,
         "suffix": args.suffix,
         "threads": torch.get_num_threads(),
         "tree_overrides": tree_overrides or None,

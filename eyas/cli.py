@@ -64,6 +64,11 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--logit-bias", default=None, help="JSON object: token id -> bias in [-100, 100], e.g. '{\"2\": -100}'"
     )
+    p.add_argument(
+        "--response-format",
+        default=None,
+        help='structured output, OpenAI\'s response_format as JSON (\'{"type": "json_object"}\'), or @FILE',
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tree-kind", default="dynamic", choices=["dynamic", "static", "chain"])
     p.add_argument("--tree-depth", type=int)
@@ -103,6 +108,18 @@ def _logit_bias(raw: str | None) -> dict:
     return bias
 
 
+def _response_format(raw: str | None) -> dict | None:
+    if raw is None:
+        return None
+    from pathlib import Path
+
+    text = Path(raw[1:]).read_text() if raw.startswith("@") else raw
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"response_format: not valid JSON ({err.msg})") from None
+
+
 def _request(args, method: str | None = None):
     from eyas.protocol.schema import parse_request
 
@@ -138,6 +155,7 @@ def _request(args, method: str | None = None):
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
         logit_bias=_logit_bias(args.logit_bias),
+        response_format=_response_format(getattr(args, "response_format", None)),
         seed=args.seed,
         drafter=args.drafter,
         tree_kind=args.tree_kind,

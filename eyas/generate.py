@@ -39,6 +39,7 @@ from eyas.step import (
 )
 from eyas.target.engine import PrefillProgress, TargetEngine, Verified
 from eyas.verification.accept import decide
+from eyas.verification.grammar import GrammarCursor
 from eyas.verification.sampling import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
@@ -115,10 +116,18 @@ class EngineTarget:
 
     def __init__(self, engine: TargetEngine):
         self.engine = engine
-        self.samplers: dict[str, tuple[list[int], SamplingParams, torch.Generator]] = {}
+        self.samplers: dict[str, tuple[list[int], SamplingParams, torch.Generator, GrammarCursor | None]] = {}
 
-    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, generator: torch.Generator):
-        self.samplers[request_id] = (list(prompt_ids), sampling, generator)
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        generator: torch.Generator,
+        grammar: GrammarCursor | None = None,
+    ):
+        """``grammar``: the request's structured-output cursor (its own; None: no grammar)."""
+        self.samplers[request_id] = (list(prompt_ids), sampling, generator, grammar)
 
     def step(self, prefilling, verifies, max_prefill_rows):
         pre, ver = self.engine.step(
@@ -131,10 +140,12 @@ class EngineTarget:
             raise v
         if isinstance(v, PrefillProgress):
             return v
-        prompt_ids, sampling, generator = self.samplers[v.request_id]
+        prompt_ids, sampling, generator, grammar = self.samplers[v.request_id]
         t0 = time.perf_counter()
-        output = self.engine.answer_ids(v.request_id) if sampling.processes and v.flat is not None else ()
-        decision = decide(v, prompt_ids, sampling, generator, output)  # accept
+        reads_answer = (sampling.processes or grammar is not None) and v.flat is not None
+        output = self.engine.answer_ids(v.request_id) if reads_answer else ()
+        allowed = grammar.tree_bitmask(list(output), v.flat) if grammar is not None else None
+        decision = decide(v, prompt_ids, sampling, generator, output, allowed)  # accept
         return Decided(
             request_id=v.request_id, round=v.round, decision=decision, flat=v.flat, accept_s=time.perf_counter() - t0
         )
@@ -163,12 +174,17 @@ def generate(
     stop_ids: tuple[int, ...] | None = None,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
     suffix: SuffixSpec | None = None,
+    grammar: GrammarCursor | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``; speculative when ``drafter`` is given,
     or ``suffix``: suffix drafts from the request's own history (``eyas.drafting.suffix``), alone
     without a drafter, grafted into its tree with one.
 
-    on_tokens: called with each publish's new tokens; returning True stops (finish reason "stop")."""
+    on_tokens: called with each publish's new tokens; returning True stops (finish reason "stop").
+    grammar: the structured-output cursor of ``sampling.grammar`` (``GrammarCompiler.cursor``): every
+    verify row is masked under its own path (``eyas.verification.grammar``)."""
+    if (grammar is None) != (sampling.grammar == ""):
+        raise ValueError("grammar: a cursor goes with sampling.grammar, and only with it")
     if type(max_new_tokens) is not int or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
     stop_ids = tuple(target.cfg.eos_token_ids if stop_ids is None else stop_ids)
@@ -177,14 +193,15 @@ def generate(
         drafter_side = SuffixSide(drafter_side, suffix)
         tree = tree if drafter is not None else suffix_tree_spec(suffix)
     sides = EngineTarget(target), drafter_side
-    sides[0].add(request_id, prompt_ids, sampling, torch.Generator().manual_seed(seed))
+    sides[0].add(request_id, prompt_ids, sampling, torch.Generator().manual_seed(seed), grammar)
     speculative = drafter_side is not None
     state = DraftState(
         request_id=request_id,
         method="target" if not speculative else ("drafter" if drafter is not None else SUFFIX),
         suffix=suffix is not None and drafter is not None,
         draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens),
-        processors=(sampling, tuple(prompt_ids)) if sampling.processes and drafter is not None else None,
+        processors=(sampling, tuple(prompt_ids)) if (sampling.processes or grammar) and drafter is not None else None,
+        grammar=grammar.twin() if grammar is not None and drafter is not None else None,
     )
     rows = verify_rows(tree, suffix if state.suffix else None) if speculative else 1
     target.open_session(request_id, prompt_ids, max_new_tokens, rows)

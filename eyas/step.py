@@ -35,6 +35,7 @@ from eyas.drafting.suffix import SuffixIndex, SuffixSpec, expected_accepted, gra
 from eyas.protocol.messages import AcceptDecision, Refusal, Seed
 from eyas.protocol.tree import DraftTree, FlatTree
 from eyas.target.engine import PrefillProgress
+from eyas.verification.grammar import GrammarCursor
 from eyas.verification.processors import draft_processor
 
 log = logging.getLogger("eyas.step")
@@ -66,8 +67,11 @@ class DraftState:
     request_id: str
     method: str  # "target" | "eagle1" | "hass" | "eagle3" | "suffix" (suffix drafts alone)
     suffix: bool = False  # suffix drafts grafted into the drafter's tree (SuffixSide)
-    # the request's sampler and prompt when a logits processor is on: the drafter drafts under them
+    # the request's sampler and prompt when a logits processor or a grammar is on: the drafter drafts
+    # under them
     processors: tuple | None = None  # (SamplingParams, prompt ids)
+    # an in-process drafter's own cursor of the request's grammar (a remote drafter makes its own)
+    grammar: GrammarCursor | None = None
     draft_slots: int = 0  # draft KV slots its session opens with
     seed: Seed | None = None  # the last publish's seed (None until its prompt is prefilled)
     unread: list[Seed] = field(default_factory=list)  # seeds the drafter has not read yet, in order
@@ -146,7 +150,7 @@ class SessionDrafter:
         if state.processors is None:
             self.drafter.open_session(state.request_id, state.draft_slots)
             return
-        process = draft_processor(*state.processors, columns=self.drafter.draft_columns)
+        process = draft_processor(*state.processors, columns=self.drafter.draft_columns, grammar=state.grammar)
         self.drafter.open_session(state.request_id, state.draft_slots, process)
 
     def close_session(self, request_id: str) -> None:

@@ -11,6 +11,7 @@ committed row from position 0 (design 0x05D); it never builds context on an unve
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -19,6 +20,7 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import Refusal, Seed
 from eyas.protocol.tree import DraftTree
+from eyas.verification.grammar import GRAMMAR_OFF, GrammarCompiler, GrammarCursor
 from eyas.verification.processors import draft_processor
 
 
@@ -30,7 +32,11 @@ class DrafterWorker:
         sources: dict[str, str] | None = None,
         default_trees: dict[str, TreeSpec] | None = None,
         name: str = "drafter",
+        grammars: Callable[[], GrammarCompiler] | None = None,
     ):
+        """``grammars``: builds the structured-output compiler over the target's vocabulary when a
+        request first asks for a grammar (None: such a request drafts unmasked; the target still
+        enforces the grammar, so only acceptance suffers)."""
         if not engines:
             raise ValueError("methods: a drafter worker needs at least one drafting method")
         self.engines = engines
@@ -40,6 +46,8 @@ class DrafterWorker:
         self.name = name
         self.session_method: dict[str, str] = {}  # request id -> method
         self.draft_points: dict[str, list[tuple[int, int, float]]] = {}  # method -> (depth, rows, ms) (measure_costs)
+        self._make_grammars = grammars
+        self._grammars: GrammarCompiler | None = None
 
     @classmethod
     def load(
@@ -59,7 +67,7 @@ class DrafterWorker:
         GGUF's own blocks (fp32 otherwise: an int8 target still drafts at fp32).
         ``dtype``, ``device``: the target's compute dtype and where these drafters compute."""
         from eyas.runtime import make_drafter
-        from eyas.target.loader import load_target_head
+        from eyas.target.loader import load_target_head, load_tokenizer
 
         if threads:
             torch.set_num_threads(threads)
@@ -87,7 +95,16 @@ class DrafterWorker:
             {m: h.source for m, h in handles.items()},
             {m: h.default_tree for m, h in handles.items()},
             name=f"{target}/{'+'.join(methods)}",
+            grammars=lambda: GrammarCompiler(load_tokenizer(target), head.cfg.vocab_size, list(head.cfg.eos_token_ids)),
         )
+
+    def grammar_cursor(self, key: str) -> GrammarCursor | None:
+        """The drafter's own cursor of a request's grammar (None: no grammar, or no compiler here)."""
+        if key == GRAMMAR_OFF or self._make_grammars is None:
+            return None
+        if self._grammars is None:
+            self._grammars = self._make_grammars()
+        return self._grammars.cursor(key)
 
     def info(self) -> dict:
         """Per method: the feature address a target must tap, the checkpoint, the default tree, and
@@ -114,15 +131,19 @@ class DrafterWorker:
     def open_session(
         self, request_id: str, method: str, max_slots: int, sampling=None, prompt_ids: tuple[int, ...] = ()
     ) -> None:
-        """``sampling``: the request's ``SamplingParams`` when a logits processor is on (with its
-        ``prompt_ids``): the drafter drafts under them (``eyas.verification.processors.draft_processor``)."""
+        """``sampling``: the request's ``SamplingParams`` when a logits processor or a grammar is on
+        (with its ``prompt_ids``): the drafter drafts under them
+        (``eyas.verification.processors.draft_processor``; the grammar through its own cursor)."""
         wire.check_request_id(request_id)
         if method not in self.engines:
             raise ValueError(f"method: this drafter worker serves {sorted(self.engines)}, not {method!r}")
         if request_id in self.session_method:
             raise ValueError(f"request_id: {request_id!r} already has a live draft session")
         engine = self.engines[method]
-        process = None if sampling is None else draft_processor(sampling, list(prompt_ids), engine.draft_columns)
+        process = None
+        if sampling is not None:
+            grammar = self.grammar_cursor(sampling.grammar)
+            process = draft_processor(sampling, list(prompt_ids), engine.draft_columns, grammar)
         engine.open_session(request_id, max_slots, process)
         self.session_method[request_id] = method
 

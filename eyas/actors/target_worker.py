@@ -41,6 +41,7 @@ from eyas.target.engine import PrefillProgress, TargetEngine
 from eyas.target.model import FeatureTap, TargetModel
 from eyas.target.prefix_cache import PrefixCache
 from eyas.verification.accept import decide, emitted_logprobs
+from eyas.verification.grammar import GRAMMAR_OFF, GrammarCompiler, GrammarCursor
 from eyas.verification.sampling import SamplingParams
 
 RPC_METHODS = {
@@ -93,6 +94,7 @@ class WorkerSession:
     published_result: tuple[Published, PublishAck] | None = None  # its result, returned again to a duplicate
     published_reply: pb.PublishAck | None = None  # the same as a message, once a caller asked for one
     logprobs: int | None = None  # top alternatives each emitted token's logprob carries (None: no logprobs)
+    grammar: GrammarCursor | None = None  # the structured-output grammar's cursor (None: no grammar)
 
 
 def _same_rows(a: FlatTree, b: FlatTree) -> bool:
@@ -102,9 +104,13 @@ def _same_rows(a: FlatTree, b: FlatTree) -> bool:
 class TargetWorker:
     """One target model; one :class:`TargetEngine` per feature address that sessions ask for."""
 
-    def __init__(self, model: TargetModel, name: str = "target", prefix_cache_bytes: int = 0):
+    def __init__(self, model: TargetModel, name: str = "target", prefix_cache_bytes: int = 0, tokenizer=None):
         """``prefix_cache_bytes``: the budget of the prefix cache its engines share (``eyas.target.prefix_cache``;
-        0: off), checked here, naming it, before any engine exists."""
+        0: off), checked here, naming it, before any engine exists. ``tokenizer``: the target's, for
+        structured output (its grammars are compiled over its vocabulary); None: refused, naming
+        ``response_format``."""
+        self.tokenizer = tokenizer
+        self._grammars: GrammarCompiler | None = None
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.model = model
         self.cfg = model.cfg
@@ -130,11 +136,26 @@ class TargetWorker:
         if threads:
             torch.set_num_threads(threads)
         suffix = "" if dtype == "float32" else f"/{dtype}"
+        loaded = load_target(target, precision, device=device, dtype=dtype)
         return cls(
-            load_target(target, precision, device=device, dtype=dtype).model,
+            loaded.model,
             name=f"{target}/{precision}{suffix}",
             prefix_cache_bytes=prefix_cache_bytes,
+            tokenizer=loaded.tokenizer,
         )
+
+    def grammar_cursor(self, key: str) -> GrammarCursor | None:
+        """A new request's structured-output cursor (None for no grammar); the compiler is built on the
+        first grammar (the tokenizer's vocabulary, ~0.2 s) and kept."""
+        if key == GRAMMAR_OFF:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(
+                "response_format: this target was loaded without its tokenizer; no grammar can be compiled"
+            )
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.cfg.eos_token_ids))
+        return self._grammars.cursor(key)
 
     def engine_for(self, taps: tuple[FeatureTap, ...]) -> TargetEngine:
         for tap in taps:
@@ -164,6 +185,7 @@ class TargetWorker:
         sampling = SamplingParams.of(spec)
         if spec.request_id in self.sessions:
             raise ValueError(f"request_id: {spec.request_id!r} already has a live session")
+        grammar = self.grammar_cursor(sampling.grammar)
         engine = self.engine_for(tuple(FeatureTap(layer, normed) for layer, normed in spec.taps))
         engine.open_session(spec.request_id, list(spec.prompt_ids), spec.max_new_tokens, spec.max_tree_rows)
         self.sessions[spec.request_id] = WorkerSession(
@@ -173,6 +195,7 @@ class TargetWorker:
             sampling,
             torch.Generator().manual_seed(spec.seed),
             logprobs=spec.logprobs,
+            grammar=grammar,
         )
         return tuple(self.cfg.eos_token_ids)
 
@@ -471,8 +494,10 @@ class TargetWorker:
     def _decide(self, s: WorkerSession, verified, t0: float) -> Verdict:
         """Decide a verified round under the session's sampler; it is the session's pending verdict."""
         t1 = time.perf_counter()
-        output = s.engine.answer_ids(verified.request_id) if s.sampling.processes and verified.flat is not None else ()
-        decision = decide(verified, s.prompt_ids, s.sampling, s.generator, output)
+        reads_answer = (s.sampling.processes or s.grammar is not None) and verified.flat is not None
+        output = s.engine.answer_ids(verified.request_id) if reads_answer else ()
+        allowed = s.grammar.tree_bitmask(list(output), verified.flat) if s.grammar is not None else None
+        decision = decide(verified, s.prompt_ids, s.sampling, s.generator, output, allowed)
         logprobs = (
             None
             if s.logprobs is None

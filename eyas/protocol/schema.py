@@ -110,6 +110,16 @@ class GenerateRequest(BaseModel):
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] = Field(default_factory=dict)
+    # structured output (eyas.verification.grammar): OpenAI's response_format, kept in its canonical
+    # form ({"type": "json_object"} or {"type": "json_schema", "schema": {...}}; None: text)
+    response_format: dict | None = None
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _format(cls, v):
+        from eyas.verification.grammar import canonical_response_format
+
+        return canonical_response_format(v)  # a ValueError names response_format (or its nested field)
 
     @field_validator("logit_bias", mode="before")
     @classmethod

@@ -15,6 +15,7 @@ token) are keyword arguments the receiver passes; the converters themselves stay
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -371,6 +372,7 @@ class SessionSpec:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    grammar: str = ""  # the structured-output grammar's key (eyas.verification.grammar); "": none
 
 
 def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
@@ -390,6 +392,7 @@ def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
         repetition_penalty=spec.repetition_penalty,
         min_p=spec.min_p,
         logit_bias=dict(spec.logit_bias),
+        grammar=spec.grammar or None,
     )
 
 
@@ -434,6 +437,7 @@ def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> S
             if msg.HasField(name)
         },
         logit_bias=tuple(sorted(_in_vocab_bias(dict(msg.logit_bias), vocab_size).items())),
+        grammar=msg.grammar,
     )
 
 
@@ -479,6 +483,11 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
         fields["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages]
     if msg.logit_bias:
         fields["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("response_format"):
+        try:
+            fields["response_format"] = json.loads(msg.response_format)
+        except json.JSONDecodeError as err:
+            raise WireError(f"response_format: not valid JSON ({err.msg})") from None
     with _inbound():
         return parse_request(raw=msg.raw, stop=list(msg.stop), **fields)
 
@@ -506,5 +515,6 @@ def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
         prompt_ids=list(req.prompt_ids or ()),
         messages=messages,
         logit_bias=req.logit_bias,
+        response_format=None if req.response_format is None else json.dumps(req.response_format),
         **fields,
     )

@@ -110,7 +110,9 @@ class _Resuming:
     the resumed part draws with seed ``seed + tokens already sent``, so it is not the sample the
     uninterrupted run would have drawn. The final report covers the whole answer (tokens, text, stop
     strings); its timings and rounds are the last replica's. Past ``resume_timeout_s`` from the
-    failure without a replica answering, the stream raises :class:`ReplicaLost`."""
+    failure without a replica answering, the stream raises :class:`ReplicaLost`; so does a request
+    with a ``response_format`` that has streamed part of its answer (its grammar would restart at the
+    resumed prompt: not yet carried across a resume)."""
 
     def __init__(
         self,
@@ -165,6 +167,11 @@ class _Resuming:
                 if now - lost_at > self.resume_timeout_s or self.release is None:
                     raise ReplicaLost(
                         "the target replica serving this request failed and none resumed it; retry the request"
+                    ) from None
+                if self.req.response_format is not None and self.sent:  # the grammar would restart mid-value
+                    raise ReplicaLost(
+                        "the target replica serving this request failed after part of its structured answer, "
+                        "which cannot resume mid-value; retry the request"
                     ) from None
                 log.warning(
                     "request %s: target replica lost after %d tokens (%s); resuming",

@@ -51,7 +51,6 @@ UNSUPPORTED = (
     "tool_choice",
     "functions",
     "function_call",
-    "response_format",
     "parallel_tool_calls",
     "audio",
     "modalities",
@@ -138,6 +137,9 @@ class _Common(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
+    # structured output: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
+    # {"name": ..., "schema": {...}}}, checked (and the schema compiled) by the request model
+    response_format: dict | None = None
     # vLLM's sampling extras (extra_body)
     repetition_penalty: float = 1.0
     min_p: float = 0.0
@@ -275,6 +277,7 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_contex
         "repetition_penalty": parsed.repetition_penalty,
         "min_p": parsed.min_p,
         "logit_bias": parsed.logit_bias or {},
+        "response_format": parsed.response_format,
     }
     # no seed: a fresh one, as OpenAI and vLLM draw (reported in the response's eyas.seed, to replay it)
     fields["seed"] = parsed.seed if parsed.seed is not None else secrets.randbits(63)

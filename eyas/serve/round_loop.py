@@ -279,7 +279,7 @@ class RoundLoop:
             arrival=time.perf_counter(),
             acceptance=AcceptanceEstimate.from_prior(self.prior),
             logprobs=logprobs,
-            processors=(sampling, tuple(prompt_ids)) if sampling.processes else None,
+            processors=(sampling, tuple(prompt_ids)) if sampling.processes or sampling.grammar else None,
         )
         with self.lock:
             self.pending.append(live)

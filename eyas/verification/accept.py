@@ -187,22 +187,24 @@ def decide(
     sampling: SamplingParams,
     generator: torch.Generator,
     output_ids: list[int] = (),
+    allowed: torch.Tensor | None = None,
 ) -> AcceptDecision:
     """The accept step: a pure function of the verified rows (design 0x05C). A prefill accepts every
     prompt row and draws the frontier from the last row; a verify accepts greedily or by the
     stochastic rule below, over the logits as the request's processors leave them, each row under
     its own path's history (``processors.processed_logits``; ``output_ids``: the committed answer so
-    far, the previous frontier excluded)."""
+    far, the previous frontier excluded; ``allowed``: each row's structured-output grammar mask,
+    ``int32 [R, W]``, from the request's ``GrammarCursor``)."""
     if v.flat is None:  # prefill: every prompt row is accepted, the frontier comes from the last
         rows = torch.arange(len(prompt_ids), dtype=torch.int64)
         accepted = torch.tensor(prompt_ids[1:], dtype=torch.int64)
-        last = processed_logits(v.logits[-1:], None, prompt_ids, [], sampling)  # [1, V]
+        last = processed_logits(v.logits[-1:], None, prompt_ids, [], sampling, allowed)  # [1, V]
         if sampling.greedy:
             frontier = int(last[0].argmax())
         else:
             frontier = int(sample(target_probs(last, sampling)[0], generator))
         return AcceptDecision(rows, accepted, frontier)
-    logits = processed_logits(v.logits, v.flat, prompt_ids, list(output_ids), sampling)  # [R, V]
+    logits = processed_logits(v.logits, v.flat, prompt_ids, list(output_ids), sampling, allowed)  # [R, V]
     if sampling.greedy:
         return greedy_accept(v.flat, logits)
     return stochastic_accept(v.flat, target_probs(logits, sampling), generator)

@@ -24,6 +24,7 @@ from collections import Counter
 import torch
 
 from eyas.protocol.tree import FlatTree
+from eyas.verification.grammar import GrammarCursor, apply_bitmask
 from eyas.verification.sampling import SamplingParams
 
 
@@ -33,9 +34,13 @@ def processed_logits(
     prompt_ids: list[int],
     output_ids: list[int],  # the committed answer so far, the previous frontier excluded
     params: SamplingParams,
+    allowed: torch.Tensor | None = None,  # [R, W] int32: each row's grammar mask (eyas.verification.grammar)
 ) -> torch.Tensor:  # [R, V] float32
     """``logits`` with ``params``' processors applied to each row under its own history (module
-    docstring). Unchanged (the same tensor) when no processor is on."""
+    docstring), after the structured-output grammar's mask of each row when ``allowed`` is given
+    (disallowed tokens at -inf). Unchanged (the same tensor) when nothing is on."""
+    if allowed is not None:
+        logits = apply_bitmask(logits.float().clone(), allowed)
     if not params.processes:
         return logits
     assert logits.ndim == 2, "logits: [R, V]"
@@ -108,14 +113,21 @@ def history_counts(
     return torch.tensor(counts).reshape(rows, len(tokens)), torch.tensor(tokens, dtype=torch.int64)
 
 
-def draft_processor(params: SamplingParams, prompt_ids: list[int], columns: dict[int, int] | None = None):
+def draft_processor(
+    params: SamplingParams,
+    prompt_ids: list[int],
+    columns: dict[int, int] | None = None,
+    grammar: GrammarCursor | None = None,
+):
     """The request's processors for a drafter's logits, so that the tree is drafted for the
     distribution that is verified: -> ``process(logits [P, C], histories) -> [P, C]``, where row i's
     history is the committed tokens after the first (``Seed.advanced_tokens`` joined: the prompt from
     its second token, the answer, the frontier) followed by its tree path. ``columns`` maps a target
     token id to its logit column (an EAGLE-3 draft vocabulary; None: the ids themselves); a token the
-    drafter cannot draft has no column and is skipped. None when no processor is on."""
-    if not params.processes:
+    drafter cannot draft has no column and is skipped. ``grammar``: the drafter's own cursor of the
+    request's structured-output grammar (its rows masked as the verifier's are). None when no
+    processor and no grammar is on."""
+    if not params.processes and grammar is None:
         return None
     answer_from = max(len(prompt_ids) - 1, 0)  # history index of the first answer token
     prompt = list(prompt_ids)
@@ -125,9 +137,17 @@ def draft_processor(params: SamplingParams, prompt_ids: list[int], columns: dict
 
     bias = [(c, b) for t, b in params.logit_bias for c in col([t])]
     prompt_columns = col(prompt)
+    targets = None  # [C] the target token of each logit column (a draft vocabulary), for the grammar's mask
+    if grammar is not None and columns is not None:
+        targets = torch.zeros(len(columns), dtype=torch.int64)
+        targets[torch.tensor(list(columns.values()))] = torch.tensor(list(columns.keys()))
 
     def process(logits: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:  # [P, C] -> [P, C]
         out = logits.float().clone()
+        if grammar is not None:
+            out = apply_bitmask(out, grammar.rows_bitmask([h[answer_from:] for h in histories]), targets)
+        if not params.processes:
+            return out
         if bias:
             out[:, torch.tensor([c for c, _ in bias], dtype=torch.int64)] += torch.tensor([b for _, b in bias])
         if not _penalizes(params):

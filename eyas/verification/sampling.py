@@ -42,11 +42,17 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1.0 disables it
     min_p: float = 0.0  # in [0, 1]; 0 disables it
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids increasing
+    # structured output: the grammar's key (eyas.verification.grammar.grammar_key; "" = none). Its
+    # masks come from the request's GrammarCursor, which its session owns
+    grammar: str = ""
 
     @classmethod
     def of(cls, request) -> SamplingParams:
         """The sampler of a request: a ``GenerateRequest`` or a ``SessionSpec`` (the one conversion)."""
+        from eyas.verification.grammar import grammar_key
+
         bias = request.logit_bias
+        grammar = request.grammar if isinstance(request, SessionSpec) else grammar_key(request.response_format)
         return cls(
             temperature=request.temperature,
             top_k=request.top_k,
@@ -56,6 +62,7 @@ class SamplingParams:
             repetition_penalty=request.repetition_penalty,
             min_p=request.min_p,
             logit_bias=tuple(sorted((int(t), float(b)) for t, b in (bias.items() if isinstance(bias, dict) else bias))),
+            grammar=grammar,
         )
 
     @property
@@ -189,4 +196,5 @@ def session_spec(
         repetition_penalty=sampling.repetition_penalty,
         min_p=sampling.min_p,
         logit_bias=sampling.logit_bias,
+        grammar=sampling.grammar,
     )

@@ -882,10 +882,54 @@ def test_openai_logits_processors_are_exact_under_speculation(http_url, client, 
     no_leaks(client)
 
 
+def test_openai_structured_output_is_the_schemas_and_exact_under_speculation(http_url, client, no_leaks):
+    """response_format json_schema through the real openai client: the answer parses and has the
+    schema's properties in its order; EAGLE-3 (drafter masked too) gives target-only's tokens and
+    speculated; json_object gives a JSON object."""
+    oa = _openai(http_url)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    messages = [{"role": "user", "content": "Name a large city and its population, as JSON."}]
+    runs = {
+        method: oa.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=40,
+            temperature=0,
+            response_format=fmt,
+            extra_body={"method": method},
+        )
+        for method in ("target", "eagle3")
+    }
+    answers = {m: r.choices[0].message.content for m, r in runs.items()}
+    assert answers["eagle3"] == answers["target"], answers
+    assert runs["eagle3"].model_extra["eyas"]["num_spec_steps"] > 0
+    if runs["target"].choices[0].finish_reason == "stop":
+        value = json.loads(answers["target"])
+        assert list(value) == ["city", "population"] and isinstance(value["population"], int), value
+    else:  # cut at max_tokens: a prefix of the schema's object
+        assert answers["target"].startswith('{"city"') or answers["target"].startswith('{ "city"'), answers
+    obj = oa.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, response_format={"type": "json_object"}
+    )
+    assert obj.choices[0].message.content.lstrip().startswith("{")
+    no_leaks(client)
+
+
 @pytest.mark.parametrize(
     "kwargs,param",
     [
         ({"n": 0}, "n"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
