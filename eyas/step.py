@@ -412,8 +412,10 @@ def reseed(target: TargetSide, drafter: DrafterSide, s: DraftState) -> bool:
             drafter.close_session(s.request_id)
         except DrafterUnavailable:
             raise
-        except Exception as err:  # noqa: BLE001 - logged; a session already gone is what a reseed expects
+        except ValueError as err:  # a refusal: the session is already gone, which is what a reseed expects
             log.debug("reseed %s: close_session: %s", s.request_id, err)
+        except Exception as err:  # noqa: BLE001 - anything else is unexpected: said, and the reseed goes on
+            log.warning("reseed %s: the drafter's close_session failed (%s: %s)", s.request_id, type(err).__name__, err)
         drafter.open_session(s)
         s.seed = target.reseed(s.request_id)
         s.unread = [s.seed]

@@ -519,3 +519,32 @@ def test_greedy_identity_int8_real_model(real_int8):
         spec, _ = real_int8.generate(parse_request(prompt=prompt, method="eagle3", max_new_tokens=24))
         base, _ = real_int8.generate(parse_request(prompt=prompt, method="target", max_new_tokens=24))
         assert spec.token_ids == base.token_ids, prompt
+
+
+@pytest.mark.parametrize(
+    "error, level", [(ValueError("request_id: no session"), None), (RuntimeError("boom"), "WARNING")]
+)
+def test_a_reseed_goes_on_past_a_failed_close_and_says_so_unless_the_session_was_just_gone(caplog, error, level):
+    """The drafter's close_session refusing (the session is already gone: what a reseed expects) is
+    quiet; any other failure is a WARNING naming it; either way the session is opened again."""
+    from eyas.step import DraftState, reseed
+
+    class Drafter:
+        opened = 0
+
+        def close_session(self, request_id):
+            raise error
+
+        def open_session(self, state):
+            Drafter.opened += 1
+
+    class Target:
+        def reseed(self, request_id):
+            return "seed"
+
+    s = DraftState(request_id="r", method="eagle3")
+    with caplog.at_level("DEBUG", logger="eyas.step"):
+        assert reseed(Target(), Drafter(), s) is False
+    assert Drafter.opened == 1 and s.drafter_open and s.seed == "seed"
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert (level is None and not warnings) or (warnings and "RuntimeError: boom" in warnings[0].getMessage())

@@ -1165,8 +1165,8 @@ def asked_nodes(alive: dict[str, int]) -> dict[str, int]:
 
         raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
         report = json.loads(raw)["autoscaler_report"] if raw else None
-    except Exception as err:  # noqa: BLE001 - an optional view: the run goes on without it
-        log.debug("autoscaler status not readable: %s", err)
+    except Exception as err:  # noqa: BLE001 - an optional view: said, and the run goes on without it
+        log.warning("the Ray autoscaler's status is not readable (%s: %s)", type(err).__name__, err)
         return {}
     if not report:
         return {}

@@ -123,8 +123,8 @@ def _replica_id() -> str:
 def _actor_name() -> str | None:
     try:
         return ray.get_runtime_context().get_actor_name()
-    except Exception as err:  # noqa: BLE001 - logged; a name is only a label in the replica's stats
-        log.debug("no actor name: %s", err)
+    except Exception as err:  # noqa: BLE001 - said; a name is only a label in the replica's stats
+        log.warning("no actor name for this replica's stats (%s: %s)", type(err).__name__, err)
         return None
 
 
@@ -403,8 +403,8 @@ class EyasTarget:
         for stop in (lambda: self.loop.close(), lambda: self.reporter.stop()):
             try:
                 stop()
-            except Exception as err:  # noqa: BLE001 - logged; a replica being torn down has nothing left to serve
-                log.debug("replica teardown: %s", err)
+            except Exception as err:  # noqa: BLE001 - said; a replica being torn down has nothing left to serve
+                log.warning("replica teardown: %s: %s", type(err).__name__, err)
 
 
 @serve.deployment(
@@ -518,8 +518,8 @@ class EyasDrafter:
     def __del__(self):
         try:
             self.reporter.stop()
-        except Exception as err:  # noqa: BLE001 - logged; a replica being torn down has nothing left to serve
-            log.debug("replica teardown: %s", err)
+        except Exception as err:  # noqa: BLE001 - said; a replica being torn down has nothing left to serve
+            log.warning("replica teardown: %s: %s", type(err).__name__, err)
 
 
 def _device_kind(device: str, threads: int) -> str:

@@ -31,6 +31,7 @@ REGISTRY_PREFIX = "eyas-registry"
 DEFAULT_MAX_AGE_S = 10.0
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node offers it
 REPLY_TIMEOUT_S = 5.0  # a target replica waits this long for the registry's reply to its report
+OUTAGE_FAILURES = 2  # reports failed in a row that make a WARNING (one alone is the registry restarting)
 CANCEL_TTL_S = 120.0  # how long a named cancel is handed out (it may overtake its request by this much)
 
 
@@ -155,6 +156,7 @@ class Reporter:
         self.wake = threading.Event()
         self.stopped = False
         self.registry = None
+        self.failures = 0  # reports failed in a row
         self.thread = threading.Thread(target=self._run, name=f"eyas-reporter-{kind}", daemon=True)
         self.thread.start()
 
@@ -169,8 +171,17 @@ class Reporter:
                 reply = self.registry.report.remote(self.replica_id, self.kind, self.payload())
                 if self.on_reply is not None:
                     self.on_reply(ray.get(reply, timeout=REPLY_TIMEOUT_S))
-            except Exception:  # the registry restarts or the replica is going away: try again next period
-                log.debug("report failed", exc_info=True)
+                self.failures = 0
+            except Exception as err:  # noqa: BLE001 - the registry restarts or the replica is going away: next period
+                # said at an outage's second failure in a row (one alone is a registry restarting), then
+                # quiet until a report gets through
+                self.failures += 1
+                (log.warning if self.failures == OUTAGE_FAILURES else log.debug)(
+                    "report to the replica registry failed (%s: %s); retrying every %.0f s",
+                    type(err).__name__,
+                    err,
+                    self.period_s,
+                )
                 self.registry = None
             self.wake.wait(self.period_s)
             self.wake.clear()
@@ -181,5 +192,5 @@ class Reporter:
         self.thread.join(timeout=5)
         try:
             ray.get(get_registry(self.app_name).forget.remote(self.replica_id), timeout=5)
-        except Exception as err:  # noqa: BLE001 - logged; the registry forgets a replica that stops reporting
-            log.debug("registry forget(%s): %s", self.replica_id, err)
+        except Exception as err:  # noqa: BLE001 - said; the registry forgets a replica that stops reporting anyway
+            log.warning("registry forget(%s) failed (%s: %s)", self.replica_id, type(err).__name__, err)

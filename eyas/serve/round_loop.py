@@ -569,8 +569,8 @@ class RoundLoop:
             except DrafterUnavailable:
                 time.sleep(DRAFTER_PROBE_S)
                 continue
-            except Exception as err:  # noqa: BLE001 - logged; an answer that is a refusal still means it is up
-                log.debug("drafter info refused (%s): it answers", err)
+            except Exception as err:  # noqa: BLE001 - an answer, even an error, means it is up: said
+                log.warning("the drafter answered info with an error (%s: %s); it is up", type(err).__name__, err)
             log.info("the drafter answers again: reseeding the draft sessions")
             self.drafter_down.clear()
 
@@ -586,8 +586,10 @@ class RoundLoop:
     def _close_draft_session(self, request_id: str) -> None:
         try:
             self.drafter("close_session", request_id)
-        except Exception as err:  # noqa: BLE001 - logged; a lost drafter's sessions went with it
+        except (DrafterUnavailable, ValueError) as err:  # a lost drafter's sessions went with it; a refusal: gone
             log.debug("drafter close_session %s: %s", request_id, err)
+        except Exception as err:  # noqa: BLE001 - unexpected: said; the request is finished either way
+            log.warning("drafter close_session %s failed (%s: %s)", request_id, type(err).__name__, err)
 
     def _finish(self, live: Live, reason: str | None, err: Exception | None = None) -> None:
         if live.future.done():

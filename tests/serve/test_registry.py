@@ -36,3 +36,24 @@ def test_a_cancel_of_a_name_stops_every_choice_of_it():
     them all, and no other request whose name merely starts alike."""
     inflight = {"q": 10.0, "q#1": 10.5, "q#2": 10.5, "qq": 10.0, "q#1x": 10.0, "late#1": 20.0}
     assert sorted(cancels_due(inflight, {"q": 11.0, "late": 11.0})) == ["q", "q#1", "q#2"]
+
+
+def test_a_registry_outage_is_one_warning_not_one_a_period(monkeypatch, caplog):
+    """Reports that fail (the registry restarting, or gone) are a WARNING once an outage, at its
+    second failure in a row, then quiet; stopping says that the registry could not be told."""
+    import time
+
+    from eyas.serve import registry
+
+    def unreachable(app_name):
+        raise RuntimeError("registry unreachable")
+
+    monkeypatch.setattr(registry, "get_registry", unreachable)
+    with caplog.at_level("DEBUG", logger="eyas.registry"):
+        reporter = registry.Reporter("app", "replica-1", "target", lambda: {}, period_s=0.01)
+        time.sleep(0.3)
+        reporter.stop()
+    assert reporter.failures > registry.OUTAGE_FAILURES
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sum("report to the replica registry failed (RuntimeError: registry unreachable)" in m for m in warned) == 1
+    assert any(m.startswith("registry forget(replica-1) failed (RuntimeError") for m in warned)
