@@ -33,12 +33,12 @@ from eyas.step import (
     Published,
     SessionDrafter,
     SuffixSide,
+    decide_verified,
     round_step,
     suffix_tree_spec,
     verify_rows,
 )
 from eyas.target.engine import PrefillProgress, TargetEngine, Verified
-from eyas.verification.accept import decide
 from eyas.verification.grammar import GrammarCursor
 from eyas.verification.sampling import SamplingParams
 
@@ -142,10 +142,7 @@ class EngineTarget:
             return v
         prompt_ids, sampling, generator, grammar = self.samplers[v.request_id]
         t0 = time.perf_counter()
-        reads_answer = (sampling.processes or grammar is not None) and v.flat is not None
-        output = self.engine.answer_ids(v.request_id) if reads_answer else ()
-        allowed = grammar.tree_bitmask(list(output), v.flat) if grammar is not None else None
-        decision = decide(v, prompt_ids, sampling, generator, output, allowed)  # accept
+        decision = decide_verified(self.engine, v, prompt_ids, sampling, generator, grammar)  # accept
         return Decided(
             request_id=v.request_id, round=v.round, decision=decision, flat=v.flat, accept_s=time.perf_counter() - t0
         )

@@ -34,7 +34,7 @@ from eyas.target.loader import (
     request_prompt_ids,
 )
 from eyas.target.model import FeatureTap, TargetConfig, quantize_fp16_weights
-from eyas.verification.grammar import GRAMMAR_OFF, GrammarCompiler, GrammarCursor
+from eyas.verification.grammar import GrammarCompiler, Grammars
 from eyas.verification.sampling import SamplingParams
 
 REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
@@ -160,7 +160,9 @@ class Eyas:
         self.loaded = loaded or load_target(target, precision, device=device, dtype=dtype)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
-        self._grammars: GrammarCompiler | None = None  # structured output's compiler, built on first use
+        self.grammars = Grammars(  # structured output's cursors, the compiler built on first use
+            lambda: GrammarCompiler(self.tokenizer, self.cfg.vocab_size, list(self.cfg.eos_token_ids))
+        )
         self.cfg = self.model.cfg
         self._drafters: dict[tuple[str, str | None], DrafterHandle] = {}
         self._targets: dict[tuple[FeatureTap, ...], TargetEngine] = {}
@@ -221,18 +223,9 @@ class Eyas:
             seed=req.seed,
             request_id=req.request_id or uuid.uuid4().hex,
             on_tokens=stops.on_tokens,
-            grammar=self.grammar_cursor(sampling.grammar),
+            grammar=self.grammars.cursor(sampling.grammar),
         )
         return result, self.report(req, result, handle, tree)
-
-    def grammar_cursor(self, key: str) -> GrammarCursor | None:
-        """A request's structured-output cursor (None: no grammar), over the target's vocabulary; the
-        compiler is built on the first grammar and kept."""
-        if key == GRAMMAR_OFF:
-            return None
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, list(self.cfg.eos_token_ids))
-        return self._grammars.cursor(key)
 
     def report(self, req: GenerateRequest, r: GenerationResult, handle: DrafterHandle | None, tree: TreeSpec) -> dict:
         return build_report(

@@ -30,13 +30,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from eyas.drafting.engine import TreeSpec
 from eyas.drafting.suffix import SuffixIndex, SuffixSpec, expected_accepted, graft, suffix_tree
 from eyas.protocol.messages import AcceptDecision, Refusal, Seed
 from eyas.protocol.tree import DraftTree, FlatTree
-from eyas.target.engine import PrefillProgress
+from eyas.target.engine import PrefillProgress, TargetEngine, Verified
+from eyas.verification.accept import decide
 from eyas.verification.grammar import GrammarCursor
 from eyas.verification.processors import draft_processor
+from eyas.verification.sampling import SamplingParams
 
 log = logging.getLogger("eyas.step")
 
@@ -398,6 +402,23 @@ def propose(
             trees[s.request_id], s.unread = tree, []
             drafted.append(s.request_id)
     return trees, drafted, compute_s, False
+
+
+def decide_verified(
+    engine: TargetEngine,
+    v: Verified,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    generator: torch.Generator,
+    grammar: GrammarCursor | None,
+) -> AcceptDecision:
+    """The accept step of one request's verified round, for every target side: the committed answer
+    read from ``engine`` only when a logits processor or the grammar needs it, the grammar's masks of
+    the rows from the request's cursor, then ``verification.accept.decide``."""
+    reads_answer = (sampling.processes or grammar is not None) and v.flat is not None
+    output = engine.answer_ids(v.request_id) if reads_answer else ()
+    allowed = grammar.tree_bitmask(list(output), v.flat) if grammar is not None else None
+    return decide(v, prompt_ids, sampling, generator, output, allowed)
 
 
 def reseed(target: TargetSide, drafter: DrafterSide, s: DraftState) -> bool:

@@ -20,7 +20,7 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import Refusal, Seed
 from eyas.protocol.tree import DraftTree
-from eyas.verification.grammar import GRAMMAR_OFF, GrammarCompiler, GrammarCursor
+from eyas.verification.grammar import GrammarCompiler, Grammars
 from eyas.verification.processors import draft_processor
 
 
@@ -46,8 +46,7 @@ class DrafterWorker:
         self.name = name
         self.session_method: dict[str, str] = {}  # request id -> method
         self.draft_points: dict[str, list[tuple[int, int, float]]] = {}  # method -> (depth, rows, ms) (measure_costs)
-        self._make_grammars = grammars
-        self._grammars: GrammarCompiler | None = None
+        self.grammars = Grammars(grammars)  # without a compiler a grammar's request drafts unmasked
 
     @classmethod
     def load(
@@ -98,14 +97,6 @@ class DrafterWorker:
             grammars=lambda: GrammarCompiler(load_tokenizer(target), head.cfg.vocab_size, list(head.cfg.eos_token_ids)),
         )
 
-    def grammar_cursor(self, key: str) -> GrammarCursor | None:
-        """The drafter's own cursor of a request's grammar (None: no grammar, or no compiler here)."""
-        if key == GRAMMAR_OFF or self._make_grammars is None:
-            return None
-        if self._grammars is None:
-            self._grammars = self._make_grammars()
-        return self._grammars.cursor(key)
-
     def info(self) -> dict:
         """Per method: the feature address a target must tap, the checkpoint, the default tree, and
         the start-up draft cost (``(depth, draft rows, ms)`` points; empty until :meth:`measure_costs`)."""
@@ -142,7 +133,7 @@ class DrafterWorker:
         engine = self.engines[method]
         process = None
         if sampling is not None:
-            grammar = self.grammar_cursor(sampling.grammar)
+            grammar = self.grammars.cursor(sampling.grammar)
             process = draft_processor(sampling, list(prompt_ids), engine.draft_columns, grammar)
         engine.open_session(request_id, max_slots, process)
         self.session_method[request_id] = method

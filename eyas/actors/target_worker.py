@@ -15,7 +15,7 @@ verdict. A round (design 0x05A-0x05D):
 
 The target decides: ``verify`` validates the inbound ``FlatTree`` against the session (round,
 committed length, frontier token, vocabulary, row budget), runs ``TargetEngine.verify`` and decides
-acceptance with ``eyas.generate.decide`` under the session's sampling parameters. ``publish`` commits
+acceptance with ``eyas.step.decide_verified`` under the session's sampling parameters. ``publish`` commits
 the decision *this worker* made for that round (a drafter cannot substitute another); it is
 idempotent and refuses a stale or future round (``TargetEngine.publish``). Every check runs before
 the first write, so a bad message leaves the committed KV, features and output unchanged.
@@ -36,12 +36,12 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import AcceptDecision, PublishAck, Refusal, Seed
 from eyas.protocol.tree import DraftTree, FlatTree
-from eyas.step import Decided, Published
+from eyas.step import Decided, Published, decide_verified
 from eyas.target.engine import PrefillProgress, TargetEngine
 from eyas.target.model import FeatureTap, TargetModel
 from eyas.target.prefix_cache import PrefixCache
-from eyas.verification.accept import decide, emitted_logprobs
-from eyas.verification.grammar import GRAMMAR_OFF, GrammarCompiler, GrammarCursor
+from eyas.verification.accept import emitted_logprobs
+from eyas.verification.grammar import GrammarCompiler, GrammarCursor, Grammars
 from eyas.verification.sampling import SamplingParams
 
 RPC_METHODS = {
@@ -109,8 +109,12 @@ class TargetWorker:
         0: off), checked here, naming it, before any engine exists. ``tokenizer``: the target's, for
         structured output (its grammars are compiled over its vocabulary); None: refused, naming
         ``response_format``."""
-        self.tokenizer = tokenizer
-        self._grammars: GrammarCompiler | None = None
+        self.grammars = Grammars(
+            None
+            if tokenizer is None
+            else lambda: GrammarCompiler(tokenizer, self.vocab_size, list(self.cfg.eos_token_ids)),
+            missing="response_format: this target was loaded without its tokenizer; no grammar can be compiled",
+        )
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.model = model
         self.cfg = model.cfg
@@ -144,19 +148,6 @@ class TargetWorker:
             tokenizer=loaded.tokenizer,
         )
 
-    def grammar_cursor(self, key: str) -> GrammarCursor | None:
-        """A new request's structured-output cursor (None for no grammar); the compiler is built on the
-        first grammar (the tokenizer's vocabulary, ~0.2 s) and kept."""
-        if key == GRAMMAR_OFF:
-            return None
-        if self.tokenizer is None:
-            raise ValueError(
-                "response_format: this target was loaded without its tokenizer; no grammar can be compiled"
-            )
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, list(self.cfg.eos_token_ids))
-        return self._grammars.cursor(key)
-
     def engine_for(self, taps: tuple[FeatureTap, ...]) -> TargetEngine:
         for tap in taps:
             if not 0 <= tap.layers_applied <= self.cfg.num_layers:
@@ -185,7 +176,7 @@ class TargetWorker:
         sampling = SamplingParams.of(spec)
         if spec.request_id in self.sessions:
             raise ValueError(f"request_id: {spec.request_id!r} already has a live session")
-        grammar = self.grammar_cursor(sampling.grammar)
+        grammar = self.grammars.cursor(sampling.grammar)
         engine = self.engine_for(tuple(FeatureTap(layer, normed) for layer, normed in spec.taps))
         engine.open_session(spec.request_id, list(spec.prompt_ids), spec.max_new_tokens, spec.max_tree_rows)
         self.sessions[spec.request_id] = WorkerSession(
@@ -494,10 +485,7 @@ class TargetWorker:
     def _decide(self, s: WorkerSession, verified, t0: float) -> Verdict:
         """Decide a verified round under the session's sampler; it is the session's pending verdict."""
         t1 = time.perf_counter()
-        reads_answer = (s.sampling.processes or s.grammar is not None) and verified.flat is not None
-        output = s.engine.answer_ids(verified.request_id) if reads_answer else ()
-        allowed = s.grammar.tree_bitmask(list(output), verified.flat) if s.grammar is not None else None
-        decision = decide(verified, s.prompt_ids, s.sampling, s.generator, output, allowed)
+        decision = decide_verified(s.engine, verified, s.prompt_ids, s.sampling, s.generator, s.grammar)
         logprobs = (
             None
             if s.logprobs is None

@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
@@ -183,6 +183,21 @@ def count_nodes(nodes: list[dict], node_types: list[str]) -> dict[str, int]:
         kind = next((t for t in node_types if n.get("Resources", {}).get(t)), HEAD)
         counts[kind] += 1
     return counts
+
+
+def target_reports(stats: dict) -> list[dict]:
+    """The target replicas' autoscaling reports in an app's ``Stats`` (one dict per replica)."""
+    return [a for a in stats.get("autoscaling", {}).values() if a.get("kind") == "target"]
+
+
+def initial_replicas(autoscaling: dict) -> int:
+    """The replicas a Serve ``autoscaling_config`` starts with: ``initial_replicas``, else ``min_replicas``."""
+    return autoscaling.get("initial_replicas", autoscaling.get("min_replicas", 1))
+
+
+def target_policy(cfg) -> TargetScalingConfig:
+    """The target deployment's Eyas policy, from its ``autoscaling_config``'s ``policy_kwargs``."""
+    return TargetScalingConfig(**((cfg.target_autoscaling or {}).get("policy", {}).get("policy_kwargs") or {}))
 
 
 def replica_states(app: str = "eyas") -> dict[str, tuple[int, int]]:
@@ -339,7 +354,7 @@ def sample_now(replay: Replay, stats: dict, replicas: dict[str, int], nodes: dic
     recent = [r.latency_s for r in done if r.done_t > t - LATENCY_WINDOW_S]
     with replay.lock:
         fresh_tokens = sum(n for when, n in replay.token_times if when > t - window)
-    targets = [a for a in stats.get("autoscaling", {}).values() if a.get("kind") == "target"]
+    targets = target_reports(stats)
     return Sample(
         t=t,
         request_rate=arrived / window,
@@ -657,7 +672,7 @@ def pinned_args(args: dict, target_replicas: int | None = None) -> dict:
         a = out.get(f"{kind}_autoscaling")
         if not a:
             continue
-        n = a.get("initial_replicas", a.get("min_replicas", 1))
+        n = initial_replicas(a)
         if kind == "target" and target_replicas is not None:
             n = target_replicas
         a.update(min_replicas=n, max_replicas=n, initial_replicas=n)
@@ -813,7 +828,7 @@ def simulator_report(
     ``report``); ``base``: the calibration's costs with ``cost_scale`` 1; ``replayed``: the workload in
     requests/s; ``host``: rounds the shared host runs at once (None: a host per replica)."""
     schedule = arrivals(replayed)
-    policy = TargetScalingConfig(**((cfg.target_autoscaling or {}).get("policy", {}).get("policy_kwargs") or {}))
+    policy = target_policy(cfg)
     timing = PolicyTiming.of(cfg.target_autoscaling)
     window = tuple(doc["report"]["window"])
     initial = doc["initial_target_replicas"]
@@ -936,8 +951,7 @@ def measure_capacity(
             except Exception as err:  # noqa: BLE001 - a missed sample: the next one reads the peak
                 log.warning("Stats failed while calibrating: %s", err)
                 continue
-            targets = [a for a in stats.get("autoscaling", {}).values() if a.get("kind") == "target"]
-            peak = max(peak, sum(a.get("pending_verify_rows", 0.0) for a in targets))
+            peak = max(peak, sum(a.get("pending_verify_rows", 0.0) for a in target_reports(stats)))
         replay.close(stats_client)
         ok = [r for r in replay.logs if r.error is None]
         lat = [r.latency_s for r in ok]
@@ -1097,7 +1111,7 @@ def _run(workload, address, args, cfg, node_types, references, timeline, out, pr
     target_counts = [s.replicas.get("EyasTarget", 0) for s in timeline.samples]
     errors = sum(r.error is not None for r in logs) + sum(r.errors for r in runs)
     incorrect = sum(r.correct is False for r in logs) + sum(r.incorrect for r in runs)
-    policy = TargetScalingConfig(**((cfg.target_autoscaling or {}).get("policy", {}).get("policy_kwargs") or {}))
+    policy = target_policy(cfg)
     doc.update(
         requests=len(logs),
         errors=errors,
@@ -1112,8 +1126,8 @@ def _run(workload, address, args, cfg, node_types, references, timeline, out, pr
         makespan_s=max((r.done_t for r in logs if r.error is None), default=0.0) - schedule[0].t,
         calibration={
             "capacity_per_s": capacity,
-            "runs": [r.__dict__ | {"output_tokens": list(r.output_tokens)} for r in runs],
-            "host_runs": [r.__dict__ | {"output_tokens": list(r.output_tokens)} for r in host_runs],
+            "runs": [asdict(r) for r in runs],
+            "host_runs": [asdict(r) for r in host_runs],
             "host_replicas": host_replicas,
             "rows_at_capacity": statistics.median(r.peak_pending_rows for r in runs),
             "threshold_rows_per_replica": policy.target_verify_rows_per_replica,
@@ -1146,7 +1160,7 @@ def _wait_for_nodes(node_types: list[str], cfg, timeout_s: float) -> None:
     app starts with, so that the replay's first sample is the cluster at rest."""
     import ray
 
-    want = (cfg.target_autoscaling or {}).get("initial_replicas", (cfg.target_autoscaling or {}).get("min_replicas", 1))
+    want = initial_replicas(cfg.target_autoscaling or {})
     if "target_host" not in node_types:
         return
     deadline = time.monotonic() + timeout_s

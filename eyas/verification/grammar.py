@@ -32,6 +32,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -148,6 +149,30 @@ class GrammarCompiler:
     def cursor(self, key: str) -> GrammarCursor | None:
         """A fresh cursor (an empty answer) for a key; None for :data:`GRAMMAR_OFF`."""
         return None if key == GRAMMAR_OFF else GrammarCursor(self.compile(key), self.vocab_size)
+
+
+class Grammars:
+    """Where a process gets its requests' cursors: the compiler over the target's vocabulary is built
+    on the first grammar asked for (the tokenizer's vocabulary read in: ~0.2 s) and kept. ``make``
+    builds it (None: this process has no tokenizer); ``missing``: the refusal then (a ``ValueError``
+    naming ``response_format``), or None to go on without a grammar (a drafter then drafts unmasked:
+    the target still enforces it)."""
+
+    def __init__(self, make: Callable[[], GrammarCompiler] | None, missing: str | None = None):
+        self._make, self.missing = make, missing
+        self._compiler: GrammarCompiler | None = None
+
+    def cursor(self, key: str) -> GrammarCursor | None:
+        """A new request's cursor (None for :data:`GRAMMAR_OFF`, or when there is no compiler and no refusal)."""
+        if key == GRAMMAR_OFF:
+            return None
+        if self._make is None:
+            if self.missing is not None:
+                raise ValueError(self.missing)
+            return None
+        if self._compiler is None:
+            self._compiler = self._make()
+        return self._compiler.cursor(key)
 
 
 class GrammarCursor:

@@ -40,12 +40,12 @@ def processed_logits(
     docstring), after the structured-output grammar's mask of each row when ``allowed`` is given
     (disallowed tokens at -inf). Unchanged (the same tensor) when nothing is on."""
     if allowed is not None:
-        logits = apply_bitmask(logits.float().clone(), allowed)
+        logits = apply_bitmask(logits.float().clone(), allowed)  # a copy of its own from here on
     if not params.processes:
         return logits
     assert logits.ndim == 2, "logits: [R, V]"
     rows, vocab = logits.shape
-    out = logits.float().clone()
+    out = logits if allowed is not None else logits.float().clone()
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=out.device)
         if int(ids.max()) >= vocab:
