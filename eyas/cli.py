@@ -28,6 +28,7 @@ import contextlib
 import json
 import sys
 import warnings
+from pathlib import Path
 
 from eyas.protocol.schema import METHODS
 
@@ -452,6 +453,59 @@ def cmd_experiment(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_experiment_learn(args) -> int:
+    import random
+
+    from eyas.learning.experiment import humaneval_prompts, read_prompts, run_learn
+    from eyas.learning.learner import LearnConfig
+
+    if args.traffic:
+        traffic = read_prompts(args.traffic, "traffic")
+        heldout = read_prompts(args.heldout, "heldout") if args.heldout else []
+        if not heldout:
+            raise ValueError("heldout: --traffic needs --heldout FILE (prompts of the same kind, never served)")
+    else:  # HumanEval: a seeded split, a quarter held out
+        prompts = humaneval_prompts()
+        random.Random(0).shuffle(prompts)
+        cut = len(prompts) // 4
+        heldout, traffic = prompts[:cut], prompts[cut:]
+    if args.limit:
+        traffic, heldout = traffic[: args.limit], heldout[: max(2, args.limit // 3)]
+    record = run_learn(
+        traffic,
+        heldout,
+        precision=args.precision,
+        threads=args.threads,
+        max_new_tokens=args.max_new_tokens,
+        passes=args.passes,
+        chunk=args.chunk,
+        mtbench_limit=args.mtbench,
+        replay=args.replay,
+        steps_per_check=args.steps_per_check,
+        out=args.out,
+        learn_config=LearnConfig(lr=args.lr),
+    )
+    if args.json:
+        keys = (
+            "tau_before",
+            "tau_after",
+            "mtbench_tau_before",
+            "mtbench_tau_after",
+            "tokens_learned",
+            "serve_tok_s_learning_on",
+            "serve_tok_s_learning_off",
+        )
+        Path(args.json).write_text(json.dumps({k: record[k] for k in keys}, indent=1))
+    print(
+        f"held-out τ {record['tau_before']:.3f} -> {record['tau_after']:.3f}; MT-bench τ "
+        f"{_num(record['mtbench_tau_before'])} -> {_num(record['mtbench_tau_after'])}; "
+        f"{record['tokens_learned']} served tokens learned, live version {record['live_version']}; serving "
+        f"{record['serve_tok_s_learning_on']:.1f} tok/s with the learner beside, "
+        f"{record['serve_tok_s_learning_off']:.1f} without ({args.out}/learn.json, learn.png)"
+    )
+    return 0
+
+
 def _num(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
@@ -719,6 +773,27 @@ def main(argv: list[str] | None = None) -> int:
         help="arrival rates (req/s) the calibrated simulator plans for after the run",
     )
     a.set_defaults(func=cmd_experiment)
+    le = exs.add_parser("learn", help="serve traffic with online drafter learning on; τ before and after")
+    le.add_argument("--traffic", help='a .jsonl of {"prompt": ...} to serve (default: HumanEval, the learn extra)')
+    le.add_argument("--heldout", help="a .jsonl of prompts of the same kind, never served while learning")
+    le.add_argument("--precision", choices=["fp32", "fp16w", "gguf"], default="gguf")
+    le.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="serving threads (1: the learner, one thread at nice 19, takes the other core)",
+    )
+    le.add_argument("--max-new-tokens", type=int, default=128)
+    le.add_argument("--passes", type=int, default=2, help="times the traffic is served")
+    le.add_argument("--chunk", type=int, default=8, help="requests between learner checks and swaps")
+    le.add_argument("--mtbench", type=int, default=80, help="MT-bench first turns for the forgetting check")
+    le.add_argument("--replay", type=int, default=64, help="ShareGPT training samples the learner replays")
+    le.add_argument("--steps-per-check", type=int, default=40, help="learner steps between verdicts")
+    le.add_argument("--lr", type=float, default=1e-4)
+    le.add_argument("--limit", type=int, help="serve only the first N traffic prompts (a quick run)")
+    le.add_argument("--out", default="bench/results/learn")
+    le.add_argument("--json", help="also write the headline numbers here")
+    le.set_defaults(func=cmd_experiment_learn)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     warnings.filterwarnings("ignore", category=DeprecationWarning)

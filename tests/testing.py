@@ -6,6 +6,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from eyas.scheduler.latency import LatencyCurve
+from eyas.serve.round_loop import RoundLoop, WorkerCalls
+
 
 def tiny_hf_llama(
     vocab: int = 64,
@@ -469,3 +472,20 @@ def assert_verify_rows_equal_decodes(model, prompt: list[int], chain: list[int])
         for i, t in enumerate(chain):
             one = model(torch.tensor([[t]]), torch.tensor([[P + i]]), cache, P + i, None, (), logits_rows="all")
             assert torch.equal(verified[i], one.logits[0, 0]), f"row {i}"
+
+
+# a latency curve for the round loop tests (ms a forward by rows): flat, so that budgets decide
+FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 256: 200.0})
+
+
+def local_loop(target, drafter, info, policy, curve=FLAT, **kwargs) -> RoundLoop:
+    """A RoundLoop over a target worker and a drafter worker (or a stand-in around one) in this process,
+    both called directly (``WorkerCalls(..., local=True)``)."""
+    return RoundLoop(
+        WorkerCalls(target, 30, local=True),
+        WorkerCalls(drafter, 30, local=True, drafter=True),
+        info,
+        policy,
+        curve.copy(),
+        **kwargs,
+    )

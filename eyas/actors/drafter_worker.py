@@ -33,10 +33,12 @@ class DrafterWorker:
         default_trees: dict[str, TreeSpec] | None = None,
         name: str = "drafter",
         grammars: Callable[[], GrammarCompiler] | None = None,
+        reload: Callable[[str, str], DrafterEngine] | None = None,
     ):
         """``grammars``: builds the structured-output compiler over the target's vocabulary when a
         request first asks for a grammar (None: such a request drafts unmasked; the target still
-        enforces the grammar, so only acceptance suffers)."""
+        enforces the grammar, so only acceptance suffers). ``reload``: (method, folder) -> an engine
+        over that checkpoint at this worker's precision, whose drafter :meth:`swap` takes (None: no swap)."""
         if not engines:
             raise ValueError("methods: a drafter worker needs at least one drafting method")
         self.engines = engines
@@ -47,6 +49,7 @@ class DrafterWorker:
         self.session_method: dict[str, str] = {}  # request id -> method
         self.draft_points: dict[str, list[tuple[int, int, float]]] = {}  # method -> (depth, rows, ms) (measure_costs)
         self.grammars = Grammars(grammars)  # without a compiler a grammar's request drafts unmasked
+        self._reload = reload
 
     @classmethod
     def load(
@@ -95,7 +98,29 @@ class DrafterWorker:
             {m: h.default_tree for m, h in handles.items()},
             name=f"{target}/{'+'.join(methods)}",
             grammars=lambda: GrammarCompiler(load_tokenizer(target), head.cfg.vocab_size, list(head.cfg.eos_token_ids)),
+            reload=lambda m, folder: (
+                make_drafter(
+                    m, folder, head.cfg, head.fingerprint, head.embed, head.lm_head, head.precision, DTYPES[dtype]
+                ).engine
+            ),
         )
+
+    def swap(self, method: str, folder: str) -> int:
+        """Serve the drafter checkpoint at ``folder`` for ``method`` from the next round on (a learned
+        version of the live one: same network, address and vocabulary, checked against the target's
+        fingerprint) -> the method's drafter version now. Called between rounds (a replica runs one
+        call at a time)."""
+        if method not in self.engines:
+            raise ValueError(f"method: this drafter worker serves {sorted(self.engines)}, not {method!r}")
+        if self._reload is None:
+            raise ValueError("drafter: this worker was built without a loader; it cannot swap drafters")
+        engine = self.engines[method]
+        fresh = self._reload(method, folder)
+        if fresh.taps != engine.taps:
+            raise ValueError(f"drafter: {folder} reads the feature address {fresh.taps}, the live one {engine.taps}")
+        engine.swap_drafter(fresh.drafter)
+        self.sources[method] = str(folder)
+        return engine.version
 
     def info(self) -> dict:
         """Per method: the feature address a target must tap, the checkpoint, the default tree, and
@@ -106,6 +131,7 @@ class DrafterWorker:
                 "source": self.sources[m],
                 "default_tree": self.default_trees[m],
                 "draft_points": list(self.draft_points.get(m, [])),
+                "version": e.version,
             }
             for m, e in self.engines.items()
         }

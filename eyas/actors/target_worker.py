@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eyas.learning.capture import CaptureConfig, TrafficBuffer, sample_of
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import AcceptDecision, PublishAck, Refusal, Seed
@@ -104,11 +105,19 @@ def _same_rows(a: FlatTree, b: FlatTree) -> bool:
 class TargetWorker:
     """One target model; one :class:`TargetEngine` per feature address that sessions ask for."""
 
-    def __init__(self, model: TargetModel, name: str = "target", prefix_cache_bytes: int = 0, tokenizer=None):
+    def __init__(
+        self,
+        model: TargetModel,
+        name: str = "target",
+        prefix_cache_bytes: int = 0,
+        tokenizer=None,
+        capture: CaptureConfig | None = None,
+    ):
         """``prefix_cache_bytes``: the budget of the prefix cache its engines share (``eyas.target.prefix_cache``;
         0: off), checked here, naming it, before any engine exists. ``tokenizer``: the target's, for
         structured output (its grammars are compiled over its vocabulary); None: refused, naming
-        ``response_format``."""
+        ``response_format``. ``capture``: keep what a drafter learns from, of every learning session
+        at its feature address (``eyas.learning.capture``; None: off, the default)."""
         self.grammars = Grammars(
             None
             if tokenizer is None
@@ -122,6 +131,12 @@ class TargetWorker:
         self.vocab_size = model.cfg.vocab_size
         self.engines: dict[tuple[FeatureTap, ...], TargetEngine] = {}
         self.sessions: dict[str, WorkerSession] = {}
+        self.capture = None if capture is None else TrafficBuffer(capture)
+        self.train_taps: tuple[FeatureTap, ...] = ()
+        if capture is not None:
+            from eyas.training.features import training_taps
+
+            self.train_taps = training_taps(model)
 
     @classmethod
     def load(
@@ -132,9 +147,11 @@ class TargetWorker:
         dtype: str = "float32",
         device: str = "cpu",
         prefix_cache_bytes: int = 0,
+        capture: CaptureConfig | None = None,
     ) -> TargetWorker:
         """Load ``target`` (see ``eyas.target.loader.load_target``); ``threads``: torch CPU threads;
-        ``dtype``: the compute dtype at precision fp32; ``device``: where it computes."""
+        ``dtype``: the compute dtype at precision fp32; ``device``: where it computes; ``capture``: see
+        the constructor."""
         from eyas.target.loader import load_target
 
         if threads:
@@ -146,6 +163,7 @@ class TargetWorker:
             name=f"{target}/{precision}{suffix}",
             prefix_cache_bytes=prefix_cache_bytes,
             tokenizer=loaded.tokenizer,
+            capture=capture,
         )
 
     def engine_for(self, taps: tuple[FeatureTap, ...]) -> TargetEngine:
@@ -153,7 +171,8 @@ class TargetWorker:
             if not 0 <= tap.layers_applied <= self.cfg.num_layers:
                 raise ValueError(f"tap_layers: {tap.layers_applied} is outside [0, {self.cfg.num_layers}]")
         if taps not in self.engines:
-            self.engines[taps] = TargetEngine(self.model, taps, self.prefix_cache)
+            capture = self.train_taps if self.capture is not None and taps == self.capture.config.taps else ()
+            self.engines[taps] = TargetEngine(self.model, taps, self.prefix_cache, capture_taps=capture)
         return self.engines[taps]
 
     # --- the Verifier messages -------------------------------------------------------------------
@@ -178,7 +197,9 @@ class TargetWorker:
             raise ValueError(f"request_id: {spec.request_id!r} already has a live session")
         grammar = self.grammars.cursor(sampling.grammar)
         engine = self.engine_for(tuple(FeatureTap(layer, normed) for layer, normed in spec.taps))
-        engine.open_session(spec.request_id, list(spec.prompt_ids), spec.max_new_tokens, spec.max_tree_rows)
+        engine.open_session(
+            spec.request_id, list(spec.prompt_ids), spec.max_new_tokens, spec.max_tree_rows, learn=spec.learn
+        )
         self.sessions[spec.request_id] = WorkerSession(
             engine,
             list(spec.prompt_ids),
@@ -248,8 +269,24 @@ class TargetWorker:
         wire.check_request_id(request_id)
         s = self.sessions.pop(request_id, None)
         if s is not None:
-            s.engine.close_session(request_id)
+            try:
+                if self.capture is not None:
+                    rows = s.engine.committed_rows(request_id)
+                    sample = None if rows is None else sample_of(rows, self.train_taps, request_id)
+                    if sample is not None:
+                        self.capture.add(sample)
+            finally:
+                s.engine.close_session(request_id)
         return s is not None
+
+    def take_captured(self, max_samples: int | None = None) -> list:
+        """The learning sessions' samples kept so far (``eyas.learning.capture``), oldest first, removed
+        from the buffer: up to ``max_samples`` (None: all; [] when capture is off)."""
+        return [] if self.capture is None else self.capture.take(max_samples)
+
+    def capture_stats(self) -> dict[str, int]:
+        """The capture buffer's counters (empty when capture is off)."""
+        return {} if self.capture is None else self.capture.stats()
 
     # --- batched rounds (the scheduler: many requests, one forward) ------------------------------
     def verify_batch(self, requests: list[pb.FlatTree]) -> list[pb.AcceptDecision | Refusal]:

@@ -138,8 +138,24 @@ class DrafterEngine:
         self.taps = tuple(taps)
         self.device = embed.weight.device  # where every draft tensor lives (the target's device)
         self.sessions: dict[str, DraftSession] = {}
+        self.version = 0  # drafter versions swapped in (swap_drafter); 0: the one it was built with
         # every live request's draft K/V in one padded store, rows [0, live) (eyas.target.batch_kv)
         self.kv = self.drafter.allocate_store()
+
+    def swap_drafter(self, drafter: Drafter) -> None:
+        """Serve ``drafter`` from the next drafting pass on (a round boundary: call it between rounds).
+        It must be the same network over the same feature address and draft vocabulary (a learned
+        version of the live one). Live sessions keep their draft K/V, written by the previous weights:
+        what they propose may differ, what they output may not (the target verifies every token)."""
+        old = self.drafter
+        if drafter.cfg != old.cfg:
+            raise ValueError(f"drafter: a swap needs the live drafter's config {old.cfg}, got {drafter.cfg}")
+        if (old.head is None) != (drafter.head is None) or (
+            old.head is not None and not torch.equal(old.d2t.cpu(), drafter.d2t.cpu())
+        ):
+            raise ValueError("drafter: a swap keeps the live drafter's draft vocabulary")
+        self.drafter = drafter.eval().requires_grad_(False)
+        self.version += 1
 
     def kv_slots_allocated(self) -> int:
         return sum(s.max_slots for s in self.sessions.values())

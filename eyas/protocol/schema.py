@@ -82,6 +82,9 @@ class GenerateRequest(BaseModel):
     # graft suffix drafts (continuations of what the prompt and answer already hold) into the drafter's
     # tree, verified in the same forward (eyas.drafting.suffix); method "suffix" drafts with them alone
     suffix_drafts: bool = False
+    # the answer may teach the drafter where the app learns online (eyas.learning; config learn.enabled,
+    # off by default); false: nothing of this request is kept
+    learn: bool = True
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0

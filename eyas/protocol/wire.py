@@ -373,6 +373,9 @@ class SessionSpec:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     grammar: str = ""  # the structured-output grammar's key (eyas.verification.grammar); "": none
+    # the request allows its committed rows to teach the drafter where its target replica captures
+    # traffic (eyas.learning; a deployment switch, off by default). Over gRPC an unset field is false
+    learn: bool = True
 
 
 def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
@@ -393,6 +396,7 @@ def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
         min_p=spec.min_p,
         logit_bias=dict(spec.logit_bias),
         grammar=spec.grammar or None,
+        learn=spec.learn,
     )
 
 
@@ -438,6 +442,7 @@ def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> S
         },
         logit_bias=tuple(sorted(_in_vocab_bias(dict(msg.logit_bias), vocab_size).items())),
         grammar=msg.grammar,
+        learn=msg.learn if msg.HasField("learn") else False,  # a Verifier caller's session: only when it asks
     )
 
 
@@ -465,6 +470,7 @@ _OPTIONAL_REQUEST_FIELDS = (
     "request_id",
     "method",
     "suffix_drafts",
+    "learn",
     "tree_kind",
     "tree_depth",
     "tree_width",

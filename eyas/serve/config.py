@@ -15,6 +15,29 @@ from eyas.target.loader import CPU_KERNELS, DEFAULT_TARGET, PRECISIONS, check_de
 REPLICA_KINDS = ("target", "drafter")
 
 
+class LearnSettings(BaseModel):
+    """Online learning (``eyas.learning``): the target replicas capture what their learning sessions
+    commit, a learner actor (nice 19, one thread) trains a copy of ``method``'s drafter on it, and the
+    drafter replicas swap in each version the learner's guard promotes. Off by default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    method: Literal["eagle1", "hass", "eagle3"] = "eagle3"  # the drafting method that learns
+    capture_bytes: int = Field(64 * 1024**2, gt=0)  # each target replica's capture buffer
+    capture_age_s: float = Field(3600.0, gt=0)  # captured samples older than this are dropped
+    push_period_s: float = Field(5.0, gt=0)  # how often a target replica hands its samples to the learner
+    poll_period_s: float = Field(5.0, gt=0)  # how often a drafter replica asks for a new version
+    lr: float = Field(1e-4, gt=0)
+    steps_per_check: int = Field(40, ge=1)  # learner steps between verdicts
+    replay: int = Field(64, ge=0)  # ShareGPT training samples replayed against forgetting
+    margin: float = 0.0  # the chain-estimate gain a candidate's lower 95 % bound must exceed
+    heldout_every: int = Field(4, ge=2)  # every n-th captured sample is kept for the guard, never trained on
+    min_window: int = Field(8, ge=2)  # the guard judges no candidate on fewer such samples
+    epochs: float = Field(4.0, gt=0)  # the learner rests once it has drawn its samples this many times over
+    out: str = "~/.cache/eyas/learned"  # promoted versions (a folder every replica can read)
+
+
 class ServeConfig(BaseModel):
     """The application's arguments (``args:`` in ray_configs/serve.yaml)."""
 
@@ -88,6 +111,7 @@ class ServeConfig(BaseModel):
     # requests one ingress runs at once (streaming or not, every API); past it a request is refused as
     # overloaded at once (HTTP 503, gRPC RESOURCE_EXHAUSTED) instead of waiting without end
     max_inflight_requests: int = Field(256, ge=1)
+    learn: LearnSettings = Field(default_factory=LearnSettings)
 
     @field_validator("target_autoscaling", "drafter_autoscaling")
     @classmethod
@@ -114,6 +138,15 @@ class ServeConfig(BaseModel):
         if not found:
             raise ValueError("needs the opentelemetry-exporter-otlp-proto-grpc package (pip install it)")
         return v
+
+    @model_validator(mode="after")
+    def _learn_needs_its_drafter(self) -> ServeConfig:
+        if self.learn.enabled and (self.drafter_replicas == 0 or self.learn.method not in self.methods):
+            raise ValueError(
+                f"learn.method: {self.learn.method} must be served (methods: {self.methods}, drafter_replicas >= 1) "
+                "for online learning"
+            )
+        return self
 
     @model_validator(mode="after")
     def _dtype_needs_fp32(self) -> ServeConfig:

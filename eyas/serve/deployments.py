@@ -44,6 +44,7 @@ from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import TargetWorker
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import finish, is_finished
+from eyas.learning.capture import CaptureConfig
 from eyas.protocol.messages import Refusal
 from eyas.protocol.schema import GenerateRequest
 from eyas.protocol.text import AnswerText
@@ -113,6 +114,61 @@ class ServeCalls:
             raise DrafterUnavailable(f"drafter: {type(err).__name__}: {err}") from err
 
 
+LEARNER_PREFIX = "eyas-learner"
+
+
+def learning_drafter_dir(cfg) -> str:
+    """The folder of the drafter that learns online (``learn.method``'s: the config's, else the shipped one)."""
+    from eyas.runtime import DEFAULT_DRAFTER_DIRS, REPO_DRAFTERS
+
+    return cfg.drafters.get(cfg.learn.method) or str(REPO_DRAFTERS / DEFAULT_DRAFTER_DIRS[cfg.learn.method])
+
+
+def learning_capture(cfg) -> CaptureConfig | None:
+    """A target replica's capture: the learning drafter's sessions (its feature address) when
+    ``learn.enabled`` (None: off)."""
+    from eyas.drafting.manifest import read_manifest
+
+    if not cfg.learn.enabled:
+        return None
+    taps = read_manifest(learning_drafter_dir(cfg)).taps()
+    return CaptureConfig(taps, cfg.learn.capture_bytes, cfg.learn.capture_age_s)
+
+
+def learner_for(app: str, cfg):
+    """The app's learner actor (``eyas.learning.loop.LearnerLoop``), started on first use: detached,
+    on the head node, nice 19 with one thread and no CPU reserved (it takes what serving leaves)."""
+    from pathlib import Path
+
+    from eyas.learning.learner import LearnConfig
+    from eyas.learning.loop import LearnerLoop
+    from eyas.serve.registry import HEAD_NODE_RESOURCE
+
+    s = cfg.learn
+    return (
+        ray.remote(LearnerLoop)
+        .options(
+            name=f"{LEARNER_PREFIX}:{app}",
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            resources={HEAD_NODE_RESOURCE: 0.001},
+        )
+        .remote(
+            target=cfg.target,
+            drafter_dir=learning_drafter_dir(cfg),
+            out=str(Path(s.out).expanduser() / app),
+            config=LearnConfig(
+                lr=s.lr, margin=s.margin, heldout_every=s.heldout_every, min_window=s.min_window, epochs=s.epochs
+            ),
+            replay=s.replay,
+            steps_per_check=s.steps_per_check,
+            nice=19,
+            threads=1,
+        )
+    )
+
+
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -145,8 +201,16 @@ class EyasTarget:
         self.replica_id = _replica_id()
         self.worker_lock = threading.Lock()
         self.device = c.device_for("target")
+        capture = learning_capture(c)
         self.worker = compute.run(
-            TargetWorker.load, c.target, c.precision, c.torch_threads, c.dtype, self.device, c.prefix_cache_bytes
+            TargetWorker.load,
+            c.target,
+            c.precision,
+            c.torch_threads,
+            c.dtype,
+            self.device,
+            c.prefix_cache_bytes,
+            capture,
         )
         self.locked = _Locked(self.worker, self.worker_lock)
         self.tokenizer = load_tokenizer(c.target)
@@ -190,6 +254,26 @@ class EyasTarget:
         )
         if self.drafter is not None:  # a blocking handle call must not run on the replica's event loop
             threading.Thread(target=self._fetch_drafter_info, name="eyas-drafter-info", daemon=True).start()
+        if c.learn.enabled:
+            threading.Thread(target=self._push_captured, name="eyas-learn-push", daemon=True).start()
+
+    def _push_captured(self) -> None:
+        """Every ``learn.push_period_s``: the learning sessions' samples to the app's learner (no wait
+        on its answer; a learner that cannot be reached is said once and tried again next period)."""
+        learner, warned = None, False
+        while self.loop.thread.is_alive():
+            time.sleep(self.cfg.learn.push_period_s)
+            try:
+                learner = learner or learner_for(self.app_name, self.cfg)
+                samples = self.locked.take_captured()
+                if samples:
+                    learner.add.remote(samples)
+                warned = False
+            except Exception as err:  # noqa: BLE001 - said once an outage; serving does not depend on learning
+                learner = None
+                if not warned:
+                    log.warning("captured samples not handed to the learner: %s: %s", type(err).__name__, err)
+                    warned = True
 
     def _fetch_drafter_info(self) -> None:
         """The drafter's taps, default trees and measured draft cost, asked off the event loop at start-up
@@ -317,6 +401,7 @@ class EyasTarget:
             cancel,
             logprobs=req.logprobs,
             suffix=req.suffix_drafts,
+            learn=req.learn,
         )
         report: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -438,6 +523,33 @@ class EyasDrafter:
         self.owners: dict[str, str] = {}  # request id -> the target replica that opened its session
         self.missing_since: dict[str, float] = {}  # target replica -> when it first fell off the registry's live list
         self.reporter = Reporter(app_name(), self.replica_id, "drafter", self._report, on_reply=self._reclaim)
+        self.live_version = 0  # the learned drafter version this replica serves (learn.enabled; 0: the shipped one)
+        if c.learn.enabled:
+            threading.Thread(target=self._poll_versions, name="eyas-learn-poll", daemon=True).start()
+
+    def _poll_versions(self) -> None:
+        """Every ``learn.poll_period_s`` (with a random offset, so that replicas swap one at a time): a
+        version the learner promoted replaces the live drafter between two calls, under the worker lock:
+        a round boundary."""
+        import random
+
+        learner, warned = None, False
+        while True:
+            time.sleep(self.cfg.learn.poll_period_s * (0.5 + random.random()))
+            try:
+                learner = learner or learner_for(app_name(), self.cfg)
+                version, folder = ray.get(learner.live.remote(), timeout=30)
+                if version > self.live_version and folder is not None:
+                    with self.lock:
+                        compute.run(self.worker.swap, self.cfg.learn.method, folder)
+                    self.live_version = version
+                    log.info("drafter version %d live (%s)", version, folder)
+                warned = False
+            except Exception as err:  # noqa: BLE001 - said once an outage; the live drafter keeps serving
+                learner = None
+                if not warned:
+                    log.warning("no drafter version from the learner: %s: %s", type(err).__name__, err)
+                    warned = True
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _affinity(self, model_id: str) -> str:
@@ -510,7 +622,12 @@ class EyasDrafter:
         stranded = sum(o in self.missing_since for o in list(self.owners.values()))
         return {
             "worker": dict(
-                leak, live_requests=0, actor_name=_actor_name(), namespace="serve", stranded_sessions=stranded
+                leak,
+                live_requests=0,
+                actor_name=_actor_name(),
+                namespace="serve",
+                stranded_sessions=stranded,
+                drafter_version=self.live_version,
             ),
             "autoscaling": self.record_autoscaling_stats(),
         }

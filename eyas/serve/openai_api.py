@@ -36,6 +36,7 @@ CHAT, COMPLETION = "chat.completion", "text_completion"
 EYAS_EXTRAS = (
     "method",
     "suffix_drafts",
+    "learn",
     "tree_kind",
     "tree_depth",
     "tree_width",
@@ -146,6 +147,7 @@ class _Common(_Strict):
     # the Eyas extension (extra_body)
     method: str | None = None
     suffix_drafts: bool | None = None
+    learn: bool | None = None  # false: this request's answer never teaches the drafter (eyas.learning)
     tree_kind: str | None = None
     tree_depth: int | None = None
     tree_width: int | None = None

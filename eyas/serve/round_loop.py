@@ -111,6 +111,7 @@ class Live(DraftState):
     stopped: bool = False
     eos: tuple[int, ...] = ()
     logprobs: int | None = None  # top alternatives of each emitted token's logprob (None: no logprobs)
+    learn: bool = True  # its committed rows may teach the drafter (eyas.learning; where capture is on)
 
 
 class WorkerTarget:
@@ -258,11 +259,13 @@ class RoundLoop:
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
         suffix: bool = False,
+        learn: bool = True,
     ) -> concurrent.futures.Future:
         """-> a future of the ``GenerationResult``; validation errors of the prefill surface through it.
         ``logprobs``: each publish hands ``on_tokens`` its tokens' logprobs too (``on_tokens(tokens,
         logprobs)``), with this many top alternatives each. ``suffix``: suffix drafts grafted into the
-        drafter's tree (method ``suffix``: suffix drafts alone)."""
+        drafter's tree (method ``suffix``: suffix drafts alone). ``learn``: the request allows its
+        committed rows to teach the drafter where the target captures traffic (``eyas.learning``)."""
         live = Live(
             request_id=request_id,
             method=method,
@@ -279,6 +282,7 @@ class RoundLoop:
             arrival=time.perf_counter(),
             acceptance=AcceptanceEstimate.from_prior(self.prior),
             logprobs=logprobs,
+            learn=learn,
             processors=(sampling, tuple(prompt_ids)) if sampling.processes or sampling.grammar else None,
         )
         with self.lock:
@@ -380,6 +384,7 @@ class RoundLoop:
             live.rng_seed,
             taps,
             logprobs=live.logprobs,
+            learn=live.learn,
         )
         try:
             live.eos = self.target("open", spec)

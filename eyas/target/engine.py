@@ -57,6 +57,7 @@ class Verified:
     flat: FlatTree | None  # None for the prompt prefill
     logits: torch.Tensor  # [R, V] float32 (prefill: [1, V], the last prompt row)
     features: torch.Tensor  # [R, F]
+    captured: torch.Tensor | None = None  # [R, C]: the engine's capture taps of each row (None: none)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,19 @@ class PrefillProgress:
     request_id: str
     prefilled: int
     prompt_len: int
+
+
+@dataclass(frozen=True)
+class CommittedRows:
+    """A learning session's committed state, for the drafter that learns from served traffic
+    (``eyas.learning``): row ``j`` is committed token ``j`` as an input; its features predict token ``j + 1``."""
+
+    tokens: torch.Tensor  # [S] int64: prompt + committed answer
+    prompt_len: int
+    features: torch.Tensor  # [S, F]: the served taps of every committed row
+    captured: torch.Tensor  # [S - prompt_len, C]: the capture taps of the committed answer rows
+    taps: tuple[FeatureTap, ...]
+    capture_taps: tuple[FeatureTap, ...]
 
 
 @dataclass
@@ -89,6 +103,8 @@ class TargetSession:
     prefilled: int = 0  # prompt rows with provisional K/V so far (chunked prefill)
     prefill_features: list[torch.Tensor] = field(default_factory=list)  # per chunk [T, F]
     cached_tokens: int = 0  # prompt rows whose K/V and features came from the prefix cache
+    learn: bool = False  # keep the committed answer rows' capture taps (the engine's capture_taps)
+    captured: list[torch.Tensor] = field(default_factory=list)  # per verify publish [A, C]
 
 
 class TargetEngine:
@@ -96,13 +112,23 @@ class TargetEngine:
     (:class:`~eyas.target.batch_kv.BatchKV`): a round's prefill chunks, decode rows and tree rows
     all run as one forward with one attention call per layer (:meth:`step`)."""
 
-    def __init__(self, model: TargetModel, taps: tuple[FeatureTap, ...], prefix_cache: PrefixCache | int = 0):
+    def __init__(
+        self,
+        model: TargetModel,
+        taps: tuple[FeatureTap, ...],
+        prefix_cache: PrefixCache | int = 0,
+        capture_taps: tuple[FeatureTap, ...] = (),
+    ):
         """``prefix_cache``: the model's prefix cache (``eyas.target.prefix_cache``), shared by its
         engines, or the byte budget of one of this engine's own (0: off): committed K/V and feature
-        rows of prompts and answers seen before, reused by a new prompt that starts the same way."""
+        rows of prompts and answers seen before, reused by a new prompt that starts the same way.
+        ``capture_taps``: features beyond ``taps`` that every forward also computes (from the same
+        pass: no extra forward) and that a session opened with ``learn`` keeps for its committed
+        answer rows (``eyas.learning``: what a drafter learns from; () = none)."""
         self.model = model
         self.cfg = model.cfg
         self.taps = taps
+        self.capture_taps = tuple(t for t in capture_taps if t not in taps)
         self.sessions: dict[str, TargetSession] = {}
         self.prefix_cache = prefix_cache if isinstance(prefix_cache, PrefixCache) else PrefixCache(prefix_cache)
         w = model.embed.weight
@@ -125,7 +151,9 @@ class TargetEngine:
         }
 
     # --- sessions ------------------------------------------------------------------------------
-    def open_session(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, max_tree_rows: int) -> None:
+    def open_session(
+        self, request_id: str, prompt_ids: list[int], max_new_tokens: int, max_tree_rows: int, learn: bool = False
+    ) -> None:
         if request_id in self.sessions:
             raise ValueError(f"request_id: {request_id!r} already has a live session")
         if not prompt_ids:
@@ -145,7 +173,12 @@ class TargetEngine:
                 "ask for a smaller tree or fewer tokens"
             )
         s = TargetSession(
-            request_id, self.kv.open_row(request_id, slots), slots, len(prompt_ids), tokens=list(prompt_ids)
+            request_id,
+            self.kv.open_row(request_id, slots),
+            slots,
+            len(prompt_ids),
+            tokens=list(prompt_ids),
+            learn=learn and bool(self.capture_taps),
         )
         self.sessions[request_id] = s
         if self.prefix_cache.capacity_bytes:
@@ -222,6 +255,23 @@ class TargetEngine:
             torch.tensor(s.tokens[1:] + [s.frontier_token], dtype=torch.int64),
             start_position=0,
             round=s.round,
+        )
+
+    def committed_rows(self, request_id: str) -> CommittedRows | None:
+        """A session opened with ``learn``: its committed rows and their features (None: not learning,
+        or no answer row committed yet)."""
+        s = self._session(request_id)
+        if not s.learn or not s.captured:
+            return None
+        captured = torch.cat(s.captured)
+        assert captured.shape[0] == s.committed_len - s.prompt_len, "one captured row per committed answer row"
+        return CommittedRows(
+            torch.tensor(s.tokens[: s.committed_len], dtype=torch.int64),
+            s.prompt_len,
+            torch.cat(s.features)[: s.committed_len],
+            captured,
+            self.taps,
+            self.capture_taps,
         )
 
     def _session(self, request_id: str) -> TargetSession:
@@ -320,8 +370,10 @@ class TargetEngine:
             return pre_out, ver_out
         plan = BatchRows.build(groups, self.kv.device)
         rows = "all" if len(logit_rows) == plan.num_rows else torch.tensor(logit_rows, dtype=torch.int64)
-        out = self.model.forward_batch(self.kv, plan, self.taps, rows)
-        logits, features = out.logits[0], out.features[0]  # [n_logit_rows, V], [N, F]
+        out = self.model.forward_batch(self.kv, plan, self.taps + self.capture_taps, rows)
+        served = len(self.taps) * self.cfg.hidden_size
+        logits, features = out.logits[0], out.features[0][:, :served]  # [n_logit_rows, V], [N, F]
+        captured = out.features[0][:, served:] if self.capture_taps else None  # [N, C]
         at = {r: j for j, r in enumerate(logit_rows)}  # packed row -> its logits row
         if any(kind == "verify" for kind, *_ in jobs):
             self._account_experts([(s.request_id, b - a) for _, _, s, _, (a, b) in jobs])
@@ -339,7 +391,14 @@ class TargetEngine:
                 s.prefill_features = []
                 pre_out[i] = s.pending
             else:
-                s.pending = Verified(s.request_id, s.round + 1, payload, logits[at[a] : at[a] + b - a], features[a:b])
+                s.pending = Verified(
+                    s.request_id,
+                    s.round + 1,
+                    payload,
+                    logits[at[a] : at[a] + b - a],
+                    features[a:b],
+                    captured[a:b] if captured is not None and s.learn else None,
+                )
                 ver_out[i] = s.pending
         return pre_out, ver_out
 
@@ -418,6 +477,8 @@ class TargetEngine:
             self.kv.commit(s.kv_row, n + on_device, n)  # provisional slot n + r -> committed slot n + i
         s.tokens = committed_tokens
         s.features.append(seed.features)
+        if v.captured is not None:
+            s.captured.append(v.captured.index_select(0, on_device).clone())
         s.frontier_token = decision.frontier_token
         s.pending, s.round, s.last_ack, s.last_seed = None, round, ack, seed
         s.committed_len = n + a

@@ -48,6 +48,18 @@ class FeatureBatch:
     features: torch.Tensor  # [S, n_taps * d] float16
 
 
+@dataclass(frozen=True)
+class SampleList:
+    """Samples already in memory over the feature address ``taps`` (the online learner's served
+    traffic, ``eyas.learning``): a trainer source like :class:`OnlineFeatures`, without a forward."""
+
+    taps: tuple
+    items: tuple[FeatureBatch, ...]
+
+    def samples(self) -> list[FeatureBatch]:
+        return list(self.items)
+
+
 class FeatureCache:
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)

@@ -34,7 +34,14 @@ from eyas.drafting.model import Drafter, DrafterConfig, drafter_feature_address,
 from eyas.target.loader import DTYPES, check_device
 from eyas.target.model import FeatureTap, GrowingKV, TargetModel
 from eyas.training.config import TrainConfig
-from eyas.training.features import FeatureBatch, FeatureCache, FeatureCaches, OnlineFeatures, training_taps
+from eyas.training.features import (
+    FeatureBatch,
+    FeatureCache,
+    FeatureCaches,
+    OnlineFeatures,
+    SampleList,
+    training_taps,
+)
 from eyas.training.losses import build_draft_vocab, carry_rows, feature_noise, rebuilt_head, row_soft_cross_entropy
 from eyas.training.masks import rollout_valid, rollout_visibility
 from eyas.training.rows import dense_row_masks
@@ -74,8 +81,8 @@ class DrafterTrainer:
         cfg: TrainConfig,
         target: TargetModel,
         fingerprint: dict,
-        train: FeatureCache | FeatureCaches | OnlineFeatures,
-        heldout: FeatureCache,
+        train: FeatureCache | FeatureCaches | OnlineFeatures | SampleList,
+        heldout: FeatureCache | SampleList,
         out: str | Path | None = None,
         vocab_counts: torch.Tensor | None = None,  # [V] int64: rebuild_draft_vocab's token counts
     ):
@@ -199,8 +206,10 @@ class DrafterTrainer:
             group["initial_lr"], group["lr"] = base, base * self._lr_factor(0)  # this run's rate, from its step 0
 
     @staticmethod
-    def _load(cache: FeatureCache | FeatureCaches | OnlineFeatures, fingerprint: dict, taps) -> list[FeatureBatch]:
-        if isinstance(cache, OnlineFeatures):
+    def _load(
+        cache: FeatureCache | FeatureCaches | OnlineFeatures | SampleList, fingerprint: dict, taps
+    ) -> list[FeatureBatch]:
+        if isinstance(cache, (OnlineFeatures, SampleList)):
             if cache.taps != taps:
                 raise ValueError(f"features.taps: {cache.taps} != the trainer's {taps}")
             return cache.samples()
@@ -415,10 +424,15 @@ class DrafterTrainer:
     # --- optimisation ----------------------------------------------------------------------------------
     def train_step(self) -> StepStats | None:
         """One optimizer step over ``batch_samples`` samples; None (skipped) with no supervised row."""
+        return self.train_on([self.train_data[i] for i in self.batch_indices(self.step)])
+
+    def train_on(self, samples: list[FeatureBatch]) -> StepStats | None:
+        """One optimizer step over ``samples`` (a batch chosen by the caller: the online learner's mix
+        of served traffic and replay); None (skipped) with no supervised row."""
         self.drafter.train()
         self.optimizer.zero_grad(set_to_none=True)
         losses, n_rows = [], 0
-        for group in packs([self.train_data[i] for i in self.batch_indices(self.step)], self.cfg.pack_limit()):
+        for group in packs(samples, self.cfg.pack_limit()):
             loss, n = self.pack_loss(group, noise=True)
             if loss is not None:
                 (loss / self.cfg.batch_samples).backward()

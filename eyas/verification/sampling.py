@@ -178,6 +178,7 @@ def session_spec(
     seed: int,
     taps=(),
     logprobs: int | None = None,
+    learn: bool = True,
 ) -> SessionSpec:
     """The target session a request opens (``wire.SessionSpec``), its sampler carried whole."""
     return SessionSpec(
@@ -197,4 +198,5 @@ def session_spec(
         min_p=sampling.min_p,
         logit_bias=sampling.logit_bias,
         grammar=sampling.grammar,
+        learn=learn,
     )

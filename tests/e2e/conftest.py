@@ -8,6 +8,7 @@ and the shipped drafters, in their own EyasTarget / EyasDrafter replicas.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 
 import pytest
@@ -35,6 +36,21 @@ E2E_CONFIG = {
     "scheduler": "prompt-length",
     "max_batch": 16,
     "max_inflight_requests": E2E_MAX_INFLIGHT,
+    # online learning on, with a guard that promotes every candidate (margin -100) after two steps on
+    # a two-sample window: drafter versions are swapped into the drafter replica all through this
+    # module, so every exactness test below also checks that a swap changes no token
+    "learn": {
+        "enabled": True,
+        "replay": 0,
+        "steps_per_check": 2,
+        "heldout_every": 2,
+        "min_window": 2,
+        "margin": -100.0,
+        "epochs": 1.0,
+        "push_period_s": 0.5,
+        "poll_period_s": 0.5,
+        "out": tempfile.mkdtemp(prefix="eyas-e2e-learned-"),
+    },
 }
 
 

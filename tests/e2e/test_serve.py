@@ -1319,6 +1319,56 @@ def test_a_killed_target_replicas_draft_sessions_are_reclaimed_and_its_speculati
     no_leaks(client, timeout_s=90)
 
 
+def test_online_learning_keeps_what_may_teach_and_swapped_versions_change_no_token(client, reference, no_leaks):
+    """Learning is on in this module (conftest's learn settings): the target replica hands the learning
+    sessions' samples to the app's learner actor, a request with learn: false hands none, and the
+    drafter replica serves the versions the learner promotes (every candidate here) from one round to
+    the next; EAGLE-3's answers stay greedy target-only's before and after."""
+    import ray
+
+    learner = ray.get_actor("eyas-learner:eyas")  # named in the app's namespace (this driver's)
+
+    def seen() -> int:
+        return ray.get(learner.status.remote())["seen"]
+
+    def settled(expected: int) -> int:
+        deadline = time.monotonic() + 60
+        while seen() < expected and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(1.5)  # three push periods: anything more would have arrived
+        return seen()
+
+    start = settled(0)
+    for prompt in PROMPTS[:2]:
+        assert (
+            client.generate(prompt=prompt, method="eagle3", max_new_tokens=N, learn=False)["token_ids"]
+            == (reference[prompt])
+        )
+    assert settled(start) == start  # nothing of an opted-out request
+    for prompt in PROMPTS:
+        assert client.generate(prompt=prompt, method="eagle3", max_new_tokens=N)["token_ids"] == reference[prompt]
+    assert settled(start + len(PROMPTS)) == start + len(PROMPTS)
+    for i in range(12):  # a few more prompts until the guard's window (a prompt in two) holds two samples
+        status = ray.get(learner.status.remote())
+        if status["window"] >= 2 and status["pool"] >= 1:
+            break
+        client.generate(prompt=f"Count from {i} to {i + 3}.", method="eagle3", max_new_tokens=8)
+        settled(seen() + 1)
+
+    def drafter_version() -> int:
+        return max(w.get("drafter_version", 0) for w in client.stats()["workers"] if w["kind"] == "drafter")
+
+    deadline = time.monotonic() + 180
+    while drafter_version() < 1 and time.monotonic() < deadline:
+        time.sleep(1.0)
+    status = ray.get(learner.status.remote())
+    assert drafter_version() >= 1, status
+    assert status["error"] is None and status["tokens_learned"] > 0 and any(v["promote"] for v in status["verdicts"])
+    for prompt in PROMPTS:
+        assert client.generate(prompt=prompt, method="eagle3", max_new_tokens=N)["token_ids"] == reference[prompt]
+    no_leaks(client)
+
+
 def test_a_short_chaos_soak_changes_no_token_and_repeats_none(client, serve_address, reference, no_leaks):
     """Last (it kills replicas): three gRPC clients stream EAGLE-3 answers one after another for
     about 45 s while the drafter replica, then the target replica, then the drafter again are

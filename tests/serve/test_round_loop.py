@@ -17,9 +17,8 @@ from eyas.serve.round_loop import RoundLoop, WorkerCalls
 from eyas.step import DrafterUnavailable
 from eyas.target.engine import TargetEngine
 from eyas.verification.sampling import SamplingParams
-from tests.testing import EveryThirdRoundPolicy, tiny_eagle1_engine
+from tests.testing import FLAT, EveryThirdRoundPolicy, local_loop, tiny_eagle1_engine
 
-FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 256: 200.0})
 STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 64: 3200.0})
 
 
@@ -46,19 +45,6 @@ class FlakyDrafter:
                 self.worker.close_session(rid)
             raise DrafterUnavailable("drafter: the actor died (test)")
         return self.worker.propose_batch(items)
-
-
-def local_loop(target, drafter, info, policy, curve=FLAT, **kwargs) -> RoundLoop:
-    """A RoundLoop over a target worker and a drafter worker (or a stand-in around one) in this process,
-    both called directly (``WorkerCalls(..., local=True)``)."""
-    return RoundLoop(
-        WorkerCalls(target, 30, local=True),
-        WorkerCalls(drafter, 30, local=True, drafter=True),
-        info,
-        policy,
-        curve.copy(),
-        **kwargs,
-    )
 
 
 def prompts(n):
