@@ -482,8 +482,9 @@ def cmd_experiment_learn(args) -> int:
         mtbench_limit=args.mtbench,
         replay=args.replay,
         steps_per_check=args.steps_per_check,
+        duty=args.duty,
         out=args.out,
-        learn_config=LearnConfig(lr=args.lr),
+        learn_config=LearnConfig(lr=args.lr, dtype=args.dtype),
     )
     if args.json:
         keys = (
@@ -787,9 +788,11 @@ def main(argv: list[str] | None = None) -> int:
     le.add_argument("--passes", type=int, default=2, help="times the traffic is served")
     le.add_argument("--chunk", type=int, default=8, help="requests between learner checks and swaps")
     le.add_argument("--mtbench", type=int, default=80, help="MT-bench first turns for the forgetting check")
-    le.add_argument("--replay", type=int, default=64, help="ShareGPT training samples the learner replays")
+    le.add_argument("--replay", type=int, default=1024, help="ShareGPT training samples the learner replays")
     le.add_argument("--steps-per-check", type=int, default=40, help="learner steps between verdicts")
     le.add_argument("--lr", type=float, default=1e-4)
+    le.add_argument("--duty", type=float, default=1.0, help="the share of wall time the learner may train")
+    le.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the learner's autocast dtype")
     le.add_argument("--limit", type=int, help="serve only the first N traffic prompts (a quick run)")
     le.add_argument("--out", default="bench/results/learn")
     le.add_argument("--json", help="also write the headline numbers here")

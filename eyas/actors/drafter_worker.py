@@ -108,17 +108,26 @@ class DrafterWorker:
     def swap(self, method: str, folder: str) -> int:
         """Serve the drafter checkpoint at ``folder`` for ``method`` from the next round on (a learned
         version of the live one: same network, address and vocabulary, checked against the target's
-        fingerprint) -> the method's drafter version now. Called between rounds (a replica runs one
-        call at a time)."""
+        fingerprint) -> the method's drafter version now. :meth:`load_version` then :meth:`swap_in`;
+        a replica loads outside its worker lock and swaps inside it, between two rounds."""
+        return self.swap_in(method, self.load_version(method, folder), folder)
+
+    def load_version(self, method: str, folder: str):
+        """The drafter at ``folder``, loaded and checked for ``method`` at this worker's precision (no
+        state changes: safe beside rounds in progress) -> the drafter for :meth:`swap_in`."""
         if method not in self.engines:
             raise ValueError(f"method: this drafter worker serves {sorted(self.engines)}, not {method!r}")
         if self._reload is None:
             raise ValueError("drafter: this worker was built without a loader; it cannot swap drafters")
-        engine = self.engines[method]
-        fresh = self._reload(method, folder)
+        engine, fresh = self.engines[method], self._reload(method, folder)
         if fresh.taps != engine.taps:
             raise ValueError(f"drafter: {folder} reads the feature address {fresh.taps}, the live one {engine.taps}")
-        engine.swap_drafter(fresh.drafter)
+        return fresh.drafter
+
+    def swap_in(self, method: str, drafter, folder: str) -> int:
+        """Make ``drafter`` (from :meth:`load_version`) the live one of ``method`` -> its version now."""
+        engine = self.engines[method]
+        engine.swap_drafter(drafter)
         self.sources[method] = str(folder)
         return engine.version
 

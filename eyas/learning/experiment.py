@@ -10,8 +10,9 @@ The run, in one process plus the learner's Ray actor (nice 19, one thread):
 3. **serving**: the traffic prompts, ``passes`` times, in chunks; after each chunk the captured
    samples go to the learner, and a version it promoted is swapped into the drafter worker (at a round
    boundary: between chunks). A point per chunk: served tokens, the chunk's τ, the live version;
-4. **speed**: the first held-out prompts served with the learner training beside (on) and after it
-   stopped (off), the same drafter version, alternating;
+4. **speed**: the learner is paused for every other chunk (alternating across passes, so that each
+   chunk's prompts are served both ways): tok/s and ms a target forward of the chunks it trained
+   beside (on) against the chunks it was paused (off);
 5. **after**: τ on the held-out prompts and MT-bench with the last version that went live.
 
 The JSON (``--json``) holds ``tau_before``, ``tau_after``, ``mtbench_tau_before``, ``mtbench_tau_after``,
@@ -63,7 +64,7 @@ def read_prompts(path: str | Path, name: str) -> list[str]:
 class Served:
     """The round loop over in-process workers (what a target replica runs), greedy EAGLE-3."""
 
-    def __init__(self, target: str, precision: str, threads: int, max_new_tokens: int):
+    def __init__(self, target: str, precision: str, threads: int, max_new_tokens: int, capture: bool = True):
         import torch
 
         from eyas.actors.drafter_worker import DrafterWorker
@@ -77,7 +78,7 @@ class Served:
         torch.set_num_threads(threads)
         self.drafter = DrafterWorker.load(target, ("eagle3",), threads=threads, precision=precision)
         taps = self.drafter.engines["eagle3"].taps
-        self.target = TargetWorker.load(target, precision, threads, capture=CaptureConfig(taps))
+        self.target = TargetWorker.load(target, precision, threads, capture=CaptureConfig(taps) if capture else None)
         self.tokenizer = load_tokenizer(target)
         info = self.drafter.info()
         curve = LatencyCurve.from_points(self.target.measure_latency((1, 4, 16), repeats=2))
@@ -142,14 +143,16 @@ def run_learn(
     passes: int = 2,
     chunk: int = 8,
     mtbench_limit: int = 80,
-    speed_prompts: int = 6,
-    replay: int = 64,
+    replay: int = 1024,
     steps_per_check: int = 40,
+    duty: float = 1.0,
     out: str | Path = "bench/results/learn",
     learn_config=None,
     progress=print,
 ) -> dict:
     """The experiment (see the module's docstring) -> its record (also written to ``out/learn.json``)."""
+    import shutil
+
     import ray
 
     from eyas.learning.learner import LearnConfig
@@ -159,6 +162,7 @@ def run_learn(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "versions", ignore_errors=True)  # a fresh learner: no state of an earlier run resumed
     mtbench = [q["turns"][0] for q in mtbench_questions()][:mtbench_limit]
     served = Served(target, precision, threads, max_new_tokens)
     record: dict = {
@@ -183,10 +187,16 @@ def run_learn(
             config=config,
             replay=replay,
             steps_per_check=steps_per_check,
+            duty=duty,
         )
         timeline, served_tokens, live_version, t_start = [], 0, 0, time.perf_counter()
+        steps = checks = 0
         for p in range(passes):
             for i in range(0, len(traffic), chunk):
+                # the learner trains beside every other chunk (alternating across passes, so each chunk's
+                # prompts are served both ways): the A/B of serving with and without it
+                paused = (i // chunk + p) % 2 == 1
+                ray.get(learner.pause.remote(paused))
                 part = served.run(traffic[i : i + chunk], learn=True)
                 served_tokens += part["tokens"]
                 captured = served.target.take_captured()
@@ -199,7 +209,14 @@ def run_learn(
                 timeline.append(
                     {
                         "pass": p,
+                        "chunk": i // chunk,
+                        "learner_paused": paused,
+                        "learner_trained_steps": status["steps"] - steps,  # during this chunk (and its hand-off)
+                        "learner_checks": status["checks"] - checks,
                         "served_tokens": served_tokens,
+                        "tokens": part["tokens"],
+                        "forwards": part["forwards"],
+                        "seconds": part["seconds"],
                         "tau": part["tau"],
                         "tok_s": part["tok_s"],
                         "version": live_version,
@@ -208,18 +225,34 @@ def run_learn(
                         "t_s": round(time.perf_counter() - t_start, 1),
                     }
                 )
+                steps, checks = status["steps"], status["checks"]
                 progress(
-                    f"  pass {p} chunk {i // chunk}: τ {part['tau']:.3f}, {part['tok_s']:.1f} tok/s, "
-                    f"{served_tokens} served, learner {status['steps']} steps / {status['tokens_learned']} "
-                    f"tokens, inbox {waiting}, live v{live_version}"
+                    f"  pass {p} chunk {i // chunk}: τ {part['tau']:.3f}, {part['tok_s']:.1f} tok/s, learner "
+                    f"{'paused' if paused else 'training'}, {served_tokens} served, learner {status['steps']} steps / "
+                    f"{status['tokens_learned']} tokens, inbox {waiting}, live v{live_version}"
                 )
                 if status["error"]:
                     raise RuntimeError(f"learner: {status['error']}")
-        speed = heldout[:speed_prompts]
-        on = served.run(speed, learn=False)
+        ray.get(learner.pause.remote(False))
         status = ray.get(learner.status.remote())
         ray.get(learner.stop.remote())
-        off = served.run(speed, learn=False)
+        # on: chunks the learner trained beside; off: chunks it was paused for and did nothing in (a
+        # pause takes effect after the step or the check in progress)
+        busy = [t for t in timeline if not t["learner_paused"] and t["learner_trained_steps"] > 0]
+        idle = [
+            t for t in timeline if t["learner_paused"] and not t["learner_trained_steps"] and not t["learner_checks"]
+        ]
+
+        def rate(points, key):
+            tokens = sum(t["tokens"] for t in points)
+            return (
+                tokens / max(sum(t["seconds"] for t in points), 1e-9)
+                if key == "tok_s"
+                else (1000 * sum(t["seconds"] for t in points) / max(sum(t["forwards"] for t in points), 1))
+            )
+
+        on = {"tok_s": rate(busy, "tok_s"), "ms_per_forward": rate(busy, "ms"), "chunks": len(busy)}
+        off = {"tok_s": rate(idle, "tok_s"), "ms_per_forward": rate(idle, "ms"), "chunks": len(idle)}
         progress("after")
         after = served.run(heldout, learn=False)
         mt_after = served.run(mtbench, learn=False) if mtbench else None
@@ -233,6 +266,8 @@ def run_learn(
             live_version=live_version,
             serve_tok_s_learning_on=on["tok_s"],
             serve_tok_s_learning_off=off["tok_s"],
+            serve_learning_on=on,
+            serve_learning_off=off,
             timeline=timeline,
             verdicts=status["verdicts"],
             learn_config=asdict(config),

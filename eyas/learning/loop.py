@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -22,12 +23,13 @@ from eyas.learning.learner import LearnConfig, OnlineLearner
 from eyas.training.features import FeatureBatch, OnlineFeatures, training_taps
 
 log = logging.getLogger("eyas.learning")
-REPLAY_MAX_LEN = 512
+REPLAY_MAX_LEN = 384  # replayed samples are cut here (a learner step costs about its tokens)
 
 
-def replay_samples(target: str, model, count: int, seed: int = 0) -> list[FeatureBatch]:
+def replay_samples(target: str, model, count: int, seed: int = 0) -> list:
     """``count`` of the shipped drafters' training samples (the target's own answers to ShareGPT first
-    turns, ``data/regen``) with their fp32 features: the learner's replay against forgetting."""
+    turns, ``data/regen``), their fp32 features computed when read: the learner's replay against
+    forgetting (a few dozen are memorized, not replayed: use hundreds)."""
     import random
 
     from eyas.runtime import REPO_DRAFTERS
@@ -50,8 +52,9 @@ def replay_samples(target: str, model, count: int, seed: int = 0) -> list[Featur
             samples.append(s)
         if len(samples) == count:
             break
-    online = OnlineFeatures(model, samples, training_taps(model))
-    return [FeatureBatch(s.sample_id, s.input_ids, s.loss_mask, s.features.to(torch.float16)) for s in online.samples()]
+    # features made when a sample is read (one fp32 target forward each, in the learner): a replay
+    # set of any size in constant memory
+    return OnlineFeatures(model, samples, training_taps(model)).samples()
 
 
 class LearnerLoop:
@@ -65,8 +68,9 @@ class LearnerLoop:
         drafter_dir: str,
         out: str,
         config: LearnConfig = LearnConfig(),
-        replay: int = 64,
+        replay: int = 1024,
         steps_per_check: int = 40,
+        duty: float = 1.0,
         threads: int = 1,
         nice: int = 0,
         model=None,
@@ -92,7 +96,12 @@ class LearnerLoop:
             log.info("learner resumed at step %d, live version %d", self.learner.stats.steps, v)
             if v and folder.exists():
                 self._live_at_start = (v, str(folder.resolve()))
+        if not 0 < duty <= 1:
+            raise ValueError(f"learn.duty: in (0, 1], got {duty}")
         self.steps_per_check = steps_per_check
+        self.duty = duty  # the share of wall time it trains: after a chunk of t s it rests t * (1 / duty - 1)
+        self._running = threading.Event()
+        self._running.set()
         self._inbox: list[FeatureBatch] = []
         self._lock = threading.Lock()
         self._live: tuple[int, str | None] = getattr(self, "_live_at_start", (0, None))
@@ -110,6 +119,11 @@ class LearnerLoop:
     def live(self) -> tuple[int, str | None]:
         return self._live
 
+    def pause(self, paused: bool = True) -> None:
+        """Stop training (True) after the step in progress, or go on (False): an experiment's A/B of
+        serving with and without the learner beside."""
+        self._running.clear() if paused else self._running.set()
+
     def status(self) -> dict:
         s = self.learner.stats
         return {
@@ -122,10 +136,13 @@ class LearnerLoop:
             "loss": s.losses[-1] if s.losses else None,
             "verdicts": list(s.verdicts),
             "error": self.error,
+            "paused": not self._running.is_set(),
+            "checks": len(self.learner.stats.verdicts),
         }
 
     def stop(self) -> None:
         self._stop.set()
+        self._running.set()  # a paused loop wakes to stop
         self._thread.join(timeout=60)
 
     def _forget_old_versions(self, keep: int = 3) -> None:
@@ -139,18 +156,27 @@ class LearnerLoop:
 
     def _run(self) -> None:
         judged = None  # (steps, window samples) at the last verdict: judge again when either moved
+        since = 0  # steps since the last verdict
         try:
             while not self._stop.is_set():
                 with self._lock:
                     inbox, self._inbox = self._inbox, []
                 self.learner.add(inbox)
-                if self.learner.wants_training():
-                    self.learner.train(self.steps_per_check)
+                self._running.wait()
+                if since < self.steps_per_check and self.learner.wants_training():
+                    t0, before = time.perf_counter(), self.learner.stats.steps
+                    # a pause stops it after the step in progress; the steps count toward the next check
+                    self.learner.train(self.steps_per_check - since, keep_going=self._running.is_set)
+                    since += self.learner.stats.steps - before
+                    if self.duty < 1:
+                        self._stop.wait((time.perf_counter() - t0) * (1 / self.duty - 1))
+                    if since < self.steps_per_check and self.learner.wants_training():
+                        continue  # paused mid-chunk: train on when it runs again
                 key = (self.learner.stats.steps, len(self.learner.window))
-                if key == judged or not self.learner.stats.steps:
+                if key == judged or not self.learner.stats.steps or not self._running.is_set():
                     self._stop.wait(0.2)
                     continue
-                judged = key
+                judged, since = key, 0
                 verdict = self.learner.verdict()
                 folder = self.learner.promote(verdict)
                 self.learner.save()

@@ -30,11 +30,15 @@ class LearnSettings(BaseModel):
     poll_period_s: float = Field(5.0, gt=0)  # how often a drafter replica asks for a new version
     lr: float = Field(1e-4, gt=0)
     steps_per_check: int = Field(40, ge=1)  # learner steps between verdicts
-    replay: int = Field(64, ge=0)  # ShareGPT training samples replayed against forgetting
+    replay: int = Field(1024, ge=0)  # ShareGPT training samples replayed against forgetting (features made when read)
     margin: float = 0.0  # the chain-estimate gain a candidate's lower 95 % bound must exceed
     heldout_every: int = Field(4, ge=2)  # every n-th captured sample is kept for the guard, never trained on
     min_window: int = Field(8, ge=2)  # the guard judges no candidate on fewer such samples
+    window: int = Field(64, ge=2)  # the guard's window keeps the newest this many samples
     epochs: float = Field(4.0, gt=0)  # the learner rests once it has drawn its samples this many times over
+    # the share of wall time the learner trains (it rests the rest): on a small CPU host a learner at
+    # full duty costs serving throughput even at nice 19 (docs/benchmarks.md, "Online learning")
+    duty: float = Field(1.0, gt=0, le=1)
     out: str = "~/.cache/eyas/learned"  # promoted versions (a folder every replica can read)
 
 
@@ -141,6 +145,8 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _learn_needs_its_drafter(self) -> ServeConfig:
+        if self.learn.window < self.learn.min_window:
+            raise ValueError(f"learn.window: {self.learn.window} is below learn.min_window ({self.learn.min_window})")
         if self.learn.enabled and (self.drafter_replicas == 0 or self.learn.method not in self.methods):
             raise ValueError(
                 f"learn.method: {self.learn.method} must be served (methods: {self.methods}, drafter_replicas >= 1) "

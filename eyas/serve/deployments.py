@@ -159,10 +159,16 @@ def learner_for(app: str, cfg):
             drafter_dir=learning_drafter_dir(cfg),
             out=str(Path(s.out).expanduser() / app),
             config=LearnConfig(
-                lr=s.lr, margin=s.margin, heldout_every=s.heldout_every, min_window=s.min_window, epochs=s.epochs
+                lr=s.lr,
+                margin=s.margin,
+                heldout_every=s.heldout_every,
+                min_window=s.min_window,
+                window=s.window,
+                epochs=s.epochs,
             ),
             replay=s.replay,
             steps_per_check=s.steps_per_check,
+            duty=s.duty,
             nice=19,
             threads=1,
         )
@@ -540,8 +546,10 @@ class EyasDrafter:
                 learner = learner or learner_for(app_name(), self.cfg)
                 version, folder = ray.get(learner.live.remote(), timeout=30)
                 if version > self.live_version and folder is not None:
+                    method = self.cfg.learn.method
+                    drafter = self.worker.load_version(method, folder)  # off the lock: rounds go on meanwhile
                     with self.lock:
-                        compute.run(self.worker.swap, self.cfg.learn.method, folder)
+                        compute.run(self.worker.swap_in, method, drafter, folder)
                     self.live_version = version
                     log.info("drafter version %d live (%s)", version, folder)
                 warned = False

@@ -279,3 +279,29 @@ def test_a_candidate_trained_on_noise_never_goes_live_one_trained_on_the_traffic
     assert again.resume() and again.stats == good.stats
     for a, b in zip(again.trainer.drafter.state_dict().values(), good.trainer.drafter.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_a_candidate_better_on_the_traffic_that_forgot_its_replay_never_goes_live(setup, served, tmp_path):
+    """The forgetting check: with a replay set, a candidate whose traffic gain passes the interval but
+    whose replay-window estimate falls more than ``forget`` below the live one's is refused; within
+    ``forget`` it goes live."""
+    model, folder = setup
+    replay = served[:8]  # any samples of the same feature address serve as the replay set here
+    learner = OnlineLearner(
+        model, FINGERPRINT, folder, tmp_path / "f", LearnConfig(min_window=8, replay_window=4, forget=0.05), replay
+    )
+    assert len(learner.replay_window) == 4 and len(learner.replay) == 4
+    learner.window = served[8:20]
+    traffic = {"live": [1.5 + 0.01 * i for i in range(12)], "cand": [1.8 + 0.01 * i for i in range(12)]}
+    for drop, promoted in ((0.1, False), (0.03, True)):
+
+        def estimates(state=None, samples=None, drop=drop):
+            if samples is None:
+                return traffic["live" if state is not None else "cand"]
+            return [2.0] * 4 if state is not None else [2.0 - drop] * 4
+
+        learner.chain_estimates = estimates
+        verdict = learner.verdict()
+        assert verdict.promote is promoted, verdict
+        assert learner.stats.verdicts[-1]["forgot"] == pytest.approx(drop)
+        assert ("forgot" in verdict.why) is not promoted
