@@ -310,6 +310,17 @@ def sampled_joint_counts(model, target, drafter, accept_fn, n: int) -> torch.Ten
     return counts
 
 
+def pair_counts(target, prompt, vocab: int, draws: int = 1500, per_draw=dict, **kwargs) -> torch.Tensor:
+    """[V, V] counts of the first two tokens of ``draws`` sampled answers (seeds 0..draws-1) of the
+    whole generate() loop, ``kwargs`` its sampling, drafter, tree and extras, ``per_draw()`` the
+    arguments each draw needs fresh (a grammar cursor): what the chi-square tests compare with a joint."""
+    counts = torch.zeros(vocab, vocab)
+    for i in range(draws):
+        r = generate(target, prompt, max_new_tokens=2, seed=i, stop_ids=(), **kwargs, **per_draw())
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+    return counts
+
+
 def chi_square_p(counts: torch.Tensor, joint: torch.Tensor) -> float:
     """Pearson chi-square of counts against the exact joint; bins with expected < 5 are pooled."""
     n = counts.sum()
@@ -359,12 +370,7 @@ def test_full_loop_sampling_matches_target_joint(small_vocab):
     """The whole generate() loop (prefill sampling included), 1,500 draws: chi-square p > 1e-3."""
     model, target, drafter = small_vocab
     V = model.cfg.vocab_size
-    counts = torch.zeros(V, V)
-    for i in range(1500):
-        r = generate(
-            target, PROMPT, max_new_tokens=2, sampling=SAMPLING, drafter=drafter, tree=TREE, seed=i, stop_ids=()
-        )
-        counts[r.token_ids[0], r.token_ids[1]] += 1
+    counts = pair_counts(target, PROMPT, V, sampling=SAMPLING, drafter=drafter, tree=TREE)
     assert chi_square_p(counts, exact_joint(model)) > P_THRESHOLD
 
 

@@ -12,7 +12,7 @@ from eyas.protocol.schema import parse_request
 from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.verification.sampling import target_probs
-from tests.test_generate import P_THRESHOLD, PROMPT, SAMPLING, TREE, chi_square_p, engines
+from tests.test_generate import P_THRESHOLD, PROMPT, SAMPLING, TREE, chi_square_p, engines, pair_counts
 
 
 def paths(tree: DraftTree) -> set[tuple[int, ...]]:
@@ -92,20 +92,15 @@ def test_greedy_identity_with_suffix_drafts(tiny_target, method):
 def test_sampled_speculation_with_grafted_suffix_drafts_matches_the_target_joint(small_vocab_suffix):
     """1,500 draws of (x1, x2) through EAGLE trees with suffix drafts grafted: chi-square p > 1e-3."""
     model, target, drafter = small_vocab_suffix
-    counts = torch.zeros(model.cfg.vocab_size, model.cfg.vocab_size)
-    for i in range(1500):
-        r = generate(
-            target,
-            PROMPT * 3,
-            max_new_tokens=2,
-            sampling=SAMPLING,
-            drafter=drafter,
-            tree=TREE,
-            seed=i,
-            stop_ids=(),
-            suffix=SuffixSpec(min_value=0.0),
-        )
-        counts[r.token_ids[0], r.token_ids[1]] += 1
+    counts = pair_counts(
+        target,
+        PROMPT * 3,
+        model.cfg.vocab_size,
+        sampling=SAMPLING,
+        drafter=drafter,
+        tree=TREE,
+        suffix=SuffixSpec(min_value=0.0),
+    )
     assert chi_square_p(counts, joint(model, PROMPT * 3)) > P_THRESHOLD
 
 

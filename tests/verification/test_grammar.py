@@ -23,7 +23,7 @@ from eyas.verification.grammar import (
 )
 from eyas.verification.processors import draft_processor, processed_logits
 from eyas.verification.sampling import SamplingParams
-from tests.test_generate import engines
+from tests.test_generate import engines, pair_counts
 from tests.testing import ours_from_hf, tiny_hf_llama
 
 V = 49152  # the shipped tokenizer's vocabulary: the tiny model below has it, so that the grammar fits
@@ -272,19 +272,14 @@ def test_sampled_speculation_under_a_grammar_matches_the_masked_target_joint():
         p1 = last_probs(prompt, first if masked else None)
         return torch.stack([p1[x] * last_probs(prompt + [x], second if masked else None) for x in range(8)])
 
-    counts = torch.zeros(8, 8)
-    for i in range(1500):
-        r = generate(
-            target,
-            prompt,
-            max_new_tokens=2,
-            sampling=params,
-            drafter=drafter,
-            tree=TREE,
-            seed=i,
-            stop_ids=(),
-            grammar=GrammarCursor(compiled, 8),
-        )
-        counts[r.token_ids[0], r.token_ids[1]] += 1
+    counts = pair_counts(
+        target,
+        prompt,
+        8,
+        sampling=params,
+        drafter=drafter,
+        tree=TREE,
+        per_draw=lambda: {"grammar": GrammarCursor(compiled, 8)},
+    )
     assert chi_square_p(counts, joint(masked=True)) > P_THRESHOLD
     assert chi_square_p(counts, joint(masked=False)) < P_THRESHOLD

@@ -12,7 +12,7 @@ from eyas.protocol.tree import DraftTree, flatten_tree
 from eyas.target.engine import TargetEngine
 from eyas.verification.processors import processed_logits
 from eyas.verification.sampling import SamplingParams, target_probs
-from tests.test_generate import P_THRESHOLD, TREE, chi_square_p, engines
+from tests.test_generate import P_THRESHOLD, TREE, chi_square_p, engines, pair_counts
 
 V = 50
 
@@ -159,12 +159,7 @@ def test_sampled_speculation_with_processors_matches_the_processed_target_joint(
     against the joint of target-only sampling under the reference processors, p > 1e-3; the same
     draws against the unprocessed joint are refused (the processors matter here)."""
     model, target, drafter = small_vocab
-    counts = torch.zeros(model.cfg.vocab_size, model.cfg.vocab_size)
-    for i in range(1500):
-        r = generate(
-            target, PROMPT, max_new_tokens=2, sampling=SAMPLED, drafter=drafter, tree=TREE, seed=i, stop_ids=()
-        )
-        counts[r.token_ids[0], r.token_ids[1]] += 1
+    counts = pair_counts(target, PROMPT, model.cfg.vocab_size, sampling=SAMPLED, drafter=drafter, tree=TREE)
     assert chi_square_p(counts, joint(model, processed=True)) > P_THRESHOLD
     assert chi_square_p(counts, joint(model, processed=False)) < P_THRESHOLD
 
