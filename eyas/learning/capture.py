@@ -59,11 +59,7 @@ def sample_of(rows: CommittedRows, train_taps: tuple[FeatureTap, ...], sample_id
     S, P = rows.tokens.numel(), rows.prompt_len
     if S - P < MIN_ANSWER_ROWS:
         return None
-    d = (
-        rows.features.shape[1] // max(len(rows.taps), 1)
-        if rows.taps
-        else rows.captured.shape[1] // len(rows.capture_taps)
-    )
+    d = rows.captured.shape[1] // len(rows.capture_taps)  # a learning session's engine captures at least one tap
     assert rows.features.shape[0] == S and rows.captured.shape[0] == S - P, "one feature row per committed row"
     columns = []
     for tap in train_taps:

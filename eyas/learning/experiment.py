@@ -243,16 +243,14 @@ def run_learn(
             t for t in timeline if t["learner_paused"] and not t["learner_trained_steps"] and not t["learner_checks"]
         ]
 
-        def rate(points, key):
-            tokens = sum(t["tokens"] for t in points)
-            return (
-                tokens / max(sum(t["seconds"] for t in points), 1e-9)
-                if key == "tok_s"
-                else (1000 * sum(t["seconds"] for t in points) / max(sum(t["forwards"] for t in points), 1))
-            )
+        def tok_s(points) -> float:
+            return sum(t["tokens"] for t in points) / max(sum(t["seconds"] for t in points), 1e-9)
 
-        on = {"tok_s": rate(busy, "tok_s"), "ms_per_forward": rate(busy, "ms"), "chunks": len(busy)}
-        off = {"tok_s": rate(idle, "tok_s"), "ms_per_forward": rate(idle, "ms"), "chunks": len(idle)}
+        def ms_per_forward(points) -> float:
+            return 1000 * sum(t["seconds"] for t in points) / max(sum(t["forwards"] for t in points), 1)
+
+        on = {"tok_s": tok_s(busy), "ms_per_forward": ms_per_forward(busy), "chunks": len(busy)}
+        off = {"tok_s": tok_s(idle), "ms_per_forward": ms_per_forward(idle), "chunks": len(idle)}
         progress("after")
         after = served.run(heldout, learn=False)
         mt_after = served.run(mtbench, learn=False) if mtbench else None
@@ -294,8 +292,8 @@ def plot(record: dict, path: Path) -> None:
     ax.plot([p["served_tokens"] for p in tl], [p["tau"] for p in tl], "o-", label="τ of each served chunk")
     ax.axhline(record["tau_before"], color="gray", ls="--", label=f"held-out τ before ({record['tau_before']:.2f})")
     ax.axhline(record["tau_after"], color="green", ls="--", label=f"held-out τ after ({record['tau_after']:.2f})")
-    for p in tl:
-        if p is not tl[0] and p["version"] != tl[tl.index(p) - 1]["version"]:
+    for prev, p in zip(tl, tl[1:]):
+        if p["version"] != prev["version"]:
             ax.axvline(p["served_tokens"], color="orange", alpha=0.4)
     ax.set_xlabel("served tokens")
     ax.set_ylabel("τ (tokens per target forward)")
