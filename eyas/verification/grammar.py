@@ -43,6 +43,7 @@ from eyas.protocol.tree import FlatTree
 GRAMMAR_OFF = ""  # the key of "no grammar"
 MAX_SCHEMA_BYTES = 64 * 1024  # a response format's JSON text; a larger one is refused, naming the field
 COMPILED_CACHE = 64  # compiled grammars a compiler keeps (least recently used go first)
+JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})  # response_format json_object: any JSON object
 MAX_ROLLBACK_TOKENS = 64  # a matcher's undo depth: deeper than any draft tree (MAX_TREE_DEPTH 32)
 NO_CHILD = -1  # xgrammar's "no such node" in the first-child / next-sibling arrays
 
@@ -134,8 +135,9 @@ class GrammarCompiler:
                 return self._compiled[key]
         try:
             fmt = json.loads(key)
-            if fmt.get("type") == "json_object":
-                compiled = self._compiler.compile_builtin_json_grammar()
+            if fmt.get("type") == "json_object":  # an object, as OpenAI's json_object promises (xgrammar's
+                # builtin JSON grammar also admits a top-level array, string or number)
+                compiled = self._compiler.compile_json_schema(JSON_OBJECT_SCHEMA)
             else:
                 compiled = self._compiler.compile_json_schema(json.dumps(fmt["schema"]))
         except Exception as err:  # noqa: BLE001 - named for the client: the key came from its request

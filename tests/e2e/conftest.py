@@ -27,7 +27,12 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 # The ingress admits at most E2E_MAX_INFLIGHT requests (the target replica runs max_batch 16 of them at
 # once and queues the rest); past it a request is refused as overloaded.
 E2E_MAX_INFLIGHT = 24
+# The app serves at gguf (the GGUF's own blocks; the fastest exact mode, 8x fp32's rate on one thread),
+# and the exactness reference is in-process gguf (`real_eyas` below); fp32 is served in-process
+# everywhere else in the suite.
+E2E_PRECISION = "gguf"
 E2E_CONFIG = {
+    "precision": E2E_PRECISION,
     "methods": ["eagle3", "eagle1"],
     "target_replicas": 1,
     "drafter_replicas": 1,
@@ -61,6 +66,14 @@ if E2E_LEARNS:
         "poll_period_s": 0.5,
         "out": tempfile.mkdtemp(prefix="eyas-e2e-learned-"),
     }
+
+
+@pytest.fixture(scope="session")
+def real_eyas():
+    """The real default target at the served precision: in-process, the exactness reference."""
+    from eyas.runtime import Eyas
+
+    return Eyas(precision=E2E_PRECISION)
 
 
 @pytest.fixture(scope="module")

@@ -214,6 +214,16 @@ def test_a_grammar_goes_with_its_cursor(big_vocab, compiler):
         )
 
 
+def test_json_object_allows_an_object_and_nothing_else_at_the_top(tokenizer, compiler):
+    """OpenAI's json_object promises an object: a top-level array, string or number is refused
+    (xgrammar's builtin JSON grammar admits them, and a gguf answer once began with '[')."""
+    key = grammar_key(canonical_response_format({"type": "json_object"}))
+    for text, allowed in (('{"a": [1, 2]}', True), ("[1, 2]", False), ('"a"', False), ("12", False)):
+        cursor = compiler.cursor(key)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert (cursor.advance(ids) or cursor.matcher.is_terminated()) == allowed, text
+
+
 def test_sampled_speculation_under_a_grammar_only_emits_what_the_grammar_allows(big_vocab, compiler):
     """At temperature 1 every emitted token, speculative or not, is one the grammar allows after the
     answer before it (each verify row's distribution is masked under its own path)."""
