@@ -42,10 +42,10 @@ def _median_ms(values) -> float:
 def drive(target, drafter_calls, info, ids, tree, requests: int, max_new_tokens: int, label: str, bar) -> dict:
     """Run ``requests`` greedy requests through one RoundLoop; per-round medians of the later ones
     (the first warms up the path)."""
+    from eyas.protocol.sampling_params import SamplingParams
     from eyas.scheduler.latency import LatencyCurve
     from eyas.scheduler.policy import Budgets, PromptLengthPolicy
     from eyas.serve.round_loop import RoundLoop, WorkerCalls
-    from eyas.verification.sampling import SamplingParams
 
     curve = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0})  # the fixed-tree policy ignores it
     loop = RoundLoop(WorkerCalls(target, 120, local=True), drafter_calls, info, PromptLengthPolicy(Budgets()), curve)

@@ -69,13 +69,13 @@ from eyas.actors.target_worker import TargetWorker  # noqa: E402
 from eyas.drafting.engine import TreeSpec  # noqa: E402
 from eyas.experiments.sim import percentile  # noqa: E402
 from eyas.generate import generate  # noqa: E402
+from eyas.protocol.sampling_params import SamplingParams  # noqa: E402
 from eyas.runtime import Eyas, set_threads  # noqa: E402
 from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK  # noqa: E402
 from eyas.scheduler.latency import DraftCost, LatencyCurve  # noqa: E402
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy  # noqa: E402
 from eyas.serve.round_loop import RoundLoop, WorkerCalls  # noqa: E402
 from eyas.target.loader import PRECISIONS  # noqa: E402
-from eyas.verification.sampling import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("target-only", "prompt-length", "tree-work")

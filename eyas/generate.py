@@ -25,6 +25,7 @@ import torch
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.suffix import SuffixSpec
 from eyas.protocol.messages import AcceptDecision
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import FlatTree
 from eyas.step import (
     SUFFIX,
@@ -40,7 +41,6 @@ from eyas.step import (
 )
 from eyas.target.engine import PrefillProgress, TargetEngine, Verified
 from eyas.verification.grammar import GrammarCursor
-from eyas.verification.sampling import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 

@@ -35,7 +35,6 @@ from eyas.target.loader import (
 )
 from eyas.target.model import FeatureTap, TargetConfig, quantize_fp16_weights
 from eyas.verification.grammar import GrammarCompiler, Grammars
-from eyas.verification.sampling import SamplingParams
 
 REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
 DEFAULT_DRAFTER_DIRS = {"eagle1": "smollm2-135m-eagle1", "hass": "smollm2-135m-hass", "eagle3": "smollm2-135m-eagle3"}
@@ -206,7 +205,7 @@ class Eyas:
 
     def generate(self, req: GenerateRequest) -> tuple[GenerationResult, dict]:
         ids = self.prompt_ids(req)
-        sampling = SamplingParams.of(req)
+        sampling = req.to_sampling_params()
         handle = None if req.method in ("target", SUFFIX) else self.drafter(req.method, req.drafter)
         suffix = SuffixSpec() if req.method == SUFFIX or req.suffix_drafts else None
         tree = self.tree_for(req, handle) if req.method != SUFFIX else suffix_tree_spec(suffix)

@@ -35,12 +35,12 @@ import torch
 from eyas.drafting.engine import TreeSpec
 from eyas.drafting.suffix import SuffixIndex, SuffixSpec, expected_accepted, graft, suffix_tree
 from eyas.protocol.messages import AcceptDecision, Refusal, Seed
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree, FlatTree
 from eyas.target.engine import PrefillProgress, TargetEngine, Verified
 from eyas.verification.accept import decide
 from eyas.verification.grammar import GrammarCursor
 from eyas.verification.processors import draft_processor
-from eyas.verification.sampling import SamplingParams
 
 log = logging.getLogger("eyas.step")
 

@@ -10,11 +10,12 @@ from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.model import DrafterConfig, init_drafter
 from eyas.generate import generate
 from eyas.protocol.messages import AcceptDecision
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.model import eagle1_feature_address, eagle3_feature_address, quantize_fp16_weights, quantize_int8
 from eyas.verification.accept import stochastic_accept
-from eyas.verification.sampling import SamplingParams, sample, target_probs
+from eyas.verification.sampling import sample, target_probs
 from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf_llama
 
 P_THRESHOLD = 1e-3  # chi-square: fail below this p-value (a 0.1 % false-alarm rate for a fair sampler)

@@ -36,6 +36,7 @@ from eyas.learning.capture import CaptureConfig, TrafficBuffer, sample_of
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.messages import AcceptDecision, PublishAck, Refusal, Seed
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree, FlatTree
 from eyas.step import Decided, Published, decide_verified
 from eyas.target.engine import PrefillProgress, TargetEngine
@@ -43,7 +44,6 @@ from eyas.target.model import FeatureTap, TargetModel
 from eyas.target.prefix_cache import PrefixCache
 from eyas.verification.accept import emitted_logprobs
 from eyas.verification.grammar import GrammarCompiler, GrammarCursor, Grammars
-from eyas.verification.sampling import SamplingParams
 
 RPC_METHODS = {
     "OpenSession": "open_session",
@@ -192,7 +192,7 @@ class TargetWorker:
         """:meth:`open_session` for a ``SessionSpec`` object (checked as the message is) -> the
         target's stop token ids."""
         wire.check_session_spec(spec, vocab_size=self.vocab_size)
-        sampling = SamplingParams.of(spec)
+        sampling = spec.sampling
         if spec.request_id in self.sessions:
             raise ValueError(f"request_id: {spec.request_id!r} already has a live session")
         grammar = self.grammars.cursor(sampling.grammar)

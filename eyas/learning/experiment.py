@@ -100,7 +100,7 @@ class Served:
 
     def run(self, prompts: list[str], learn: bool) -> dict:
         """Serve ``prompts`` one at a time -> tokens, target forwards, seconds, τ and tok/s."""
-        from eyas.verification.sampling import SamplingParams
+        from eyas.protocol.sampling_params import SamplingParams
 
         tokens = forwards = 0
         seconds = 0.0

@@ -7,9 +7,12 @@ so a CLI prints it and a gRPC server maps it to ``INVALID_ARGUMENT`` unchanged.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from eyas.protocol.sampling_params import SamplingParams
 
 # hass: an EAGLE-1-architecture drafter trained with HASS; suffix: drafts from the request's own prompt
 # and answer alone (eyas.drafting.suffix), no drafter model
@@ -287,6 +290,24 @@ class GenerateRequest(BaseModel):
         elif self.prompt is None or not self.prompt.strip():
             raise ValueError("prompt: must be a non-empty string (or give prompt_ids)")
         return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The sampler this request asks for: the one conversion from a request to its sampler (its
+        fields were checked here; ``SamplingParams`` checks them again only for direct callers)."""
+        from eyas.protocol.sampling_params import SamplingParams
+        from eyas.verification.grammar import grammar_key
+
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in self.logit_bias.items())),
+            grammar=grammar_key(self.response_format),
+        )
 
 
 class CancelRequest(BaseModel):

@@ -25,6 +25,7 @@ import torch
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol.codec import ANY_DIM, DEFAULT_MAX_NUMEL, decode_tensor, encode_tensor
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.schema import CancelRequest, GenerateRequest, parse_cancel, parse_request, request_id_problem
 from eyas.protocol.tree import (
     PARENT_IS_ROOT,
@@ -352,57 +353,56 @@ def ack_from_proto(
 
 @dataclass(frozen=True)
 class SessionSpec:
-    """A validated OpenSessionRequest. Sampling is checked again by ``SamplingParams``."""
+    """A target session's request (an ``OpenSessionRequest`` as an object): its prompt, bounds and
+    sampler, by keyword. Over gRPC the sampler's fields are the message's own."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     max_tree_rows: int  # verify rows per round, the root included
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    sampling: SamplingParams = SamplingParams()
     seed: int = 0
     taps: tuple[tuple[int, bool], ...] = ()  # (layers_applied, normed) per feature tap; () = none
     # each emitted token's raw log-probability with this many top alternatives (None: none). Objects
     # only: a Verifier over gRPC computes none (OpenSessionRequest has no such field)
     logprobs: int | None = None
-    # the logits processors (eyas.verification.processors; checked by SamplingParams)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
-    grammar: str = ""  # the structured-output grammar's key (eyas.verification.grammar); "": none
     # the request allows its committed rows to teach the drafter where its target replica captures
     # traffic (eyas.learning; a deployment switch, off by default). Over gRPC an unset field is false
     learn: bool = True
 
 
+# OpenSessionRequest's sampler fields, each SamplingParams' field of the same name (an unset one: its default)
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+)
+
+
 def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
+    sp = spec.sampling
     return pb.OpenSessionRequest(
         request_id=spec.request_id,
         prompt_ids=list(spec.prompt_ids),
         max_new_tokens=spec.max_new_tokens,
         max_tree_rows=spec.max_tree_rows,
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=spec.top_k,
         seed=spec.seed,
         tap_layers=[t[0] for t in spec.taps],
         tap_normed=[t[1] for t in spec.taps],
-        presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty,
-        repetition_penalty=spec.repetition_penalty,
-        min_p=spec.min_p,
-        logit_bias=dict(spec.logit_bias),
-        grammar=spec.grammar or None,
+        logit_bias=dict(sp.logit_bias),
+        grammar=sp.grammar or None,
         learn=spec.learn,
+        **{name: getattr(sp, name) for name in SAMPLING_FIELDS},
     )
 
 
 def check_session_spec(spec: SessionSpec, *, vocab_size: int) -> SessionSpec:
     """The checks of an OpenSessionRequest, on a ``SessionSpec`` object (a caller in the worker's
-    own process); refusals name the field as the message's would."""
+    own process); refusals name the field as the message's would. The sampler checked itself when built."""
     check_request_id(spec.request_id)
     if not spec.prompt_ids:
         raise WireError("prompt_ids: must hold at least one token")
@@ -411,7 +411,7 @@ def check_session_spec(spec: SessionSpec, *, vocab_size: int) -> SessionSpec:
     _at_least(spec.max_tree_rows, 1, "max_tree_rows")
     if any(layer < 0 for layer, _ in spec.taps):
         raise WireError(f"tap_layers: {[layer for layer, _ in spec.taps]} must be >= 0")
-    _in_vocab([t for t, _ in spec.logit_bias], vocab_size, "logit_bias")
+    _in_vocab([t for t, _ in spec.sampling.logit_bias], vocab_size, "logit_bias")
     return spec
 
 
@@ -420,28 +420,26 @@ def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> S
     if not msg.prompt_ids:
         raise WireError("prompt_ids: must hold at least one token")
     _in_vocab(list(msg.prompt_ids), vocab_size, "prompt_ids")
-    defaults = SessionSpec("", (), 0, 0)
     if len(msg.tap_layers) != len(msg.tap_normed):
         raise WireError(f"tap_normed: {len(msg.tap_normed)} entries for {len(msg.tap_layers)} tap_layers")
     if any(layer < 0 for layer in msg.tap_layers):
         raise WireError(f"tap_layers: {list(msg.tap_layers)} must be >= 0")
+    max_new_tokens = _at_least(msg.max_new_tokens, 1, "max_new_tokens")
+    max_tree_rows = _at_least(msg.max_tree_rows, 1, "max_tree_rows")
+    with _inbound():  # the sampler's own checks, named for the field
+        sampling = SamplingParams(
+            logit_bias=tuple(sorted(_in_vocab_bias(dict(msg.logit_bias), vocab_size).items())),
+            grammar=msg.grammar,
+            **{name: getattr(msg, name) for name in SAMPLING_FIELDS if msg.HasField(name)},
+        )
     return SessionSpec(
         request_id=msg.request_id,
         prompt_ids=tuple(msg.prompt_ids),
-        max_new_tokens=_at_least(msg.max_new_tokens, 1, "max_new_tokens"),
-        max_tree_rows=_at_least(msg.max_tree_rows, 1, "max_tree_rows"),
-        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
-        top_k=msg.top_k if msg.HasField("top_k") else defaults.top_k,
+        max_new_tokens=max_new_tokens,
+        max_tree_rows=max_tree_rows,
+        sampling=sampling,
         seed=msg.seed,
         taps=tuple(zip((int(x) for x in msg.tap_layers), (bool(x) for x in msg.tap_normed))),
-        **{
-            name: getattr(msg, name)
-            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
-            if msg.HasField(name)
-        },
-        logit_bias=tuple(sorted(_in_vocab_bias(dict(msg.logit_bias), vocab_size).items())),
-        grammar=msg.grammar,
         learn=msg.learn if msg.HasField("learn") else False,  # a Verifier caller's session: only when it asks
     )
 

@@ -32,10 +32,10 @@ from eyas.generate import GenerationResult, RoundRecord, RoundStats, finish, is_
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import eyas_pb2_grpc, wire
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.remote.verifier_server import GRPC_OPTIONS
 from eyas.step import Decided, DrafterUnavailable, DraftState, Published, SessionDrafter, round_step
-from eyas.verification.sampling import SamplingParams, session_spec
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,15 @@ class RemoteVerifier:
         taps: tuple[tuple[int, bool], ...] = (),
     ) -> SessionInfo:
         """``taps``: the drafter's feature address as (layers_applied, normed) pairs; () for none."""
-        spec = session_spec(request_id, prompt_ids, max_new_tokens, max_tree_rows, sampling, seed, taps)
+        spec = wire.SessionSpec(
+            request_id=request_id,
+            prompt_ids=tuple(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            max_tree_rows=max_tree_rows,
+            sampling=sampling,
+            seed=seed,
+            taps=tuple(tuple(t) for t in taps),
+        )
         reply = self._rpc("OpenSession", wire.session_spec_to_proto(spec))
         if reply.request_id != request_id or reply.max_tree_rows != max_tree_rows:
             raise wire.WireError(

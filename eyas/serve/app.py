@@ -328,7 +328,7 @@ class EyasServer:
         if not self._authorized(grpc_context):
             return _unauthenticated(grpc_context, pb.GenerateResponse())
         try:
-            req, ids = self._validate(decode_message(pb.GenerateRequest, request))
+            req, ids = self._validate(wire.generate_request_from_proto(decode_message(pb.GenerateRequest, request)))
             deadline = _deadline(grpc_context)
         except ValueError as err:
             return _refused(grpc_context, err, pb.GenerateResponse())
@@ -350,7 +350,7 @@ class EyasServer:
             yield _unauthenticated(grpc_context, pb.GenerateChunk(finish_reason=FINISH_ERROR, text="unauthenticated"))
             return
         try:
-            req, ids = self._validate(decode_message(pb.GenerateRequest, request))
+            req, ids = self._validate(wire.generate_request_from_proto(decode_message(pb.GenerateRequest, request)))
             deadline = _deadline(grpc_context)
         except ValueError as err:
             yield _refused(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
@@ -454,7 +454,7 @@ class EyasServer:
         received = time.time()
         try:
             return _Resuming(
-                lambda r, i: self.target.generate.remote(r.model_dump(), i, received),
+                lambda r, i: self.target.generate.remote(r, i, received),  # the validated request itself
                 req,
                 ids,
                 self.tokenizer,
@@ -469,8 +469,11 @@ class EyasServer:
     def _release(self) -> None:
         self.inflight -= 1
 
-    def _validate(self, request: pb.GenerateRequest) -> tuple[GenerateRequest, list[int]]:
-        req = wire.generate_request_from_proto(request)
+    def _validate(self, req: GenerateRequest) -> tuple[GenerateRequest, list[int]]:
+        """What a validated request asks of this deployment: a method it serves, a prompt within its
+        context -> (the request, its prompt ids)."""
+        if req.drafter is not None:  # a server-side folder: never a client's to name
+            raise ValueError("drafter: a drafter folder is the deployment's choice, not a request's")
         if req.method not in ("target", SUFFIX) and req.method not in self.cfg.methods:
             raise ValueError(
                 f"method: this deployment serves {['target', SUFFIX, *self.cfg.methods]}, not {req.method!r}"

@@ -57,7 +57,6 @@ from eyas.serve.round_loop import RoundLoop, WorkerCalls
 from eyas.serve.telemetry import Telemetry
 from eyas.step import SUFFIX, DrafterUnavailable, suffix_tree_spec
 from eyas.target.loader import load_tokenizer
-from eyas.verification.sampling import SamplingParams
 
 log = logging.getLogger("eyas.serve")
 CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -322,7 +321,7 @@ class EyasTarget:
             return {}
 
     # --- requests (from the ingress) ------------------------------------------------------------
-    async def generate(self, request: dict, prompt_ids: list[int], received_at: float | None = None):
+    async def generate(self, req: GenerateRequest, prompt_ids: list[int], received_at: float | None = None):
         """Stream ``{"tokens": [...], "first": i, "finish": reason | None}`` per publish, then
         ``{"report": ...}`` (or ``{"invalid": msg}``). ``first`` is the answer index of the chunk's
         first token; ``finish`` is set on the chunk that completes the answer (its finish reason by
@@ -331,8 +330,9 @@ class EyasTarget:
 
         The request stops early (finish reason ``cancelled``) when its caller goes away or when a
         named cancel for its ``request_id`` issued after ``received_at`` (the ingress's wall time)
-        reaches this replica (see :meth:`_cancel_named`)."""
-        req = GenerateRequest(**request)
+        reaches this replica (see :meth:`_cancel_named`). ``req`` was validated at the ingress and
+        crosses to this replica as itself."""
+        assert isinstance(req, GenerateRequest), "req: the ingress's validated GenerateRequest"
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -401,7 +401,7 @@ class EyasTarget:
             req.max_new_tokens,
             req.method,
             tree,
-            SamplingParams.of(req),
+            req.to_sampling_params(),
             req.seed,
             _trimmed(req, on_new, stops, tuple(self.worker.cfg.eos_token_ids)),
             cancel,

@@ -39,7 +39,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from eyas.protocol import wire
 from eyas.protocol.schema import CancelRequest, GenerateRequest, parse_cancel, parse_request
 from eyas.protocol.text import AnswerText
 from eyas.serve import openai_api as oai
@@ -57,7 +56,7 @@ class Ingress(Protocol):
     inflight: int  # admitted requests
     max_context: int  # the target's context: what an OpenAI request without max_tokens may fill
 
-    def _validate(self, request) -> tuple[GenerateRequest, list[int]]: ...
+    def _validate(self, req: GenerateRequest) -> tuple[GenerateRequest, list[int]]: ...
 
     def _request(self, req: GenerateRequest, ids: list[int], deadline: float | None = None): ...
 
@@ -222,7 +221,7 @@ def build_http_app(server: Ingress) -> FastAPI:
             kind, await read_body(request, cfg.max_body_bytes), server.tokenizer, server.model_name, server.max_context
         )
         try:
-            req, ids = server._validate(wire.generate_request_to_proto(parsed.request))
+            req, ids = server._validate(parsed.request)
         except ValueError as err:
             raise oai.invalid(str(err)) from None
         response_id = ("chatcmpl-" if kind == oai.CHAT else "cmpl-") + (req.request_id or uuid.uuid4().hex)
@@ -324,7 +323,7 @@ def build_http_app(server: Ingress) -> FastAPI:
     async def generate(request: Request):
         """Run one request to the end; the report back (tokens, text, finish reason, statistics)."""
         try:
-            req, ids = server._validate(wire.generate_request_to_proto(parse_request(**await json_object(request))))
+            req, ids = server._validate(parse_request(**await json_object(request)))
         except ValueError as err:
             return json_failure(failure_of(err))
         report = await server._drain(req, ids)

@@ -44,6 +44,7 @@ from eyas.drafting.engine import TreeSpec
 from eyas.generate import FINISH_CANCELLED, FINISH_ERROR, GenerationResult, RoundRecord, RoundStats, finish, is_finished
 from eyas.protocol import wire
 from eyas.protocol.messages import Refusal, Seed
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.scheduler.cost import DEFAULT_PREFILL_CHUNK, PLAIN, ExpertTraffic, TreeShape
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import PRIOR_EMA, AcceptanceEstimate, Candidate
@@ -58,7 +59,6 @@ from eyas.step import (
     verify_rows,
 )
 from eyas.target.engine import PrefillProgress
-from eyas.verification.sampling import SamplingParams, session_spec
 
 log = logging.getLogger("eyas.round_loop")
 NEVER_ACCEPTS = AcceptanceEstimate([0.0] * 8)  # target-only requests: no tree ever pays
@@ -375,14 +375,14 @@ class RoundLoop:
         info = self.drafter_info.get(live.method, {})
         taps = tuple(tuple(t) for t in info.get("taps", ())) if live.method != "target" else ()
         max_rows = verify_rows(live.tree, self.suffix_side.spec if live.suffix else None) if live.speculative else 1
-        spec = session_spec(
-            live.request_id,
-            live.prompt_ids,
-            live.max_new_tokens,
-            max_rows,
-            live.sampling,
-            live.rng_seed,
-            taps,
+        spec = wire.SessionSpec(
+            request_id=live.request_id,
+            prompt_ids=tuple(live.prompt_ids),
+            max_new_tokens=live.max_new_tokens,
+            max_tree_rows=max_rows,
+            sampling=live.sampling,
+            seed=live.rng_seed,
+            taps=taps,
             logprobs=live.logprobs,
             learn=live.learn,
         )

@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from eyas.protocol.messages import ROOT_ROW, AcceptDecision
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import RETRIEVE_PAD, FlatTree
 from eyas.verification.processors import processed_logits
-from eyas.verification.sampling import SamplingParams, sample, target_probs
+from eyas.verification.sampling import sample, target_probs
 
 if TYPE_CHECKING:  # the type only: verification imports nothing of the target
     from eyas.target.engine import Verified

@@ -23,9 +23,9 @@ from collections import Counter
 
 import torch
 
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import FlatTree
 from eyas.verification.grammar import GrammarCursor, apply_bitmask
-from eyas.verification.sampling import SamplingParams
 
 
 def processed_logits(

@@ -20,89 +20,10 @@ Terms:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from eyas.protocol.schema import MAX_LOGIT_BIAS, MAX_PENALTY, MIN_TEMPERATURE
-from eyas.protocol.wire import SessionSpec
-
-TOP_K_OFF: int = 0  # top_k value meaning "no top-k truncation"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # finite, >= 0; 0 means greedy
-    top_k: int = TOP_K_OFF  # int >= 0; TOP_K_OFF disables it
-    top_p: float = 1.0  # in (0, 1]; 1.0 disables it
-    # the logits processors (eyas.verification.processors): OpenAI's penalties over the answer so far,
-    # vLLM's repetition penalty over prompt and answer, min-p, and a bias per token id
-    presence_penalty: float = 0.0  # in [-2, 2]
-    frequency_penalty: float = 0.0  # in [-2, 2]
-    repetition_penalty: float = 1.0  # > 0; 1.0 disables it
-    min_p: float = 0.0  # in [0, 1]; 0 disables it
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids increasing
-    # structured output: the grammar's key (eyas.verification.grammar.grammar_key; "" = none). Its
-    # masks come from the request's GrammarCursor, which its session owns
-    grammar: str = ""
-
-    @classmethod
-    def of(cls, request) -> SamplingParams:
-        """The sampler of a request: a ``GenerateRequest`` or a ``SessionSpec`` (the one conversion)."""
-        from eyas.verification.grammar import grammar_key
-
-        bias = request.logit_bias
-        grammar = request.grammar if isinstance(request, SessionSpec) else grammar_key(request.response_format)
-        return cls(
-            temperature=request.temperature,
-            top_k=request.top_k,
-            top_p=request.top_p,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            repetition_penalty=request.repetition_penalty,
-            min_p=request.min_p,
-            logit_bias=tuple(sorted((int(t), float(b)) for t, b in (bias.items() if isinstance(bias, dict) else bias))),
-            grammar=grammar,
-        )
-
-    @property
-    def processes(self) -> bool:
-        """Whether a logits processor changes the logits (eyas.verification.processors)."""
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
-        )
-
-    def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise ValueError(f"temperature: expected a number, got {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature: must be finite and >= 0, got {self.temperature!r}")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature: must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature!r}")
-        if type(self.top_k) is not int or self.top_k < 0:
-            raise ValueError(f"top_k: must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-            raise ValueError(f"top_p: expected a number, got {self.top_p!r}")
-        if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
-                raise ValueError(f"{name}: must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}], got {v!r}")
-        rp = self.repetition_penalty
-        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not (math.isfinite(rp) and rp > 0):
-            raise ValueError(f"repetition_penalty: must be a finite number > 0 (1 = off), got {rp!r}")
-        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p: must be a number in [0, 1], got {self.min_p!r}")
-        ids = [t for t, _ in self.logit_bias]
-        if ids != sorted(set(ids)) or any(t < 0 for t in ids):
-            raise ValueError("logit_bias: token ids must be distinct and >= 0")
-        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
-            raise ValueError(f"logit_bias: every bias must lie in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from eyas.protocol.sampling_params import TOP_K_OFF, SamplingParams
 
 
 def target_probs(
@@ -167,36 +88,3 @@ def sample(
     where = generator.device if generator is not None else rows.device
     tokens = torch.multinomial(rows.to(where), 1, generator=generator).squeeze(1).to(probs.device)  # [R]
     return tokens[0] if probs.ndim == 1 else tokens
-
-
-def session_spec(
-    request_id: str,
-    prompt_ids,
-    max_new_tokens: int,
-    max_tree_rows: int,
-    sampling: SamplingParams,
-    seed: int,
-    taps=(),
-    logprobs: int | None = None,
-    learn: bool = True,
-) -> SessionSpec:
-    """The target session a request opens (``wire.SessionSpec``), its sampler carried whole."""
-    return SessionSpec(
-        request_id=request_id,
-        prompt_ids=tuple(prompt_ids),
-        max_new_tokens=max_new_tokens,
-        max_tree_rows=max_tree_rows,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        seed=seed,
-        taps=tuple(tuple(t) for t in taps),
-        logprobs=logprobs,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        repetition_penalty=sampling.repetition_penalty,
-        min_p=sampling.min_p,
-        logit_bias=sampling.logit_bias,
-        grammar=sampling.grammar,
-        learn=learn,
-    )

@@ -246,7 +246,11 @@ def test_a_batched_prefill_answers_a_retry_with_the_same_decision_and_refuses_al
     from eyas.protocol.messages import Refusal
 
     for rid, prompt in (("x", PROMPT), ("y", PROMPT[:3])):
-        worker.open_session(wire.session_spec_to_proto(wire.SessionSpec(rid, tuple(prompt), 8, 1)))
+        worker.open_session(
+            wire.session_spec_to_proto(
+                wire.SessionSpec(request_id=rid, prompt_ids=tuple(prompt), max_new_tokens=8, max_tree_rows=1)
+            )
+        )
     first = worker.prefill(pb.PrefillRequest(request_id="x"))
     out = worker.prefill_batch([pb.PrefillRequest(request_id=r) for r in ("x", "ghost", "y", "y")])
     assert out[0] is first
@@ -267,11 +271,13 @@ def test_the_object_calls_decide_what_the_messages_do_and_refuse_each_item_alone
 
     objects, messages = TargetWorker(tiny_target), TargetWorker(tiny_target)
     taps = tuple((t.layers_applied, t.normed) for t in drafter_engine.taps)
-    spec = wire.SessionSpec("a", tuple(PROMPT), 12, TREE.max_candidates + 1, taps=taps)
+    spec = wire.SessionSpec(
+        request_id="a", prompt_ids=tuple(PROMPT), max_new_tokens=12, max_tree_rows=TREE.max_candidates + 1, taps=taps
+    )
     assert objects.open(spec) == tuple(tiny_target.cfg.eos_token_ids)
     messages.open_session(wire.session_spec_to_proto(spec))
     with pytest.raises(ValueError, match="^prompt_ids: "):
-        objects.open(wire.SessionSpec("bad", (1, 10_000), 4, 1))
+        objects.open(wire.SessionSpec(request_id="bad", prompt_ids=(1, 10_000), max_new_tokens=4, max_tree_rows=1))
     (pre,), _ = objects.step(["a"], [])
     (pre_msg,), _ = messages.round_batch([pb.PrefillRequest(request_id="a")], [])
     assert isinstance(pre, Decided) and pre.round == pre_msg.round

@@ -462,6 +462,7 @@ _BAD_BOTH = [  # expressible over gRPC (proto types) and HTTP (JSON)
     ({"prompt_ids": [1, 2], "prompt": "both"}, "prompt_ids"),
 ]
 _BAD_HTTP = [  # JSON only: wrong types and numbers past the proto's fields
+    ({"drafter": "/etc"}, "drafter"),  # a server-side folder: never a request's to name
     ({"max_new_tokens": True}, "max_new_tokens"),
     ({"max_new_tokens": "8"}, "max_new_tokens"),
     ({"max_new_tokens": 1.5}, "max_new_tokens"),

@@ -18,6 +18,7 @@ from eyas.drafting.manifest import load_drafter
 from eyas.learning.capture import CaptureConfig, TrafficBuffer
 from eyas.learning.learner import LearnConfig, OnlineLearner, chain_estimate, paired_verdict
 from eyas.learning.loop import LearnerLoop
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.scheduler.policy import Budgets, TreeWorkPolicy
 from eyas.target.engine import TargetEngine
 from eyas.target.loader import TargetFingerprint
@@ -25,7 +26,6 @@ from eyas.training.config import TrainConfig
 from eyas.training.data import Sample
 from eyas.training.features import FeatureBatch, OnlineFeatures, SampleList, training_taps
 from eyas.training.trainer import DrafterTrainer
-from eyas.verification.sampling import SamplingParams
 from tests.testing import FLAT, local_loop, ours_from_hf, tiny_hf_llama
 
 FINGERPRINT = {"config_digest": "cfg-l", "weight_digest": "w-l", "tokenizer_digest": "tok-l"}

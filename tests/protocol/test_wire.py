@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.codec import encode_tensor
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
-from eyas.protocol.schema import parse_request
+from eyas.protocol.sampling_params import SamplingParams
+from eyas.protocol.schema import GenerateRequest, parse_request
 from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree, flatten_tree
 from eyas.protocol.tree import ROW_IS_ROOT as ROOT
 from eyas.protocol.wire import WireError
@@ -178,7 +181,7 @@ def test_inconsistent_ack_is_rejected(mutate, field):
 def test_session_spec_defaults_and_rejections():
     msg = pb.OpenSessionRequest(request_id="r", prompt_ids=[1, 2], max_new_tokens=4, max_tree_rows=3)
     spec = wire.session_spec_from_proto(msg, vocab_size=VOCAB)
-    assert (spec.temperature, spec.top_p, spec.top_k, spec.seed) == (0.0, 1.0, 0, 0)
+    assert spec.sampling == SamplingParams() and spec.seed == 0
     assert wire.session_spec_from_proto(wire.session_spec_to_proto(spec), vocab_size=VOCAB) == spec
     for overrides, field in [
         ({"prompt_ids": []}, "prompt_ids"),
@@ -186,6 +189,9 @@ def test_session_spec_defaults_and_rejections():
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"max_tree_rows": 0}, "max_tree_rows"),
         ({"request_id": "x" * 257}, "request_id"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"min_p": 2.0}, "min_p"),
     ]:
         bad = pb.OpenSessionRequest(request_id="r", prompt_ids=[1, 2], max_new_tokens=4, max_tree_rows=3)
         for name, value in overrides.items():
@@ -204,11 +210,16 @@ def test_session_spec_carries_the_logits_processors():
         prompt_ids=(1, 2),
         max_new_tokens=4,
         max_tree_rows=3,
-        presence_penalty=0.5,
-        frequency_penalty=-1.0,
-        repetition_penalty=1.3,
-        min_p=0.1,
-        logit_bias=((1, -100.0), (5, 2.5)),
+        sampling=SamplingParams(
+            temperature=0.7,
+            top_k=5,
+            top_p=0.9,
+            presence_penalty=0.5,
+            frequency_penalty=-1.0,
+            repetition_penalty=1.3,
+            min_p=0.1,
+            logit_bias=((1, -100.0), (5, 2.5)),
+        ),
     )
     assert wire.session_spec_from_proto(wire.session_spec_to_proto(spec), vocab_size=VOCAB) == spec
     bad = wire.session_spec_to_proto(spec)
@@ -257,3 +268,16 @@ def test_cancel_request_round_trip_and_rejections():
             wire.cancel_request_from_proto(pb.CancelRequest(request_id=bad))
         with pytest.raises(ValueError, match="^request_id: "):
             wire.cancel_request_to_proto(bad)
+
+
+def test_one_field_list_for_the_request_model_the_proto_and_the_converters():
+    """GenerateRequest's fields are the proto's (``drafter``, a server-side folder, aside), and the
+    converters carry every one of them, so that a field added in one place and not the others fails here."""
+    schema = set(GenerateRequest.model_fields) - {"drafter"}
+    assert schema == {f.name for f in pb.GenerateRequest.DESCRIPTOR.fields}
+    carried = {"raw", "stop", "prompt_ids", "messages", "logit_bias", "response_format"}
+    assert set(wire._OPTIONAL_REQUEST_FIELDS) | carried == schema
+    assert not set(wire._OPTIONAL_REQUEST_FIELDS) & carried
+    sampler = {f.name for f in fields(SamplingParams)} - {"grammar"}  # grammar: the response format's key
+    assert sampler <= schema and set(wire.SAMPLING_FIELDS) | {"logit_bias"} == sampler
+    assert sampler - {"logit_bias"} <= {f.name for f in pb.OpenSessionRequest.DESCRIPTOR.fields}

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 
 from eyas.generate import FINISH_LENGTH
-from eyas.protocol import wire
 from eyas.serve.errors import Failure, ReplicaLost, failure_of
 from eyas.serve.http_api import build_http_app
 from eyas.target.loader import encode_prompt, load_tokenizer
@@ -44,10 +43,10 @@ class Server:
         self.max_context = 60  # so that a request without max_tokens stays within _validate's 64
         self.answer, self.cancelled, self.ran, self.started = answer, [], 0, []
 
-    def _validate(self, request):
-        if request.max_new_tokens > 64:
+    def _validate(self, req):
+        if req.max_new_tokens > 64:
             raise ValueError("max_new_tokens: over this test's 64")
-        return wire.generate_request_from_proto(request), [1, 2]
+        return req, [1, 2]
 
     async def _drain(self, req, ids, deadline=None):
         self.ran += 1

@@ -11,12 +11,12 @@ from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import TargetWorker
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import generate
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.scheduler.latency import DraftCost, LatencyCurve
 from eyas.scheduler.policy import Budgets, PromptLengthPolicy, TreeWorkPolicy
 from eyas.serve.round_loop import RoundLoop, WorkerCalls
 from eyas.step import DrafterUnavailable
 from eyas.target.engine import TargetEngine
-from eyas.verification.sampling import SamplingParams
 from tests.testing import FLAT, EveryThirdRoundPolicy, local_loop, tiny_eagle1_engine
 
 STEEP = LatencyCurve.from_points({1: 50.0, 2: 100.0, 64: 3200.0})

@@ -9,9 +9,9 @@ import torch
 
 from eyas.drafting.engine import TreeSpec
 from eyas.generate import generate
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.target.engine import TargetEngine
 from eyas.target.prefix_cache import BLOCK_TOKENS, CachedBlock, PrefixCache, block_hashes
-from eyas.verification.sampling import SamplingParams
 from tests.testing import tiny_eagle1_engine
 
 

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from eyas.protocol.messages import AcceptDecision
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree, FlatTree, flatten_tree
 from eyas.verification.accept import greedy_accept, stochastic_accept
-from eyas.verification.sampling import SamplingParams, target_probs
+from eyas.verification.sampling import target_probs
 
 SEED = PARENT_IS_ROOT
 VOCAB = 16

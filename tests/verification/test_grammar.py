@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from eyas.generate import generate
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree, flatten_tree
 from eyas.target.engine import TargetEngine
 from eyas.verification.grammar import (
@@ -22,7 +23,6 @@ from eyas.verification.grammar import (
     grammar_key,
 )
 from eyas.verification.processors import draft_processor, processed_logits
-from eyas.verification.sampling import SamplingParams
 from tests.test_generate import engines, pair_counts
 from tests.testing import ours_from_hf, tiny_hf_llama
 

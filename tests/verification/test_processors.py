@@ -8,10 +8,11 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from eyas.generate import generate
+from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree, flatten_tree
 from eyas.target.engine import TargetEngine
 from eyas.verification.processors import processed_logits
-from eyas.verification.sampling import SamplingParams, target_probs
+from eyas.verification.sampling import target_probs
 from tests.test_generate import P_THRESHOLD, TREE, chi_square_p, engines, pair_counts
 
 V = 50

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from eyas.verification.sampling import SamplingParams, sample, target_probs
+from eyas.protocol.sampling_params import SamplingParams
+from eyas.verification.sampling import sample, target_probs
 
 
 def log_probs(*probs: float) -> torch.Tensor:
