@@ -16,6 +16,7 @@ loop (:func:`is_finished`, :func:`finish`) and the records they keep.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,10 +31,13 @@ from eyas.protocol.tree import FlatTree
 from eyas.step import (
     SUFFIX,
     Decided,
+    DrafterSide,
     DraftState,
     Published,
+    Round,
     SessionDrafter,
     SuffixSide,
+    TargetSide,
     decide_verified,
     round_step,
     suffix_tree_spec,
@@ -64,6 +68,27 @@ class RoundRecord:
     expert_bytes: int = 0  # MoE target: expert weights this request's own verify rows routed to
     batch_expert_bytes: int = 0  # MoE target: the union over the whole batched verify (design 0x09A)
 
+    @classmethod
+    def of(cls, r: Round, v: Decided, *, start_ns: int, fallback: bool, pack_s: float, accept_s: float) -> RoundRecord:
+        """The record of ``v``'s request in round ``r`` (``pack_s`` / ``accept_s``: its own, or a
+        batch's longest, which every request in the batch waited for)."""
+        nodes = r.trees[v.request_id].num_nodes
+        return cls(
+            request_id=v.request_id,
+            round=v.round,
+            flat=v.flat if nodes else None,
+            decision=v.decision,
+            start_ns=start_ns,
+            draft_s=r.draft_s,
+            pack_s=pack_s,
+            verify_s=r.verify_s - pack_s,
+            accept_s=accept_s,
+            publish_s=r.publish_s,
+            fallback=fallback,
+            expert_bytes=v.expert_bytes,
+            batch_expert_bytes=v.batch_expert_bytes,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class RoundStats:
@@ -73,6 +98,19 @@ class RoundStats:
     draft_s: float
     verify_s: float
     hop_s: float = 0.0  # remote loops: round wall time outside the workers' own compute
+
+    @classmethod
+    def of(cls, r: Round, v: Decided) -> RoundStats:
+        """What round ``r`` did for ``v``'s request (every request in a batch waited for the whole
+        round: each is charged its full times)."""
+        return cls(
+            accept_length=v.decision.accept_length,
+            new_tokens=v.decision.num_new_tokens,
+            tree_nodes=r.trees[v.request_id].num_nodes,
+            draft_s=r.draft_s,
+            verify_s=r.verify_s,
+            hop_s=r.hop_s,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,40 +240,75 @@ def generate(
     )
     rows = verify_rows(tree, suffix if state.suffix else None) if speculative else 1
     target.open_session(request_id, prompt_ids, max_new_tokens, rows)
-    cached_tokens = target.sessions[request_id].cached_tokens
     try:
-        t_start = time.perf_counter()
-        emitted = round_step(*sides, [], [state]).published[request_id].tokens  # the prefill: round 0
-        out = list(emitted)
-        stopped = bool(on_tokens and on_tokens(list(emitted)))
-        prefill_s = time.perf_counter() - t_start
-        rounds: list[RoundStats] = []
-        while not is_finished(out, max_new_tokens, stop_ids, emitted, stopped):
-            r = round_step(*sides, [(state, tree if speculative else None)])  # one round
-            decision, emitted = r.verdicts[0].decision, r.published[request_id].tokens
-            out.extend(emitted)
-            stopped = bool(on_tokens and on_tokens(list(emitted)))
-            rounds.append(
-                RoundStats(
-                    accept_length=decision.accept_length,
-                    new_tokens=decision.num_new_tokens,
-                    tree_nodes=r.trees[request_id].num_nodes,
-                    draft_s=r.draft_s,
-                    verify_s=r.verify_s,
-                )
-            )
-        wall_s = time.perf_counter() - t_start
+        return decode(
+            sides,
+            state,
+            tree if speculative else None,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids,
+            on_tokens=on_tokens,
+            cached_tokens=target.sessions[request_id].cached_tokens,
+        )
     finally:
         target.close_session(request_id)
         if drafter_side is not None:
             drafter_side.close_session(request_id)
-    token_ids, reason = finish(out, max_new_tokens, stop_ids, stopped=stopped)
+
+
+def decode(
+    sides: tuple[TargetSide, DrafterSide | None],
+    state: DraftState,
+    tree: TreeSpec | None,
+    *,
+    max_new_tokens: int,
+    stop_ids: tuple[int, ...],
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
+    cancel: threading.Event | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    cached_tokens: int = 0,
+) -> GenerationResult:
+    """The one decode loop of a single request, in process (:func:`generate`) or against a remote
+    target (``eyas.remote.verifier_client.generate_remote``): the prefill, then one round step a
+    round (``tree`` None: plain rounds) until the finish rule says done. Its sessions are open on
+    both sides; the caller closes them.
+
+    on_tokens: called with each publish's new tokens; returning True stops (finish reason "stop").
+    cancel: set it to stop at the next round boundary (finish reason "cancelled").
+    on_round: called with a :class:`RoundRecord` after each round (spans and metrics)."""
+    request_id = state.request_id
+    stopped = cancelled = False
+    t_start = time.perf_counter()
+    emitted = round_step(*sides, [], [state]).published[request_id].tokens  # the prefill: round 0
+    out = list(emitted)
+    stopped = bool(on_tokens and on_tokens(list(emitted)))
+    prefill_s = time.perf_counter() - t_start
+    rounds: list[RoundStats] = []
+    while not is_finished(out, max_new_tokens, stop_ids, emitted, stopped):
+        if cancel is not None and cancel.is_set():
+            cancelled = True
+            break
+        start_ns = time.time_ns()
+        r = round_step(*sides, [(state, tree)])  # one round
+        v = r.verdicts[0]
+        emitted = r.published[request_id].tokens
+        out.extend(emitted)
+        stopped = bool(on_tokens and on_tokens(list(emitted)))
+        if on_round is not None:
+            on_round(
+                RoundRecord.of(r, v, start_ns=start_ns, fallback=state.fallback, pack_s=v.pack_s, accept_s=v.accept_s)
+            )
+        rounds.append(RoundStats.of(r, v))
+    wall_s = time.perf_counter() - t_start
+    token_ids, reason = finish(out, max_new_tokens, stop_ids, stopped=stopped, cancelled=cancelled)
     return GenerationResult(
         token_ids=token_ids,
         finish_reason=reason,
         prefill_s=prefill_s,
         wall_s=wall_s,
         rounds=tuple(rounds),
+        drafter_fallback=state.fallback,
+        drafter_reseeds=state.reseeds,
         cached_tokens=cached_tokens,
     )
 

@@ -297,6 +297,17 @@ class Round:
     verify_s: float  # the target call: forward and decisions
     publish_s: float
 
+    @property
+    def hop_s(self) -> float:
+        """The round's wall time outside the workers' own compute (calls, encoding, queues: the Ray or
+        gRPC hops); 0 where no side reports its compute (engines in this process)."""
+        compute_s = (
+            self.draft_compute_s
+            + max((v.compute_s for v in self.verdicts if isinstance(v, Decided)), default=0.0)
+            + sum(a.compute_s for a in self.published.values() if isinstance(a, Published))
+        )
+        return max(self.draft_s + self.verify_s + self.publish_s - compute_s, 0.0) if compute_s else 0.0
+
 
 def round_step(
     target: TargetSide,

@@ -28,14 +28,14 @@ from typing import Protocol
 import grpc
 
 from eyas.drafting.engine import TreeSpec
-from eyas.generate import GenerationResult, RoundRecord, RoundStats, finish, is_finished
+from eyas.generate import GenerationResult, RoundRecord, decode
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import eyas_pb2_grpc, wire
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.remote.verifier_server import GRPC_OPTIONS
-from eyas.step import Decided, DrafterUnavailable, DraftState, Published, SessionDrafter, round_step
+from eyas.step import Decided, DrafterUnavailable, DraftState, Published, SessionDrafter
 
 log = logging.getLogger(__name__)
 
@@ -340,53 +340,17 @@ def generate_remote(
         method="target" if drafter is None else "drafter",
         draft_slots=tree.draft_slots(len(prompt_ids), max_new_tokens),
     )
-    stopped, cancelled = False, False
     try:
-        t_start = time.perf_counter()
-        emitted = round_step(*sides, [], [state]).published[request_id].tokens  # the prefill: round 0
-        out = list(emitted)
-        stopped = bool(on_tokens and on_tokens(list(emitted)))
-        prefill_s = time.perf_counter() - t_start
-        rounds: list[RoundStats] = []
-        while not is_finished(out, max_new_tokens, stop_ids, emitted, stopped):
-            if cancel is not None and cancel.is_set():
-                cancelled = True
-                break
-            start_ns = time.time_ns()
-            r = round_step(*sides, [(state, tree if drafter is not None else None)])  # one round
-            v, ack = r.verdicts[0], r.published[request_id]
-            emitted = ack.tokens
-            out.extend(emitted)
-            stopped = bool(on_tokens and on_tokens(list(emitted)))
-            nodes = r.trees[request_id].num_nodes
-            if on_round is not None:
-                on_round(
-                    RoundRecord(
-                        request_id=request_id,
-                        round=v.round,
-                        flat=v.flat if nodes else None,
-                        decision=v.decision,
-                        start_ns=start_ns,
-                        draft_s=r.draft_s,
-                        pack_s=v.pack_s,
-                        verify_s=r.verify_s - v.pack_s,
-                        accept_s=v.accept_s,
-                        publish_s=r.publish_s,
-                        fallback=state.fallback,
-                    )
-                )
-            hop_s = r.draft_s + r.verify_s + r.publish_s - r.draft_compute_s - v.compute_s - ack.compute_s
-            rounds.append(
-                RoundStats(
-                    accept_length=v.decision.accept_length,
-                    new_tokens=v.decision.num_new_tokens,
-                    tree_nodes=nodes,
-                    draft_s=r.draft_s,
-                    verify_s=r.verify_s,
-                    hop_s=max(hop_s, 0.0) if r.draft_compute_s or v.compute_s else 0.0,
-                )
-            )
-        wall_s = time.perf_counter() - t_start
+        return decode(
+            sides,
+            state,
+            tree if drafter is not None else None,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids,
+            on_tokens=on_tokens,
+            cancel=cancel,
+            on_round=on_round,
+        )
     finally:
         verifier.close_session(request_id)
         if drafter is not None:
@@ -394,13 +358,3 @@ def generate_remote(
                 drafter.close_session(request_id)
             except DrafterUnavailable:
                 pass
-    token_ids, reason = finish(out, max_new_tokens, stop_ids, stopped=stopped, cancelled=cancelled)
-    return GenerationResult(
-        token_ids=token_ids,
-        finish_reason=reason,
-        prefill_s=prefill_s,
-        wall_s=wall_s,
-        rounds=tuple(rounds),
-        drafter_fallback=state.fallback,
-        drafter_reseeds=state.reseeds,
-    )

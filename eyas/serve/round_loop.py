@@ -464,13 +464,6 @@ class RoundLoop:
         self.last_expert_bytes = max((v.batch_expert_bytes for _, v in decided), default=0)
         self.experts.observe(rows + ran_prefill_rows, self.last_expert_bytes)
         accept_s = max((v.accept_s for _, v in decided), default=0.0)
-        # the Ray hop cost: the round's wall time outside the workers' own compute (calls, encoding, queues)
-        compute_s = (
-            r.draft_compute_s
-            + max((v.compute_s for _, v in decided), default=0.0)
-            + sum(a.compute_s for a in r.published.values() if isinstance(a, Published))
-        )
-        hop_s = max(r.draft_s + r.verify_s + r.publish_s - compute_s, 0.0)
         for live, v in decided:
             ack = r.published[live.request_id]
             if isinstance(ack, Refusal):
@@ -480,34 +473,10 @@ class RoundLoop:
             if nodes:
                 live.acceptance.observe(v.decision.accept_length, shapes[live.request_id].depth_cap)
                 self.prior.observe(v.decision.accept_length, shapes[live.request_id].depth_cap, weight=PRIOR_EMA)
-            # each request in the batch waited for the whole round: it is charged the full times
-            live.rounds.append(
-                RoundStats(
-                    accept_length=v.decision.accept_length,
-                    new_tokens=v.decision.num_new_tokens,
-                    tree_nodes=nodes,
-                    draft_s=r.draft_s,
-                    verify_s=r.verify_s,
-                    hop_s=hop_s,
-                )
-            )
+            live.rounds.append(RoundStats.of(r, v))
             if self.on_round is not None:
                 self.on_round(
-                    RoundRecord(
-                        request_id=live.request_id,
-                        round=v.round,
-                        flat=v.flat if nodes else None,
-                        decision=v.decision,
-                        start_ns=start_ns,
-                        draft_s=r.draft_s,
-                        pack_s=pack_s,
-                        verify_s=r.verify_s - pack_s,
-                        accept_s=accept_s,
-                        publish_s=r.publish_s,
-                        fallback=live.fallback,
-                        expert_bytes=v.expert_bytes,
-                        batch_expert_bytes=v.batch_expert_bytes,
-                    )
+                    RoundRecord.of(r, v, start_ns=start_ns, fallback=live.fallback, pack_s=pack_s, accept_s=accept_s)
                 )
             self._emit(live, list(ack.tokens), ack.logprobs)
 
