@@ -23,7 +23,7 @@ import torch
 
 def main(argv=None) -> int:
     from eyas import kernels
-    from eyas.learning.experiment import Served
+    from eyas.experiments.learn import Served
     from eyas.training.data import mtbench_questions
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

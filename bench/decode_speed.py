@@ -52,8 +52,8 @@ import torch
 
 from eyas.protocol.schema import parse_request
 from eyas.runtime import Eyas, set_threads
+from eyas.target.config import eagle3_feature_address
 from eyas.target.loader import PRECISIONS
-from eyas.target.model import eagle3_feature_address
 from eyas.training.data import mtbench_path
 
 LATENCY_ROWS = (1, 2, 4, 8, 16, 32, 64)

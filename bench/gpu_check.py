@@ -43,7 +43,8 @@ def tiny_target(dtype: torch.dtype, device: str):
     """A random tiny HF Llama (transformers' own config class) and ours built from its weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eyas.target.model import TargetConfig, TargetModel
+    from eyas.target.config import TargetConfig
+    from eyas.target.model import TargetModel
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

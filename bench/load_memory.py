@@ -87,8 +87,9 @@ def child(folder: str, method: str, dtype: str) -> None:
     else:
         from safetensors.torch import load_file
 
+        from eyas.target.config import TargetConfig
         from eyas.target.loader import DTYPES
-        from eyas.target.model import TargetConfig, TargetModel
+        from eyas.target.model import TargetModel
 
         sd = {}
         for f in sorted(Path(folder).glob("*.safetensors")):

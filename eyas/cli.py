@@ -317,11 +317,12 @@ def cmd_serve(args) -> int:
     import time
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local: `serve status/deploy` need no token
-    from eyas.experiments.experiment import load_serve_file
     from eyas.serve.app import GRPC_SERVICER_FUNCTIONS, build_app, parse_config
+    from eyas.serve.serve_file import ServeFile, read_serve_file
 
-    # A file without an `eyas` application is an error, not a silent fall-back to the defaults.
-    app_args, file_endpoints = load_serve_file(args.config) if args.config else ({}, {})
+    # the whole file or a refusal naming what cannot be applied; one without an `eyas` application is an error
+    served = read_serve_file(args.config) if args.config else ServeFile()
+    app_args, file_endpoints = served.args, served.endpoints
     api_key = args.api_key or os.environ.get("EYAS_API_KEY")
     if api_key:
         app_args = {**app_args, "api_key": api_key}
@@ -342,6 +343,9 @@ def cmd_serve(args) -> int:
                     "endpoints": endpoints,
                     "args": shown,
                     "devices": {kind: config.device_for(kind) for kind in ("target", "drafter")},
+                    **({"route_prefix": served.route_prefix} if served.route_prefix != "/" else {}),
+                    **({"proxy_location": served.proxy_location} if served.proxy_location else {}),
+                    **({"deployments": served.deployment_options} if served.deployment_options else {}),
                     **({"warnings": [f"config.{w}" for w in config_warnings]} if config_warnings else {}),
                 }
             )
@@ -359,10 +363,11 @@ def cmd_serve(args) -> int:
     serve.start(
         http_options={"host": host, "port": http_port},
         grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
+        **({"proxy_location": served.proxy_location} if served.proxy_location else {}),
     )
-    serve.run(build_app(app_args), name="eyas", route_prefix="/")
+    serve.run(build_app(app_args, served.deployment_options), name="eyas", route_prefix=served.route_prefix)
     print(
-        f"eyas serving: gRPC {host}:{grpc_port} (eyas.v1.Eyas), HTTP http://{host}:{http_port}/ "
+        f"eyas serving: gRPC {host}:{grpc_port} (eyas.v1.Eyas), HTTP http://{host}:{http_port}{served.route_prefix.rstrip('/')}/ "
         f"(OpenAI API under /v1{', API key required' if app_args.get('api_key') else ''})"
         f"  -- try: eyas generate --server 127.0.0.1:{grpc_port} --prompt 'Hello'",
         flush=True,
@@ -456,7 +461,7 @@ def cmd_experiment(args) -> int:
 def cmd_experiment_learn(args) -> int:
     import random
 
-    from eyas.learning.experiment import humaneval_prompts, read_prompts, run_learn
+    from eyas.experiments.learn import humaneval_prompts, read_prompts, run_learn
     from eyas.learning.learner import LearnConfig
 
     if args.traffic:
@@ -679,7 +684,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--precision", metavar="{fp32,fp16w,int8,gguf}", help="the target's served precision")
     s.add_argument("--drafter", help="a drafter folder bound to the target (its manifest's method is served)")
-    s.add_argument("--config", help="a Serve config (ray_configs/serve.yaml); its eyas application's args are used")
+    s.add_argument(
+        "--config",
+        help="a Serve config (ray_configs/serve.yaml): the eyas application's args, route_prefix and deployments "
+        "options, the proxies' addresses and proxy_location; what it cannot apply is refused, named",
+    )
     s.add_argument("--address", help="an existing Ray cluster (default: start a local one)")
     s.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray (default: all cores)")
     s.add_argument("--host", help="HTTP proxy host (default: the config's http_options.host, else 127.0.0.1)")

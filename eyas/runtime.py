@@ -24,6 +24,7 @@ from eyas.generate import GenerationResult, generate
 from eyas.protocol.schema import GenerateRequest
 from eyas.protocol.text import AnswerText
 from eyas.step import SUFFIX, suffix_tree_spec
+from eyas.target.config import FeatureTap, TargetConfig
 from eyas.target.engine import TargetEngine
 from eyas.target.loader import (
     DEFAULT_TARGET,
@@ -33,7 +34,7 @@ from eyas.target.loader import (
     load_target,
     request_prompt_ids,
 )
-from eyas.target.model import FeatureTap, TargetConfig, quantize_fp16_weights
+from eyas.target.precision import quantize_fp16_weights
 from eyas.verification.grammar import GrammarCompiler, Grammars
 
 REPO_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"

@@ -13,12 +13,12 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", message=".*quantiz.*")
 
 
-from tests.testing import ours_from_hf, tiny_hf_llama  # noqa: E402 - after the warning filters
+from tests.testing import ours_from_hf, tiny_hf  # noqa: E402 - after the warning filters
 
 
 @pytest.fixture(scope="session")
 def tiny_pair():
-    hf = tiny_hf_llama()
+    hf = tiny_hf("llama")
     return hf, ours_from_hf(hf)
 
 

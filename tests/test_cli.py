@@ -62,7 +62,9 @@ def test_bad_training_config_names_the_field(tmp_path, capsys):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("applications: [{name: other, args: {}}]", "applications: no application named 'eyas'"),
+        ("applications: [{name: other, args: {}}]", "applications[other]: eyas serve runs the 'eyas' application only"),
+        ("applications: []", "applications: no application named 'eyas'"),
+        ("applications: [{name: eyas, deployments: [{name: EyasTarget, num_replicas: 3}]}]", "target_replicas"),
         ("applications: {eyas: 1}", "applications: must be a list of mappings"),
         ("- just\n- a list", "a Serve config is a mapping"),
         ("applications: [{name: eyas, args: [1]}]", "applications[eyas].args: must be a mapping"),

@@ -12,11 +12,12 @@ from eyas.generate import generate
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree
+from eyas.target.config import eagle1_feature_address, eagle3_feature_address
 from eyas.target.engine import TargetEngine
-from eyas.target.model import eagle1_feature_address, eagle3_feature_address, quantize_fp16_weights, quantize_int8
+from eyas.target.precision import quantize_fp16_weights, quantize_int8
 from eyas.verification.accept import stochastic_accept
 from eyas.verification.sampling import sample, target_probs
-from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf_llama
+from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf
 
 P_THRESHOLD = 1e-3  # chi-square: fail below this p-value (a 0.1 % false-alarm rate for a fair sampler)
 TREES = [
@@ -136,7 +137,7 @@ def test_stop_token_inside_a_round_ends_generation(tiny_target):
 
 def test_greedy_identity_int8_served_precision():
     """int8 is a served precision: speculative equals target-only *at that precision*."""
-    model = quantize_int8(ours_from_hf(tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=3)))
+    model = quantize_int8(ours_from_hf(tiny_hf("llama", hidden=64, heads=4, kv_heads=2, seed=3)))
     target, drafter = engines(model, "eagle1")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     base = generate(TargetEngine(model, ()), prompt, max_new_tokens=30)
@@ -147,7 +148,7 @@ def test_greedy_identity_int8_served_precision():
 @pytest.mark.parametrize("method", ["eagle1", "eagle3"])
 def test_greedy_identity_fp16w_served_precision(method):
     """fp16w (fp16 weights, fp32 compute) is a served precision: speculative equals target-only at it."""
-    model = quantize_fp16_weights(ours_from_hf(tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=3)))
+    model = quantize_fp16_weights(ours_from_hf(tiny_hf("llama", hidden=64, heads=4, kv_heads=2, seed=3)))
     target, drafter = engines(model, method)
     for prompt in ([3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7, 7, 9, 30, 11]):
         base = generate(TargetEngine(model, ()), prompt, max_new_tokens=30)
@@ -166,7 +167,7 @@ def test_greedy_identity_gguf_served_precision(method, hidden):
 
     if kernels_off():
         pytest.skip("Eyas's CPU kernels do not run here")
-    model = ours_from_hf(tiny_hf_llama(hidden=hidden, heads=4, kv_heads=2, seed=3))
+    model = ours_from_hf(tiny_hf("llama", hidden=hidden, heads=4, kv_heads=2, seed=3))
     quantize_gguf(model)
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     target, drafter = engines(model, method)
@@ -204,7 +205,7 @@ def test_greedy_identity_at_a_half_precision_compute_dtype(method, dtype):
     from eyas.scheduler.policy import Budgets, PromptLengthPolicy
     from eyas.serve.round_loop import RoundLoop, WorkerCalls
 
-    model = ours_from_hf(tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=3)).to(dtype)
+    model = ours_from_hf(tiny_hf("llama", hidden=64, heads=4, kv_heads=2, seed=3)).to(dtype)
     target, drafter = engines(model, method)
     drafter = DrafterEngine(drafter.drafter.to(dtype), model.embed, model.lm_head, taps=target.taps)
     prompts = ([3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7, 7, 9, 30, 11], [2, 4, 8, 16, 32, 1])
@@ -263,7 +264,7 @@ TREE = TreeSpec(expand_width=3, max_depth=3, verify_budget=6)
 
 @pytest.fixture(scope="module")
 def small_vocab():
-    model = ours_from_hf(tiny_hf_llama(vocab=8, init_std=0.3, seed=5))
+    model = ours_from_hf(tiny_hf("llama", vocab=8, init_std=0.3, seed=5))
     target, drafter = engines(model, "eagle1", seed=1)
     return model, target, drafter
 

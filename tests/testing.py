@@ -9,39 +9,169 @@ from torch.utils._pytree import tree_leaves
 from eyas.scheduler.latency import LatencyCurve
 from eyas.serve.round_loop import RoundLoop, WorkerCalls
 
+# Each kind's HF classes, defaults beyond the shared ones, its own config fields (from the builder's
+# arguments), the parameters N(0, init_std) fills beyond HF's init ("experts", "gate": fused experts and
+# routers that HF leaves at zero or untouched), whether biases are spread (HF starts them at zero, which
+# would hide a bias never loaded), and whether its RoPE theta is set as an attribute or in rope_parameters.
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_KINDS = {
+    # plain Llama (SmolLM2's architecture)
+    "llama": dict(classes=("LlamaConfig", "LlamaForCausalLM"), fields=lambda a: {}),
+    # Llama with a scaled RoPE: ``rope`` is its rope_parameters without rope_theta (e.g. Llama-3.1's
+    # {"rope_type": "llama3", "factor": 8.0, ...})
+    "llama_scaled": dict(
+        classes=("LlamaConfig", "LlamaForCausalLM"),
+        defaults={"rope": None},
+        fields=lambda a: {"rope_parameters": {**a["rope"], "rope_theta": 10000.0}},
+        rope_attr=False,
+    ),
+    # an attention window of ``sliding_window`` tokens
+    "mistral": dict(
+        classes=("MistralConfig", "MistralForCausalLM"),
+        defaults={"sliding_window": 8},
+        fields=lambda a: {"sliding_window": a["sliding_window"]},
+    ),
+    # mixture of experts, the Mixtral kind
+    "mixtral": dict(
+        classes=("MixtralConfig", "MixtralForCausalLM"),
+        fields=lambda a: {
+            "num_local_experts": a["experts"],
+            "num_experts_per_tok": a["top_k"],
+            "sliding_window": None,
+        },
+        normal=("experts",),
+    ),
+    # the OLMoE kind: q/k norms, top-k weights not renormalised
+    "olmoe": dict(
+        classes=("OlmoeConfig", "OlmoeForCausalLM"),
+        defaults={"clip_qkv": None},
+        fields=lambda a: {
+            "num_experts": a["experts"],
+            "num_experts_per_tok": a["top_k"],
+            "norm_topk_prob": False,
+            "clip_qkv": a["clip_qkv"],
+        },
+        normal=("experts", "gate"),
+        rope_attr=False,
+    ),
+    # dense Qwen2: q/k/v projections carry biases, o_proj none
+    "qwen2": dict(
+        classes=("Qwen2Config", "Qwen2ForCausalLM"),
+        fields=lambda a: {"use_sliding_window": False, "rope_parameters": _ROPE},
+        bias=True,
+        rope_attr=False,
+    ),
+    # the Qwen2-MoE kind: q/k/v biases, routed experts of width hidden // 2, a sigmoid-gated shared expert of
+    # width 3 * hidden // 2, dense MLPs of width 2 * hidden in mlp_only_layers and in layers off decoder_sparse_step
+    "qwen2_moe": dict(
+        classes=("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+        defaults={"layers": 3, "norm_topk_prob": False, "mlp_only_layers": (1,), "decoder_sparse_step": 1},
+        fields=lambda a: {
+            **_moe_fields(a),
+            "shared_expert_intermediate_size": 3 * a["hidden"] // 2,
+            "use_sliding_window": False,
+            "rope_parameters": _ROPE,
+        },
+        normal=("experts", "gate"),
+        bias=True,
+        rope_attr=False,
+    ),
+    # dense Qwen3: per-head q/k RMSNorms, head_dim apart from hidden / heads (16 against 32 / 4 = 8)
+    "qwen3": dict(
+        classes=("Qwen3Config", "Qwen3ForCausalLM"),
+        defaults={"head_dim": 16},
+        fields=lambda a: {
+            "head_dim": a["head_dim"],
+            "use_sliding_window": False,
+            "rope_parameters": _ROPE,
+        },
+        rope_attr=False,
+    ),
+    # the Qwen3-MoE kind: per-head q/k norms, no q/k/v biases, routed experts of width hidden // 2 and no shared
+    # expert, dense MLPs in mlp_only_layers and in layers off decoder_sparse_step
+    "qwen3_moe": dict(
+        classes=("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        defaults={
+            "layers": 3,
+            "head_dim": 16,
+            "norm_topk_prob": True,
+            "mlp_only_layers": (1,),
+            "decoder_sparse_step": 1,
+        },
+        fields=lambda a: {
+            **_moe_fields(a),
+            "head_dim": a["head_dim"],
+            "use_sliding_window": False,
+            "rope_parameters": _ROPE,
+        },
+        normal=("experts", "gate"),
+        rope_attr=False,
+    ),
+}
 
-def tiny_hf_llama(
-    vocab: int = 64,
-    hidden: int = 32,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    seed: int = 0,
-    init_std: float = 0.2,
-    tie: bool = False,
-):
-    """A random-weight HF LlamaForCausalLM; ``init_std`` large enough for peaked distributions."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
+def _moe_fields(a: dict) -> dict:
+    return {
+        "moe_intermediate_size": a["hidden"] // 2,
+        "num_experts": a["experts"],
+        "num_experts_per_tok": a["top_k"],
+        "norm_topk_prob": a["norm_topk_prob"],
+        "mlp_only_layers": list(a["mlp_only_layers"]),
+        "decoder_sparse_step": a["decoder_sparse_step"],
+    }
+
+
+def tiny_hf(kind: str = "llama", **overrides):
+    """A random-weight HF causal LM of ``kind`` (a key of ``_KINDS``), built as transformers builds it
+    and with its weights spread so that its distributions are peaked (``init_std``) and norms, biases
+    and experts are not trivial. ``overrides``: ``vocab`` (64), ``hidden`` (32; the MLP 2x), ``layers``
+    (2; 3 for the MoE kinds), ``heads`` (4), ``kv_heads`` (2), ``seed`` (0), ``init_std`` (0.2), ``tie``
+    (False), ``max_positions`` (256), ``experts`` (8) and ``top_k`` (2) for the MoE kinds, and each
+    kind's own (its ``defaults``)."""
+    import transformers
+
+    spec = _KINDS[kind]
+    args = {
+        "vocab": 64,
+        "hidden": 32,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "seed": 0,
+        "init_std": 0.2,
+        "tie": False,
+        "max_positions": 256,
+        "experts": 8,
+        "top_k": 2,
+        **spec.get("defaults", {}),
+    }
+    unknown = sorted(set(overrides) - set(args))
+    if unknown:
+        raise TypeError(f"tiny_hf({kind!r}): unknown argument {unknown[0]!r}")
+    args.update(overrides)
+    config_cls, model_cls = (getattr(transformers, name) for name in spec["classes"])
+    torch.manual_seed(args["seed"])
+    cfg = config_cls(
+        vocab_size=args["vocab"],
+        hidden_size=args["hidden"],
+        intermediate_size=2 * args["hidden"],
+        num_hidden_layers=args["layers"],
+        num_attention_heads=args["heads"],
+        num_key_value_heads=args["kv_heads"],
+        max_position_embeddings=args["max_positions"],
         rms_norm_eps=1e-5,
-        tie_word_embeddings=tie,
-        initializer_range=init_std,
+        initializer_range=args["init_std"],
         eos_token_id=None,
         bos_token_id=None,
         pad_token_id=None,
+        tie_word_embeddings=args["tie"],
+        **spec["fields"](args),
     )
-    cfg.rope_theta = 10000.0
-    model = LlamaForCausalLM(cfg).eval()
-    return _spread(model, init_std)
+    if spec.get("rope_attr", True):
+        cfg.rope_theta = 10000.0
+    model = model_cls(cfg).eval()
+    bias_std = 2 * args["init_std"] if spec.get("bias") else None
+    return _spread(model, args["init_std"], normal_names=spec.get("normal", ()), bias_std=bias_std)
 
 
 def _spread(model, init_std: float, normal_names: tuple[str, ...] = (), bias_std: float | None = None):
@@ -60,331 +190,13 @@ def _spread(model, init_std: float, normal_names: tuple[str, ...] = (), bias_std
 
 
 def ours_from_hf(hf):
-    from eyas.target.model import TargetConfig, TargetModel
+    from eyas.target.config import TargetConfig
+    from eyas.target.model import TargetModel
 
     cfg = TargetConfig.from_hf(hf.config)
     model = TargetModel(cfg)
     model.load_hf_state_dict(hf.state_dict())
     return model.eval()
-
-
-def tiny_hf_mixtral(
-    vocab: int = 64,
-    hidden: int = 32,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    experts: int = 8,
-    top_k: int = 2,
-    seed: int = 0,
-    init_std: float = 0.2,
-):
-    """A random-weight HF MixtralForCausalLM (a mixture-of-experts target of the Mixtral kind)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = MixtralConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
-        num_local_experts=experts,
-        num_experts_per_tok=top_k,
-        rms_norm_eps=1e-5,
-        initializer_range=init_std,
-        tie_word_embeddings=False,
-        sliding_window=None,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    cfg.rope_theta = 10000.0
-    model = MixtralForCausalLM(cfg).eval()
-    # fused expert tensors are not touched by init_std in every version
-    return _spread(model, init_std, normal_names=("experts",))
-
-
-def tiny_hf_olmoe(
-    vocab: int = 64,
-    hidden: int = 32,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    experts: int = 8,
-    top_k: int = 2,
-    seed: int = 0,
-    init_std: float = 0.2,
-    clip_qkv: float | None = None,
-):
-    """A random-weight HF OlmoeForCausalLM (the OLMoE kind: q/k norms, top-k weights not renormalised)."""
-    from transformers import OlmoeConfig, OlmoeForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = OlmoeConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=False,
-        clip_qkv=clip_qkv,
-        rms_norm_eps=1e-5,
-        initializer_range=init_std,
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    model = OlmoeForCausalLM(cfg).eval()
-    # fused experts and the router start at zero/untouched
-    return _spread(model, init_std, normal_names=("experts", "gate"))
-
-
-def tiny_hf_mistral(
-    vocab: int = 64,
-    hidden: int = 32,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    seed: int = 0,
-    init_std: float = 0.2,
-    sliding_window: int | None = 8,
-):
-    """A random-weight HF MistralForCausalLM whose attention window is ``sliding_window`` tokens."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = MistralConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        initializer_range=init_std,
-        sliding_window=sliding_window,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    cfg.rope_theta = 10000.0
-    model = MistralForCausalLM(cfg).eval()
-    return _spread(model, init_std)
-
-
-def tiny_hf_qwen2(
-    vocab: int = 64,
-    hidden: int = 32,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    seed: int = 0,
-    init_std: float = 0.2,
-    tie: bool = False,
-):
-    """A random-weight HF Qwen2ForCausalLM (dense; q/k/v projections carry biases, o_proj none)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tie,
-        initializer_range=init_std,
-        use_sliding_window=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    model = Qwen2ForCausalLM(cfg).eval()
-    # HF starts biases at zero, which would hide a bias never loaded
-    return _spread(model, init_std, bias_std=2 * init_std)
-
-
-def tiny_hf_qwen2_moe(
-    vocab: int = 64,
-    hidden: int = 32,
-    layers: int = 3,
-    heads: int = 4,
-    kv_heads: int = 2,
-    experts: int = 8,
-    top_k: int = 2,
-    seed: int = 0,
-    init_std: float = 0.2,
-    norm_topk_prob: bool = False,
-    mlp_only_layers: tuple[int, ...] = (1,),
-    decoder_sparse_step: int = 1,
-):
-    """A random-weight HF Qwen2MoeForCausalLM (the Qwen2-MoE kind: q/k/v biases, routed experts of width
-    ``hidden // 2``, a sigmoid-gated shared expert of width ``3 * hidden // 2``, dense MLPs of width
-    ``2 * hidden`` in ``mlp_only_layers`` and in layers off ``decoder_sparse_step``)."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2MoeConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        moe_intermediate_size=hidden // 2,
-        shared_expert_intermediate_size=3 * hidden // 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=norm_topk_prob,
-        mlp_only_layers=list(mlp_only_layers),
-        decoder_sparse_step=decoder_sparse_step,
-        rms_norm_eps=1e-5,
-        initializer_range=init_std,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    model = Qwen2MoeForCausalLM(cfg).eval()
-    # biases start at zero; fused experts, router and shared-expert gate at zero or untouched by init_std
-    return _spread(model, init_std, normal_names=("experts", "gate"), bias_std=2 * init_std)
-
-
-def tiny_hf_llama_scaled(
-    rope: dict,
-    vocab: int = 64,
-    hidden: int = 32,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    seed: int = 0,
-    init_std: float = 0.2,
-    max_positions: int = 256,
-):
-    """A random-weight HF LlamaForCausalLM with a scaled RoPE: ``rope`` is its ``rope_parameters``
-    without ``rope_theta`` (for example Llama-3.1's ``{"rope_type": "llama3", "factor": 8.0, ...}``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        initializer_range=init_std,
-        rope_parameters={**rope, "rope_theta": 10000.0},
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    return _spread(LlamaForCausalLM(cfg).eval(), init_std)
-
-
-def tiny_hf_qwen3(
-    vocab: int = 64,
-    hidden: int = 32,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    head_dim: int = 16,
-    seed: int = 0,
-    init_std: float = 0.2,
-    tie: bool = False,
-):
-    """A random-weight HF Qwen3ForCausalLM (dense): per-head q/k RMSNorms, and ``head_dim`` set apart
-    from hidden / heads (16 here against 32 / 4 = 8)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tie,
-        initializer_range=init_std,
-        use_sliding_window=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    return _spread(Qwen3ForCausalLM(cfg).eval(), init_std)
-
-
-def tiny_hf_qwen3_moe(
-    vocab: int = 64,
-    hidden: int = 32,
-    layers: int = 3,
-    heads: int = 4,
-    kv_heads: int = 2,
-    head_dim: int = 16,
-    experts: int = 8,
-    top_k: int = 2,
-    seed: int = 0,
-    init_std: float = 0.2,
-    norm_topk_prob: bool = True,
-    mlp_only_layers: tuple[int, ...] = (1,),
-    decoder_sparse_step: int = 1,
-):
-    """A random-weight HF Qwen3MoeForCausalLM (the Qwen3-MoE kind: per-head q/k norms, no q/k/v
-    biases, routed experts of width ``hidden // 2`` with no shared expert, dense MLPs of width
-    ``2 * hidden`` in ``mlp_only_layers`` and in layers off ``decoder_sparse_step``)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        moe_intermediate_size=hidden // 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=256,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=norm_topk_prob,
-        mlp_only_layers=list(mlp_only_layers),
-        decoder_sparse_step=decoder_sparse_step,
-        rms_norm_eps=1e-5,
-        initializer_range=init_std,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    return _spread(Qwen3MoeForCausalLM(cfg).eval(), init_std, normal_names=("experts", "gate"))
 
 
 def tiny_eagle1_engine(target, layout: str = "eyas-v1"):
@@ -396,7 +208,7 @@ def tiny_eagle1_engine(target, layout: str = "eyas-v1"):
     target accepts there."""
     from eyas.drafting.engine import DrafterEngine
     from eyas.drafting.model import DrafterConfig, init_drafter
-    from eyas.target.model import eagle1_feature_address
+    from eyas.target.config import eagle1_feature_address
 
     cfg = target.cfg
     return DrafterEngine(

@@ -39,8 +39,9 @@ from eyas.protocol.messages import AcceptDecision, PublishAck, Refusal, Seed
 from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree, FlatTree
 from eyas.step import Decided, Published, decide_verified
+from eyas.target.config import FeatureTap
 from eyas.target.engine import PrefillProgress, TargetEngine
-from eyas.target.model import FeatureTap, TargetModel
+from eyas.target.model import TargetModel
 from eyas.target.prefix_cache import PrefixCache
 from eyas.verification.accept import emitted_logprobs
 from eyas.verification.grammar import GrammarCompiler, GrammarCursor, Grammars

@@ -27,7 +27,7 @@ from eyas.drafting.tree import DEFAULT_STATIC_CHOICES, DynamicTreeBuilder, Stati
 from eyas.protocol.messages import Seed
 from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
 from eyas.target.batch_kv import RowGroup
-from eyas.target.model import FeatureTap
+from eyas.target.config import FeatureTap
 
 TREE_KINDS = ("dynamic", "static", "chain")
 

@@ -31,7 +31,7 @@ import torch
 
 from eyas.drafting.manifest import MANIFEST_FILE, WEIGHTS_FILE, DrafterManifest, FingerprintSpec, TapSpec, read_manifest
 from eyas.drafting.model import EYAS_V1, REFERENCE, SAFEAILAB_ROPE_THETA, DrafterConfig
-from eyas.target.model import TargetConfig
+from eyas.target.config import TargetConfig
 
 FORMATS = ("speculators", "sglang", "eagle")
 EAGLE_BIN = "pytorch_model.bin"  # what SafeAILab's EaModel.from_pretrained reads

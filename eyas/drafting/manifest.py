@@ -16,8 +16,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eyas.drafting.model import EYAS_V1, Drafter, DrafterConfig
+from eyas.target.config import FeatureTap
 from eyas.target.loader import TargetFingerprint
-from eyas.target.model import FeatureTap
 
 MANIFEST_FORMAT = "eyas-drafter/1"
 MANIFEST_FILE, WEIGHTS_FILE = "manifest.json", "model.safetensors"
@@ -172,7 +172,7 @@ def trim_drafter_vocab(
     note: str,
 ) -> tuple[Drafter, DrafterManifest, torch.Tensor]:
     """Write to ``out`` the EAGLE-3 drafter of ``folder`` with its draft vocabulary cut to the ``size``
-    most frequent of its own tokens (:func:`eyas.training.losses.trim_draft_vocab`): the kept tokens'
+    most frequent of its own tokens (:func:`eyas.drafting.vocab.trim_draft_vocab`): the kept tokens'
     head rows as trained, every other weight unchanged, ``d2t``/``t2d`` and
     ``drafter_config.draft_vocab_size`` to match, ``note`` recorded as ``recipe.draft_vocab_trimmed``.
     A smaller head is a smaller folder and a cheaper draft step; what it drops is the mass of the
@@ -182,7 +182,7 @@ def trim_drafter_vocab(
 
     from safetensors import safe_open
 
-    from eyas.training.losses import carry_rows, trim_draft_vocab
+    from eyas.drafting.vocab import carry_rows, trim_draft_vocab
 
     drafter, manifest = load_drafter(folder, fingerprint)
     if drafter.cfg.method != "eagle3":

@@ -31,18 +31,8 @@ import torch
 import torch.nn as nn
 
 from eyas.target.batch_kv import BatchKV, BatchRows, RowGroup
-from eyas.target.model import (
-    MLP,
-    Attention,
-    FeatureTap,
-    KVCache,
-    RMSNorm,
-    RotaryTable,
-    TargetConfig,
-    eagle1_feature_address,
-    eagle3_feature_address,
-    head_rows,
-)
+from eyas.target.config import FeatureTap, TargetConfig, eagle1_feature_address, eagle3_feature_address
+from eyas.target.layers import MLP, Attention, KVCache, RMSNorm, RotaryTable, head_rows
 
 METHODS = ("eagle1", "eagle3")
 REFERENCE, EYAS_V1 = "reference", "eyas-v1"

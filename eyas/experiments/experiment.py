@@ -67,6 +67,7 @@ from eyas.experiments.workload import (
     scaling_report,
     summary,
 )
+from eyas.serve.serve_file import read_serve_file
 
 log = logging.getLogger("eyas.experiment")
 CLOSE_GRACE_S = 30.0  # Replay.close: how long requests still running at the end get to stop once cancelled
@@ -666,7 +667,9 @@ def with_max_target_replicas(args: dict, n: int) -> dict:
 def pinned_args(args: dict, target_replicas: int | None = None) -> dict:
     """The app's args with each autoscaling deployment held at its initial count (``min = max``; the
     target at ``target_replicas`` when given): the calibration's deployment, which the autoscaler may
-    not grow. (Deployed with ``serve.run``, a change of args restarts the replicas: ~17 s here.)"""
+    not grow. Only the deployments' autoscaling options differ from ``args``' (the replicas' own
+    config leaves them out), so moving from one to the other is Serve's light update: no replica
+    restarts."""
     out = copy.deepcopy(args)
     for kind in ("target", "drafter"):
         a = out.get(f"{kind}_autoscaling")
@@ -680,67 +683,6 @@ def pinned_args(args: dict, target_replicas: int | None = None) -> dict:
         if kwargs is not None:
             kwargs.update(min_replicas=n, max_replicas=n)
     return out
-
-
-def _read_serve_doc(path: str | Path) -> dict:
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML ({err})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: a Serve config is a mapping with an `applications` list, got {type(doc).__name__}")
-    return doc
-
-
-def load_serve_config(path: str | Path, app: str = "eyas") -> dict:
-    """The ``args`` of application ``app`` in a Serve config file (``ray_configs/serve.yaml``'s shape);
-    see :func:`load_serve_file`."""
-    return _serve_app_args(_read_serve_doc(path), path, app)
-
-
-def load_serve_file(path: str | Path, app: str = "eyas") -> tuple[dict, dict]:
-    """Read a Serve config file once -> (``args`` of application ``app``, the proxies' addresses it sets).
-
-    The addresses are ``{"host", "http_port", "grpc_port"}``, each only where the file gives it
-    (``http_options.host``/``.port``, ``grpc_options.port``). Every way the file can be wrong is a
-    ValueError naming the file and the field: unreadable YAML, a document that is not a mapping,
-    ``applications`` not a list, no application named ``app``, ``args`` not a mapping, an options
-    section not a mapping, a port not an integer in [1, 65535]. (The args themselves are checked by
-    ``eyas.serve.config.parse_config``.)"""
-    doc = _read_serve_doc(path)
-    return _serve_app_args(doc, path, app), _serve_endpoints(doc, path)
-
-
-def _serve_app_args(doc: dict, path: str | Path, app: str) -> dict:
-    apps = doc.get("applications") or []
-    if not isinstance(apps, list) or not all(isinstance(a, dict) for a in apps):
-        raise ValueError(f"{path}: applications: must be a list of mappings")
-    apps = [a for a in apps if a.get("name", "eyas") == app]
-    if not apps:
-        raise ValueError(f"{path}: applications: no application named {app!r}")
-    args = apps[0].get("args") or {}
-    if not isinstance(args, dict):
-        raise ValueError(f"{path}: applications[{app}].args: must be a mapping, got {type(args).__name__}")
-    return dict(args)
-
-
-def _serve_endpoints(doc: dict, path: str | Path) -> dict:
-    found = {}
-    for section, key, name in (
-        ("http_options", "host", "host"),
-        ("http_options", "port", "http_port"),
-        ("grpc_options", "port", "grpc_port"),
-    ):
-        options = doc.get(section) or {}
-        if not isinstance(options, dict):
-            raise ValueError(f"{path}: {section}: must be a mapping")
-        if options.get(key) is None:
-            continue
-        value = options[key]
-        if name != "host" and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535):
-            raise ValueError(f"{path}: {section}.{key}: must be a port number in [1, 65535], got {value!r}")
-        found[name] = value
-    return found
 
 
 def run_autoscale(
@@ -769,7 +711,8 @@ def run_autoscale(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    args = load_serve_config(serve_config or REPO_CONFIGS / "autoscale.yaml")
+    served = read_serve_file(serve_config or REPO_CONFIGS / "autoscale.yaml")
+    args, extra = served.args, served.deployment_options
     if precision is not None:
         args["precision"] = precision
     if max_target_replicas is not None:
@@ -789,7 +732,18 @@ def run_autoscale(
         if cluster is not None:
             address = cluster.start()
         summary_doc = _run(
-            workload, address, args, cfg, node_types, references, timeline, out, progress, tqdm, cluster is not None
+            workload,
+            address,
+            args,
+            extra,
+            cfg,
+            node_types,
+            references,
+            timeline,
+            out,
+            progress,
+            tqdm,
+            cluster is not None,
         )
     finally:
         _stop_serve()
@@ -981,7 +935,10 @@ def measure_capacity(
     return runs
 
 
-def _run(workload, address, args, cfg, node_types, references, timeline, out, progress, tqdm, shared_host) -> dict:
+def _run(
+    workload, address, args, extra, cfg, node_types, references, timeline, out, progress, tqdm, shared_host
+) -> dict:
+    """The experiment on a running cluster; ``extra``: the Serve file's deployment options."""
     import ray
     from ray import serve
 
@@ -1000,7 +957,7 @@ def _run(workload, address, args, cfg, node_types, references, timeline, out, pr
     if progress:
         print("experiment: deploying with the replicas pinned (calibration) ...", file=sys.stderr, flush=True)
     t_deploy = time.monotonic()
-    serve.run(build_app(pinned_args(args)), name="eyas", route_prefix="/")
+    serve.run(build_app(pinned_args(args), extra), name="eyas", route_prefix="/")
     deploy_s = time.monotonic() - t_deploy
     grpc_address = f"127.0.0.1:{grpc_port}"
     stats_client = EyasClient(grpc_address, timeout_s=60)
@@ -1017,7 +974,7 @@ def _run(workload, address, args, cfg, node_types, references, timeline, out, pr
     ):  # every replica a process on this machine: how much do two get done beside each other?
         if progress:
             print("experiment: two target replicas pinned (the shared host's parallelism) ...", file=sys.stderr)
-        serve.run(build_app(pinned_args(args, target_replicas=2)), name="eyas", route_prefix="/")
+        serve.run(build_app(pinned_args(args, target_replicas=2), extra), name="eyas", route_prefix="/")
         host_runs = [
             r for r, _ in measure_capacity(grpc_address, workload, cfg.max_batch, stats_client, references, progress, 2)
         ]
@@ -1027,7 +984,7 @@ def _run(workload, address, args, cfg, node_types, references, timeline, out, pr
     if not schedule:
         raise ValueError(f"workload {workload.name}: the phases produce no arrival")
     t_release = time.monotonic()
-    serve.run(build_app(args), name="eyas", route_prefix="/")  # the autoscaler's bounds back
+    serve.run(build_app(args, extra), name="eyas", route_prefix="/")  # the autoscaler's bounds back
     _wait_for_nodes(node_types, cfg, timeout_s=60)
     release_s = time.monotonic() - t_release
     if progress:

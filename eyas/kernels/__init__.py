@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from eyas.cache import cache_root
+
 log = logging.getLogger("eyas.kernels")
 
 SWITCH_ENV = "EYAS_CPU_KERNELS"  # "0": never use the kernels
@@ -113,8 +115,6 @@ def isa() -> str:
 
 
 def build_directory(build: str | None = None) -> Path:
-    from eyas.target.loader import cache_root
-
     tag = f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
     return cache_root() / "kernels" / tag / (build or isa())
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eyas.target.config import FeatureTap
 from eyas.target.engine import CommittedRows
-from eyas.target.model import FeatureTap
 from eyas.training.features import FeatureBatch
 
 MIN_ANSWER_ROWS = 2  # a sample needs two answer rows: one a chain reads, one whose distribution it learns

@@ -25,6 +25,9 @@ from eyas.training.features import FeatureBatch, OnlineFeatures, training_taps
 log = logging.getLogger("eyas.learning")
 REPLAY_MAX_LEN = 384  # replayed samples are cut here (a learner step costs about its tokens)
 
+# the shipped drafters' training answers (the target's own answers to ShareGPT first turns), in the repository
+REPLAY_ANSWERS = Path(__file__).resolve().parents[2] / "data" / "regen" / "smollm2-135m-sharegpt-train.answers.jsonl"
+
 
 def replay_samples(target: str, model, count: int, seed: int = 0) -> list:
     """``count`` of the shipped drafters' training samples (the target's own answers to ShareGPT first
@@ -32,14 +35,13 @@ def replay_samples(target: str, model, count: int, seed: int = 0) -> list:
     forgetting (a few dozen are memorized, not replayed: use hundreds)."""
     import random
 
-    from eyas.runtime import REPO_DRAFTERS
     from eyas.target.loader import load_tokenizer
     from eyas.training.prepare import answer_sample
     from eyas.training.regen import read_regenerated
 
     if count <= 0:
         return []
-    path = REPO_DRAFTERS.parent / "data" / "regen" / "smollm2-135m-sharegpt-train.answers.jsonl"
+    path = REPLAY_ANSWERS
     if not path.exists():
         raise ValueError(f"learn.replay_samples: the replay set {path} is missing")
     records = read_regenerated(path)

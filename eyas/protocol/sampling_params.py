@@ -33,7 +33,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1.0 disables it
     min_p: float = 0.0  # in [0, 1]; 0 disables it
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids increasing
-    # structured output: the grammar's key (eyas.verification.grammar.grammar_key; "" = none). Its
+    # structured output: the grammar's key (eyas.protocol.response_format.grammar_key; "" = none). Its
     # masks come from the request's GrammarCursor, which its session owns
     grammar: str = ""
 

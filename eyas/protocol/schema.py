@@ -17,6 +17,19 @@ if TYPE_CHECKING:
 # hass: an EAGLE-1-architecture drafter trained with HASS; suffix: drafts from the request's own prompt
 # and answer alone (eyas.drafting.suffix), no drafter model
 METHODS = ("target", "eagle1", "hass", "eagle3", "suffix")
+# GenerateRequest's fields that say how a request is decoded, not what it asks for (Eyas's own knobs: an
+# OpenAI body carries them as extras, eyas.serve.openai_api)
+DECODING_FIELDS = (
+    "method",
+    "suffix_drafts",
+    "learn",
+    "tree_kind",
+    "tree_depth",
+    "tree_width",
+    "tree_budget",
+    "tree_min_value",
+    "tree_expand_min_value",
+)
 
 
 MAX_REQUEST_ID_LEN: int = 256  # a request id (``request_id``) is 1 to this many characters
@@ -123,7 +136,7 @@ class GenerateRequest(BaseModel):
     @field_validator("response_format", mode="before")
     @classmethod
     def _format(cls, v):
-        from eyas.verification.grammar import canonical_response_format
+        from eyas.protocol.response_format import canonical_response_format
 
         return canonical_response_format(v)  # a ValueError names response_format (or its nested field)
 
@@ -294,8 +307,8 @@ class GenerateRequest(BaseModel):
     def to_sampling_params(self) -> SamplingParams:
         """The sampler this request asks for: the one conversion from a request to its sampler (its
         fields were checked here; ``SamplingParams`` checks them again only for direct callers)."""
+        from eyas.protocol.response_format import grammar_key
         from eyas.protocol.sampling_params import SamplingParams
-        from eyas.verification.grammar import grammar_key
 
         return SamplingParams(
             temperature=self.temperature,

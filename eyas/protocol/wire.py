@@ -26,7 +26,14 @@ from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol.codec import ANY_DIM, DEFAULT_MAX_NUMEL, decode_tensor, encode_tensor
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.sampling_params import SamplingParams
-from eyas.protocol.schema import CancelRequest, GenerateRequest, parse_cancel, parse_request, request_id_problem
+from eyas.protocol.schema import (
+    DECODING_FIELDS,
+    CancelRequest,
+    GenerateRequest,
+    parse_cancel,
+    parse_request,
+    request_id_problem,
+)
 from eyas.protocol.tree import (
     PARENT_IS_ROOT,
     ROW_IS_ROOT,
@@ -466,15 +473,7 @@ _OPTIONAL_REQUEST_FIELDS = (
     "top_k",
     "seed",
     "request_id",
-    "method",
-    "suffix_drafts",
-    "learn",
-    "tree_kind",
-    "tree_depth",
-    "tree_width",
-    "tree_budget",
-    "tree_min_value",
-    "tree_expand_min_value",
+    *DECODING_FIELDS,
 )
 
 

@@ -41,7 +41,6 @@ import json
 import logging
 import time
 
-import grpc
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
@@ -53,7 +52,7 @@ from eyas.protocol.service import SERVICER_FUNCTION, TIMEOUT_METADATA, decode_me
 from eyas.protocol.text import AnswerText
 from eyas.serve import openai_api as oai
 from eyas.serve.config import ServeConfig, parse_config  # noqa: F401 - parse_config: the app's config API
-from eyas.serve.errors import DeadlinePassed, Failure, Overloaded, ReplicaLost, failure_of, is_expected
+from eyas.serve.errors import DeadlinePassed, Failure, Overloaded, ReplicaLost, Unauthenticated, failure_of, is_expected
 from eyas.serve.registry import HEAD_NODE_RESOURCE, app_name, get_registry
 from eyas.step import SUFFIX
 from eyas.target.engine import check_context
@@ -67,10 +66,9 @@ GRPC_SERVICER_FUNCTIONS = [SERVICER_FUNCTION]
 
 
 def _unauthenticated(grpc_context, reply):
-    if grpc_context is not None:
-        grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
-        grpc_context.set_details("missing or wrong API key: send 'authorization: Bearer <key>' metadata")
-    return reply
+    """``reply`` with the table's UNAUTHENTICATED answer (eyas.serve.errors)."""
+    failure = failure_of(Unauthenticated("missing or wrong API key: send 'authorization: Bearer <key>' metadata"))
+    return _grpc_answer(grpc_context, failure, reply)
 
 
 def _grpc_answer(grpc_context, failure: Failure, reply):
@@ -557,16 +555,26 @@ def _deployment_options(cfg: ServeConfig, kind: str) -> dict:
     return options
 
 
-def build_app(args: dict | None = None):
-    """The application builder ``serve run``/``serve deploy`` call (``import_path: eyas.serve.app:build_app``)."""
+def build_app(args: dict | None = None, deployment_options: dict | None = None):
+    """The application builder ``serve run``/``serve deploy`` call (``import_path: eyas.serve.app:build_app``).
+    ``deployment_options``: deployment name -> Serve options over the ones the args make (a Serve file's
+    ``deployments:``, checked by ``eyas.serve.serve_file``; ``serve deploy`` applies them itself)."""
+    extra = deployment_options or {}
     from eyas.serve.deployments import EyasDrafter, EyasTarget
 
     config = parse_config(args)  # fail here, naming the field, before any replica starts
     for warning in config.warnings():
         log.warning("config.%s", warning)
-    raw = config.model_dump()
+    # the replicas' own config: the autoscaling sections are the deployments' options only, so that a
+    # change of bounds (eyas experiment autoscale releasing its calibration) is Serve's light update,
+    # not a restart of every replica
+    raw = config.model_dump(exclude={"target_autoscaling", "drafter_autoscaling"})
     drafter = None
     if config.drafter_replicas > 0 or config.drafter_autoscaling is not None:
-        drafter = EyasDrafter.options(**_deployment_options(config, "drafter")).bind(raw)
-    target = EyasTarget.options(**_deployment_options(config, "target")).bind(raw, drafter)
-    return EyasServer.bind(raw, target)
+        drafter = EyasDrafter.options(**_deployment_options(config, "drafter"), **extra.get("EyasDrafter", {})).bind(
+            raw
+        )
+    target = EyasTarget.options(**_deployment_options(config, "target"), **extra.get("EyasTarget", {})).bind(
+        raw, drafter
+    )
+    return EyasServer.options(**extra.get("EyasServer", {})).bind(raw, target)

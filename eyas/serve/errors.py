@@ -41,6 +41,18 @@ class DeadlinePassed(Exception):
     Its message is what the client sees."""
 
 
+class Unauthenticated(Exception):
+    """A missing or wrong API key. Its message is what the client sees (never a key)."""
+
+
+class NotFound(Exception):
+    """A model this server does not serve."""
+
+
+class TooLarge(Exception):
+    """A request body over ``max_body_bytes``."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Failure:
     """What one failure answers on each protocol."""
@@ -50,10 +62,6 @@ class Failure:
     openai_type: str  # OpenAI's error ``type``
     code: str  # OpenAI's error ``code`` (and Eyas's JSON route's)
     message: str  # what the client is told
-
-    def openai_body(self, param: str | None = None) -> dict:
-        """The error in OpenAI's shape (the body of a /v1 response, or one SSE event)."""
-        return {"error": {"message": self.message, "type": self.openai_type, "param": param, "code": self.code}}
 
     def json_body(self) -> dict:
         """The error on Eyas's JSON route (``POST /``)."""
@@ -66,6 +74,9 @@ TABLE: dict[type[Exception], tuple[grpc.StatusCode, int, str, str]] = {
     Overloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, 503, "server_error", "overloaded"),
     ReplicaLost: (grpc.StatusCode.UNAVAILABLE, 503, "server_error", "replica_lost"),
     DeadlinePassed: (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error", "deadline_exceeded"),
+    Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error", "invalid_api_key"),
+    NotFound: (grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error", "model_not_found"),
+    TooLarge: (grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error", "request_too_large"),
 }
 INTERNAL = (grpc.StatusCode.INTERNAL, 500, "server_error", "internal_error")
 

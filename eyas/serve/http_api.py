@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from eyas.protocol.schema import CancelRequest, GenerateRequest, parse_cancel, parse_request
 from eyas.protocol.text import AnswerText
 from eyas.serve import openai_api as oai
-from eyas.serve.errors import Failure, Overloaded, failure_of
+from eyas.serve.errors import Failure, Overloaded, TooLarge, failure_of
 from eyas.target.loader import encode_prompt
 
 
@@ -76,10 +76,7 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 def openai_error(failure: Failure) -> oai.OpenAIError:
     """A failure from the one table in OpenAI's shape; a refusal's ``param`` names the parameter."""
-    param = oai.param_of(failure.message) if failure.http_status == 400 else None
-    return oai.OpenAIError(
-        failure.message, param=param, status=failure.http_status, type_=failure.openai_type, code=failure.code
-    )
+    return oai.OpenAIError.of(failure, param=oai.param_of(failure.message) if failure.http_status == 400 else None)
 
 
 def openai_response(error: oai.OpenAIError) -> JSONResponse:
@@ -99,10 +96,8 @@ async def read_body(request: Request, max_body_bytes: int) -> object:
     """The request's JSON body: bounded in size, and in nesting (a parser's recursion error is a 400)."""
     raw = await request.body()
     if len(raw) > max_body_bytes:
-        raise oai.OpenAIError(
-            f"request: the body is {len(raw)} bytes, over the {max_body_bytes}-byte limit",
-            status=413,
-            code="request_too_large",
+        raise openai_error(
+            failure_of(TooLarge(f"request: the body is {len(raw)} bytes, over the {max_body_bytes}-byte limit"))
         )
     try:
         return json.loads(raw)
@@ -200,12 +195,7 @@ def build_http_app(server: Ingress) -> FastAPI:
     @app.get("/v1/models/{model_id}", tags=["openai"])
     async def model(model_id: str):
         if model_id != server.model_name:
-            raise oai.OpenAIError(
-                f"model: {model_id!r} does not exist; this server serves {server.model_name!r}",
-                param="model",
-                status=404,
-                code="model_not_found",
-            )
+            raise oai.model_not_found(model_id, server.model_name)
         return oai.models(server.model_name, server.created)["data"][0]
 
     @app.post("/v1/chat/completions", tags=["openai"], openapi_extra=_body_schema(oai.ChatRequest))

@@ -27,25 +27,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eyas.generate import FINISH_LENGTH
-from eyas.protocol.schema import CHOICE_SEP, MAX_LOGPROBS, GenerateRequest, parse_request
+from eyas.protocol.schema import CHOICE_SEP, DECODING_FIELDS, MAX_LOGPROBS, GenerateRequest, parse_request
 from eyas.protocol.text import Detokenizer, token_bytes
+from eyas.serve.errors import Failure, NotFound, Unauthenticated, failure_of
 from eyas.target.loader import encode_messages, encode_prompt
 
 CHAT, COMPLETION = "chat.completion", "text_completion"
 # Eyas's own request fields that an OpenAI body may carry as extras
-EYAS_EXTRAS = (
-    "method",
-    "suffix_drafts",
-    "learn",
-    "tree_kind",
-    "tree_depth",
-    "tree_width",
-    "tree_budget",
-    "tree_min_value",
-    "tree_expand_min_value",
-    "top_k",
-    "request_id",
-)
+EYAS_EXTRAS = (*DECODING_FIELDS, "top_k", "request_id")
 # OpenAI parameters Eyas knows and does not implement: refused by name, never ignored
 UNSUPPORTED = (
     "tools",
@@ -89,6 +78,13 @@ class OpenAIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def of(cls, failure: Failure, param: str | None = None) -> OpenAIError:
+        """A failure from the one table (``eyas.serve.errors``) in OpenAI's shape."""
+        return cls(
+            failure.message, param=param, status=failure.http_status, type_=failure.openai_type, code=failure.code
+        )
 
 
 def param_of(message: str) -> str:
@@ -207,6 +203,13 @@ def _pydantic_error(err: ValidationError) -> OpenAIError:
     return OpenAIError(f"{'.'.join(loc)}: {first['msg']}", param=".".join(loc) or None)
 
 
+def model_not_found(asked: str, served: str) -> OpenAIError:
+    """The 404 for a model this server does not serve (the table's ``NotFound`` row)."""
+    return OpenAIError.of(
+        failure_of(NotFound(f"model: {asked!r} does not exist; this server serves {served!r}")), param="model"
+    )
+
+
 def check_api_key(expected: str | None, authorization: str | None) -> None:
     """Refuse (401) unless ``authorization`` is ``Bearer <expected>``; compared in constant time.
     No key configured: everything passes. Neither key appears in the error."""
@@ -214,8 +217,8 @@ def check_api_key(expected: str | None, authorization: str | None) -> None:
         return
     given = (authorization or "").removeprefix("Bearer ").strip() if (authorization or "").startswith("Bearer ") else ""
     if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise OpenAIError(
-            "Incorrect or missing API key: send 'Authorization: Bearer <key>'", status=401, code="invalid_api_key"
+        raise OpenAIError.of(
+            failure_of(Unauthenticated("Incorrect or missing API key: send 'Authorization: Bearer <key>'"))
         )
 
 
@@ -235,12 +238,7 @@ def parse_openai(kind: str, body: object, tokenizer, model_name: str, max_contex
     except ValidationError as err:
         raise _pydantic_error(err) from None
     if parsed.model != model_name:
-        raise OpenAIError(
-            f"model: {parsed.model!r} does not exist; this server serves {model_name!r}",
-            param="model",
-            status=404,
-            code="model_not_found",
-        )
+        raise model_not_found(parsed.model, model_name)
     if not 1 <= parsed.n <= MAX_CHOICES:
         raise OpenAIError(f"n: must be between 1 and {MAX_CHOICES}, got {parsed.n}", param="n")
     if parsed.stream_options is not None and not parsed.stream:

@@ -24,8 +24,10 @@ import torch
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.target.batch_kv import BatchKV, BatchRows, RowGroup
+from eyas.target.config import FeatureTap
 from eyas.target.experts import expert_bytes, expert_union
-from eyas.target.model import FeatureTap, MoE, TargetModel
+from eyas.target.layers import MoE
+from eyas.target.model import TargetModel
 from eyas.target.prefix_cache import BLOCK_TOKENS, CachedBlock, PrefixCache, block_hashes
 
 PREFILL_ROUND = 0  # the round number of the prompt's prefill; speculation rounds count from 1

@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch
 
-from eyas.target.model import TargetConfig, TargetModel, make_batch_invariant, quantize_fp16_weights, quantize_int8
+from eyas.cache import cache_root
+from eyas.target.config import TargetConfig
+from eyas.target.model import TargetModel
+from eyas.target.precision import make_batch_invariant, quantize_fp16_weights, quantize_int8
 
 DEFAULT_TARGET = "smollm2-135m"
 FINGERPRINT_FILE = "eyas_fingerprint.json"  # beside the checkpoint: the fingerprint, computed once
@@ -115,10 +118,6 @@ class LoadedHead:
     fingerprint: TargetFingerprint
     precision: str
     source: str
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
 
 
 def default_gguf_path() -> Path:

@@ -36,7 +36,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eyas.target.model import MLP, Attention, DecoderLayer, TargetConfig, TargetModel
+from eyas.target.config import TargetConfig
+from eyas.target.layers import MLP, Attention, DecoderLayer
+from eyas.target.model import TargetModel
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML's type ids
 QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}

@@ -135,7 +135,7 @@ class TrainConfig(BaseModel):
     # target's own answers (every <target>-sharegpt-train*.answers.jsonl in data.answers_dir, greedy
     # and sampled passes) instead of keeping the start's. A token both vocabularies hold keeps its
     # head row (and its optimizer moments); a new one starts at its target LM-head row taken into the
-    # drafter's head space by a least-squares map (eyas.training.losses.rebuilt_head)
+    # drafter's head space by a least-squares map (eyas.drafting.vocab.rebuilt_head)
     rebuild_draft_vocab: bool = False
     eval_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(50, ge=1)

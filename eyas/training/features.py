@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from eyas.target.model import FeatureTap, TargetModel, eagle1_feature_address, eagle3_feature_address
+from eyas.target.config import FeatureTap, eagle1_feature_address, eagle3_feature_address
+from eyas.target.model import TargetModel
 from eyas.training.data import Sample
 
 CACHE_FORMAT = "eyas-features/1"

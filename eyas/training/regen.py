@@ -30,8 +30,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eyas.target.config import FeatureTap
+from eyas.target.layers import KVCache
 from eyas.target.loader import DTYPES
-from eyas.target.model import FeatureTap, KVCache, TargetModel
+from eyas.target.model import TargetModel
 
 END_OF_TURN = "<|im_end|>"
 REGEN_DTYPES = {name: DTYPES[name] for name in ("bfloat16", "float32")}  # the loader's; no fp16 on a CPU

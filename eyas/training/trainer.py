@@ -31,8 +31,11 @@ from tqdm import tqdm
 
 from eyas.drafting.manifest import TreeABI, manifest_for, save_drafter
 from eyas.drafting.model import Drafter, DrafterConfig, drafter_feature_address, init_drafter
+from eyas.drafting.vocab import build_draft_vocab, carry_rows, rebuilt_head
+from eyas.target.config import FeatureTap
+from eyas.target.layers import GrowingKV
 from eyas.target.loader import DTYPES, check_device
-from eyas.target.model import FeatureTap, GrowingKV, TargetModel
+from eyas.target.model import TargetModel
 from eyas.training.config import TrainConfig
 from eyas.training.features import (
     FeatureBatch,
@@ -42,7 +45,7 @@ from eyas.training.features import (
     SampleList,
     training_taps,
 )
-from eyas.training.losses import build_draft_vocab, carry_rows, feature_noise, rebuilt_head, row_soft_cross_entropy
+from eyas.training.losses import feature_noise, row_soft_cross_entropy
 from eyas.training.masks import rollout_valid, rollout_visibility
 from eyas.training.rows import dense_row_masks
 

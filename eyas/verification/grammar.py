@@ -5,10 +5,11 @@ Terms:
 
 - **response format**: what a request asks for, OpenAI's shapes: ``{"type": "text"}`` (nothing),
   ``{"type": "json_object"}`` (one JSON object) or ``{"type": "json_schema", "json_schema":
-  {"name": ..., "schema": {...}}}`` (a value valid against the schema). Its **key** is its canonical
-  JSON text (:func:`grammar_key`, compact, the schema's key order kept: a schema's property order is
-  the order the answer gives them in): what ``SamplingParams``, ``SessionSpec`` and the wire carry
-  (:data:`GRAMMAR_OFF`, the empty string, for none).
+  {"name": ..., "schema": {...}}}`` (a value valid against the schema), checked at the edge
+  (``eyas.protocol.response_format``). Its **key** is its canonical JSON text (``grammar_key``
+  there: compact, the schema's key order kept, since a schema's property order is the order the
+  answer gives them in): what ``SamplingParams``, ``SessionSpec`` and the wire carry
+  (``GRAMMAR_OFF``, the empty string, for none).
 - **allowed mask** of a row: the tokens the grammar lets follow the row's history (the answer so
   far, then the row's path in the tree), as xgrammar's bitmask: ``int32 [R, ceil(V / 32)]``, bit
   ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed. Once the grammar is complete only
@@ -29,7 +30,6 @@ compiles in milliseconds. outlines-core was measured beside it (``bench/grammar_
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,77 +38,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from eyas.protocol.response_format import GRAMMAR_OFF, xgrammar, xgrammar_reason
 from eyas.protocol.tree import FlatTree
 
-GRAMMAR_OFF = ""  # the key of "no grammar"
-MAX_SCHEMA_BYTES = 64 * 1024  # a response format's JSON text; a larger one is refused, naming the field
 COMPILED_CACHE = 64  # compiled grammars a compiler keeps (least recently used go first)
 JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})  # response_format json_object: any JSON object
 MAX_ROLLBACK_TOKENS = 64  # a matcher's undo depth: deeper than any draft tree (MAX_TREE_DEPTH 32)
 NO_CHILD = -1  # xgrammar's "no such node" in the first-child / next-sibling arrays
-
-
-def canonical_response_format(value: Any) -> dict | None:
-    """OpenAI's ``response_format`` -> ``None`` (text), ``{"type": "json_object"}`` or
-    ``{"type": "json_schema", "schema": {...}}``; a schema xgrammar cannot compile is refused here,
-    before any replica works: ``ValueError`` whose message names ``response_format``. Also takes
-    ``{"type": "json_schema", "schema": {...}}`` (the canonical form itself)."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ValueError(f"response_format: expected an object with a 'type', got {type(value).__name__}")
-    kind = value.get("type")
-    extra = sorted(set(value) - {"type", "json_schema", "schema"})
-    if extra:
-        raise ValueError(f"response_format: unknown field {extra[0]!r}")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        xgrammar()  # refused here, at the edge, when the engine is missing
-        return {"type": "json_object"}
-    if kind != "json_schema":
-        raise ValueError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
-    if "schema" in value:
-        schema = value["schema"]
-    else:
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec:
-            raise ValueError("response_format.json_schema: expected an object with a 'schema'")
-        schema = spec["schema"]
-    if not isinstance(schema, dict):
-        raise ValueError(f"response_format.json_schema.schema: expected a JSON object, got {type(schema).__name__}")
-    text = json.dumps(schema, separators=(",", ":"))  # key order kept: a schema's property order is the output's
-    if len(text.encode()) > MAX_SCHEMA_BYTES:
-        raise ValueError(f"response_format.json_schema.schema: at most {MAX_SCHEMA_BYTES} bytes of JSON")
-    xgr = xgrammar()
-    try:
-        xgr.Grammar.from_json_schema(text)
-    except Exception as err:  # noqa: BLE001 - xgrammar raises several types; the client gets the reason
-        raise ValueError(f"response_format.json_schema.schema: xgrammar cannot compile it ({_reason(err)})") from None
-    return {"type": "json_schema", "schema": schema}
-
-
-def _reason(err: Exception) -> str:
-    """xgrammar's message without its log prefix (time, source file and line: internals)."""
-    line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)[:200]
-
-
-def xgrammar():
-    """The grammar engine, or a ``ValueError`` naming ``response_format`` when it is not installed."""
-    try:
-        import xgrammar as xgr
-    except ImportError:
-        raise ValueError(
-            "response_format: structured output needs xgrammar, which is not installed here "
-            "(pip install 'eyas[structured]')"
-        ) from None
-    return xgr
-
-
-def grammar_key(fmt: dict | None) -> str:
-    """The canonical text of a canonical response format (:func:`canonical_response_format`)."""
-    return GRAMMAR_OFF if fmt is None else json.dumps(fmt, separators=(",", ":"))
 
 
 class GrammarCompiler:
@@ -141,7 +77,7 @@ class GrammarCompiler:
             else:
                 compiled = self._compiler.compile_json_schema(json.dumps(fmt["schema"]))
         except Exception as err:  # noqa: BLE001 - named for the client: the key came from its request
-            raise ValueError(f"response_format: cannot compile this grammar ({_reason(err)})") from None
+            raise ValueError(f"response_format: cannot compile this grammar ({xgrammar_reason(err)})") from None
         with self._lock:
             self._compiled[key] = compiled
             while len(self._compiled) > COMPILED_CACHE:

@@ -14,8 +14,8 @@ import torch
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.model import DrafterConfig, init_drafter
 from eyas.protocol.messages import Seed
-from eyas.target.model import eagle1_feature_address, eagle3_feature_address
-from tests.testing import NoDeviceMix, ours_from_hf, tiny_hf_llama
+from eyas.target.config import eagle1_feature_address, eagle3_feature_address
+from tests.testing import NoDeviceMix, ours_from_hf, tiny_hf
 
 
 class HostReadsOnMeta(NoDeviceMix):
@@ -36,7 +36,7 @@ def test_drafting_stays_on_the_drafter_device():
     """Two requests, EAGLE-1 and EAGLE-3 drafters on a meta target head, a dynamic tree and a chain,
     two rounds each (context rows, tree growth, publish): no op mixes meta with the CPU, the draft K/V
     is on meta, and each proposed tree comes back to the host with its planned size."""
-    target = ours_from_hf(tiny_hf_llama()).to("meta")
+    target = ours_from_hf(tiny_hf("llama")).to("meta")
     cfg = target.cfg
     for method, taps in (("eagle1", eagle1_feature_address(cfg)), ("eagle3", eagle3_feature_address(cfg))):
         engine = DrafterEngine(

@@ -9,7 +9,8 @@ from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.model import DrafterConfig, init_drafter
 from eyas.protocol.messages import Seed
 from eyas.protocol.tree import PARENT_IS_ROOT
-from eyas.target.model import GrowingKV, eagle1_feature_address, eagle3_feature_address
+from eyas.target.config import eagle1_feature_address, eagle3_feature_address
+from eyas.target.layers import GrowingKV
 
 
 def make_seed(model, method, n=9, seed=0):
@@ -180,9 +181,9 @@ def test_measure_cost_times_each_depth_and_leaves_no_session():
     plus one for ``batch`` requests at the deepest; rows count per request its 2 seed rows and its
     tree's bound on provisional rows (width 2, depth 4 -> 2 + 2 x 3 = 8 per request). No wall-clock
     bound is asserted. The measuring sessions are closed: no draft KV stays allocated."""
-    from tests.testing import ours_from_hf, tiny_eagle1_engine, tiny_hf_llama
+    from tests.testing import ours_from_hf, tiny_eagle1_engine, tiny_hf
 
-    model = ours_from_hf(tiny_hf_llama())
+    model = ours_from_hf(tiny_hf("llama"))
     engine = tiny_eagle1_engine(model)
     points = engine.measure_cost(
         TreeSpec(expand_width=2, max_depth=4, verify_budget=6), depths=(1, 2, 4), repeats=2, prefix=8, batch=3

@@ -19,9 +19,9 @@ import torch
 from eyas.drafting.interop import InteropError, export_drafter, import_drafter, to_reference_names
 from eyas.drafting.manifest import load_drafter, manifest_for, save_drafter
 from eyas.drafting.model import EYAS_V1, DrafterConfig, drafter_feature_address
+from eyas.target.layers import GrowingKV
 from eyas.target.loader import TargetFingerprint
-from eyas.target.model import GrowingKV
-from tests.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import ours_from_hf, tiny_hf
 
 FP = TargetFingerprint("cfg", "weights", "tok")
 VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB, T = 96, 32, 8, 40, 7
@@ -31,7 +31,7 @@ VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB, T = 96, 32, 8, 40, 7
 def target(tmp_path_factory):
     """A tiny 8-layer Llama target (so the default EAGLE-3 taps 2, 4, 5 are distinct), saved as an
     HF folder: the verifier a speculators config names."""
-    hf = tiny_hf_llama(vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, seed=5)
+    hf = tiny_hf("llama", vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, seed=5)
     folder = tmp_path_factory.mktemp("verifier")
     hf.save_pretrained(folder)
     return ours_from_hf(hf), folder

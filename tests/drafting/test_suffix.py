@@ -119,9 +119,9 @@ def joint(model, prompt: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def small_vocab_suffix():
-    from tests.testing import ours_from_hf, tiny_hf_llama
+    from tests.testing import ours_from_hf, tiny_hf
 
-    model = ours_from_hf(tiny_hf_llama(vocab=8, init_std=0.3, seed=5))
+    model = ours_from_hf(tiny_hf("llama", vocab=8, init_std=0.3, seed=5))
     target, drafter = engines(model, "eagle1", seed=1)
     return model, target, drafter
 

@@ -88,10 +88,10 @@ def test_the_autoscale_app_config_is_valid_and_asks_for_those_node_types():
     from ray.serve.config import AutoscalingConfig
 
     from eyas.autoscale.serve_policy import DrafterTreeWorkPolicy, TargetTreeWorkPolicy
-    from eyas.experiments.experiment import load_serve_config
     from eyas.serve.config import parse_config
+    from eyas.serve.serve_file import read_serve_file
 
-    cfg = parse_config(load_serve_config(CONFIGS / "autoscale.yaml"))
+    cfg = parse_config(read_serve_file(CONFIGS / "autoscale.yaml").args)
     assert cfg.target_resources == {"target_host": 1} and cfg.drafter_resources == {"drafter_host": 1}
     for auto, cls in ((cfg.target_autoscaling, TargetTreeWorkPolicy), (cfg.drafter_autoscaling, DrafterTreeWorkPolicy)):
         AutoscalingConfig(**auto)
@@ -158,9 +158,10 @@ def test_on_a_shared_host_a_loading_replica_slows_the_serving_ones():
 
 
 def test_the_calibration_pins_the_autoscaled_deployments():
-    from eyas.experiments.experiment import load_serve_config, pinned_args
+    from eyas.experiments.experiment import pinned_args
+    from eyas.serve.serve_file import read_serve_file
 
-    args = load_serve_config(CONFIGS / "autoscale.yaml")
+    args = read_serve_file(CONFIGS / "autoscale.yaml").args
     pinned = pinned_args(args)
     for kind in ("target", "drafter"):
         a = pinned[f"{kind}_autoscaling"]
@@ -172,9 +173,10 @@ def test_the_calibration_pins_the_autoscaled_deployments():
 
 
 def test_max_target_replicas_moves_serves_bound_and_the_policys_together_and_refuses_what_cannot_be():
-    from eyas.experiments.experiment import load_serve_config, with_max_target_replicas
+    from eyas.experiments.experiment import with_max_target_replicas
+    from eyas.serve.serve_file import read_serve_file
 
-    args = load_serve_config(CONFIGS / "autoscale.yaml")
+    args = read_serve_file(CONFIGS / "autoscale.yaml").args
     five = with_max_target_replicas(args, 5)["target_autoscaling"]
     assert five["max_replicas"] == five["policy"]["policy_kwargs"]["max_replicas"] == 5
     fake = yaml.safe_load((CONFIGS / "fake_cluster.yaml").read_text())

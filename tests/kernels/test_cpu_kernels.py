@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from eyas import kernels
-from eyas.target.model import quantize_fp16_weights
-from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf_llama
+from eyas.target.precision import quantize_fp16_weights
+from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_an_fp16w_verify_is_bit_for_bit_the_one_row_decodes_it_stands_for(k):
     """With the kernels, fp16w is row-invariant end to end: a 6-row chain verified in one forward
     gives, row by row, exactly the logits of decoding the same tokens one at a time (fbgemm's GEMM
     and PyTorch's attention only promise the last bits)."""
-    m = quantize_fp16_weights(ours_from_hf(tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=5)))
+    m = quantize_fp16_weights(ours_from_hf(tiny_hf("llama", hidden=64, heads=4, kv_heads=2, seed=5)))
     assert all(a.kernels is not None for a in m.modules() if hasattr(a, "row_stable"))
     assert_verify_rows_equal_decodes(m, [3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9])
 
@@ -141,7 +141,7 @@ def test_a_switched_off_kernel_leaves_fp16w_on_fbgemm(monkeypatch):
 
     monkeypatch.setenv(kernels.SWITCH_ENV, "0")
     assert kernels.unavailable_reason() == f"{kernels.SWITCH_ENV}=0"
-    m = quantize_fp16_weights(ours_from_hf(tiny_hf_llama()), use_kernels=False)
+    m = quantize_fp16_weights(ours_from_hf(tiny_hf("llama")), use_kernels=False)
     assert isinstance(m.lm_head, DynamicLinear) and all(
         a.kernels is None for a in m.modules() if hasattr(a, "row_stable")
     )

@@ -12,7 +12,7 @@ import torch
 
 from eyas import kernels
 from eyas.target.quantized import BLOCK_BYTES, Q4_0, Q4_1, Q8_0, Blocks, QLinear, quantize_gguf
-from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf_llama
+from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf
 
 QTYPES = (Q4_0, Q4_1, Q8_0)
 
@@ -105,11 +105,11 @@ def test_the_kernels_refuse_bad_input_naming_it(k, call, problem):
 def test_a_gguf_verify_is_bit_for_bit_the_one_row_decodes_it_stands_for_in_both_fused_paths(k):
     """Per-layer fusion (head_dim 16: attention through the per-row kernel between two fused calls)
     and the whole forward in one call (head_dim 32)."""
-    per_layer = ours_from_hf(tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=5))
+    per_layer = ours_from_hf(tiny_hf("llama", hidden=64, heads=4, kv_heads=2, seed=5))
     quantize_gguf(per_layer)
     assert per_layer.fused is None and all(layer.fused is not None for layer in per_layer.layers)
     assert_verify_rows_equal_decodes(per_layer, [3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9])
-    whole = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, seed=5))
+    whole = ours_from_hf(tiny_hf("llama", hidden=128, heads=4, kv_heads=2, seed=5))
     origin = quantize_gguf(whole)
     assert whole.fused is not None
     assert origin["lm_head"] == "Q8_0 (quantized)" and origin["layers.0.mlp.w_down"] == "Q4_1 (quantized)"
@@ -119,9 +119,9 @@ def test_a_gguf_verify_is_bit_for_bit_the_one_row_decodes_it_stands_for_in_both_
 def test_the_fused_forward_computes_what_the_quantized_modules_compute(k):
     """The one-call forward (RMSNorm, q/k/v, rotary, K/V write, attention, o, MLP in C++) against the
     same QLinear weights run module by module in PyTorch: the same model up to float rounding."""
-    fused = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, seed=7, init_std=0.05))
+    fused = ours_from_hf(tiny_hf("llama", hidden=128, heads=4, kv_heads=2, seed=7, init_std=0.05))
     quantize_gguf(fused)
-    modules = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, seed=7, init_std=0.05))
+    modules = ours_from_hf(tiny_hf("llama", hidden=128, heads=4, kv_heads=2, seed=7, init_std=0.05))
     quantize_gguf(modules)
     modules.fused = None
     for layer in modules.layers:
@@ -166,12 +166,12 @@ def test_the_avx2_and_avx512_builds_compute_the_same_bits(k, tmp_path):
     script = (
         "import sys, torch\n"
         "from eyas.target.quantized import Blocks, QLinear, quantize_gguf\n"
-        "from tests.testing import ours_from_hf, tiny_hf_llama\n"
+        "from tests.testing import ours_from_hf, tiny_hf\n"
         "g = torch.Generator().manual_seed(0)\n"
         "out = {}\n"
         "for qt in (2, 3, 8):\n"
         "    out[qt] = QLinear(Blocks.quantize(torch.randn(50, 576, generator=g) * 0.05, qt))(torch.randn(9, 576, generator=g))\n"
-        "m = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, seed=5))\n"
+        "m = ours_from_hf(tiny_hf('llama', hidden=128, heads=4, kv_heads=2, seed=5))\n"
         "quantize_gguf(m)\n"
         "t = torch.tensor([[3, 1, 4, 1, 5, 9]])\n"
         "out['model'] = m(t, torch.arange(6)[None], m.allocate_cache(1, 6), 0, torch.ones(6, 6, dtype=torch.bool).tril()[None], (), logits_rows='all').logits\n"
@@ -200,9 +200,9 @@ def test_a_fused_draft_layer_computes_what_its_quantized_modules_compute(k, meth
     from eyas.drafting.model import DrafterConfig, init_drafter
     from eyas.runtime import gguf_drafter
     from eyas.target.batch_kv import RowGroup
-    from eyas.target.model import TargetConfig
+    from eyas.target.config import TargetConfig
 
-    target = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, seed=2)).cfg
+    target = ours_from_hf(tiny_hf("llama", hidden=128, heads=4, kv_heads=2, seed=2)).cfg
     assert isinstance(target, TargetConfig)
     outs = []
     for fused in (True, False):

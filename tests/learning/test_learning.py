@@ -26,7 +26,7 @@ from eyas.training.config import TrainConfig
 from eyas.training.data import Sample
 from eyas.training.features import FeatureBatch, OnlineFeatures, SampleList, training_taps
 from eyas.training.trainer import DrafterTrainer
-from tests.testing import FLAT, local_loop, ours_from_hf, tiny_hf_llama
+from tests.testing import FLAT, local_loop, ours_from_hf, tiny_hf
 
 FINGERPRINT = {"config_digest": "cfg-l", "weight_digest": "w-l", "tokenizer_digest": "tok-l"}
 VOCAB = 48
@@ -47,7 +47,7 @@ def bigram_target():
     """A tiny random Llama whose layers add nothing (o_proj and down_proj zero): its next token is a
     fixed function of the current one, a pattern a drafter can learn from a few hundred rows and that
     holds on prompts it never saw."""
-    hf = tiny_hf_llama(vocab=VOCAB, hidden=32, layers=4, seed=11, init_std=0.5)
+    hf = tiny_hf("llama", vocab=VOCAB, hidden=32, layers=4, seed=11, init_std=0.5)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -172,7 +172,7 @@ def test_a_swap_mid_stream_changes_no_token(setup, tmp_path):
 
     assert answers == [generate(base, p, max_new_tokens=12).token_ids for p in prompts]
     assert drafter.info()["eagle3"]["version"] == 1
-    other = ours_from_hf(tiny_hf_llama(vocab=VOCAB, hidden=32, layers=4, seed=3))
+    other = ours_from_hf(tiny_hf("llama", vocab=VOCAB, hidden=32, layers=4, seed=3))
     from eyas.drafting.model import DrafterConfig, init_drafter
 
     wrong = init_drafter(DrafterConfig.for_target("eagle3", other.cfg, 16))

@@ -20,8 +20,8 @@ from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree, flatten_tree
 from eyas.protocol.tree import ROW_IS_ROOT as ROOT
 from eyas.remote.verifier_client import RemoteRejected, RemoteVerifier, generate_remote
 from eyas.remote.verifier_server import serve_verifier
+from eyas.target.config import eagle1_feature_address
 from eyas.target.engine import TargetEngine
-from eyas.target.model import eagle1_feature_address
 from tests.testing import tiny_eagle1_engine
 
 PROMPTS = ([1, 2, 3], [7, 7, 7, 7, 7, 9, 30, 11])

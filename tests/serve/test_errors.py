@@ -18,8 +18,11 @@ from eyas.serve.errors import (
     INTERNAL_ERROR,
     DeadlinePassed,
     Failure,
+    NotFound,
     Overloaded,
     ReplicaLost,
+    TooLarge,
+    Unauthenticated,
     failure_of,
     is_expected,
 )
@@ -31,6 +34,17 @@ ROWS = [
     (DeadlinePassed("deadline: eyas-timeout-ms passed"), grpc.StatusCode.DEADLINE_EXCEEDED, 504, "deadline_exceeded"),
     (RuntimeError("boom at 10.0.0.1 pid=42"), grpc.StatusCode.INTERNAL, 500, "internal_error"),
     (KeyError("token_ids"), grpc.StatusCode.INTERNAL, 500, "internal_error"),
+]
+# refusals made at the edge, before a request runs: rows of the same table
+EDGE_ROWS = [
+    (Unauthenticated("missing or wrong API key"), grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_api_key"),
+    (NotFound("model: 'x' does not exist"), grpc.StatusCode.NOT_FOUND, 404, "model_not_found"),
+    (
+        TooLarge("request: the body is 9 bytes, over the 8-byte limit"),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        413,
+        "request_too_large",
+    ),
 ]
 
 
@@ -86,7 +100,7 @@ def _report(finish: str) -> dict:
     return {"report": {"finish_reason": finish, "token_ids": [7], "text": "x"}}
 
 
-@pytest.mark.parametrize(("err", "grpc_code", "http", "code"), ROWS)
+@pytest.mark.parametrize(("err", "grpc_code", "http", "code"), ROWS + EDGE_ROWS)
 def test_every_failure_answers_alike_on_grpc_the_json_route_and_the_openai_routes(err, grpc_code, http, code):
     failure = failure_of(err)
     assert (failure.grpc_code, failure.http_status, failure.code) == (grpc_code, http, code)
@@ -101,7 +115,7 @@ def test_every_failure_answers_alike_on_grpc_the_json_route_and_the_openai_route
     assert http_api.json_failure(failure).status_code == http
     openai = http_api.openai_error(failure)  # /v1/*, and each SSE error event
     assert (openai.status, openai.code, openai.message) == (http, code, failure.message)
-    assert openai.body()["error"]["type"] == ("invalid_request_error" if http == 400 else "server_error")
+    assert openai.body()["error"]["type"] == ("invalid_request_error" if http < 500 else "server_error")
     # a refusal names the OpenAI parameter (Eyas's max_new_tokens is OpenAI's max_tokens); a failure none
     assert openai.param == ("max_tokens" if http == 400 else None)
 

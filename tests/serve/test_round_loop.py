@@ -306,9 +306,9 @@ def test_an_moe_target_reports_expert_bytes_per_request_and_per_round_and_the_bu
     request's own rows and of the whole batched verify; the loop's expert model learns from each round.
     With a budget of one row's experts every round verifies one request alone. Output stays exact."""
     from eyas.scheduler.cost import ExpertTraffic
-    from tests.testing import ours_from_hf, tiny_hf_mixtral
+    from tests.testing import ours_from_hf, tiny_hf
 
-    moe = ours_from_hf(tiny_hf_mixtral(experts=16, top_k=2, seed=5))
+    moe = ours_from_hf(tiny_hf("mixtral", experts=16, top_k=2, seed=5))
     target = TargetWorker(moe)
     drafter = DrafterWorker({"eagle1": tiny_eagle1_engine(moe)}, moe.cfg.vocab_size)
     experts = ExpertTraffic(**target.engine_for(()).expert_traffic_shape())
@@ -531,7 +531,7 @@ def test_logprobs_are_the_targets_own_and_speculation_does_not_change_them(tiny_
     log-softmax at the row that emitted it. Under EAGLE-1 they equal target-only's, bit for bit at gguf
     (row-invariant kernels) and within 1e-5 at fp32 (whose GEMM rounds differently by row count),
     and they match a teacher-forced forward of prompt + answer."""
-    from tests.testing import ours_from_hf, tiny_hf_llama
+    from tests.testing import ours_from_hf, tiny_hf
 
     model = tiny_target
     if precision == "gguf":
@@ -540,7 +540,7 @@ def test_logprobs_are_the_targets_own_and_speculation_does_not_change_them(tiny_
 
         if kernels.load() is None:
             pytest.skip("Eyas's CPU kernels do not run here")
-        model = ours_from_hf(tiny_hf_llama(hidden=128, heads=4, kv_heads=2, vocab=64, seed=3))
+        model = ours_from_hf(tiny_hf("llama", hidden=128, heads=4, kv_heads=2, vocab=64, seed=3))
         quantize_gguf(model)
     target = TargetWorker(model)
     drafter = DrafterWorker({"eagle1": tiny_eagle1_engine(model)}, model.cfg.vocab_size)

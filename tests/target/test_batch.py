@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
+from eyas.target.config import eagle1_feature_address
 from eyas.target.engine import TargetEngine
-from eyas.target.model import eagle1_feature_address
 from eyas.verification.accept import greedy_accept
 from tests.testing import branch_tokens
 

@@ -8,8 +8,9 @@ import copy
 import torch
 import torch.nn as nn
 
-from eyas.target.model import RowInvariantLinear, make_batch_invariant, row_invariant_linear
-from tests.testing import ours_from_hf, tiny_hf_llama, tiny_hf_qwen3_moe
+from eyas.target.layers import RowInvariantLinear, row_invariant_linear
+from eyas.target.precision import make_batch_invariant
+from tests.testing import ours_from_hf, tiny_hf
 
 
 def test_a_row_invariant_linear_is_the_linear_and_one_row_runs_as_two():
@@ -44,7 +45,7 @@ def chain_logits(model, prompt: list[int], chain: list[int]) -> tuple[torch.Tens
 
 
 def test_every_verify_row_equals_its_one_row_decode_at_bfloat16():
-    for hf in (tiny_hf_llama(hidden=64, layers=3, seed=4), tiny_hf_qwen3_moe(seed=2)):
+    for hf in (tiny_hf("llama", hidden=64, layers=3, seed=4), tiny_hf("qwen3_moe", seed=2)):
         model = make_batch_invariant(ours_from_hf(hf).to(torch.bfloat16))
         assert all(type(m) is not nn.Linear for m in model.modules())
         assert any(isinstance(m, RowInvariantLinear) for m in model.modules())
@@ -57,7 +58,7 @@ def test_every_verify_row_equals_its_one_row_decode_at_bfloat16():
 def test_load_target_makes_a_half_precision_target_batch_invariant_and_leaves_float32_alone(tmp_path):
     from eyas.target.loader import load_target, load_tokenizer
 
-    tiny_hf_llama(seed=3).save_pretrained(tmp_path)
+    tiny_hf("llama", seed=3).save_pretrained(tmp_path)
     load_tokenizer().save_pretrained(tmp_path)
     half = load_target(tmp_path, dtype="bfloat16").model
     assert all(layer.attn.row_stable for layer in half.layers)

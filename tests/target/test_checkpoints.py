@@ -13,27 +13,17 @@ import torch
 from eyas.generate import generate
 from eyas.target.engine import TargetEngine
 from eyas.target.loader import load_target, load_tokenizer
-from tests.testing import (
-    ours_from_hf,
-    tiny_hf_llama,
-    tiny_hf_mistral,
-    tiny_hf_mixtral,
-    tiny_hf_olmoe,
-    tiny_hf_qwen2,
-    tiny_hf_qwen2_moe,
-    tiny_hf_qwen3,
-    tiny_hf_qwen3_moe,
-)
+from tests.testing import ours_from_hf, tiny_hf
 
 KINDS = {
-    "llama": tiny_hf_llama,
-    "mistral": lambda: tiny_hf_mistral(sliding_window=64),  # within its window
-    "qwen2": tiny_hf_qwen2,
-    "qwen3": tiny_hf_qwen3,
-    "mixtral": tiny_hf_mixtral,
-    "olmoe": tiny_hf_olmoe,
-    "qwen2_moe": tiny_hf_qwen2_moe,
-    "qwen3_moe": tiny_hf_qwen3_moe,
+    "llama": lambda: tiny_hf("llama"),
+    "mistral": lambda: tiny_hf("mistral", sliding_window=64),  # within its window
+    "qwen2": lambda: tiny_hf("qwen2"),
+    "qwen3": lambda: tiny_hf("qwen3"),
+    "mixtral": lambda: tiny_hf("mixtral"),
+    "olmoe": lambda: tiny_hf("olmoe"),
+    "qwen2_moe": lambda: tiny_hf("qwen2_moe"),
+    "qwen3_moe": lambda: tiny_hf("qwen3_moe"),
 }
 MOE = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 TOL = 1e-4
@@ -155,7 +145,7 @@ def test_a_checkpoint_in_the_memory_layout_still_loads(tmp_path):
     """A folder written from HF's in-memory state dict (fused experts) reads as it is."""
     from safetensors.torch import save_file
 
-    hf = tiny_hf_qwen3_moe()
+    hf = tiny_hf("qwen3_moe")
     folder = saved(hf, tmp_path / "disk")
     fused = tmp_path / "fused"
     fused.mkdir()
@@ -170,7 +160,7 @@ def test_a_checkpoint_in_the_memory_layout_still_loads(tmp_path):
 def test_a_target_that_does_not_fit_is_refused_before_the_load_naming_both_sizes(tmp_path, monkeypatch):
     import eyas.target.loader as loader
 
-    folder = saved(tiny_hf_llama(), tmp_path / "ckpt")
+    folder = saved(tiny_hf("llama"), tmp_path / "ckpt")
     monkeypatch.setattr(loader, "available_memory", lambda device: 1000)
     with pytest.raises(
         ValueError,
@@ -181,7 +171,7 @@ def test_a_target_that_does_not_fit_is_refused_before_the_load_naming_both_sizes
 
 
 def test_a_missing_shard_is_named(tmp_path):
-    folder = saved(tiny_hf_qwen2_moe(), tmp_path / "ckpt", max_shard_size="20KB")
+    folder = saved(tiny_hf("qwen2_moe"), tmp_path / "ckpt", max_shard_size="20KB")
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     gone = sorted(set(index["weight_map"].values()))[-1]
     (folder / gone).unlink()

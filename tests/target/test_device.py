@@ -15,9 +15,9 @@ import torch
 
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import DraftTree
+from eyas.target.config import eagle3_feature_address
 from eyas.target.engine import PrefillProgress, TargetEngine
-from eyas.target.model import eagle3_feature_address
-from tests.testing import NoDeviceMix, ours_from_hf, tiny_hf_llama
+from tests.testing import NoDeviceMix, ours_from_hf, tiny_hf
 
 
 def test_the_mode_catches_what_meta_alone_lets_through():
@@ -31,7 +31,7 @@ def test_prefill_chunks_verify_and_publish_stay_on_the_model_device():
     """Two requests on a meta target: a chunked prefill beside a verify, whole prefills, batched and
     lone verifies, publishes (commit by index) and a reseed: no op mixes meta and CPU, and every
     tensor the engine holds or returns is on meta (logits, features, the K/V store)."""
-    model = ours_from_hf(tiny_hf_llama()).to("meta")
+    model = ours_from_hf(tiny_hf("llama")).to("meta")
     e = TargetEngine(model, eagle3_feature_address(model.cfg))
     tree = DraftTree(
         torch.tensor([3, 4, 5]), torch.tensor([-1, 0, 0]), torch.tensor([1, 2, 2]), torch.tensor([0.5, 0.4, 0.3])

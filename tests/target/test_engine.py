@@ -7,8 +7,8 @@ import torch
 
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
+from eyas.target.config import eagle1_feature_address
 from eyas.target.engine import TargetEngine
-from eyas.target.model import eagle1_feature_address
 
 PROMPT = [5, 9, 2, 33, 17]
 

@@ -9,7 +9,7 @@ from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
 from eyas.target.engine import TargetEngine
 from eyas.target.experts import expert_bytes, expert_union
-from tests.testing import ours_from_hf, tiny_hf_mixtral
+from tests.testing import ours_from_hf, tiny_hf
 
 PROMPTS = {"a": [1, 2, 3, 4, 5], "b": [9, 8, 7], "c": [20, 21, 22, 23, 24, 25, 26]}
 TREES = {  # a: a 4-node tree of two branches; b: plain (root row only); c: a chain of 2
@@ -28,7 +28,7 @@ TREES = {  # a: a 4-node tree of two branches; b: plain (root row only); c: a ch
 
 @pytest.fixture(scope="module")
 def moe():
-    return ours_from_hf(tiny_hf_mixtral(experts=16, top_k=2, seed=3))
+    return ours_from_hf(tiny_hf("mixtral", experts=16, top_k=2, seed=3))
 
 
 def opened(model, ids):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from eyas.cache import cache_root
 from eyas.target.loader import PRECISIONS, load_target
 
 
@@ -29,9 +30,9 @@ def test_a_bad_precision_or_device_is_refused_before_loading(tmp_path, precision
 def _tiny_checkpoint(folder, tie: bool):
     """A tiny random Llama saved as an HF folder (safetensors), with the real tokenizer beside it."""
     from eyas.target.loader import load_tokenizer
-    from tests.testing import tiny_hf_llama
+    from tests.testing import tiny_hf
 
-    tiny_hf_llama(tie=tie, seed=3).save_pretrained(folder)
+    tiny_hf("llama", tie=tie, seed=3).save_pretrained(folder)
     load_tokenizer().save_pretrained(folder)
     return folder
 
@@ -138,7 +139,7 @@ def test_replicas_that_start_together_materialize_the_gguf_once(tmp_path, monkey
         (folder / "eyas_target.json").write_text("{}")
 
     monkeypatch.setattr(loader, "_write_materialized", fake_write)
-    first = loader.cache_root() / f"model-{loader._file_digest(gguf)}"
+    first = cache_root() / f"model-{loader._file_digest(gguf)}"
     stale = first.with_name(first.name + ".tmp999999")
     stale.mkdir(parents=True)
     results = []

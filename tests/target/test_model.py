@@ -5,17 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.target.model import (
-    FeatureTap,
-    TargetConfig,
-    TargetModel,
-    eagle1_feature_address,
-    eagle3_feature_address,
-    head_rows,
-    quantize_fp16_weights,
-    quantize_int8,
-)
-from tests.testing import ours_from_hf, tiny_hf_llama, tiny_hf_mistral, tiny_hf_qwen2
+from eyas.target.config import FeatureTap, TargetConfig, eagle1_feature_address, eagle3_feature_address
+from eyas.target.layers import head_rows
+from eyas.target.model import TargetModel
+from eyas.target.precision import quantize_fp16_weights, quantize_int8
+from tests.testing import ours_from_hf, tiny_hf
 
 TOL = 1e-4
 
@@ -31,7 +25,7 @@ def full_forward(model, ids: list[int], taps=()):
 
 @pytest.mark.parametrize("shape", [dict(), dict(layers=3, heads=2, kv_heads=2, hidden=16), dict(tie=True)])
 def test_tiny_logits_equal_hf(shape):
-    hf = tiny_hf_llama(**shape)
+    hf = tiny_hf("llama", **shape)
     ours = ours_from_hf(hf)
     ids = torch.randint(0, hf.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -44,7 +38,7 @@ def test_tiny_logits_equal_hf(shape):
 def test_qwen2_logits_equal_hf(tie):
     """Qwen2 (dense): the q/k/v projection biases are loaded into the fused wqkv; without them the logits
     move far beyond the tolerance (the bug this test pins: biases once silently dropped)."""
-    hf = tiny_hf_qwen2(tie=tie)
+    hf = tiny_hf("qwen2", tie=tie)
     ours = ours_from_hf(hf)
     assert ours.cfg.qkv_bias and ours.layers[0].attn.wo.bias is None
     ids = torch.randint(0, hf.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
@@ -60,7 +54,7 @@ def test_qwen2_logits_equal_hf(tie):
 def test_an_unconsumed_checkpoint_tensor_is_refused():
     """A checkpoint tensor the target does not read is an error naming it (a Qwen2 checkpoint under a Llama
     config: its q/k/v biases); rotary inv_freq buffers and a tied lm_head.weight are not."""
-    hf = tiny_hf_qwen2()
+    hf = tiny_hf("qwen2")
     as_llama = TargetConfig.from_hf({**hf.config.to_dict(), "model_type": "llama"})
     assert not as_llama.qkv_bias
     with pytest.raises(
@@ -69,7 +63,7 @@ def test_an_unconsumed_checkpoint_tensor_is_refused():
         r"\(and 5 more\)",
     ):
         TargetModel(as_llama).load_hf_state_dict(hf.state_dict())
-    tied = tiny_hf_llama(tie=True)
+    tied = tiny_hf("llama", tie=True)
     sd = {
         **tied.state_dict(),
         "model.rotary_emb.inv_freq": torch.ones(4),
@@ -85,7 +79,7 @@ def test_qwen2_int8_keeps_the_qkv_bias():
     """int8: the biased wqkv becomes a RowStableInt8Linear whose fbgemm linear carries the fp32 bias
     unchanged (SmoothQuant scales only the weight's input columns), and its output tracks fp32 to well
     within the bias's own size."""
-    hf = tiny_hf_qwen2(seed=3)
+    hf = tiny_hf("qwen2", seed=3)
     fp, q = ours_from_hf(hf), quantize_int8(ours_from_hf(hf))
     bias = fp.layers[0].attn.wqkv.bias  # [(H + 2 H_kv) hd]
     assert torch.equal(q.layers[0].attn.wqkv.qlinear.bias(), bias)
@@ -109,7 +103,7 @@ def test_fp16w_keeps_fp16_weights_computes_in_fp32_and_stays_close_to_fp32(use_k
     if use_kernels and kernels.load() is None:
         pytest.skip(f"Eyas's CPU kernels do not run here: {kernels.why_not()}")
     kind = kernels.F16WLinear if use_kernels else DynamicLinear
-    for hf in (tiny_hf_llama(tie=True, seed=2), tiny_hf_qwen2(seed=3)):
+    for hf in (tiny_hf("llama", tie=True, seed=2), tiny_hf("qwen2", seed=3)):
         fp = ours_from_hf(hf)
         embed = fp.embed.weight.detach().clone()
         h = quantize_fp16_weights(ours_from_hf(hf), use_kernels=use_kernels)
@@ -127,8 +121,8 @@ def test_fp16w_keeps_fp16_weights_computes_in_fp32_and_stays_close_to_fp32(use_k
 @pytest.mark.parametrize(
     "build, digest",
     [
-        (tiny_hf_llama, "171a82362ee775fac9625994d2df98c8b76e0b82b85a4fb09a3eab885a53bfca"),
-        (lambda: tiny_hf_llama(tie=True), "c06621e60ba0e99cd65184ec70b02671631b65762ba2efd1eb586eb424789773"),
+        (lambda: tiny_hf("llama"), "171a82362ee775fac9625994d2df98c8b76e0b82b85a4fb09a3eab885a53bfca"),
+        (lambda: tiny_hf("llama", tie=True), "c06621e60ba0e99cd65184ec70b02671631b65762ba2efd1eb586eb424789773"),
     ],
 )
 def test_dense_config_digests_are_pinned(build, digest):
@@ -271,7 +265,7 @@ def test_a_sliding_window_caps_the_context():
     it is refused, naming the field, before any KV is allocated."""
     from eyas.target.engine import TargetEngine
 
-    hf = tiny_hf_mistral(sliding_window=8)
+    hf = tiny_hf("mistral", sliding_window=8)
     ours = ours_from_hf(hf)
     assert (ours.cfg.sliding_window, ours.cfg.max_position_embeddings, ours.cfg.max_context) == (8, 256, 8)
     ids = torch.randint(0, hf.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
@@ -289,7 +283,7 @@ def test_a_sliding_window_caps_the_context():
     with pytest.raises(ValueError, match=r"^prompt: 8 tokens do not fit"):
         engine.open_session("long", list(range(8)), max_new_tokens=1, max_tree_rows=0)
     assert set(engine.sessions) == {"fits"}
-    unwindowed = TargetConfig.from_hf(tiny_hf_mistral(sliding_window=None).config)
+    unwindowed = TargetConfig.from_hf(tiny_hf("mistral", sliding_window=None).config)
     assert unwindowed.sliding_window is None and unwindowed.max_context == 256
     assert unwindowed.digest() == TargetConfig.from_hf({**hf.config.to_dict(), "sliding_window": None}).digest()
     assert ours.cfg.digest() != unwindowed.digest()
@@ -305,11 +299,11 @@ def test_a_sliding_window_caps_the_context():
 )
 def test_config_refuses_what_the_forward_cannot_run(field, value, match):
     with pytest.raises(ValueError, match=match):
-        TargetConfig.from_hf({**tiny_hf_mistral().config.to_dict(), field: value})
+        TargetConfig.from_hf({**tiny_hf("mistral").config.to_dict(), field: value})
 
 
 def test_qwen2_window_only_under_use_sliding_window():
-    raw = tiny_hf_qwen2().config.to_dict()
+    raw = tiny_hf("qwen2").config.to_dict()
     assert TargetConfig.from_hf({**raw, "sliding_window": 8}).sliding_window is None
     assert (
         TargetConfig.from_hf({**raw, "use_sliding_window": True, "sliding_window": 8, "layer_types": None}).max_context

@@ -8,30 +8,24 @@ import torch
 
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
+from eyas.target.config import TargetConfig
 from eyas.target.engine import TargetEngine
 from eyas.target.experts import expert_bytes, expert_union
-from eyas.target.model import MoE, TargetConfig
-from tests.testing import (
-    branch_tokens,
-    ours_from_hf,
-    tiny_hf_mixtral,
-    tiny_hf_olmoe,
-    tiny_hf_qwen2_moe,
-    tiny_hf_qwen3_moe,
-)
+from eyas.target.layers import MoE
+from tests.testing import branch_tokens, ours_from_hf, tiny_hf
 
 MOE_KINDS = {
-    "mixtral": tiny_hf_mixtral,
-    "olmoe": tiny_hf_olmoe,
-    "olmoe-clip": lambda: tiny_hf_olmoe(clip_qkv=0.5, seed=1),
+    "mixtral": lambda: tiny_hf("mixtral"),
+    "olmoe": lambda: tiny_hf("olmoe"),
+    "olmoe-clip": lambda: tiny_hf("olmoe", clip_qkv=0.5, seed=1),
     # layers sparse, dense (mlp_only_layers), sparse; top-k weights not renormalised (Qwen2-MoE's default)
-    "qwen2_moe": tiny_hf_qwen2_moe,
+    "qwen2_moe": lambda: tiny_hf("qwen2_moe"),
     # decoder_sparse_step 2 over 4 layers: dense, sparse, dense, sparse; top-k weights renormalised
-    "qwen2_moe-step": lambda: tiny_hf_qwen2_moe(
-        layers=4, mlp_only_layers=(), decoder_sparse_step=2, norm_topk_prob=True, seed=1
+    "qwen2_moe-step": lambda: tiny_hf(
+        "qwen2_moe", layers=4, mlp_only_layers=(), decoder_sparse_step=2, norm_topk_prob=True, seed=1
     ),
     # per-head q/k norms, no shared expert; layers sparse, dense (mlp_only_layers), sparse
-    "qwen3_moe": tiny_hf_qwen3_moe,
+    "qwen3_moe": lambda: tiny_hf("qwen3_moe"),
 }
 
 
@@ -145,7 +139,7 @@ def test_moe_config_digests_are_pinned(kind, digest):
 def test_a_qwen2_moe_config_reads_its_own_knobs():
     """Qwen2-MoE: q/k/v biases, top-k weights not renormalised by default, routed experts of
     ``moe_intermediate_size`` (which sizes an expert's bytes), a shared expert, dense layers by HF's rule."""
-    hf = tiny_hf_qwen2_moe(hidden=32)  # intermediate 64, routed 16, shared 48; layer 1 dense
+    hf = tiny_hf("qwen2_moe", hidden=32)  # intermediate 64, routed 16, shared 48; layer 1 dense
     cfg = TargetConfig.from_hf(hf.config)
     assert (cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob, cfg.qkv_bias) == (8, 2, False, True)
     assert (cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (64, 16, 48)
@@ -165,7 +159,7 @@ def test_a_qwen2_moe_config_reads_its_own_knobs():
 def test_an_olmoe_config_reads_its_own_knobs():
     """OLMoE: q/k norms on, top-k weights not renormalised, experts from ``num_experts``; an MoE kind not
     supported yet (DeepSeek-V3) is refused naming the field and the kinds that are."""
-    hf = tiny_hf_olmoe(clip_qkv=2.0)
+    hf = tiny_hf("olmoe", clip_qkv=2.0)
     cfg = TargetConfig.from_hf(hf.config)
     assert (cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob, cfg.qk_norm, cfg.clip_qkv) == (
         8,

@@ -157,7 +157,7 @@ def test_engines_of_one_model_share_the_k_v_and_keep_features_per_address(tiny_t
     """One cache for a model's engines: a target-only request hits the K/V an EAGLE request committed;
     an engine of another feature address first adds its own features to those blocks (a miss), then
     hits; every output equals the cache off."""
-    from eyas.target.model import FeatureTap
+    from eyas.target.config import FeatureTap
     from eyas.target.prefix_cache import PrefixCache
 
     drafter = tiny_eagle1_engine(tiny_target)

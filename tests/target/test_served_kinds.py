@@ -12,9 +12,9 @@ import torch
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.model import DrafterConfig, init_drafter
 from eyas.generate import generate
+from eyas.target.config import TargetConfig, eagle1_feature_address, eagle3_feature_address
 from eyas.target.engine import TargetEngine
-from eyas.target.model import TargetConfig, eagle1_feature_address, eagle3_feature_address
-from tests.testing import ours_from_hf, tiny_hf_llama_scaled, tiny_hf_qwen3, tiny_hf_qwen3_moe
+from tests.testing import ours_from_hf, tiny_hf
 
 TOL = 1e-4
 SCALED = {  # rope_parameters (rope_theta aside) as the checkpoints write them
@@ -30,13 +30,13 @@ SCALED = {  # rope_parameters (rope_theta aside) as the checkpoints write them
     "dynamic": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 96},
 }
 KINDS = {
-    **{f"llama-{k}": (lambda v=v: tiny_hf_llama_scaled(v)) for k, v in SCALED.items()},
-    "qwen3": tiny_hf_qwen3,
-    "qwen3-tied": lambda: tiny_hf_qwen3(tie=True, seed=2),
-    "qwen3_moe": tiny_hf_qwen3_moe,
+    **{f"llama-{k}": (lambda v=v: tiny_hf("llama_scaled", rope=v)) for k, v in SCALED.items()},
+    "qwen3": lambda: tiny_hf("qwen3"),
+    "qwen3-tied": lambda: tiny_hf("qwen3", tie=True, seed=2),
+    "qwen3_moe": lambda: tiny_hf("qwen3_moe"),
     # decoder_sparse_step 2 over 4 layers: dense, sparse, dense, sparse; top-k weights not renormalised
-    "qwen3_moe-step": lambda: tiny_hf_qwen3_moe(
-        layers=4, mlp_only_layers=(), decoder_sparse_step=2, norm_topk_prob=False, seed=1
+    "qwen3_moe-step": lambda: tiny_hf(
+        "qwen3_moe", layers=4, mlp_only_layers=(), decoder_sparse_step=2, norm_topk_prob=False, seed=1
     ),
 }
 
@@ -109,7 +109,7 @@ def test_taps_and_drafters_keep_greedy_speculative_output_exact(pair, method):
 @pytest.mark.parametrize("kind", ["llama3", "linear", "yarn"])
 def test_the_scaling_is_applied(kind):
     """The same weights under plain RoPE give other logits: the test above can fail."""
-    hf = tiny_hf_llama_scaled(SCALED[kind])
+    hf = tiny_hf("llama_scaled", rope=SCALED[kind])
     raw = hf.config.to_dict()
     plain = TargetConfig.from_hf({**raw, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
     scaled = ours_from_hf(hf)
@@ -125,15 +125,15 @@ def test_the_scaling_is_applied(kind):
 def test_dynamic_ntk_is_served_within_its_original_context():
     """Past the original context dynamic NTK rescales by each forward's longest position, which a tree
     verify and a one-row decode would not share; inside it, it is plain RoPE. So the context stops there."""
-    cfg = ours_from_hf(tiny_hf_llama_scaled(SCALED["dynamic"])).cfg
+    cfg = ours_from_hf(tiny_hf("llama_scaled", rope=SCALED["dynamic"])).cfg
     assert (cfg.max_position_embeddings, cfg.max_context) == (256, 96)
-    engine = TargetEngine(ours_from_hf(tiny_hf_llama_scaled(SCALED["dynamic"])), ())
+    engine = TargetEngine(ours_from_hf(tiny_hf("llama_scaled", rope=SCALED["dynamic"])), ())
     with pytest.raises(ValueError, match=r"^max_new_tokens: "):
         engine.open_session("long", list(range(1, 60)), max_new_tokens=60, max_tree_rows=0)
 
 
 def test_qwen3_norms_each_head_and_keeps_its_own_head_dim():
-    hf = tiny_hf_qwen3()
+    hf = tiny_hf("qwen3")
     ours = ours_from_hf(hf)
     assert (ours.cfg.head_dim, ours.cfg.hidden_size // ours.cfg.num_heads) == (16, 8)
     assert ours.cfg.qk_norm and ours.cfg.qk_norm_per_head and ours.layers[0].attn.q_norm.weight.shape == (16,)
@@ -159,7 +159,7 @@ def test_qwen3_norms_each_head_and_keeps_its_own_head_dim():
     ],
 )
 def test_an_unsupported_rope_is_refused_naming_the_field(rope, match):
-    raw = tiny_hf_llama_scaled(SCALED["linear"]).config.to_dict()
+    raw = tiny_hf("llama_scaled", rope=SCALED["linear"]).config.to_dict()
     with pytest.raises(ValueError, match=match):
         TargetConfig.from_hf({**raw, "rope_parameters": {**rope, "rope_theta": 10000.0}})
 
@@ -170,9 +170,9 @@ def test_a_half_precision_target_matches_hf_at_that_dtype(dtype):
     agree to that dtype's precision and so does the top token of every row. The bound separates:
     HF at that dtype is 1.3 % (bf16) / 0.17 % (fp16) of the logit scale from ours at it, but 2.8 % /
     0.44 % from ours at float32, so a forward that left the dtype fails it."""
-    from tests.testing import tiny_hf_llama
+    from tests.testing import tiny_hf
 
-    hf = tiny_hf_llama(hidden=64, heads=4, kv_heads=2, seed=3)
+    hf = tiny_hf("llama", hidden=64, heads=4, kv_heads=2, seed=3)
     ours = ours_from_hf(hf).to(dtype)
     hf = hf.to(dtype)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]])

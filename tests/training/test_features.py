@@ -7,7 +7,7 @@ import torch
 
 from eyas.training.data import Sample
 from eyas.training.features import FeatureCache, training_taps
-from tests.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import ours_from_hf, tiny_hf
 
 FP = {"config_digest": "c", "weight_digest": "w", "tokenizer_digest": "t"}
 
@@ -27,7 +27,7 @@ class Boom(RuntimeError):
 
 
 def test_extraction_resumes_and_matches_a_plain_forward(tmp_path, monkeypatch):
-    model = ours_from_hf(tiny_hf_llama(vocab=32, seed=4))
+    model = ours_from_hf(tiny_hf("llama", vocab=32, seed=4))
     taps = training_taps(model)
     data = samples(5)
     cache = FeatureCache(tmp_path)
@@ -68,7 +68,7 @@ def test_extraction_resumes_and_matches_a_plain_forward(tmp_path, monkeypatch):
 
 
 def test_other_data_config_is_refused(tmp_path):
-    model = ours_from_hf(tiny_hf_llama(vocab=32, seed=4))
+    model = ours_from_hf(tiny_hf("llama", vocab=32, seed=4))
     cache = FeatureCache(tmp_path)
     cache.extract(model, FP, samples(2), training_taps(model), {"split": "t"})
     with pytest.raises(ValueError, match="feature_cache.data"):
@@ -81,10 +81,10 @@ def test_a_streamed_cache_reads_the_same_features_from_disk(tmp_path):
     """samples(stream=True): ids and masks in memory, each sample's features read from its shard on
     access -- bit-identical to the in-memory read, across shard boundaries."""
     from eyas.training.features import StoredFeatureBatch
-    from tests.testing import ours_from_hf, tiny_hf_llama
+    from tests.testing import ours_from_hf, tiny_hf
     from tests.training.test_trainer import FINGERPRINT, synthetic_samples
 
-    model = ours_from_hf(tiny_hf_llama(vocab=48, hidden=32, layers=4, seed=11))
+    model = ours_from_hf(tiny_hf("llama", vocab=48, hidden=32, layers=4, seed=11))
     cache = FeatureCache(tmp_path / "c")
     cache.extract(model, FINGERPRINT, synthetic_samples(10, 48, 0), training_taps(model), {"split": "x"}, shard_size=4)
     eager, streamed = cache.samples(), cache.samples(stream=True)

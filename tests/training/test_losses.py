@@ -8,19 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eyas.drafting.vocab import build_draft_vocab, carry_rows, rebuilt_head, trim_draft_vocab
 from eyas.training.losses import (
-    build_draft_vocab,
-    carry_rows,
     draft_vocab_targets,
     eagle1_loss,
     feature_noise,
     masked_smooth_l1,
-    rebuilt_head,
     soft_cross_entropy,
     target_argmax_in_draft_vocab,
     topk_accuracy,
     topk_distillation,
-    trim_draft_vocab,
     ttt_loss,
 )
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eyas.training.regen import first_turn_prompts, read_regenerated, regenerate_batched, regenerate_in_chunks
-from tests.testing import tiny_hf_llama
+from tests.testing import tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def model_folder(tmp_path_factory):
 
     tok = load_tokenizer()
     folder = tmp_path_factory.mktemp("tiny-target")
-    tiny_hf_llama(vocab=len(tok), hidden=32, layers=2, seed=3).save_pretrained(folder)
+    tiny_hf("llama", vocab=len(tok), hidden=32, layers=2, seed=3).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 

@@ -11,7 +11,7 @@ from eyas.training.config import TrainConfig
 from eyas.training.data import Sample
 from eyas.training.features import FeatureBatch, FeatureCache, training_taps
 from eyas.training.trainer import DrafterTrainer
-from tests.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import ours_from_hf, tiny_hf
 
 FINGERPRINT = {"config_digest": "cfg-a", "weight_digest": "w-a", "tokenizer_digest": "tok-a"}
 
@@ -32,7 +32,7 @@ def synthetic_samples(n: int, vocab: int, seed: int) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    model = ours_from_hf(tiny_hf_llama(vocab=48, hidden=32, layers=4, seed=11))
+    model = ours_from_hf(tiny_hf("llama", vocab=48, hidden=32, layers=4, seed=11))
     root = tmp_path_factory.mktemp("features")
     caches = []
     for name, n, seed in (("train", 24, 0), ("heldout", 6, 1)):
@@ -151,7 +151,7 @@ def test_a_run_trains_on_a_prefix_of_a_larger_cache(tiny_setup, tmp_path):
     """data.cache_samples: a learning-curve point reads the first train_samples of one shared cache
     (the same samples, in order, as the cache's own), its draft vocabulary is counted over that
     prefix alone, and a cache smaller than the run is refused by field."""
-    from eyas.training.losses import build_draft_vocab
+    from eyas.drafting.vocab import build_draft_vocab
     from eyas.training.prepare import cache_dirs
 
     trainer = make(

@@ -10,21 +10,14 @@ import pytest
 import torch
 
 from eyas.generate import generate
+from eyas.protocol.response_format import GRAMMAR_OFF, canonical_response_format, grammar_key
 from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree, flatten_tree
 from eyas.target.engine import TargetEngine
-from eyas.verification.grammar import (
-    GRAMMAR_OFF,
-    GrammarCompiler,
-    _child_sibling,
-    allowed_rows,
-    apply_bitmask,
-    canonical_response_format,
-    grammar_key,
-)
+from eyas.verification.grammar import GrammarCompiler, _child_sibling, allowed_rows, apply_bitmask
 from eyas.verification.processors import draft_processor, processed_logits
 from tests.test_generate import engines, pair_counts
-from tests.testing import ours_from_hf, tiny_hf_llama
+from tests.testing import ours_from_hf, tiny_hf
 
 V = 49152  # the shipped tokenizer's vocabulary: the tiny model below has it, so that the grammar fits
 SCHEMA = {
@@ -50,7 +43,7 @@ def compiler(tokenizer):
 @pytest.fixture(scope="module")
 def big_vocab():
     """A tiny random target with the shipped tokenizer's vocabulary (49,152 x 32 embeddings)."""
-    return ours_from_hf(tiny_hf_llama(vocab=V, hidden=32, layers=2))
+    return ours_from_hf(tiny_hf("llama", vocab=V, hidden=32, layers=2))
 
 
 def test_the_first_child_next_sibling_layout_worked_example():
@@ -262,7 +255,7 @@ def test_sampled_speculation_under_a_grammar_matches_the_masked_target_joint():
     compiled = xgr.GrammarCompiler(info, max_threads=1).compile_grammar(
         'root ::= ("a" | "b" | "x") ("1" | "2" | "a" | "y")'
     )
-    model = ours_from_hf(tiny_hf_llama(vocab=8, init_std=0.3, seed=5))
+    model = ours_from_hf(tiny_hf("llama", vocab=8, init_std=0.3, seed=5))
     target, drafter = engines(model, "eagle1", seed=1)
     params = SamplingParams(temperature=1.0, grammar="test")  # the key is carried; the cursor is the grammar
     prompt = [1, 2, 3]
