@@ -189,6 +189,19 @@ def _spread(model, init_std: float, normal_names: tuple[str, ...] = (), bias_std
     return model
 
 
+def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    """HF ``generate``'s greedy continuation of ``prompt``: exactly ``new_tokens`` new ids (no stop)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def ours_from_hf(hf):
     from eyas.target.config import TargetConfig
     from eyas.target.model import TargetModel

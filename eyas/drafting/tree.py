@@ -203,7 +203,23 @@ class _NodeStore:
 # --------------------------------------------------------------------------------------------
 
 
-class DynamicTreeBuilder:
+class _Builder:
+    """What both builders answer of their built nodes (``self._nodes``, a :class:`_NodeStore`)."""
+
+    _nodes: _NodeStore
+
+    @property
+    def num_built(self) -> int:
+        """Number of candidate nodes built so far (seed excluded)."""
+        return len(self._nodes)
+
+    def node(self, node_id: int) -> BuiltNode:
+        """The record of a built node (the engine's row map, confidence telemetry); its ``column`` is
+        its rank among its parent's proposals, which says which proposal was kept."""
+        return self._nodes.node(node_id)
+
+
+class DynamicTreeBuilder(_Builder):
     """EAGLE-2 context-aware dynamic tree: expand by path value, then rerank globally (design 0x06B).
 
     Each step expands the top `expand_width` nodes of the latest generated layer by the ranking
@@ -245,15 +261,6 @@ class DynamicTreeBuilder:
     @property
     def done(self) -> bool:
         return self.verify_budget == 0 or self._steps >= self.max_depth or not self._worth_expanding()
-
-    @property
-    def num_built(self) -> int:
-        """Number of candidate nodes built so far (seed excluded)."""
-        return len(self._nodes)
-
-    def node(self, node_id: int) -> BuiltNode:
-        """The record of a built node (for the engine's row map and confidence telemetry)."""
-        return self._nodes.node(node_id)
 
     @property
     def children_per_parent(self) -> int:
@@ -328,7 +335,7 @@ DEFAULT_STATIC_CHOICES: tuple[tuple[int, ...], ...] = (
 )  # fmt: skip
 
 
-class StaticTreeBuilder:
+class StaticTreeBuilder(_Builder):
     """A fixed tree shape given as a choice list (Medusa / EAGLE-1 style).
 
     A *choice* is a path of child ranks from the seed: (0,) is the seed's top-1 child, (1, 0) the
@@ -368,15 +375,6 @@ class StaticTreeBuilder:
     def _child_ranks(self, node: int) -> list[int]:
         prefix = self._path(node)
         return sorted(p[-1] for p in self.choices if len(p) == len(prefix) + 1 and p[:-1] == prefix)
-
-    @property
-    def num_built(self) -> int:
-        """Number of candidate nodes built so far (seed excluded)."""
-        return len(self._nodes)
-
-    def node(self, node_id: int) -> BuiltNode:
-        """The record of a built node; `column` is its rank, which says which proposal was kept."""
-        return self._nodes.node(node_id)
 
     @property
     def done(self) -> bool:

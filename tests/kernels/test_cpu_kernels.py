@@ -11,14 +11,6 @@ from eyas.target.precision import quantize_fp16_weights
 from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf
 
 
-@pytest.fixture(scope="module")
-def k():
-    compiled = kernels.load()
-    if compiled is None:
-        pytest.skip(f"Eyas's CPU kernels do not run here: {kernels.why_not()}")
-    return compiled
-
-
 @pytest.mark.parametrize("n, kdim", [(960, 576), (2, 8), (64, 1536)])
 def test_linear_equals_a_float64_product_of_the_fp16_weights_for_any_number_of_rows(k, n, kdim):
     gen = torch.Generator().manual_seed(n)

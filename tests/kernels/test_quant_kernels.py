@@ -17,14 +17,6 @@ from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_h
 QTYPES = (Q4_0, Q4_1, Q8_0)
 
 
-@pytest.fixture(scope="module")
-def k():
-    compiled = kernels.load()
-    if compiled is None:
-        pytest.skip(f"Eyas's CPU kernels do not run here: {kernels.why_not()}")
-    return compiled
-
-
 def q8_reference(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] as the kernels quantize it (per row, per 32: scale absmax / 127, round half to even), float64."""
     blocks = x.reshape(x.shape[0], -1, 32)

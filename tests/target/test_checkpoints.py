@@ -13,7 +13,7 @@ import torch
 from eyas.generate import generate
 from eyas.target.engine import TargetEngine
 from eyas.target.loader import load_target, load_tokenizer
-from tests.testing import ours_from_hf, tiny_hf
+from tests.testing import hf_greedy, ours_from_hf, tiny_hf
 
 KINDS = {
     "llama": lambda: tiny_hf("llama"),
@@ -88,14 +88,7 @@ def test_a_saved_checkpoint_scores_and_decodes_as_hf(loaded):
         ref = hf(ids).logits
     assert (logits(target.model, ids) - ref).abs().max().item() < TOL
     prompt = [3, 17, 5, 42, 8, 1]
-    with torch.no_grad():
-        want = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-            do_sample=False,
-            max_new_tokens=16,
-            min_new_tokens=16,
-        )[0, len(prompt) :].tolist()
+    want = hf_greedy(hf, prompt, 16)
     assert generate(TargetEngine(target.model, ()), prompt, max_new_tokens=16).token_ids == want
 
 

@@ -14,7 +14,7 @@ from eyas.drafting.model import DrafterConfig, init_drafter
 from eyas.generate import generate
 from eyas.target.config import TargetConfig, eagle1_feature_address, eagle3_feature_address
 from eyas.target.engine import TargetEngine
-from tests.testing import ours_from_hf, tiny_hf
+from tests.testing import hf_greedy, ours_from_hf, tiny_hf
 
 TOL = 1e-4
 SCALED = {  # rope_parameters (rope_theta aside) as the checkpoints write them
@@ -67,14 +67,7 @@ def test_logits_equal_hf(pair):
 def test_greedy_continuations_equal_hf_generate(pair):
     _, hf, ours = pair
     prompt = [3, 17, 5, 42, 8, 1]
-    with torch.no_grad():
-        ref = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-            do_sample=False,
-            max_new_tokens=24,
-            min_new_tokens=24,
-        )[0, len(prompt) :].tolist()
+    ref = hf_greedy(hf, prompt, 24)
     assert generate(TargetEngine(ours, ()), prompt, max_new_tokens=24).token_ids == ref
 
 
