@@ -55,6 +55,9 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--drafter", help="a drafter checkpoint folder (default: the one shipped for the method)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="run on past end-of-sequence tokens to --max-new-tokens (vLLM's)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -148,6 +151,7 @@ def _request(args, method: str | None = None):
         method=method or args.method,
         suffix_drafts=getattr(args, "suffix_drafts", False) and method not in ("target", "suffix"),
         max_new_tokens=args.max_new_tokens,
+        ignore_eos=getattr(args, "ignore_eos", False),
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,

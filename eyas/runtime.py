@@ -224,6 +224,7 @@ class Eyas:
             request_id=req.request_id or uuid.uuid4().hex,
             on_tokens=stops.on_tokens,
             grammar=self.grammars.cursor(sampling.grammar),
+            stop_ids=() if req.ignore_eos else None,
         )
         return result, self.report(req, result, handle, tree)
 

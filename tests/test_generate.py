@@ -409,6 +409,26 @@ def test_greedy_identity_real_model(real_eyas, method, tree):
 
 
 @pytest.mark.real_model
+def test_ignore_eos_runs_on_past_the_end_to_max_new_tokens_and_stays_exact(real_eyas):
+    """vLLM's ignore_eos: an answer that ends at <|im_end|> runs on to max_new_tokens (the end token
+    emitted like any other, finish reason "length"), its first tokens the plain answer's; EAGLE-3's
+    equals target-only's."""
+    from eyas.protocol.schema import parse_request
+
+    prompt, n = "Say hi.", 40
+    plain, _ = real_eyas.generate(parse_request(prompt=prompt, method="target", max_new_tokens=n))
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < n
+    runs = {
+        method: real_eyas.generate(parse_request(prompt=prompt, method=method, max_new_tokens=n, ignore_eos=True))
+        for method in ("target", "eagle3")
+    }
+    for result, report in runs.values():
+        assert len(result.token_ids) == n and result.finish_reason == "length" and report["finish_reason"] == "length"
+        assert result.token_ids[: len(plain.token_ids)] == plain.token_ids
+    assert runs["eagle3"][0].token_ids == runs["target"][0].token_ids
+
+
+@pytest.mark.real_model
 def test_every_shipped_drafter_loads_for_the_default_target_fits_25_mb_and_keeps_greedy_output(real_eyas):
     """Each folder under drafters/ is a servable checkpoint for the default target (its fingerprint
     matches), at most 25 MB, and drafting with it leaves greedy output token-identical to target-only."""
@@ -448,19 +468,12 @@ def test_hass_is_a_method_name_served_by_an_eagle1_architecture_drafter(real_eya
         real_eyas.drafter("eagle3", handle.source)
 
 
-@pytest.mark.real_model
-def test_greedy_identity_fp16w_real_model():
-    """At the served fp16w precision (fp16 weights, fp32 compute: Eyas's row-invariant CPU kernels
-    where they run, else fbgemm and PyTorch's attention), EAGLE-3 and EAGLE-1 speculative greedy output equals fp16w target-only output on two
-    MT-bench first turns, in fewer target forwards. Its drafters draft with fp16 weights too."""
+def _speculation_is_exact_and_fewer_forwards(eyas) -> None:
+    """EAGLE-3 and EAGLE-1 greedy output equals target-only's on two MT-bench first turns (24 tokens),
+    in fewer target forwards."""
     from eyas.protocol.schema import parse_request
-    from eyas.runtime import Eyas
     from eyas.training.data import mtbench_questions
 
-    eyas = Eyas(precision="fp16w")
-    assert eyas.loaded.precision == "fp16w"
-    for method in ("eagle3", "eagle1"):
-        assert not any(isinstance(m, torch.nn.Linear) for m in eyas.drafter(method).engine.drafter.modules())
     questions = [q["turns"][0] for q in mtbench_questions()]
     for prompt in (questions[0], questions[3]):
         base, _ = eyas.generate(parse_request(prompt=prompt, method="target", max_new_tokens=24))
@@ -468,6 +481,20 @@ def test_greedy_identity_fp16w_real_model():
             spec, _ = eyas.generate(parse_request(prompt=prompt, method=method, max_new_tokens=24))
             assert spec.token_ids == base.token_ids, (prompt, method)
             assert len(spec.rounds) < len(base.rounds)
+
+
+@pytest.mark.real_model
+def test_greedy_identity_fp16w_real_model():
+    """At the served fp16w precision (fp16 weights, fp32 compute: Eyas's row-invariant CPU kernels
+    where they run, else fbgemm and PyTorch's attention), EAGLE-3 and EAGLE-1 speculative greedy output equals fp16w target-only output on two
+    MT-bench first turns, in fewer target forwards. Its drafters draft with fp16 weights too."""
+    from eyas.runtime import Eyas
+
+    eyas = Eyas(precision="fp16w")
+    assert eyas.loaded.precision == "fp16w"
+    for method in ("eagle3", "eagle1"):
+        assert not any(isinstance(m, torch.nn.Linear) for m in eyas.drafter(method).engine.drafter.modules())
+    _speculation_is_exact_and_fewer_forwards(eyas)
 
 
 @pytest.mark.real_model
@@ -475,9 +502,7 @@ def test_greedy_identity_gguf_real_model():
     """At the served gguf precision (the default GGUF's own Q4_1 / Q8_0 blocks, llama.cpp's
     arithmetic), EAGLE-3 and EAGLE-1 speculative greedy output equals gguf target-only output on two
     MT-bench first turns, in fewer target forwards; its drafters draft with Q8_0 blocks."""
-    from eyas.protocol.schema import parse_request
     from eyas.runtime import Eyas
-    from eyas.training.data import mtbench_questions
 
     if kernels_off():
         pytest.skip("Eyas's CPU kernels do not run here")
@@ -485,13 +510,7 @@ def test_greedy_identity_gguf_real_model():
     assert eyas.loaded.precision == "gguf" and eyas.model.fused is not None
     for method in ("eagle3", "eagle1"):
         assert not any(type(m) is torch.nn.Linear for m in eyas.drafter(method).engine.drafter.modules())
-    questions = [q["turns"][0] for q in mtbench_questions()]
-    for prompt in (questions[0], questions[3]):
-        base, _ = eyas.generate(parse_request(prompt=prompt, method="target", max_new_tokens=24))
-        for method in ("eagle3", "eagle1"):
-            spec, _ = eyas.generate(parse_request(prompt=prompt, method=method, max_new_tokens=24))
-            assert spec.token_ids == base.token_ids, (prompt, method)
-            assert len(spec.rounds) < len(base.rounds)
+    _speculation_is_exact_and_fewer_forwards(eyas)
 
 
 @pytest.fixture(scope="module")

@@ -102,6 +102,9 @@ class GenerateRequest(BaseModel):
     # off by default); false: nothing of this request is kept
     learn: bool = True
     max_new_tokens: int = 128
+    # vLLM's ignore_eos: the answer does not end at the target's end-of-sequence tokens (they are emitted
+    # like any other token) but at max_new_tokens or a stop string
+    ignore_eos: bool = False
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

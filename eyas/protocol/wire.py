@@ -473,6 +473,7 @@ _OPTIONAL_REQUEST_FIELDS = (
     "top_k",
     "seed",
     "request_id",
+    "ignore_eos",
     *DECODING_FIELDS,
 )
 

@@ -403,11 +403,12 @@ class EyasTarget:
             tree,
             req.to_sampling_params(),
             req.seed,
-            _trimmed(req, on_new, stops, tuple(self.worker.cfg.eos_token_ids)),
+            _trimmed(req, on_new, stops, () if req.ignore_eos else tuple(self.worker.cfg.eos_token_ids)),
             cancel,
             logprobs=req.logprobs,
             suffix=req.suffix_drafts,
             learn=req.learn,
+            ignore_eos=req.ignore_eos,
         )
         report: concurrent.futures.Future = concurrent.futures.Future()
 

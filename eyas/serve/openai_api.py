@@ -33,8 +33,8 @@ from eyas.serve.errors import Failure, NotFound, Unauthenticated, failure_of
 from eyas.target.loader import encode_messages, encode_prompt
 
 CHAT, COMPLETION = "chat.completion", "text_completion"
-# Eyas's own request fields that an OpenAI body may carry as extras
-EYAS_EXTRAS = (*DECODING_FIELDS, "top_k", "request_id")
+# Eyas's own request fields, and vLLM's extras Eyas takes beside OpenAI's, that an OpenAI body may carry
+EYAS_EXTRAS = (*DECODING_FIELDS, "top_k", "request_id", "ignore_eos")
 # OpenAI parameters Eyas knows and does not implement: refused by name, never ignored
 UNSUPPORTED = (
     "tools",
@@ -140,6 +140,7 @@ class _Common(_Strict):
     # vLLM's sampling extras (extra_body)
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    ignore_eos: bool | None = None  # the answer runs on past end-of-sequence tokens to max_tokens
     # the Eyas extension (extra_body)
     method: str | None = None
     suffix_drafts: bool | None = None

@@ -154,6 +154,26 @@ def test_a_short_request_beside_a_4000_token_prompt_gets_its_first_token_while_t
     no_leaks(client)
 
 
+def test_ignore_eos_over_grpc_and_the_openai_api_runs_to_max_tokens(client, http_url, real_eyas):
+    """vLLM's ignore_eos (a GenerateRequest field; the OpenAI API's extra_body): a short answer runs
+    on past <|im_end|> to the token budget, speculative and equal to in-process target-only's."""
+    from eyas.protocol.schema import parse_request
+
+    prompt, n = "Say hi.", 24
+    here = real_eyas.generate(parse_request(prompt=prompt, method="target", max_new_tokens=n, ignore_eos=True))[0]
+    assert len(here.token_ids) == n
+    report = client.generate(prompt=prompt, method="eagle3", max_new_tokens=n, ignore_eos=True)
+    assert report["token_ids"] == here.token_ids and report["finish_reason"] == "length"
+    r = _openai(http_url).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=n,
+        temperature=0,
+        extra_body={"method": "eagle3", "ignore_eos": True},
+    )
+    assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "length"
+
+
 def test_stop_strings_end_the_answer(client):
     full = client.generate(prompt=PROMPTS[0], method="eagle3", max_new_tokens=N)
     stop = full["text"].split()[2]
@@ -773,7 +793,7 @@ def test_the_operator_routes_answer_through_serves_proxy(http_url, real_eyas):
 def test_openai_logprobs_are_the_targets_and_speculation_leaves_them(http_url, client, reference, no_leaks):
     """logprobs / top_logprobs through the real openai client: one entry per answer token, its bytes
     adding up to the answer's, the chosen token the most likely at greedy; EAGLE-3's equal target-only's
-    within fp32's exactness; streamed, the chunks' entries add up to the same; completions' shape too."""
+    within 1e-4; streamed, the chunks' entries add up to the same; completions' shape too."""
     oa = _openai(http_url)
     messages = [{"role": "user", "content": PROMPTS[0]}]
     runs = {
