@@ -58,6 +58,7 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ignore-eos", action="store_true", help="run on past end-of-sequence tokens to --max-new-tokens (vLLM's)"
     )
+    p.add_argument("--stop-token-ids", help="comma-separated token ids that end the answer (vLLM's stop_token_ids)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -124,15 +125,18 @@ def _response_format(raw: str | None) -> dict | None:
         raise ValueError(f"response_format: not valid JSON ({err.msg})") from None
 
 
+def _ids(text: str | None, field: str) -> list[int]:
+    """A flag's comma-separated token ids ([] for none), a ValueError naming ``field`` otherwise."""
+    try:
+        return [int(x) for x in (text or "").split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{field}: must be comma-separated integers") from None
+
+
 def _request(args, method: str | None = None):
     from eyas.protocol.schema import parse_request
 
-    ids = None
-    if args.prompt_ids:
-        try:
-            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError("prompt_ids: must be comma-separated integers") from None
+    ids = _ids(args.prompt_ids, "prompt_ids") if args.prompt_ids else None
     messages = None
     if getattr(args, "messages", None):
         import json
@@ -152,6 +156,7 @@ def _request(args, method: str | None = None):
         suffix_drafts=getattr(args, "suffix_drafts", False) and method not in ("target", "suffix"),
         max_new_tokens=args.max_new_tokens,
         ignore_eos=getattr(args, "ignore_eos", False),
+        stop_token_ids=_ids(getattr(args, "stop_token_ids", None), "stop_token_ids"),
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,

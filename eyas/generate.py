@@ -313,6 +313,19 @@ def decode(
     )
 
 
+def stop_ids_for(
+    eos_ids: tuple[int, ...], *, ignore_eos: bool = False, stop_token_ids=(), vocab_size: int | None = None
+) -> tuple[int, ...]:
+    """The token ids that end a request's answer (the finish rule's ``stop_ids``): the target's
+    end-of-sequence ids unless ``ignore_eos``, then the request's own ``stop_token_ids`` (vLLM's),
+    refused naming the field when one lies outside a vocabulary of ``vocab_size``."""
+    bad = [t for t in stop_token_ids if vocab_size is not None and not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids: {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
+    own = tuple(int(t) for t in stop_token_ids)
+    return tuple(dict.fromkeys((() if ignore_eos else tuple(eos_ids)) + own))
+
+
 def is_finished(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], emitted, stopped: bool) -> bool:
     """The one finish rule of every decode loop, after a publish that ``emitted`` these tokens: the
     answer is done at ``max_new_tokens``, at a stop token, or when the caller stopped it."""

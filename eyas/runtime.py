@@ -20,7 +20,7 @@ from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.manifest import load_drafter
 from eyas.drafting.model import DrafterConfig, drafter_feature_address, init_drafter
 from eyas.drafting.suffix import SuffixSpec
-from eyas.generate import GenerationResult, generate
+from eyas.generate import GenerationResult, generate, stop_ids_for
 from eyas.protocol.schema import GenerateRequest
 from eyas.protocol.text import AnswerText
 from eyas.step import SUFFIX, suffix_tree_spec
@@ -224,7 +224,12 @@ class Eyas:
             request_id=req.request_id or uuid.uuid4().hex,
             on_tokens=stops.on_tokens,
             grammar=self.grammars.cursor(sampling.grammar),
-            stop_ids=() if req.ignore_eos else None,
+            stop_ids=stop_ids_for(
+                self.cfg.eos_token_ids,
+                ignore_eos=req.ignore_eos,
+                stop_token_ids=req.stop_token_ids,
+                vocab_size=self.cfg.vocab_size,
+            ),
         )
         return result, self.report(req, result, handle, tree)
 

@@ -429,6 +429,26 @@ def test_ignore_eos_runs_on_past_the_end_to_max_new_tokens_and_stays_exact(real_
 
 
 @pytest.mark.real_model
+def test_stop_token_ids_end_the_answer_at_the_first_of_them_and_stay_exact(real_eyas):
+    """vLLM's stop_token_ids: the answer ends at the first of them, emitted (finish reason "stop"),
+    a prefix of the plain answer, EAGLE-3's equal to target-only's; with ignore_eos the end-of-sequence
+    id no longer ends it but a stop token id still does; an id outside the vocabulary is refused."""
+    from eyas.protocol.schema import parse_request
+
+    prompt, n = PROMPTS[1], 32
+    plain, _ = real_eyas.generate(parse_request(prompt=prompt, method="target", max_new_tokens=n))
+    stop = plain.token_ids[5]
+    cut = plain.token_ids[: plain.token_ids.index(stop) + 1]
+    for method in ("target", "eagle3"):
+        got, report = real_eyas.generate(
+            parse_request(prompt=prompt, method=method, max_new_tokens=n, stop_token_ids=[stop], ignore_eos=True)
+        )
+        assert got.token_ids == cut and got.finish_reason == "stop" and report["finish_reason"] == "stop", method
+    with pytest.raises(ValueError, match="^stop_token_ids: "):
+        real_eyas.generate(parse_request(prompt=prompt, method="target", stop_token_ids=[10**6]))
+
+
+@pytest.mark.real_model
 def test_every_shipped_drafter_loads_for_the_default_target_fits_25_mb_and_keeps_greedy_output(real_eyas):
     """Each folder under drafters/ is a servable checkpoint for the default target (its fingerprint
     matches), at most 25 MB, and drafting with it leaves greedy output token-identical to target-only."""

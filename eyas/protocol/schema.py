@@ -37,6 +37,7 @@ MAX_LOGPROBS: int = 20  # top alternatives per token a request may ask for (Open
 MAX_PENALTY: float = 2.0  # presence_penalty / frequency_penalty lie in [-2, 2] (OpenAI's bound)
 MAX_LOGIT_BIAS: float = 100.0  # a logit_bias entry lies in [-100, 100] (OpenAI's bound)
 MAX_LOGIT_BIAS_ENTRIES: int = 1024  # token ids one request may bias
+MAX_STOP_TOKEN_IDS: int = 64  # stop_token_ids one request may give
 CHOICE_SEP = "#"  # choice i > 0 of a named OpenAI request with n > 1 runs as <request_id>#<i>
 # The smallest non-zero temperature (vLLM's threshold too): below it logits / T overflows fp32 for
 # ordinary logits (1e-300 is 0 in fp32), and the served distribution is the argmax's in all but name.
@@ -105,6 +106,8 @@ class GenerateRequest(BaseModel):
     # vLLM's ignore_eos: the answer does not end at the target's end-of-sequence tokens (they are emitted
     # like any other token) but at max_new_tokens or a stop string
     ignore_eos: bool = False
+    # vLLM's stop_token_ids: token ids that end the answer like an end-of-sequence token (emitted, then done)
+    stop_token_ids: list[int] = Field(default_factory=list)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -169,6 +172,15 @@ class GenerateRequest(BaseModel):
                 raise ValueError(
                     f"token {token}: a bias must lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
                 )
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v):
+        if len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(v)}")
+        if any(not 0 <= t <= INT32_MAX for t in v):
+            raise ValueError("token ids must be >= 0 (and fit in 32 bits)")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")

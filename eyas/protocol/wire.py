@@ -487,6 +487,8 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
         fields["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages]
     if msg.logit_bias:
         fields["logit_bias"] = dict(msg.logit_bias)
+    if msg.stop_token_ids:
+        fields["stop_token_ids"] = list(msg.stop_token_ids)
     if msg.HasField("response_format"):
         try:
             fields["response_format"] = json.loads(msg.response_format)
@@ -519,6 +521,7 @@ def generate_request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
         prompt_ids=list(req.prompt_ids or ()),
         messages=messages,
         logit_bias=req.logit_bias,
+        stop_token_ids=list(req.stop_token_ids),
         response_format=None if req.response_format is None else json.dumps(req.response_format),
         **fields,
     )

@@ -44,7 +44,7 @@ import time
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from eyas.generate import FINISH_ERROR
+from eyas.generate import FINISH_ERROR, stop_ids_for
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
 from eyas.protocol.schema import GenerateRequest
@@ -478,6 +478,7 @@ class EyasServer:
             )
         ids, field = request_prompt_ids(self.tokenizer, req, len(self.tokenizer))
         check_context(len(ids), req.max_new_tokens, self.max_context, field)
+        stop_ids_for((), stop_token_ids=req.stop_token_ids, vocab_size=len(self.tokenizer))  # in the vocabulary
         return req, ids
 
     async def cancel(self, request_id: str) -> None:

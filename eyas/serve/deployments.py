@@ -43,7 +43,7 @@ from eyas import compute
 from eyas.actors.drafter_worker import DrafterWorker
 from eyas.actors.target_worker import TargetWorker
 from eyas.drafting.engine import TreeSpec
-from eyas.generate import finish, is_finished
+from eyas.generate import finish, is_finished, stop_ids_for
 from eyas.learning.capture import CaptureConfig
 from eyas.protocol.messages import Refusal
 from eyas.protocol.schema import GenerateRequest
@@ -395,6 +395,13 @@ class EyasTarget:
             else tree_for(req, info.get("default_tree", TreeSpec()))
         )
         stops = AnswerText(self.tokenizer, req.stop)
+        target_cfg = self.worker.cfg
+        stop_ids = stop_ids_for(
+            target_cfg.eos_token_ids,
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=req.stop_token_ids,
+            vocab_size=target_cfg.vocab_size,
+        )
         running = self.loop.submit(
             req.request_id or uuid.uuid4().hex,
             ids,
@@ -403,12 +410,12 @@ class EyasTarget:
             tree,
             req.to_sampling_params(),
             req.seed,
-            _trimmed(req, on_new, stops, () if req.ignore_eos else tuple(self.worker.cfg.eos_token_ids)),
+            _trimmed(req, on_new, stops, stop_ids),
             cancel,
             logprobs=req.logprobs,
             suffix=req.suffix_drafts,
             learn=req.learn,
-            ignore_eos=req.ignore_eos,
+            stop_ids=stop_ids,
         )
         report: concurrent.futures.Future = concurrent.futures.Future()
 

@@ -112,7 +112,7 @@ class Live(DraftState):
     eos: tuple[int, ...] = ()
     logprobs: int | None = None  # top alternatives of each emitted token's logprob (None: no logprobs)
     learn: bool = True  # its committed rows may teach the drafter (eyas.learning; where capture is on)
-    ignore_eos: bool = False  # the answer runs on past the target's end-of-sequence tokens (eos stays ())
+    stop_ids: tuple[int, ...] | None = None  # the ids that end its answer (None: the target's end-of-sequence ids)
 
 
 class WorkerTarget:
@@ -261,14 +261,15 @@ class RoundLoop:
         logprobs: int | None = None,
         suffix: bool = False,
         learn: bool = True,
-        ignore_eos: bool = False,
+        stop_ids: tuple[int, ...] | None = None,
     ) -> concurrent.futures.Future:
         """-> a future of the ``GenerationResult``; validation errors of the prefill surface through it.
         ``logprobs``: each publish hands ``on_tokens`` its tokens' logprobs too (``on_tokens(tokens,
         logprobs)``), with this many top alternatives each. ``suffix``: suffix drafts grafted into the
         drafter's tree (method ``suffix``: suffix drafts alone). ``learn``: the request allows its
         committed rows to teach the drafter where the target captures traffic (``eyas.learning``).
-        ``ignore_eos``: the answer ends at ``max_new_tokens`` (or a stop string), not at an end-of-sequence token."""
+        ``stop_ids``: the token ids that end the answer (``eyas.generate.stop_ids_for``: vLLM's
+        ``ignore_eos`` and ``stop_token_ids``); None: the target's end-of-sequence ids."""
         live = Live(
             request_id=request_id,
             method=method,
@@ -286,7 +287,7 @@ class RoundLoop:
             acceptance=AcceptanceEstimate.from_prior(self.prior),
             logprobs=logprobs,
             learn=learn,
-            ignore_eos=ignore_eos,
+            stop_ids=stop_ids,
             processors=(sampling, tuple(prompt_ids)) if sampling.processes or sampling.grammar else None,
         )
         with self.lock:
@@ -392,7 +393,7 @@ class RoundLoop:
         )
         try:
             eos = self.target("open", spec)
-            live.eos = () if live.ignore_eos else tuple(eos)
+            live.eos = tuple(eos) if live.stop_ids is None else live.stop_ids
             live.opened = time.perf_counter()
             live.cached_tokens = live.prompt_done = self.target("cached_tokens", live.request_id)
         except Exception as err:  # noqa: BLE001 - handed to the request's caller, which maps it

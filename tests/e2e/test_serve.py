@@ -156,7 +156,8 @@ def test_a_short_request_beside_a_4000_token_prompt_gets_its_first_token_while_t
 
 def test_ignore_eos_over_grpc_and_the_openai_api_runs_to_max_tokens(client, http_url, real_eyas):
     """vLLM's ignore_eos (a GenerateRequest field; the OpenAI API's extra_body): a short answer runs
-    on past <|im_end|> to the token budget, speculative and equal to in-process target-only's."""
+    on past <|im_end|> to the token budget, speculative and equal to in-process target-only's; its
+    stop_token_ids end it at the first of them."""
     from eyas.protocol.schema import parse_request
 
     prompt, n = "Say hi.", 24
@@ -172,6 +173,9 @@ def test_ignore_eos_over_grpc_and_the_openai_api_runs_to_max_tokens(client, http
         extra_body={"method": "eagle3", "ignore_eos": True},
     )
     assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "length"
+    stop = here.token_ids[3]  # vLLM's stop_token_ids: the answer ends at the first of them, emitted
+    cut = client.generate(prompt=prompt, method="eagle3", max_new_tokens=n, ignore_eos=True, stop_token_ids=[stop])
+    assert cut["token_ids"] == here.token_ids[: here.token_ids.index(stop) + 1] and cut["finish_reason"] == "stop"
 
 
 def test_stop_strings_end_the_answer(client):
@@ -452,6 +456,7 @@ def test_http_bad_requests_get_400_naming_the_field(http_url, client, body, erro
 
 # --- the hostile fuzz: each case is (fields that break exactly one rule, the field that must be named) --
 _BAD_BOTH = [  # expressible over gRPC (proto types) and HTTP (JSON)
+    ({"stop_token_ids": [1_000_000]}, "stop_token_ids"),  # outside the vocabulary
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"max_new_tokens": -7}, "max_new_tokens"),
     ({"max_new_tokens": 9000}, "max_new_tokens"),

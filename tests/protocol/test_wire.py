@@ -275,7 +275,7 @@ def test_one_field_list_for_the_request_model_the_proto_and_the_converters():
     converters carry every one of them, so that a field added in one place and not the others fails here."""
     schema = set(GenerateRequest.model_fields) - {"drafter"}
     assert schema == {f.name for f in pb.GenerateRequest.DESCRIPTOR.fields}
-    carried = {"raw", "stop", "prompt_ids", "messages", "logit_bias", "response_format"}
+    carried = {"raw", "stop", "prompt_ids", "messages", "logit_bias", "response_format", "stop_token_ids"}
     assert set(wire._OPTIONAL_REQUEST_FIELDS) | carried == schema
     assert not set(wire._OPTIONAL_REQUEST_FIELDS) & carried
     sampler = {f.name for f in fields(SamplingParams)} - {"grammar"}  # grammar: the response format's key
