@@ -25,6 +25,7 @@ import torch
 
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.suffix import SuffixSpec
+from eyas.protocol.checks import check_in_vocab
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import FlatTree
@@ -277,7 +278,7 @@ def decode(
     cancel: set it to stop at the next round boundary (finish reason "cancelled").
     on_round: called with a :class:`RoundRecord` after each round (spans and metrics)."""
     request_id = state.request_id
-    stopped = cancelled = False
+    cancelled = False
     t_start = time.perf_counter()
     emitted = round_step(*sides, [], [state]).published[request_id].tokens  # the prefill: round 0
     out = list(emitted)
@@ -319,9 +320,8 @@ def stop_ids_for(
     """The token ids that end a request's answer (the finish rule's ``stop_ids``): the target's
     end-of-sequence ids unless ``ignore_eos``, then the request's own ``stop_token_ids`` (vLLM's),
     refused naming the field when one lies outside a vocabulary of ``vocab_size``."""
-    bad = [t for t in stop_token_ids if vocab_size is not None and not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids: {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
+    if vocab_size is not None:
+        check_in_vocab(stop_token_ids, vocab_size, "stop_token_ids")
     own = tuple(int(t) for t in stop_token_ids)
     return tuple(dict.fromkeys((() if ignore_eos else tuple(eos_ids)) + own))
 

@@ -6,6 +6,13 @@ import torch
 from torch import Tensor
 
 
+def check_in_vocab(tokens, vocab_size: int, name: str) -> None:
+    """Every id in ``tokens`` lies in ``[0, vocab_size)``; the error starts with ``name``."""
+    bad = [int(t) for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name}: token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
+
+
 def check_tensor(value: object, name: str, ndim: int, dtype: torch.dtype | None = None) -> Tensor:
     """``value`` must be a ``ndim``-D tensor (of ``dtype`` when given); the error starts with ``name``."""
     if not isinstance(value, Tensor):

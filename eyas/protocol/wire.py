@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from eyas.protocol import eyas_pb2 as pb
+from eyas.protocol.checks import check_in_vocab
 from eyas.protocol.codec import ANY_DIM, DEFAULT_MAX_NUMEL, decode_tensor, encode_tensor
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.sampling_params import SamplingParams
@@ -83,11 +84,9 @@ def _expect(value, expected, name: str, why: str) -> None:
 
 
 def _in_vocab(tokens: list[int], vocab_size: int | None, name: str) -> None:
-    if vocab_size is NO_LIMIT:
-        return
-    bad = [t for t in tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise WireError(f"{name}: token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
+    if vocab_size is not NO_LIMIT:
+        with _inbound():
+            check_in_vocab(tokens, vocab_size, name)
 
 
 # --------------------------------------------------------------------------------------------

@@ -44,9 +44,10 @@ import time
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from eyas.generate import FINISH_ERROR, stop_ids_for
+from eyas.generate import FINISH_ERROR
 from eyas.protocol import eyas_pb2 as pb
 from eyas.protocol import wire
+from eyas.protocol.checks import check_in_vocab
 from eyas.protocol.schema import GenerateRequest
 from eyas.protocol.service import SERVICER_FUNCTION, TIMEOUT_METADATA, decode_message, timeout_from_metadata
 from eyas.protocol.text import AnswerText
@@ -478,7 +479,7 @@ class EyasServer:
             )
         ids, field = request_prompt_ids(self.tokenizer, req, len(self.tokenizer))
         check_context(len(ids), req.max_new_tokens, self.max_context, field)
-        stop_ids_for((), stop_token_ids=req.stop_token_ids, vocab_size=len(self.tokenizer))  # in the vocabulary
+        check_in_vocab(req.stop_token_ids, len(self.tokenizer), "stop_token_ids")
         return req, ids
 
     async def cancel(self, request_id: str) -> None:

@@ -395,12 +395,9 @@ class EyasTarget:
             else tree_for(req, info.get("default_tree", TreeSpec()))
         )
         stops = AnswerText(self.tokenizer, req.stop)
-        target_cfg = self.worker.cfg
+        # the ingress checked the stop token ids against the vocabulary (EyasServer._validate)
         stop_ids = stop_ids_for(
-            target_cfg.eos_token_ids,
-            ignore_eos=req.ignore_eos,
-            stop_token_ids=req.stop_token_ids,
-            vocab_size=target_cfg.vocab_size,
+            self.worker.cfg.eos_token_ids, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids
         )
         running = self.loop.submit(
             req.request_id or uuid.uuid4().hex,

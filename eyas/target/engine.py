@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eyas.protocol.checks import check_in_vocab
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
 from eyas.target.batch_kv import BatchKV, BatchRows, RowGroup
@@ -160,9 +161,7 @@ class TargetEngine:
             raise ValueError(f"request_id: {request_id!r} already has a live session")
         if not prompt_ids:
             raise ValueError("prompt: must hold at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} lie outside the vocabulary [0, {self.cfg.vocab_size})")
+        check_in_vocab(prompt_ids, self.cfg.vocab_size, "prompt")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
         window = ", the checkpoint's sliding window" if self.cfg.max_context < self.cfg.max_position_embeddings else ""

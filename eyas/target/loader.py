@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from eyas.cache import cache_root
+from eyas.protocol.checks import check_in_vocab
 from eyas.target.config import TargetConfig
 from eyas.target.model import TargetModel
 from eyas.target.precision import make_batch_invariant, quantize_fp16_weights, quantize_int8
@@ -369,9 +370,7 @@ def request_prompt_ids(tokenizer, req, vocab_size: int) -> tuple[list[int], str]
     """(the token ids a validated ``GenerateRequest`` asks to continue, the field they came from):
     its ``prompt_ids`` (checked against the vocabulary), its ``messages`` or its ``prompt``."""
     if req.prompt_ids is not None:
-        bad = [t for t in req.prompt_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"prompt_ids: {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
+        check_in_vocab(req.prompt_ids, vocab_size, "prompt_ids")
         return list(req.prompt_ids), "prompt_ids"
     if req.messages is not None:
         return encode_messages(tokenizer, [m.model_dump() for m in req.messages]), "messages"
