@@ -407,6 +407,27 @@ void layer_qkv(const float* x, int64_t M, int64_t d, const float* norm_w, double
   }
 }
 
+// silu(g) * u, 8 at a time: g * sigmoid(g), sigmoid from e = exp(-|g|) (never above 1) as 1 / (1 + e) for g >= 0
+// and e / (1 + e) below; the last n % 8 through the same lanes (a zero-padded copy): every element computed alike
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp_nonpositive(_mm256_or_ps(g, _mm256_set1_ps(-0.0f)));
+  const __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
+  return _mm256_mul_ps(_mm256_mul_ps(g, _mm256_blendv_ps(r, _mm256_mul_ps(e, r), g)), u);
+}
+
+inline void silu_mul_row(const float* g, const float* u, int64_t n, float* out) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+  if (j < n) {
+    alignas(32) float tg[8] = {0}, tu[8] = {0}, to[8];
+    std::memcpy(tg, g + j, sizeof(float) * (n - j));
+    std::memcpy(tu, u + j, sizeof(float) * (n - j));
+    _mm256_store_ps(to, silu_mul8(_mm256_load_ps(tg), _mm256_load_ps(tu)));
+    std::memcpy(out + j, to, sizeof(float) * (n - j));
+  }
+}
+
 // out [M, d] = x1 + down(silu(gate) * up) of RMSNorm(x1), where x1 = x + wo(a)
 void layer_out_mlp(const float* x, const float* a, int64_t M, int64_t d, int64_t ha, const torch::Tensor& wo,
                    int64_t wo_type, const float* norm_w, double eps, const torch::Tensor& w_gate_up, int64_t gate_up_type,
@@ -416,11 +437,7 @@ void layer_out_mlp(const float* x, const float* a, int64_t M, int64_t d, int64_t
   rms_norm_rows(x1.data(), M, d, norm_w, eps, h.data());
   matmul(quantize_rows(h.data(), M, d), M, d, w_gate_up, gate_up_type, 2 * ffn, gu.data());
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; m++)
-      for (int64_t j = 0; j < ffn; j++) {
-        const float g = gu[m * 2 * ffn + j], u = gu[m * 2 * ffn + ffn + j];
-        act[m * ffn + j] = g / (1.0f + std::exp(-g)) * u;
-      }
+    for (int64_t m = m0; m < m1; m++) silu_mul_row(gu.data() + m * 2 * ffn, gu.data() + m * 2 * ffn + ffn, ffn, act.data() + m * ffn);
   });
   matmul(quantize_rows(act.data(), M, ffn), M, ffn, w_down, down_type, d, out, x1.data());
 }
@@ -741,17 +758,22 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
   }
   struct AttnTask {
     int64_t request, kv_row, h0, h1;
+    std::vector<int64_t> rows;  // some of the request's rows
   };
   std::vector<AttnTask> tasks;
   const int64_t group_heads = heads / kv_heads;
-  // a K/V head's query heads together (each key read once for all of them), split per head when there are too
-  // few such tasks to keep every thread busy
-  const bool split = false;
-  for (int64_t r = 0; r < static_cast<int64_t>(requests.size()); r++)
+  // a K/V head's query heads together (each key read once for all of them); when there are too few such tasks to
+  // keep every thread busy, a request's rows are split into parts (every part still reads the shared prefix once)
+  const int64_t nreq = static_cast<int64_t>(requests.size()), want = 2 * at::get_num_threads();
+  for (int64_t r = 0; r < nreq; r++) {
+    const int64_t nr = static_cast<int64_t>(requests[r].size());
+    const int64_t parts = std::min(nr, std::max<int64_t>(1, (want + nreq * kv_heads - 1) / (nreq * kv_heads)));
     for (int64_t j = 0; j < kv_heads; j++)
-      for (int64_t g = 0; g < (split ? group_heads : 1); g++)
-        tasks.push_back({r, request_row[r], j * group_heads + (split ? g : 0),
-                         split ? j * group_heads + g + 1 : (j + 1) * group_heads});
+      for (int64_t p = 0; p < parts; p++)
+        tasks.push_back({r, request_row[r], j * group_heads, (j + 1) * group_heads,
+                         std::vector<int64_t>(requests[r].begin() + p * nr / parts,
+                                              requests[r].begin() + (p + 1) * nr / parts)});
+  }
   auto h = x.clone();
   auto tapped = torch::empty({static_cast<int64_t>(taps.size()), N, d}, x.options());
   if (N == 0) return {h, tapped};
@@ -775,7 +797,7 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
       for (int64_t a = a0; a < a1; a++) {  // one request's rows, the query heads [h0, h1) of one K/V head
         const AttnTask& t = tasks[a];
         const int64_t base = ((l * R + t.kv_row) * kv_heads + t.h0 / group) * S * hd;
-        attend_request(requests[t.request], visible, prefix[t.request], q.data(), heads, t.h0, t.h1, hd, kp + base,
+        attend_request(t.rows, visible, prefix[t.request], q.data(), heads, t.h0, t.h1, hd, kp + base,
                        vp + base, scale, att.data());
       }
     });
