@@ -59,6 +59,9 @@ def _add_generate_flags(p: argparse.ArgumentParser) -> None:
         "--ignore-eos", action="store_true", help="run on past end-of-sequence tokens to --max-new-tokens (vLLM's)"
     )
     p.add_argument("--stop-token-ids", help="comma-separated token ids that end the answer (vLLM's stop_token_ids)")
+    p.add_argument(
+        "--min-tokens", type=int, default=0, help="no end of the answer before this many tokens (vLLM's min_tokens)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -157,6 +160,7 @@ def _request(args, method: str | None = None):
         max_new_tokens=args.max_new_tokens,
         ignore_eos=getattr(args, "ignore_eos", False),
         stop_token_ids=_ids(getattr(args, "stop_token_ids", None), "stop_token_ids"),
+        min_tokens=getattr(args, "min_tokens", 0),
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,

@@ -206,12 +206,18 @@ class Eyas:
 
     def generate(self, req: GenerateRequest) -> tuple[GenerationResult, dict]:
         ids = self.prompt_ids(req)
-        sampling = req.to_sampling_params()
+        stop_ids = stop_ids_for(
+            self.cfg.eos_token_ids,
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=req.stop_token_ids,
+            vocab_size=self.cfg.vocab_size,
+        )
+        sampling = req.to_sampling_params(stop_ids)
         handle = None if req.method in ("target", SUFFIX) else self.drafter(req.method, req.drafter)
         suffix = SuffixSpec() if req.method == SUFFIX or req.suffix_drafts else None
         tree = self.tree_for(req, handle) if req.method != SUFFIX else suffix_tree_spec(suffix)
         engine = self.target_engine(handle.taps if handle else ())
-        stops = AnswerText(self.tokenizer, req.stop)
+        stops = AnswerText(self.tokenizer, req.stop, req.min_tokens)
         result = generate(
             engine,
             ids,
@@ -224,12 +230,7 @@ class Eyas:
             request_id=req.request_id or uuid.uuid4().hex,
             on_tokens=stops.on_tokens,
             grammar=self.grammars.cursor(sampling.grammar),
-            stop_ids=stop_ids_for(
-                self.cfg.eos_token_ids,
-                ignore_eos=req.ignore_eos,
-                stop_token_ids=req.stop_token_ids,
-                vocab_size=self.cfg.vocab_size,
-            ),
+            stop_ids=stop_ids,
         )
         return result, self.report(req, result, handle, tree)
 
@@ -237,7 +238,7 @@ class Eyas:
         return build_report(
             req,
             r,
-            AnswerText.of(self.tokenizer, r.token_ids, req.stop),
+            AnswerText.of(self.tokenizer, r.token_ids, req.stop, req.min_tokens),
             self.loaded.precision,
             handle.source if handle else None,
             tree,

@@ -449,6 +449,38 @@ def test_stop_token_ids_end_the_answer_at_the_first_of_them_and_stay_exact(real_
 
 
 @pytest.mark.real_model
+def test_min_tokens_holds_the_end_back_and_stays_exact(real_eyas):
+    """vLLM's min_tokens: an answer that ends at <|im_end|> after 8 tokens runs on past it (the first 7
+    tokens unchanged, no end-of-sequence id among its first min_tokens), EAGLE-3's equal to
+    target-only's; a stop string ending before token number min_tokens does not end it, a later one
+    does; min_tokens above max_new_tokens is refused naming the field."""
+    from eyas.protocol.schema import parse_request
+
+    prompt, eos = "What is 2+2? Answer with the number only.", real_eyas.cfg.eos_token_ids
+    plain, _ = real_eyas.generate(parse_request(prompt=prompt, method="target", max_new_tokens=24))
+    assert plain.finish_reason == "stop" and plain.token_ids[-1] in eos and len(plain.token_ids) < 12
+    got = {}
+    for method in ("target", "eagle3"):
+        got[method], report = real_eyas.generate(
+            parse_request(prompt=prompt, method=method, max_new_tokens=24, min_tokens=12)
+        )
+        ids = got[method].token_ids
+        assert ids[: len(plain.token_ids) - 1] == plain.token_ids[:-1] and len(ids) >= 12, method
+        assert not set(ids[:12]) & set(eos), method
+    assert got["eagle3"].token_ids == got["target"].token_ids
+    # "2 + 2 = 4": the token number k whose text completes the first "="
+    plain_text = real_eyas.tokenizer.decode(plain.token_ids, skip_special_tokens=True)
+    k = next(n for n in range(1, 9) if "=" in real_eyas.tokenizer.decode(plain.token_ids[:n]))
+    for method in ("target", "eagle3"):
+        _, cut = real_eyas.generate(parse_request(prompt=prompt, method=method, min_tokens=k, stop=["="]))
+        _, kept = real_eyas.generate(parse_request(prompt=prompt, method=method, min_tokens=k + 1, stop=["="]))
+        assert cut["text"] == plain_text[: plain_text.index("=")] and cut["finish_reason"] == "stop", method
+        assert kept["text"] == plain_text and kept["token_ids"] == plain.token_ids, method
+    with pytest.raises(ValueError, match="^min_tokens: "):
+        parse_request(prompt=prompt, max_new_tokens=4, min_tokens=5)
+
+
+@pytest.mark.real_model
 def test_every_shipped_drafter_loads_for_the_default_target_fits_25_mb_and_keeps_greedy_output(real_eyas):
     """Each folder under drafters/ is a servable checkpoint for the default target (its fingerprint
     matches), at most 25 MB, and drafting with it leaves greedy output token-identical to target-only."""

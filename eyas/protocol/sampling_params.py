@@ -5,7 +5,9 @@ makes it (``GenerateRequest.to_sampling_params``), a target session carries it w
 
 Terms (the served distribution itself is defined in ``eyas.verification.sampling``): **greedy** is
 temperature 0; ``TOP_K_OFF`` (0), ``top_p`` 1.0, ``min_p`` 0, ``repetition_penalty`` 1.0 and zero
-penalties switch their step off.
+penalties switch their step off. **min_tokens** (vLLM's): while an answer is shorter than it, the
+ids that would end it (``min_tokens_stop_ids``: the target's end-of-sequence ids unless ``ignore_eos``,
+and the request's ``stop_token_ids``) cannot be drawn; 0 switches it off.
 """
 
 from __future__ import annotations
@@ -36,13 +38,25 @@ class SamplingParams:
     # structured output: the grammar's key (eyas.protocol.response_format.grammar_key; "" = none). Its
     # masks come from the request's GrammarCursor, which its session owns
     grammar: str = ""
+    # vLLM's min_tokens: the ids that would end the answer are masked while it is shorter than this
+    min_tokens: int = 0  # >= 0; 0 disables it
+    min_tokens_stop_ids: tuple[int, ...] = ()  # the ids masked meanwhile (eyas.generate.stop_ids_for's)
 
     @property
     def processes(self) -> bool:
         """Whether a logits processor changes the logits (eyas.verification.processors)."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.holds_stops
         )
+
+    @property
+    def holds_stops(self) -> bool:
+        """Whether min_tokens masks the answer's stop ids at some length."""
+        return self.min_tokens > 0 and bool(self.min_tokens_stop_ids)
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -71,6 +85,10 @@ class SamplingParams:
             raise ValueError("logit_bias: token ids must be distinct and >= 0")
         if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
             raise ValueError(f"logit_bias: every bias must lie in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
+        if type(self.min_tokens) is not int or self.min_tokens < 0:
+            raise ValueError(f"min_tokens: must be an int >= 0 (0 = off), got {self.min_tokens!r}")
+        if any(type(t) is not int or t < 0 for t in self.min_tokens_stop_ids):
+            raise ValueError("min_tokens_stop_ids: token ids must be ints >= 0")
 
     @property
     def greedy(self) -> bool:

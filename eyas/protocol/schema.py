@@ -108,6 +108,9 @@ class GenerateRequest(BaseModel):
     ignore_eos: bool = False
     # vLLM's stop_token_ids: token ids that end the answer like an end-of-sequence token (emitted, then done)
     stop_token_ids: list[int] = Field(default_factory=list)
+    # vLLM's min_tokens: no end-of-sequence or stop token id can be drawn, and no stop string ends the
+    # answer, before it holds this many tokens (0: off); at most max_new_tokens
+    min_tokens: int = 0
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -216,6 +219,21 @@ class GenerateRequest(BaseModel):
     def _named(cls, v):
         return _request_id(v, required=False)  # unset or "": the server names the request
 
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v):
+        if not 0 <= v <= INT32_MAX:
+            raise ValueError(f"must be >= 0 (0 = off) and <= {INT32_MAX}, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self):
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_new_tokens {self.max_new_tokens}")
+        if self.min_tokens and self.response_format is not None:
+            raise ValueError("min_tokens: not with response_format (a finished structure allows only the answer's end)")
+        return self
+
     @field_validator("max_new_tokens")
     @classmethod
     def _max_new(cls, v):
@@ -319,9 +337,11 @@ class GenerateRequest(BaseModel):
             raise ValueError("prompt: must be a non-empty string (or give prompt_ids)")
         return self
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, stop_ids: tuple[int, ...] = ()) -> SamplingParams:
         """The sampler this request asks for: the one conversion from a request to its sampler (its
-        fields were checked here; ``SamplingParams`` checks them again only for direct callers)."""
+        fields were checked here; ``SamplingParams`` checks them again only for direct callers).
+        ``stop_ids``: the ids that end this request's answer (``eyas.generate.stop_ids_for``), which
+        ``min_tokens`` masks while the answer is shorter."""
         from eyas.protocol.response_format import grammar_key
         from eyas.protocol.sampling_params import SamplingParams
 
@@ -335,6 +355,8 @@ class GenerateRequest(BaseModel):
             min_p=self.min_p,
             logit_bias=tuple(sorted((int(t), float(b)) for t, b in self.logit_bias.items())),
             grammar=grammar_key(self.response_format),
+            min_tokens=self.min_tokens,
+            min_tokens_stop_ids=tuple(int(t) for t in stop_ids) if self.min_tokens else (),
         )
 
 

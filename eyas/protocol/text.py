@@ -95,15 +95,27 @@ class AnswerText:
 
     ``push(ids)`` -> the new text a stream may send now (a tail that could still become a stop
     string is held back); ``finish()`` -> the rest, once the answer ended; ``stopped``: a stop string
-    appeared (generation ends after the round that completed it)."""
+    appeared (generation ends after the round that completed it). ``min_tokens`` (vLLM's): a stop
+    string counts only where it ends in the text of the answer's token number ``min_tokens`` or later."""
 
-    def __init__(self, tokenizer, stop=()):
+    def __init__(self, tokenizer, stop=(), min_tokens: int = 0):
         self.detok = Detokenizer(tokenizer)
         self.stop = [s for s in stop if s]
         self.sent = 0  # characters of the complete text released
         self.stopped = False
+        self.min_tokens = min_tokens
+        # characters a stop string must end past: the text of the first min_tokens - 1 tokens (None
+        # until they have all arrived: no stop string counts yet)
+        self.free_from: int | None = 0 if min_tokens <= 1 else None
 
     def push(self, ids) -> str:
+        ids = list(ids)
+        if self.free_from is None:
+            before = self.min_tokens - 1 - len(self.detok.ids)
+            self.detok.push(ids[:before])
+            if len(self.detok.ids) == self.min_tokens - 1:
+                self.free_from = len(self.detok.text)
+            ids = ids[before:]
         self.detok.push(ids)
         return self._release(final=False)
 
@@ -126,7 +138,10 @@ class AnswerText:
 
     def _release(self, final: bool) -> str:
         full = self.detok.text
-        cuts = [full.index(s) for s in self.stop if s in full]
+        cuts = []
+        if self.free_from is not None:
+            found = (full.find(s, max(self.free_from - len(s) + 1, 0)) for s in self.stop)
+            cuts = [i for i in found if i >= 0]
         if cuts:
             self.stopped = True
             end = min(cuts)
@@ -141,9 +156,9 @@ class AnswerText:
         return delta
 
     @classmethod
-    def of(cls, tokenizer, ids, stop=()) -> str:
+    def of(cls, tokenizer, ids, stop=(), min_tokens: int = 0) -> str:
         """The whole answer's text: what a stream of ``ids`` adds up to."""
-        text = cls(tokenizer, stop)
+        text = cls(tokenizer, stop, min_tokens)
         text.push(ids)
         text.finish()
         return text.text

@@ -386,6 +386,7 @@ SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "min_p",
+    "min_tokens",
 )
 
 
@@ -400,6 +401,7 @@ def session_spec_to_proto(spec: SessionSpec) -> pb.OpenSessionRequest:
         tap_layers=[t[0] for t in spec.taps],
         tap_normed=[t[1] for t in spec.taps],
         logit_bias=dict(sp.logit_bias),
+        min_tokens_stop_ids=list(sp.min_tokens_stop_ids),
         grammar=sp.grammar or None,
         learn=spec.learn,
         **{name: getattr(sp, name) for name in SAMPLING_FIELDS},
@@ -418,6 +420,7 @@ def check_session_spec(spec: SessionSpec, *, vocab_size: int) -> SessionSpec:
     if any(layer < 0 for layer, _ in spec.taps):
         raise WireError(f"tap_layers: {[layer for layer, _ in spec.taps]} must be >= 0")
     _in_vocab([t for t, _ in spec.sampling.logit_bias], vocab_size, "logit_bias")
+    _in_vocab(list(spec.sampling.min_tokens_stop_ids), vocab_size, "min_tokens_stop_ids")
     return spec
 
 
@@ -436,6 +439,7 @@ def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> S
         sampling = SamplingParams(
             logit_bias=tuple(sorted(_in_vocab_bias(dict(msg.logit_bias), vocab_size).items())),
             grammar=msg.grammar,
+            min_tokens_stop_ids=_ids_in_vocab(msg.min_tokens_stop_ids, vocab_size, "min_tokens_stop_ids"),
             **{name: getattr(msg, name) for name in SAMPLING_FIELDS if msg.HasField(name)},
         )
     return SessionSpec(
@@ -448,6 +452,11 @@ def session_spec_from_proto(msg: pb.OpenSessionRequest, *, vocab_size: int) -> S
         taps=tuple(zip((int(x) for x in msg.tap_layers), (bool(x) for x in msg.tap_normed))),
         learn=msg.learn if msg.HasField("learn") else False,  # a Verifier caller's session: only when it asks
     )
+
+
+def _ids_in_vocab(ids, vocab_size: int, name: str) -> tuple[int, ...]:
+    _in_vocab(list(ids), vocab_size, name)
+    return tuple(int(t) for t in ids)
 
 
 def _in_vocab_bias(bias: dict[int, float], vocab_size: int) -> dict[int, float]:
@@ -473,6 +482,7 @@ _OPTIONAL_REQUEST_FIELDS = (
     "seed",
     "request_id",
     "ignore_eos",
+    "min_tokens",
     *DECODING_FIELDS,
 )
 

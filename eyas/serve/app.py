@@ -213,7 +213,7 @@ class _Resuming:
         result = GenerationResult(
             token_ids=list(self.sent), finish_reason=reason, prefill_s=0.0, wall_s=time.monotonic() - self.started
         )
-        text = AnswerText.of(self.tokenizer, self.sent, self.req.stop)
+        text = AnswerText.of(self.tokenizer, self.sent, self.req.stop, self.req.min_tokens)
         return {**build_report(self.req, result, text, None, None, None), "resumes": self.resumes}
 
     async def _within_deadline(self, stream):
@@ -244,7 +244,7 @@ class _Resuming:
             **report,
             "token_ids": tokens,
             "new_tokens": len(tokens),
-            "text": AnswerText.of(self.tokenizer, tokens, self.req.stop),
+            "text": AnswerText.of(self.tokenizer, tokens, self.req.stop, self.req.min_tokens),
             "resumes": self.resumes,
         }
 
@@ -354,7 +354,7 @@ class EyasServer:
         except ValueError as err:
             yield _refused(grpc_context, err, pb.GenerateChunk(finish_reason=FINISH_ERROR, text=str(err)))
             return
-        text = AnswerText(self.tokenizer, req.stop)  # the SSE stream's rule (eyas/protocol/text.py)
+        text = AnswerText(self.tokenizer, req.stop, req.min_tokens)  # the SSE stream's rule (eyas/protocol/text.py)
         async with self._request(req, ids, deadline) as items:
             async for item in items:
                 if isinstance(item, Failure):

@@ -394,7 +394,7 @@ class EyasTarget:
             if req.method == SUFFIX
             else tree_for(req, info.get("default_tree", TreeSpec()))
         )
-        stops = AnswerText(self.tokenizer, req.stop)
+        stops = AnswerText(self.tokenizer, req.stop, req.min_tokens)
         # the ingress checked the stop token ids against the vocabulary (EyasServer._validate)
         stop_ids = stop_ids_for(
             self.worker.cfg.eos_token_ids, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids
@@ -405,7 +405,7 @@ class EyasTarget:
             req.max_new_tokens,
             req.method,
             tree,
-            req.to_sampling_params(),
+            req.to_sampling_params(stop_ids),
             req.seed,
             _trimmed(req, on_new, stops, stop_ids),
             cancel,
@@ -433,7 +433,7 @@ class EyasTarget:
                     build_report(
                         req,
                         result,
-                        AnswerText.of(self.tokenizer, result.token_ids, req.stop),
+                        AnswerText.of(self.tokenizer, result.token_ids, req.stop, req.min_tokens),
                         self.cfg.precision,
                         info.get("source"),
                         tree,

@@ -271,7 +271,9 @@ def build_http_app(server: Ingress) -> FastAPI:
         usage (when asked for), then ``[DONE]``; a failure is one error event. A client that closes
         the stream cancels the request (every choice's path has a ``finally``)."""
         created = oai.now()
-        texts = [AnswerText(server.tokenizer, r.stop) for r in reqs]  # the gRPC stream's rule (eyas/protocol/text.py)
+        texts = [
+            AnswerText(server.tokenizer, r.stop, r.min_tokens) for r in reqs
+        ]  # the gRPC stream's rule (eyas/protocol/text.py)
         reports: dict[int, dict] = {}
         if parsed.kind == oai.CHAT:
             for i in range(len(reqs)):

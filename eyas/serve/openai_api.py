@@ -34,7 +34,7 @@ from eyas.target.loader import encode_messages, encode_prompt
 
 CHAT, COMPLETION = "chat.completion", "text_completion"
 # Eyas's own request fields, and vLLM's extras Eyas takes beside OpenAI's, that an OpenAI body may carry
-EYAS_EXTRAS = (*DECODING_FIELDS, "top_k", "request_id", "ignore_eos", "stop_token_ids")
+EYAS_EXTRAS = (*DECODING_FIELDS, "top_k", "request_id", "ignore_eos", "stop_token_ids", "min_tokens")
 # OpenAI parameters Eyas knows and does not implement: refused by name, never ignored
 UNSUPPORTED = (
     "tools",
@@ -142,6 +142,7 @@ class _Common(_Strict):
     min_p: float = 0.0
     ignore_eos: bool | None = None  # the answer runs on past end-of-sequence tokens to max_tokens
     stop_token_ids: list[int] | None = None  # token ids that end the answer like end-of-sequence
+    min_tokens: int | None = None  # no end of the answer (stop ids or strings) before this many tokens
     # the Eyas extension (extra_body)
     method: str | None = None
     suffix_drafts: bool | None = None

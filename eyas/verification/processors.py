@@ -12,8 +12,12 @@ Terms:
   logit divided by ``r`` where positive and multiplied by ``r`` where not.
 - **frequency / presence penalty** (OpenAI's): ``logit -= frequency * count + presence * (count > 0)``
   where ``count`` is the token's occurrences in the history (the answer only, not the prompt).
+- **min_tokens** (vLLM's): a row whose history is shorter than ``min_tokens`` has the logits of the
+  answer's stop ids (``SamplingParams.min_tokens_stop_ids``) at -inf: the token it draws would be the
+  answer's token number ``len(history) + 1``.
 
-Order (vLLM's): logit bias, then the repetition penalty, then frequency and presence; temperature,
+Order (vLLM's): logit bias, then the repetition penalty, then frequency and presence, then the
+min_tokens mask; temperature,
 min-p, top-k and top-p follow in ``sampling.target_probs``. Pure functions: tensors in, tensors out.
 """
 
@@ -51,10 +55,32 @@ def processed_logits(
         if int(ids.max()) >= vocab:
             raise ValueError(f"logit_bias: token id {int(ids.max())} is outside the vocabulary of size {vocab}")
         out[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=out.device)
-    if not _penalizes(params):
-        return out
-    counts, tokens = history_counts(flat, output_ids, rows)  # [R, U], [U]
-    return _penalize(out, counts, tokens, list(prompt_ids), params)
+    if _penalizes(params):
+        counts, tokens = history_counts(flat, output_ids, rows)  # [R, U], [U]
+        out = _penalize(out, counts, tokens, list(prompt_ids), params)
+    if params.holds_stops:
+        # a row's history: the answer so far, the root (the previous frontier) and its path below it
+        lengths = torch.zeros(rows, dtype=torch.int64) if flat is None else len(output_ids) + 1 + flat.depths
+        _hold_stops(out, lengths, list(params.min_tokens_stop_ids), params.min_tokens)
+    return out
+
+
+def _hold_stops(
+    out: torch.Tensor,  # [R, C] float32, changed in place
+    lengths: torch.Tensor,  # [R] int64 each row's answer length before the token it draws
+    stop_columns: list[int],  # the stop ids' logit columns
+    min_tokens: int,
+) -> torch.Tensor:  # out
+    """min_tokens (module docstring): the stop columns of every row shorter than ``min_tokens`` at -inf."""
+    short = (lengths < min_tokens).to(out.device)  # [R]
+    if stop_columns and bool(short.any()):
+        cols = torch.tensor(stop_columns, dtype=torch.int64, device=out.device)
+        if int(cols.max()) >= out.shape[1]:
+            raise ValueError(
+                f"stop_token_ids: token id {int(cols.max())} is outside the vocabulary of size {out.shape[1]}"
+            )
+        out[short.nonzero().flatten()[:, None], cols[None, :]] = float("-inf")
+    return out
 
 
 def _penalizes(params: SamplingParams) -> bool:
@@ -137,6 +163,7 @@ def draft_processor(
 
     bias = [(c, b) for t, b in params.logit_bias for c in col([t])]
     prompt_columns = col(prompt)
+    stop_columns = col(list(params.min_tokens_stop_ids))
     targets = None  # [C] the target token of each logit column (a draft vocabulary), for the grammar's mask
     if grammar is not None and columns is not None:
         targets = torch.zeros(len(columns), dtype=torch.int64)
@@ -150,11 +177,14 @@ def draft_processor(
             return out
         if bias:
             out[:, torch.tensor([c for c, _ in bias], dtype=torch.int64)] += torch.tensor([b for _, b in bias])
-        if not _penalizes(params):
-            return out
-        answers = [Counter(col(history[answer_from:])) for history in histories]
-        counted = sorted(set().union(*answers))  # [U] the columns any row's answer holds
-        counts = torch.tensor([[float(a[c]) for c in counted] for a in answers]).reshape(len(answers), len(counted))
-        return _penalize(out, counts, torch.tensor(counted, dtype=torch.int64), prompt_columns, params)
+        if _penalizes(params):
+            answers = [Counter(col(history[answer_from:])) for history in histories]
+            counted = sorted(set().union(*answers))  # [U] the columns any row's answer holds
+            counts = torch.tensor([[float(a[c]) for c in counted] for a in answers]).reshape(len(answers), len(counted))
+            out = _penalize(out, counts, torch.tensor(counted, dtype=torch.int64), prompt_columns, params)
+        if params.holds_stops:
+            lengths = torch.tensor([len(h) - answer_from for h in histories], dtype=torch.int64)
+            _hold_stops(out, lengths, stop_columns, params.min_tokens)
+        return out
 
     return process

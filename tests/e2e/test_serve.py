@@ -157,7 +157,7 @@ def test_a_short_request_beside_a_4000_token_prompt_gets_its_first_token_while_t
 def test_ignore_eos_over_grpc_and_the_openai_api_runs_to_max_tokens(client, http_url, real_eyas):
     """vLLM's ignore_eos (a GenerateRequest field; the OpenAI API's extra_body): a short answer runs
     on past <|im_end|> to the token budget, speculative and equal to in-process target-only's; its
-    stop_token_ids end it at the first of them."""
+    stop_token_ids end it at the first of them; min_tokens holds its end back, equal to in-process."""
     from eyas.protocol.schema import parse_request
 
     prompt, n = "Say hi.", 24
@@ -176,6 +176,24 @@ def test_ignore_eos_over_grpc_and_the_openai_api_runs_to_max_tokens(client, http
     stop = here.token_ids[3]  # vLLM's stop_token_ids: the answer ends at the first of them, emitted
     cut = client.generate(prompt=prompt, method="eagle3", max_new_tokens=n, ignore_eos=True, stop_token_ids=[stop])
     assert cut["token_ids"] == here.token_ids[: here.token_ids.index(stop) + 1] and cut["finish_reason"] == "stop"
+    # vLLM's min_tokens: the answer ends where the model ends it, but not before min_tokens
+    prompt = "What is 2+2? Answer with the number only."
+    short = real_eyas.generate(parse_request(prompt=prompt, method="target", max_new_tokens=n))[0]
+    assert len(short.token_ids) + 4 <= n
+    held = real_eyas.generate(
+        parse_request(prompt=prompt, method="target", max_new_tokens=n, min_tokens=len(short.token_ids) + 4)
+    )[0]
+    assert len(held.token_ids) >= len(short.token_ids) + 4 > len(short.token_ids)
+    report = client.generate(prompt=prompt, method="eagle3", max_new_tokens=n, min_tokens=len(short.token_ids) + 4)
+    assert report["token_ids"] == held.token_ids
+    r = _openai(http_url).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=n,
+        temperature=0,
+        extra_body={"method": "eagle3", "min_tokens": len(short.token_ids) + 4},
+    )
+    assert r.usage.completion_tokens == len(held.token_ids)
 
 
 def test_stop_strings_end_the_answer(client):
@@ -457,6 +475,8 @@ def test_http_bad_requests_get_400_naming_the_field(http_url, client, body, erro
 # --- the hostile fuzz: each case is (fields that break exactly one rule, the field that must be named) --
 _BAD_BOTH = [  # expressible over gRPC (proto types) and HTTP (JSON)
     ({"stop_token_ids": [1_000_000]}, "stop_token_ids"),  # outside the vocabulary
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 200, "max_new_tokens": 100}, "min_tokens"),  # more than max_new_tokens
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"max_new_tokens": -7}, "max_new_tokens"),
     ({"max_new_tokens": 9000}, "max_new_tokens"),

@@ -19,8 +19,8 @@ def tokenizer():
     return load_tokenizer()
 
 
-def _stream(tokenizer, chunks, stop=()) -> tuple[list[str], AnswerText]:
-    text = AnswerText(tokenizer, stop)
+def _stream(tokenizer, chunks, stop=(), min_tokens=0) -> tuple[list[str], AnswerText]:
+    text = AnswerText(tokenizer, stop, min_tokens)
     deltas = [text.push(c) for c in chunks]
     deltas.append(text.finish())
     return deltas, text
@@ -40,6 +40,25 @@ def test_a_stop_string_split_across_rounds_is_never_sent(tokenizer):
     deltas, text = _stream(tokenizer, [[t] for t in ids], stop=["\n\n", "END"])
     assert "".join(deltas) == "Hello\nworld " == text.text and text.stopped
     assert all("E" not in d for d in deltas)  # "E", "EN" held back until "END" or something else came
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_min_tokens_lets_a_stop_string_end_the_answer_only_in_its_min_tokens_th_token_or_later(tokenizer, chunk):
+    """vLLM's min_tokens: a stop string ending in the text of the first min_tokens - 1 tokens does not
+    count (streamed or whole, however the tokens arrive); one ending in token number min_tokens does."""
+    ids = tokenizer.encode("a END b END c END d")
+    ends = [k for k in range(1, len(ids) + 1) if tokenizer.decode(ids[:k]).endswith("END")]
+    assert len(ends) == 3
+    chunks = [ids[i : i + chunk] for i in range(0, len(ids), chunk)]
+    for min_tokens, kept in [
+        (0, "a "),
+        (ends[0], "a "),
+        (ends[0] + 1, "a END b "),
+        (ends[2] + 1, "a END b END c END d"),
+    ]:
+        deltas, text = _stream(tokenizer, chunks, stop=["END"], min_tokens=min_tokens)
+        assert "".join(deltas) == kept == text.text == AnswerText.of(tokenizer, ids, ["END"], min_tokens), min_tokens
+        assert text.stopped == (kept != "a END b END c END d")
 
 
 def test_a_stop_string_prefix_that_does_not_complete_is_sent_at_the_end(tokenizer):

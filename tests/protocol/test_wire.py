@@ -219,12 +219,22 @@ def test_session_spec_carries_the_logits_processors():
             repetition_penalty=1.3,
             min_p=0.1,
             logit_bias=((1, -100.0), (5, 2.5)),
+            min_tokens=7,
+            min_tokens_stop_ids=(0, 3),
         ),
     )
     assert wire.session_spec_from_proto(wire.session_spec_to_proto(spec), vocab_size=VOCAB) == spec
     bad = wire.session_spec_to_proto(spec)
     bad.logit_bias[VOCAB] = 1.0
     with pytest.raises(WireError, match="^logit_bias: "):
+        wire.session_spec_from_proto(bad, vocab_size=VOCAB)
+    bad = wire.session_spec_to_proto(spec)
+    bad.min_tokens_stop_ids.append(VOCAB)
+    with pytest.raises(WireError, match="^min_tokens_stop_ids: "):
+        wire.session_spec_from_proto(bad, vocab_size=VOCAB)
+    bad = wire.session_spec_to_proto(spec)
+    bad.min_tokens = -1
+    with pytest.raises(WireError, match="^min_tokens: "):
         wire.session_spec_from_proto(bad, vocab_size=VOCAB)
 
 
@@ -278,6 +288,8 @@ def test_one_field_list_for_the_request_model_the_proto_and_the_converters():
     carried = {"raw", "stop", "prompt_ids", "messages", "logit_bias", "response_format", "stop_token_ids"}
     assert set(wire._OPTIONAL_REQUEST_FIELDS) | carried == schema
     assert not set(wire._OPTIONAL_REQUEST_FIELDS) & carried
-    sampler = {f.name for f in fields(SamplingParams)} - {"grammar"}  # grammar: the response format's key
+    # grammar: the response format's key; min_tokens_stop_ids: the target's ids that end the answer
+    sampler = {f.name for f in fields(SamplingParams)} - {"grammar", "min_tokens_stop_ids"}
     assert sampler <= schema and set(wire.SAMPLING_FIELDS) | {"logit_bias"} == sampler
-    assert sampler - {"logit_bias"} <= {f.name for f in pb.OpenSessionRequest.DESCRIPTOR.fields}
+    session = {f.name for f in pb.OpenSessionRequest.DESCRIPTOR.fields}
+    assert sampler - {"logit_bias"} <= session and {"grammar", "min_tokens_stop_ids"} <= session

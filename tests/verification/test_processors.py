@@ -96,6 +96,7 @@ PROCESSED = [
     SamplingParams(repetition_penalty=1.8),
     SamplingParams(logit_bias=((1, 4.0), (2, -100.0), (3, 2.5))),
     SamplingParams(presence_penalty=-0.5, frequency_penalty=0.7, repetition_penalty=1.2, logit_bias=((9, 1.0),)),
+    SamplingParams(min_tokens=20, min_tokens_stop_ids=tuple(range(0, 40, 2))),
 ]
 
 
@@ -210,3 +211,31 @@ def test_the_drafters_processors_are_the_verifiers_row_by_row():
     histories = [prompt[1:] + answer + path for path in paths(flat)]
     drafted = draft_processor(params, prompt)(logits, histories)
     assert torch.allclose(drafted, processed_logits(logits, flat, prompt, answer, params))
+
+
+def test_min_tokens_holds_the_stop_ids_back_on_the_rows_whose_answer_is_short():
+    """vLLM's min_tokens per verify row: a row's answer before the token it draws is the committed
+    answer, the root (the previous frontier) and its path below the root; rows shorter than min_tokens
+    have every stop id at -inf, the others are untouched; a prefill's row (an empty answer) is held
+    too; the drafter's rows get the verifier's masks (under a penalty as well)."""
+    from eyas.verification.processors import draft_processor
+
+    flat = flatten_tree(TREE3, frontier_token=7, base_position=10)  # depths 0, 1, 2, 1
+    logits = torch.randn(flat.num_rows, V, generator=torch.Generator().manual_seed(4))
+    prompt, answer = [3, 4, 4, 9], [5, 5, 2]  # the rows' answers: 4, 5, 6, 5 tokens
+    params = SamplingParams(min_tokens=6, min_tokens_stop_ids=(0, 4))
+    out = processed_logits(logits, flat, prompt, answer, params)
+    held = out[:, [0, 4]] == float("-inf")
+    assert held.tolist() == [[True, True], [True, True], [False, False], [True, True]]
+    keep = torch.ones(V, dtype=torch.bool)
+    keep[[0, 4]] = False
+    assert torch.equal(out[:, keep], logits[:, keep]) and torch.equal(out[2], logits[2])
+    assert processed_logits(logits, flat, prompt, answer + [1], params)[:, [0, 4]].isinf().sum() == 2  # the root only
+    first = processed_logits(logits[:1], None, prompt, [], SamplingParams(min_tokens=1, min_tokens_stop_ids=(3,)))
+    assert first[0, 3] == float("-inf")
+    histories = [prompt[1:] + answer + path for path in paths(flat)]
+    for p in (params, SamplingParams(frequency_penalty=0.5, min_tokens=6, min_tokens_stop_ids=(0, 4))):
+        assert torch.equal(
+            draft_processor(p, prompt)(logits, histories), processed_logits(logits, flat, prompt, answer, p)
+        )
+    assert not SamplingParams(min_tokens=6).processes  # no stop ids: nothing to hold
