@@ -125,6 +125,9 @@ class GenerationResult:
     drafter_reseeds: int = 0  # times the drafter was reseeded from the target's committed state
     cached_tokens: int = 0  # prompt tokens whose K/V and features came from the target's prefix cache
     queue_s: float = 0.0  # seconds it waited for admission to the batch (a serving loop's queue)
+    # the version of the drafter that drafted its last tree (0: the shipped or configured one; a learned
+    # version's number after a swap, eyas.learning); None: no drafter drafted for it
+    drafter_version: int | None = None
 
     @property
     def target_forwards(self) -> int:
@@ -311,6 +314,7 @@ def decode(
         drafter_fallback=state.fallback,
         drafter_reseeds=state.reseeds,
         cached_tokens=cached_tokens,
+        drafter_version=state.drafter_version,
     )
 
 

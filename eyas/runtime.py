@@ -279,6 +279,7 @@ def build_report(
         "hop_s": r.hop_s,
         "drafter_fallback": r.drafter_fallback,
         "drafter_reseeds": r.drafter_reseeds,
+        "drafter_version": r.drafter_version,
         "cached_tokens": r.cached_tokens,
         "precision": precision,
         "drafter": drafter if req.method not in ("target", SUFFIX) else None,

@@ -83,6 +83,9 @@ class DraftState:
     needs_reseed: bool = False
     fallback: bool = False
     reseeds: int = 0
+    # the version of the drafter that drafted its last tree (0: the one the drafter was built with;
+    # a learned one's number after a swap, eyas.learning); None: no drafter has drafted for it
+    drafter_version: int | None = None
 
     @property
     def speculative(self) -> bool:
@@ -132,11 +135,15 @@ class DrafterSide(Protocol):
 
     def close_session(self, request_id: str) -> None: ...
 
-    def propose_batch(self, items: list[tuple[str, list[Seed], TreeSpec]]) -> tuple[list[DraftTree | Refusal], float]:
+    def propose_batch(
+        self, items: list[tuple[str, list[Seed], TreeSpec]]
+    ) -> tuple[list[DraftTree | Refusal], float, list[int | None]]:
         """Each item: (request id, its unread seeds in order, its tree). The side joins the seeds
         (``Seed.join``) on the thread that runs its torch compute, since a concatenation on any
         other thread of the process would give it a second OpenMP team (``eyas.compute``).
-        -> (per item a tree or a refusal, seconds of drafter compute); raises DrafterUnavailable."""
+        -> (per item a tree or a refusal, seconds of drafter compute, per item the version of the
+        drafter that drafted it: 0 the one it was built with; None: no drafter did); raises
+        DrafterUnavailable."""
 
     def publish(self, request_ids: list[str]) -> None:
         """Drop these requests' provisional tree rows (the round was published)."""
@@ -160,15 +167,16 @@ class SessionDrafter:
     def close_session(self, request_id: str) -> None:
         self.drafter.close_session(request_id)
 
-    def propose_batch(self, items: list[tuple[str, list[Seed], TreeSpec]]) -> tuple[list[DraftTree], float]:
-        trees, compute_s = [], 0.0
+    def propose_batch(self, items: list[tuple[str, list[Seed], TreeSpec]]) -> tuple[list[DraftTree], float, list[int]]:
+        trees, compute_s, versions = [], 0.0, []
         for request_id, seeds, tree in items:  # on the caller's thread, which runs the drafter too
             t0 = time.perf_counter()
             out = self.drafter.propose(request_id, Seed.join(seeds), tree)
             tree_, seconds = out if isinstance(out, tuple) else (out, time.perf_counter() - t0)
             trees.append(tree_)
             compute_s += seconds
-        return trees, compute_s
+            versions.append(self.drafter.version_of(request_id) if hasattr(self.drafter, "version_of") else 0)
+        return trees, compute_s, versions
 
     def publish(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -240,7 +248,9 @@ class SuffixSide:
         if not self.forget(request_id) and self.inner is not None:
             self.inner.close_session(request_id)
 
-    def propose_batch(self, items: list[tuple[str, list[Seed], TreeSpec]]) -> tuple[list[DraftTree | Refusal], float]:
+    def propose_batch(
+        self, items: list[tuple[str, list[Seed], TreeSpec]]
+    ) -> tuple[list[DraftTree | Refusal], float, list[int | None]]:
         t0 = time.perf_counter()
         suffix: dict[str, DraftTree] = {}
         for request_id, seeds, tree in items:  # indexing is idempotent: a failed drafter call may hand them again
@@ -263,19 +273,21 @@ class SuffixSide:
             for rid, seeds, tree in items
             if rid not in self.alone
         ]
-        trees, compute_s = {}, 0.0
+        trees, compute_s, versions = {}, 0.0, {}
         if neural:
             if self.inner is None:
                 raise DrafterUnavailable("drafter: none is up")
-            out, compute_s = self.inner.propose_batch(neural)
+            out, compute_s, drafted_by = self.inner.propose_batch(neural)
             trees = {item[0]: tree for item, tree in zip(neural, out)}
+            versions = {item[0]: v for item, v in zip(neural, drafted_by)}
         result = []
         for request_id, _, _ in items:
             drafted = trees.get(request_id, DraftTree.empty())
             if request_id in suffix and not isinstance(drafted, Refusal):
                 drafted = graft(drafted, suffix[request_id])
             result.append(drafted)
-        return result, compute_s + suffix_s  # the suffix work counts as drafting
+        # the suffix work counts as drafting; a suffix-alone request has no drafter version (None)
+        return result, compute_s + suffix_s, [versions.get(rid) for rid, _, _ in items]
 
     def publish(self, request_ids: list[str]) -> None:
         neural = [r for r in request_ids if r not in self.alone]
@@ -397,7 +409,7 @@ def propose(
     if not drafting:
         return trees, [], 0.0, False
     try:
-        out, compute_s = drafter.propose_batch(
+        out, compute_s, versions = drafter.propose_batch(
             [(s.request_id, list(s.unread), tree or CONSUME_SEED_ONLY) for s, tree in drafting]
         )
     except DrafterUnavailable:
@@ -406,12 +418,13 @@ def propose(
                 s.needs_reseed, s.drafter_open = True, False
         return trees, [], 0.0, True
     drafted = []
-    for (s, _), tree in zip(drafting, out):
+    for (s, _), tree, version in zip(drafting, out, versions):
         if isinstance(tree, Refusal):  # e.g. a restarted drafter lost the session
             s.needs_reseed, s.drafter_open = True, False
         else:
             trees[s.request_id], s.unread = tree, []
             drafted.append(s.request_id)
+            s.drafter_version = s.drafter_version if version is None else version
     return trees, drafted, compute_s, False
 
 

@@ -105,12 +105,12 @@ class DrafterWorker:
             ),
         )
 
-    def swap(self, method: str, folder: str) -> int:
+    def swap(self, method: str, folder: str, version: int | None = None) -> int:
         """Serve the drafter checkpoint at ``folder`` for ``method`` from the next round on (a learned
         version of the live one: same network, address and vocabulary, checked against the target's
         fingerprint) -> the method's drafter version now. :meth:`load_version` then :meth:`swap_in`;
         a replica loads outside its worker lock and swaps inside it, between two rounds."""
-        return self.swap_in(method, self.load_version(method, folder), folder)
+        return self.swap_in(method, self.load_version(method, folder), folder, version)
 
     def load_version(self, method: str, folder: str):
         """The drafter at ``folder``, loaded and checked for ``method`` at this worker's precision (no
@@ -124,10 +124,11 @@ class DrafterWorker:
             raise ValueError(f"drafter: {folder} reads the feature address {fresh.taps}, the live one {engine.taps}")
         return fresh.drafter
 
-    def swap_in(self, method: str, drafter, folder: str) -> int:
-        """Make ``drafter`` (from :meth:`load_version`) the live one of ``method`` -> its version now."""
+    def swap_in(self, method: str, drafter, folder: str, version: int | None = None) -> int:
+        """Make ``drafter`` (from :meth:`load_version`) the live one of ``method`` -> its version now
+        (``version``: the learner's number for it; None: the live one's plus 1)."""
         engine = self.engines[method]
-        engine.swap_drafter(drafter)
+        engine.swap_drafter(drafter, version)
         self.sources[method] = str(folder)
         return engine.version
 
@@ -175,15 +176,21 @@ class DrafterWorker:
 
     def propose(self, request_id: str, seed: pb.Seed | Seed, tree: TreeSpec) -> tuple[DraftTree, float]:
         """-> (the next tree, seconds of drafter compute); a refusal raises ``ValueError`` naming the field."""
-        (draft,), seconds = self.propose_batch([(request_id, seed, tree)])
+        (draft,), seconds, _ = self.propose_batch([(request_id, seed, tree)])
         if isinstance(draft, Refusal):
             raise ValueError(draft.message)
         return draft, seconds
 
-    def propose_batch(self, items: list[tuple[str, pb.Seed | Seed, TreeSpec]]) -> tuple[list, float]:
+    def version_of(self, request_id: str) -> int:
+        """The drafter version that drafts ``request_id``'s trees now (its method's live one; 0 unknown)."""
+        method = self.session_method.get(request_id)
+        return self.engines[method].version if method is not None else 0
+
+    def propose_batch(self, items: list[tuple[str, pb.Seed | Seed, TreeSpec]]) -> tuple[list, float, list[int]]:
         """Grow several requests' trees, one packed drafter pass per growth step and method.
 
-        -> (per item a ``DraftTree`` or a ``Refusal``, seconds of drafter compute)."""
+        -> (per item a ``DraftTree`` or a ``Refusal``, seconds of drafter compute, per item the
+        drafter version that drafted it: 0 the one the worker was built with, or a refusal)."""
         t0 = time.perf_counter()
         out: list = [None] * len(items)
         groups: dict[str, list[tuple[int, str, Seed, TreeSpec]]] = {}
@@ -207,7 +214,8 @@ class DrafterWorker:
             trees = self.engines[method].propose_batch([(rid, seed, tree) for _, rid, seed, tree in members])
             for (i, *_), tree in zip(members, trees):
                 out[i] = tree
-        return out, time.perf_counter() - t0
+        versions = [0 if isinstance(t, Refusal) else self.version_of(rid) for (rid, _, _), t in zip(items, out)]
+        return out, time.perf_counter() - t0, versions
 
     def publish(self, request_id: str) -> None:
         self._engine(request_id).publish(request_id)

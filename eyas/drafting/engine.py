@@ -138,15 +138,18 @@ class DrafterEngine:
         self.taps = tuple(taps)
         self.device = embed.weight.device  # where every draft tensor lives (the target's device)
         self.sessions: dict[str, DraftSession] = {}
-        self.version = 0  # drafter versions swapped in (swap_drafter); 0: the one it was built with
+        self.version = 0  # the live drafter's version (swap_drafter); 0: the one it was built with
         # every live request's draft K/V in one padded store, rows [0, live) (eyas.target.batch_kv)
         self.kv = self.drafter.allocate_store()
 
-    def swap_drafter(self, drafter: Drafter) -> None:
+    def swap_drafter(self, drafter: Drafter, version: int | None = None) -> None:
         """Serve ``drafter`` from the next drafting pass on (a round boundary: call it between rounds).
         It must be the same network over the same feature address and draft vocabulary (a learned
         version of the live one). Live sessions keep their draft K/V, written by the previous weights:
-        what they propose may differ, what they output may not (the target verifies every token)."""
+        what they propose may differ, what they output may not (the target verifies every token).
+        ``version``: its number (the learner's; above the live one's); None: the live one's plus 1."""
+        if version is not None and (type(version) is not int or version <= self.version):
+            raise ValueError(f"version: a swap serves a version above the live {self.version}, got {version!r}")
         old = self.drafter
         if drafter.cfg != old.cfg:
             raise ValueError(f"drafter: a swap needs the live drafter's config {old.cfg}, got {drafter.cfg}")
@@ -155,7 +158,11 @@ class DrafterEngine:
         ):
             raise ValueError("drafter: a swap keeps the live drafter's draft vocabulary")
         self.drafter = drafter.eval().requires_grad_(False)
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
+
+    def version_of(self, request_id: str) -> int:
+        """The drafter version that drafts ``request_id``'s trees now (one drafter here: the live one)."""
+        return self.version
 
     def kv_slots_allocated(self) -> int:
         return sum(s.max_slots for s in self.sessions.values())

@@ -287,6 +287,7 @@ def _stats(report: dict) -> pb.GenerateStats:
         drafter_reseeds=report["drafter_reseeds"],
         resumes=report.get("resumes", 0),
         cached_tokens=report.get("cached_tokens", 0),
+        drafter_version=report.get("drafter_version"),
     )
 
 

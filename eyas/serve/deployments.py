@@ -427,7 +427,9 @@ class EyasTarget:
                     len(ids),
                     len(result.token_ids),
                 )
-                self.telemetry.record_request(req.method, result.finish_reason, result.drafter_fallback)
+                self.telemetry.record_request(
+                    req.method, result.finish_reason, result.drafter_fallback, result.drafter_version
+                )
                 self.reporter.poke()
                 report.set_result(
                     build_report(
@@ -554,7 +556,7 @@ class EyasDrafter:
                     method = self.cfg.learn.method
                     drafter = self.worker.load_version(method, folder)  # off the lock: rounds go on meanwhile
                     with self.lock:
-                        compute.run(self.worker.swap_in, method, drafter, folder)
+                        compute.run(self.worker.swap_in, method, drafter, folder, version)
                     self.live_version = version
                     log.info("drafter version %d live (%s)", version, folder)
                 warned = False
@@ -618,7 +620,7 @@ class EyasDrafter:
         """``processors``: the request's (SamplingParams, prompt ids) when a logits processor is on."""
         return await self._call("open_session", request_id, method, max_slots, *processors)
 
-    async def propose_batch(self, items: list) -> tuple[list, float]:
+    async def propose_batch(self, items: list) -> tuple[list, float, list[int]]:
         return await self._call("propose_batch", items)
 
     async def close_session(self, request_id: str) -> bool:

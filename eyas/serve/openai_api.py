@@ -361,6 +361,7 @@ def spec_stats(report: dict) -> dict:
         "seed": report.get("seed"),  # the request's sampling seed (a fresh one when it gave none)
         "target_forwards": report["target_forwards"],
         "drafter_fallback": report["drafter_fallback"],
+        "drafter_version": report.get("drafter_version"),
     }
 
 

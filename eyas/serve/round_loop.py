@@ -601,6 +601,7 @@ class RoundLoop:
             drafter_fallback=live.fallback,
             drafter_reseeds=live.reseeds,
             cached_tokens=live.cached_tokens,
+            drafter_version=live.drafter_version,
             queue_s=max((live.opened or now) - live.arrival, 0.0),
         )
         if self.on_finish is not None:

@@ -19,6 +19,9 @@ Metrics (instrument names):
 - ``eyas.tree_nodes``, ``eyas.verify_rows`` (histograms per round).
 - ``eyas.kv_bytes`` (observable gauge, attribute ``side`` = target | draft): bytes held by live sessions.
 - ``eyas.requests`` (counter, attributes ``method``, ``finish_reason``) and ``eyas.drafter_fallbacks``.
+- ``eyas.drafter_version`` (observable gauge, attribute ``method``): the version of the drafter that
+  drafted this replica's last finished answer of the method (0: the one served at start; a learned
+  version's number after the learner promoted it, ``eyas.learning``).
 - vLLM's spec-decode counters, same meaning: ``eyas.spec_decode.num_drafts`` (rounds that verified a
   drafted token), ``.num_draft_tokens`` (drafted tokens verified), ``.num_accepted_tokens``,
   ``.num_accepted_tokens_per_pos`` (attribute ``position``, 0-based depth).
@@ -171,6 +174,8 @@ class Telemetry:
         meter.create_observable_gauge(
             "eyas.prefix_cache.bytes", callbacks=[lambda o: self._observe_prefix("bytes")], unit="By"
         )
+        self._drafter_versions: dict[str, int] = {}  # method -> the version that drafted its last answer
+        meter.create_observable_gauge("eyas.drafter_version", callbacks=[self._observe_versions])
 
     # --- recording --------------------------------------------------------------------------------
     def add_kv_source(self, source: Callable[[], dict[str, int]]) -> None:
@@ -272,10 +277,18 @@ class Telemetry:
                 self.accepted.add(1, depth)
                 self.conf_accepted.add(1, bucket)
 
-    def record_request(self, method: str, finish_reason: str, fallback: bool) -> None:
+    def record_request(
+        self, method: str, finish_reason: str, fallback: bool, drafter_version: int | None = None
+    ) -> None:
+        """A finished answer; ``drafter_version``: the drafter version that drafted its last tree (None: none)."""
         self.requests.add(1, {"method": method, "finish_reason": finish_reason, **self.labels})
         if fallback:
             self.fallbacks.add(1, {"method": method, **self.labels})
+        if drafter_version is not None:
+            self._drafter_versions[method] = drafter_version
+
+    def _observe_versions(self, _options):
+        return [Observation(v, {"method": m, **self.labels}) for m, v in list(self._drafter_versions.items())]
 
     def record_latency(
         self,

@@ -153,7 +153,7 @@ def test_the_drafter_grows_no_tree_in_a_round_whose_suffix_span_is_likely():
 
         def propose_batch(self, items):
             self.asked.update({rid: tree for rid, _, tree in items})
-            return [DraftTree.empty() for _ in items], 0.0
+            return [DraftTree.empty() for _ in items], 0.0, [3 for _ in items]
 
         def publish(self, request_ids):
             pass
@@ -165,8 +165,8 @@ def test_the_drafter_grows_no_tree_in_a_round_whose_suffix_span_is_likely():
     for rid, tokens in histories.items():
         side.open_session(DraftState(request_id=rid, method="eagle3", suffix=True))
         seeds[rid] = Seed(torch.zeros(len(tokens), 0), torch.tensor(tokens), 0, 0)
-    trees, _ = side.propose_batch([(rid, [seeds[rid]], TREE) for rid in histories])
-    assert inner.asked == {"copying": CONSUME_SEED_ONLY, "fresh": TREE}
+    trees, _, versions = side.propose_batch([(rid, [seeds[rid]], TREE) for rid in histories])
+    assert inner.asked == {"copying": CONSUME_SEED_ONLY, "fresh": TREE} and versions == [3, 3]
     assert paths(trees[0]) >= {(5,), (5, 6), (5, 6, 7)} and trees[1].num_nodes == 0
     side.propose_batch([(rid, [seeds[rid]], TREE) for rid in histories])  # the same seeds again
     assert side.indexes["copying"].tokens == histories["copying"]

@@ -38,6 +38,8 @@ def test_greedy_over_grpc_is_token_identical_to_target_only_for_every_method(cli
             assert report["token_ids"] == reference[prompt], (prompt, method, tree)
             assert report["finish_reason"] in ("stop", "length")
             assert not report["drafter_fallback"]
+            # the drafter version that drafted it: 0, the one served at start (no learning here)
+            assert report["drafter_version"] == (None if method == "target" else 0)
             if method != "target":
                 assert report["tree"]["kind"] == tree and report["rounds"]
     no_leaks(client)
@@ -95,6 +97,7 @@ def test_stream_chunks_add_up_to_the_unary_answer(client):
     assert all(not c.finish_reason for c in chunks[:-1]) and len(chunks) >= 3
     # rounds may differ between the two runs: the tree-work scheduler picks each round's tree from live timings
     assert chunks[-1].stats.tau >= 1.0 and chunks[-1].stats.rounds >= 1
+    assert chunks[-1].stats.HasField("drafter_version") and chunks[-1].stats.drafter_version == 0
 
 
 MULTIBYTE_PROMPTS = ("Translate 'thank you' into Japanese.", "Repeat exactly: 日本語です 😀, café")
@@ -772,7 +775,7 @@ def test_openai_chat_and_completions_equal_target_only_with_exact_usage(
     assert r.choices[0].message.content == want and r.choices[0].finish_reason in ("stop", "length")
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, len(reference[PROMPTS[0]]))
     spec = r.model_extra["eyas"]
-    assert spec["method"] == "eagle3" and spec["num_spec_steps"] > 0
+    assert spec["method"] == "eagle3" and spec["num_spec_steps"] > 0 and spec["drafter_version"] == 0
     assert sum(spec["acceptance_histogram"]) == spec["num_accepted_tokens"]  # per depth, adding up
     chunks = list(
         oa.chat.completions.create(

@@ -89,10 +89,11 @@ def drafter_worker(model, folder):
     return worker
 
 
-def serve(model, folder, prompts, learn=None, n=12, swap_to=None):
+def serve(model, folder, prompts, learn=None, n=12, swap_to=None, versions=None):
     """Greedy EAGLE-3 answers of ``prompts`` through the serving round loop over in-process workers
     with capture on; ``learn[i]`` False: request i opts out; ``swap_to``: a drafter folder swapped in
-    after the first answer. -> (token ids per prompt, the target worker, the drafter worker)."""
+    after the first answer (as version 4); ``versions``: a list that gets each answer's drafter
+    version. -> (token ids per prompt, the target worker, the drafter worker)."""
     drafter = drafter_worker(model, folder)
     target = TargetWorker(model, capture=CaptureConfig(drafter.engines["eagle3"].taps))
     info = drafter.info()
@@ -103,9 +104,12 @@ def serve(model, folder, prompts, learn=None, n=12, swap_to=None):
             f = loop.submit(
                 f"r{i}", p, n, "eagle3", TreeSpec(), SamplingParams(), 0, learn=True if learn is None else learn[i]
             )
-            results.append(f.result(timeout=120).token_ids)
+            result = f.result(timeout=120)
+            results.append(result.token_ids)
+            if versions is not None:
+                versions.append(result.drafter_version)
             if i == 0 and swap_to is not None:
-                drafter.swap("eagle3", str(swap_to))
+                drafter.swap("eagle3", str(swap_to), version=4)
     finally:
         loop.close()
     return results, target, drafter
@@ -155,7 +159,8 @@ def test_capture_off_keeps_nothing_and_the_buffer_evicts_oldest(setup):
 
 def test_a_swap_mid_stream_changes_no_token(setup, tmp_path):
     """Answers with a different drafter swapped in after the first equal greedy target-only answers;
-    the swap took (version 1), and a drafter of another shape is refused."""
+    the swap took (version 4, the learner's number, in the answers drafted after it), a version not
+    above the live one and a drafter of another shape are refused."""
     model, folder = setup
     noisy, _ = load_drafter(folder, TargetFingerprint(**FINGERPRINT))
     with torch.no_grad():
@@ -166,12 +171,15 @@ def test_a_swap_mid_stream_changes_no_token(setup, tmp_path):
 
     save_drafter(tmp_path / "v1", noisy, read_manifest(folder))
     prompts = walks(3, 9)
-    answers, _, drafter = serve(model, folder, prompts, swap_to=tmp_path / "v1")
+    versions = []
+    answers, _, drafter = serve(model, folder, prompts, swap_to=tmp_path / "v1", versions=versions)
     base = TargetEngine(model, ())
     from eyas.generate import generate
 
     assert answers == [generate(base, p, max_new_tokens=12).token_ids for p in prompts]
-    assert drafter.info()["eagle3"]["version"] == 1
+    assert drafter.info()["eagle3"]["version"] == 4 and versions == [0, 4, 4]
+    with pytest.raises(ValueError, match="^version: "):
+        drafter.engines["eagle3"].swap_drafter(noisy, version=4)
     other = ours_from_hf(tiny_hf("llama", vocab=VOCAB, hidden=32, layers=4, seed=3))
     from eyas.drafting.model import DrafterConfig, init_drafter
 

@@ -161,7 +161,8 @@ def test_spec_stats_follow_the_rounds():
         "target_forwards": 4,
         "drafter_fallback": False,
     }
-    s = oai.spec_stats(report)
+    s = oai.spec_stats({**report, "drafter_version": 2})
+    assert s["drafter_version"] == 2 and oai.spec_stats(report)["drafter_version"] is None
     assert (s["num_spec_steps"], s["num_draft_tokens"], s["num_accepted_tokens"]) == (3, 14, 5)
     assert s["acceptance_histogram"] == [2, 2, 1]  # depth 1: two steps, depth 2: two, depth 3: one
     assert s["mean_acceptance_length"] == pytest.approx(1 + 5 / 3)

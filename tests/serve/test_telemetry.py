@@ -162,6 +162,12 @@ def test_every_series_the_grafana_dashboard_charts_is_in_the_scrape_with_model_n
     )
     usage = [s.value for s in samples if s.name == "eyas_kv_cache_usage_perc"]
     assert usage == [0.1]
+    assert not [s for s in samples if s.name == "eyas_drafter_version"]  # no drafter version known yet
+    t.record_request("eagle3", "stop", False, drafter_version=4)  # a learned version drafted it
+    t.record_request("target", "stop", False, drafter_version=None)
+    samples = [s for f in text_string_to_metric_families(t.prometheus_text()) for s in f.samples]
+    versions = [(s.labels["method"], s.value) for s in samples if s.name == "eyas_drafter_version"]
+    assert versions == [("eagle3", 4.0)]
 
 
 def test_a_broken_metric_source_leaves_its_series_out_and_says_so(caplog):
