@@ -203,7 +203,7 @@ def run_learn(
                 waiting = ray.get(learner.add.remote(captured))
                 version, folder = ray.get(learner.live.remote())
                 if version != live_version and folder is not None:
-                    served.drafter.swap("eagle3", folder)  # between chunks: a round boundary
+                    served.drafter.swap("eagle3", folder, version)  # between chunks: a round boundary
                     live_version = version
                 status = ray.get(learner.status.remote())
                 timeline.append(
