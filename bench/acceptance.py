@@ -192,17 +192,26 @@ def run(eyas: Eyas, m: Method, ids: list[int], max_new_tokens: int) -> dict:
     }
 
 
-def bench(eyas: Eyas, methods: list[Method], prompt_ids: list[list[int]], max_new_tokens: int) -> list[dict]:
+def bench(
+    eyas: Eyas, methods: list[Method], prompt_ids: list[list[int]], max_new_tokens: int, shared_suffix: int = 0
+) -> list[dict]:
+    """Every method on every prompt, the order rotated per prompt. ``shared_suffix``: each method keeps
+    its own cache of its earlier answers (this many tokens) that its suffix drafts may copy from, as a
+    serving loop does (0: none); the prompts then run in order, so a later one may copy an earlier answer."""
     from tqdm import tqdm
+
+    from eyas.drafting.suffix import SharedSuffixCache
 
     for m in methods:  # warm-up, not timed
         run(eyas, m, prompt_ids[0], WARMUP_NEW_TOKENS)
+    caches = {m.name: SharedSuffixCache(shared_suffix) for m in methods} if shared_suffix else {}
     records = []
     bar = tqdm(total=len(prompt_ids) * len(methods), desc="acceptance", unit="gen", file=sys.stderr)
     for p, ids in enumerate(prompt_ids):
         shift = p % len(methods)  # rotate the order so no method always runs first or last
         for m in methods[shift:] + methods[:shift]:
             bar.set_postfix_str(f"prompt {p} {m.name}")
+            eyas.shared_suffix = caches.get(m.name)  # the method's own earlier answers (None: none)
             records.append(
                 {"prompt": p, "method": m.name, "prompt_tokens": len(ids), **run(eyas, m, ids, max_new_tokens)}
             )
@@ -412,6 +421,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also suffix drafts alone (method suffix) and grafted into each drafter's tree (<method>+suffix)",
     )
     p.add_argument(
+        "--shared-suffix",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="suffix drafts may also copy each method's own earlier answers (a cache of this many tokens, as a "
+        "serving loop keeps); 0: each request's own history only",
+    )
+    p.add_argument(
         "--processors",
         help="logits processors as JSON, e.g. '{\"frequency_penalty\": 0.5}': every method runs with and without "
         "them in the same run (the twins named <method>+proc, against target+proc)",
@@ -487,7 +504,7 @@ def main(argv=None) -> int:
             tags.append("json")
         if extra:
             methods = with_processors(methods, extra, "+".join(tags))
-        records = bench(eyas, methods, prompt_ids, args.max_new_tokens)
+        records = bench(eyas, methods, prompt_ids, args.max_new_tokens, args.shared_suffix)
     summary = summarize(methods, records, eos_ids)
 
     print(
@@ -524,6 +541,7 @@ def main(argv=None) -> int:
         "processors": json.loads(args.processors) if args.processors else None,
         "json_schema": args.json_schema,
         "suffix": args.suffix,
+        "shared_suffix": args.shared_suffix,
         "threads": torch.get_num_threads(),
         "tree_overrides": tree_overrides or None,
         "trees": args.trees,

@@ -6,6 +6,8 @@ files that ``bench/acceptance.py --prompts FILE --suffix`` reads:
   the answer copies most of the code it edits.
 - ``document.jsonl``: a long assistant answer from ShareGPT's held-out split (never trained on) as
   a passage, and a question answered from it, asking to quote it.
+- ``asked_again.jsonl``: MT-bench first turns, then the same questions asked again by other users in
+  other words (a request prefix), for ``--shared-suffix``: a later answer may copy an earlier one.
 
 Both are deterministic (a seed picks the functions and passages).
 
@@ -103,6 +105,19 @@ def document(limit: int, seed: int) -> list[dict]:
     return [{"prompt": f"{text}\n\n{QUESTIONS[i % len(QUESTIONS)]}"} for i, text in enumerate(passages[:limit])]
 
 
+AGAIN = ("Please answer this: ", "A question from a colleague: ", "I was wondering: ")
+
+
+def asked_again(limit: int, seed: int) -> list[dict]:
+    from eyas.training.data import mtbench_questions
+
+    rng = random.Random(seed)
+    questions = [q["turns"][0] for q in mtbench_questions()]
+    rng.shuffle(questions)
+    first = questions[: limit // 2]
+    return [{"prompt": q} for q in first] + [{"prompt": AGAIN[i % len(AGAIN)] + q} for i, q in enumerate(first)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
@@ -111,7 +126,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("code_edit", code_edit(args.limit, args.seed)), ("document", document(args.limit, args.seed))):
+    sets = (
+        ("code_edit", code_edit(args.limit, args.seed)),
+        ("document", document(args.limit, args.seed)),
+        ("asked_again", asked_again(args.limit, args.seed)),
+    )
+    for name, rows in sets:
         path = out / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(f"{path}: {len(rows)} prompts")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.drafting.engine import DrafterEngine, TreeSpec
-from eyas.drafting.suffix import SuffixSpec
+from eyas.drafting.suffix import SharedSuffixCache, SuffixSpec
 from eyas.protocol.checks import check_in_vocab
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.sampling_params import SamplingParams
@@ -214,6 +214,7 @@ def generate(
     on_tokens: Callable[[list[int]], bool | None] | None = None,
     suffix: SuffixSpec | None = None,
     grammar: GrammarCursor | None = None,
+    shared_suffix: SharedSuffixCache | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``; speculative when ``drafter`` is given,
     or ``suffix``: suffix drafts from the request's own history (``eyas.drafting.suffix``), alone
@@ -221,7 +222,9 @@ def generate(
 
     on_tokens: called with each publish's new tokens; returning True stops (finish reason "stop").
     grammar: the structured-output cursor of ``sampling.grammar`` (``GrammarCompiler.cursor``): every
-    verify row is masked under its own path (``eyas.verification.grammar``)."""
+    verify row is masked under its own path (``eyas.verification.grammar``).
+    shared_suffix: earlier answers the suffix drafts may copy from too (the caller keeps it and adds
+    the answers it allows to be kept)."""
     if (grammar is None) != (sampling.grammar == ""):
         raise ValueError("grammar: a cursor goes with sampling.grammar, and only with it")
     if type(max_new_tokens) is not int or max_new_tokens < 1:
@@ -229,7 +232,7 @@ def generate(
     stop_ids = tuple(target.cfg.eos_token_ids if stop_ids is None else stop_ids)
     drafter_side = SessionDrafter(drafter) if drafter is not None else None
     if suffix is not None:
-        drafter_side = SuffixSide(drafter_side, suffix)
+        drafter_side = SuffixSide(drafter_side, suffix, shared_suffix)
         tree = tree if drafter is not None else suffix_tree_spec(suffix)
     sides = EngineTarget(target), drafter_side
     sides[0].add(request_id, prompt_ids, sampling, torch.Generator().manual_seed(seed), grammar)

@@ -19,7 +19,7 @@ from eyas import compute
 from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.manifest import load_drafter
 from eyas.drafting.model import DrafterConfig, drafter_feature_address, init_drafter
-from eyas.drafting.suffix import SuffixSpec
+from eyas.drafting.suffix import SharedSuffixCache, SuffixSpec
 from eyas.generate import GenerationResult, generate, stop_ids_for
 from eyas.protocol.schema import GenerateRequest
 from eyas.protocol.text import AnswerText
@@ -150,13 +150,18 @@ class Eyas:
         dtype: str = "float32",
         device: str = "cpu",
         prefix_cache_bytes: int = 0,
+        shared_suffix_tokens: int = 0,
     ):
         """``dtype``: the compute dtype at precision fp32 (float32, bfloat16, float16); ``device``:
         where the target and its drafters compute (cpu, cuda, cuda:N; not yet run on a GPU);
-        ``prefix_cache_bytes``: the target engines' prefix cache across ``generate`` calls (0: off)."""
+        ``prefix_cache_bytes``: the target engines' prefix cache across ``generate`` calls (0: off);
+        ``shared_suffix_tokens``: earlier answers (this many tokens, the oldest evicted first) that
+        later calls' suffix drafts may copy from, as a serving loop's do (0: each call its own history
+        only; an answer of a request with ``learn: false`` is never kept)."""
         from eyas.target.prefix_cache import PrefixCache
 
         self.prefix_cache = PrefixCache(prefix_cache_bytes)  # checked before the load, naming the knob
+        self.shared_suffix = SharedSuffixCache(shared_suffix_tokens) if shared_suffix_tokens else None
         self.loaded = loaded or load_target(target, precision, device=device, dtype=dtype)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
@@ -221,6 +226,7 @@ class Eyas:
         result = generate(
             engine,
             ids,
+            shared_suffix=self.shared_suffix,
             max_new_tokens=req.max_new_tokens,
             sampling=sampling,
             drafter=handle.engine if handle else None,
@@ -232,6 +238,8 @@ class Eyas:
             grammar=self.grammars.cursor(sampling.grammar),
             stop_ids=stop_ids,
         )
+        if self.shared_suffix is not None and req.learn and result.finish_reason in ("stop", "length"):
+            self.shared_suffix.add(result.token_ids)
         return result, self.report(req, result, handle, tree)
 
     def report(self, req: GenerateRequest, r: GenerationResult, handle: DrafterHandle | None, tree: TreeSpec) -> dict:

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from eyas.drafting.engine import TreeSpec
-from eyas.drafting.suffix import SuffixIndex, SuffixSpec, expected_accepted, graft, suffix_tree
+from eyas.drafting.suffix import SharedSuffixCache, SuffixIndex, SuffixSpec, expected_accepted, graft, suffix_tree
 from eyas.protocol.messages import AcceptDecision, Refusal, Seed
 from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree, FlatTree
@@ -201,12 +201,18 @@ class SuffixSide:
     other passes through. Owns every such request's :class:`SuffixIndex`, fed from the seeds the
     round step hands the drafter (their ``advanced_tokens`` are the committed history, in order).
     ``inner`` may change between rounds (None while the drafter is down: suffix-alone requests go on
-    drafting, the others' calls raise DrafterUnavailable as the drafter's would)."""
+    drafting, the others' calls raise DrafterUnavailable as the drafter's would). ``shared``: the
+    loop's cache of earlier answers (None: a request's own history only): a request drafts the
+    continuation tree, of its own history or of the earlier answers, with the larger expected
+    accepted tokens."""
 
-    def __init__(self, inner: DrafterSide | None, spec: SuffixSpec = SuffixSpec()):
-        self.inner, self.spec = inner, spec
+    def __init__(
+        self, inner: DrafterSide | None, spec: SuffixSpec = SuffixSpec(), shared: SharedSuffixCache | None = None
+    ):
+        self.inner, self.spec, self.shared = inner, spec, shared
         self.indexes: dict[str, SuffixIndex] = {}
         self.alone: set[str] = set()
+        self.sources = {"own": 0, "shared": 0}  # rounds whose suffix tree came from each source
 
     def over(self, inner: DrafterSide | None) -> SuffixSide:
         self.inner = inner
@@ -214,13 +220,21 @@ class SuffixSide:
 
     def stats(self) -> dict:
         """What the suffix indexes hold now (``eyas stats``): requests, history tokens, index entries
-        (each an n-gram end, about ``max_match`` a token: the memory grows with the live histories)."""
+        (each an n-gram end, about ``max_match`` a token: the memory grows with the live histories),
+        the rounds whose suffix tree came from each source, and the shared cache's size."""
         indexes = list(self.indexes.values())
         return {
             "requests": len(indexes),
             "history_tokens": sum(len(ix.tokens) for ix in indexes),
             "index_entries": sum(ix.entries for ix in indexes),
+            "trees_from": dict(self.sources),
+            "shared": self.shared.stats() if self.shared is not None else None,
         }
+
+    def remember(self, answer: list[int]) -> None:
+        """A finished answer whose request allows it to be kept, for later requests' matches."""
+        if self.shared is not None:
+            self.shared.add(answer)
 
     def serves(self, state: DraftState) -> bool:
         """Whether the request can draft now: a suffix-alone one always, others while a drafter is up
@@ -259,7 +273,7 @@ class SuffixSide:
                 for seed in seeds:
                     index.extend_seed(seed.start_position, seed.advanced_tokens.tolist())
                 if tree.max_candidates > 0:
-                    suffix[request_id] = suffix_tree(index, self.spec)
+                    suffix[request_id] = self._tree(index)
         suffix_s = time.perf_counter() - t0
         # a grafted request whose suffix span is likely enough: its drafter only reads its seeds
         neural = [
@@ -288,6 +302,16 @@ class SuffixSide:
             result.append(drafted)
         # the suffix work counts as drafting; a suffix-alone request has no drafter version (None)
         return result, compute_s + suffix_s, [versions.get(rid) for rid, _, _ in items]
+
+    def _tree(self, index: SuffixIndex) -> DraftTree:
+        own = suffix_tree(index, self.spec)
+        if self.shared is None:
+            return own
+        shared = self.shared.tree(index.tokens)
+        source, best = max((("own", own), ("shared", shared)), key=lambda st: expected_accepted(st[1]))
+        if best.num_nodes:
+            self.sources[source] += 1
+        return best
 
     def publish(self, request_ids: list[str]) -> None:
         neural = [r for r in request_ids if r not in self.alone]

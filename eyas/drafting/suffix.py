@@ -17,11 +17,20 @@ Terms:
 - The tree keeps the ``budget`` nodes of highest path value, each at least ``min_value``; a node's
   value never exceeds its parent's, so the kept set holds every kept node's ancestors.
 
-Pure functions and one small owner (:class:`SuffixIndex`, one per request); no Ray, no torch compute.
+A serving loop (and an in-process ``Eyas``) also keeps a :class:`SharedSuffixCache` of recent
+answers (SuffixDecoding's global tree): a request's match is looked up in its own history and in the
+answers other requests of the app gave before, and the continuation tree with the larger expected
+accepted tokens is drafted. The cache is bounded in tokens (the oldest answer evicted first) and holds
+only answers whose request allows it to be kept (``learn``); the app has one API key, so its callers
+share one cache.
+
+Pure functions and two small owners (:class:`SuffixIndex`, one per request; :class:`SharedSuffixCache`,
+one per serving loop); no Ray, no torch compute.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -92,16 +101,20 @@ class SuffixIndex:
 
 def suffix_tree(index: SuffixIndex, spec: SuffixSpec) -> DraftTree:
     """The continuation tree of the history's match (module docstring), rooted at the frontier."""
-    ends = index.occurrences(spec)
-    if not ends:
+    return continuation_tree([(index.tokens, e) for e in index.occurrences(spec)], spec)
+
+
+def continuation_tree(occurrences: list[tuple[list[int], int]], spec: SuffixSpec) -> DraftTree:
+    """The trie of what followed each occurrence ``(tokens, end)`` (``tokens[end + 1:]``, up to
+    ``max_depth``), scored and cut as the module docstring says, rooted at the frontier."""
+    if not occurrences:
         return DraftTree.empty()
-    tokens = index.tokens
     node_token: list[int] = []
     node_parent: list[int] = []
     node_depth: list[int] = []
     node_count: list[int] = []
     child: dict[tuple[int, int], int] = {}
-    for e in ends:
+    for tokens, e in occurrences:
         parent = PARENT_IS_ROOT
         for d in range(1, spec.max_depth + 1):
             if e + d >= len(tokens):
@@ -119,12 +132,94 @@ def suffix_tree(index: SuffixIndex, spec: SuffixSpec) -> DraftTree:
     score, value = [], []
     for i in range(len(node_token)):  # parents are created before their children
         p = node_parent[i]
-        base, above = (len(ends), 1.0) if p == PARENT_IS_ROOT else (node_count[p], value[p])
+        base, above = (len(occurrences), 1.0) if p == PARENT_IS_ROOT else (node_count[p], value[p])
         score.append(node_count[i] / base)
         value.append(above * score[i])
     ranked = sorted(range(len(value)), key=lambda i: (-value[i], node_depth[i], i))
     kept = sorted(i for i in ranked[: spec.budget] if value[i] >= spec.min_value)
     return _tree([(node_token[i], node_parent[i], node_depth[i], score[i]) for i in kept], kept)
+
+
+class SharedSuffixCache:
+    """Recent answers of the app's requests, for suffix matches across requests (module docstring).
+    Bounded by ``max_tokens`` answer tokens, the oldest answer evicted first. Indexed by its
+    ``min_match``-grams only (one entry a token): a lookup reads the newest ``scan`` earlier ends of
+    the history's last ``min_match`` tokens, extends each match backwards up to ``max_match``, and
+    keeps the longest matches (the newest ``max_occurrences``). Owned by one serving loop (or one
+    in-process ``Eyas``); grows by :meth:`add` only."""
+
+    def __init__(self, max_tokens: int = 65_536, spec: SuffixSpec = SuffixSpec(), scan: int = 256):
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise ValueError(f"suffix.shared_tokens: must be a positive int, got {max_tokens!r}")
+        self.max_tokens, self.spec, self.scan = max_tokens, spec, scan
+        self.answers: OrderedDict[int, list[int]] = OrderedDict()  # answer id -> its tokens, oldest first
+        self.ends: dict[tuple[int, ...], deque[tuple[int, int]]] = {}  # min_match-gram -> (answer, end), oldest first
+        self.tokens = 0  # answer tokens held
+        self.entries = 0  # index entries (one a token past each answer's first min_match - 1)
+        self._next = 0
+
+    def add(self, tokens: list[int]) -> None:
+        """Keep an answer (the oldest go while more than ``max_tokens`` are held)."""
+        k = self.spec.min_match
+        tokens = [int(t) for t in tokens][-self.max_tokens :]
+        if len(tokens) <= k:
+            return
+        aid, self._next = self._next, self._next + 1
+        self.answers[aid] = tokens
+        for end in range(k - 1, len(tokens)):
+            self.ends.setdefault(tuple(tokens[end - k + 1 : end + 1]), deque()).append((aid, end))
+        self.tokens += len(tokens)
+        self.entries += len(tokens) - k + 1
+        while self.tokens > self.max_tokens:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        aid, tokens = self.answers.popitem(last=False)
+        k = self.spec.min_match
+        for end in range(k - 1, len(tokens)):
+            key = tuple(tokens[end - k + 1 : end + 1])
+            ends = self.ends.get(key)
+            while ends and ends[0][0] == aid:  # the oldest answer's entries lead every deque
+                ends.popleft()
+                self.entries -= 1
+            if ends is not None and not ends:
+                del self.ends[key]
+        self.tokens -= len(tokens)
+
+    def occurrences(self, history: list[int]) -> list[tuple[list[int], int]]:
+        """The earlier answers' ends of the longest suffix of ``history`` they hold (at least
+        ``min_match`` tokens): ``(answer tokens, end)``, newest last; [] if none."""
+        spec, k = self.spec, self.spec.min_match
+        if len(history) < k:
+            return []
+        ends = self.ends.get(tuple(history[-k:]))
+        if not ends:
+            return []
+        best, found = 0, []
+        for i in range(len(ends) - 1, max(len(ends) - 1 - self.scan, -1), -1):  # newest first
+            aid, end = ends[i]
+            tokens = self.answers[aid]
+            n = k
+            while n < spec.max_match and n < len(history) and end - n >= 0 and tokens[end - n] == history[-1 - n]:
+                n += 1
+            if n > best:
+                best, found = n, []
+            if n == best and len(found) < spec.max_occurrences:
+                found.append((tokens, end))
+        return found[::-1]
+
+    def tree(self, history: list[int]) -> DraftTree:
+        """The continuation tree of ``history``'s match in the kept answers."""
+        return continuation_tree(self.occurrences(history), self.spec)
+
+    def stats(self) -> dict:
+        """What it holds (``eyas stats``): answers, tokens, index entries, and its bound."""
+        return {
+            "answers": len(self.answers),
+            "tokens": self.tokens,
+            "index_entries": self.entries,
+            "max_tokens": self.max_tokens,
+        }
 
 
 def expected_accepted(tree: DraftTree) -> float:

@@ -41,7 +41,18 @@ from dataclasses import dataclass, field
 
 from eyas import compute
 from eyas.drafting.engine import TreeSpec
-from eyas.generate import FINISH_CANCELLED, FINISH_ERROR, GenerationResult, RoundRecord, RoundStats, finish, is_finished
+from eyas.drafting.suffix import SharedSuffixCache
+from eyas.generate import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationResult,
+    RoundRecord,
+    RoundStats,
+    finish,
+    is_finished,
+)
 from eyas.protocol import wire
 from eyas.protocol.messages import Refusal, Seed
 from eyas.protocol.sampling_params import SamplingParams
@@ -207,8 +218,9 @@ class RoundLoop:
         # the round step's two sides over these workers (eyas.step)
         self.target_side = WorkerTarget(target)
         self.drafter_side = WorkerDrafter(drafter) if drafter is not None else None
-        # suffix drafts (eyas.drafting.suffix) for the requests that ask for them, over the drafter side
-        self.suffix_side = SuffixSide(None)
+        # suffix drafts (eyas.drafting.suffix) for the requests that ask for them, over the drafter side;
+        # their matches are looked up in their own history and in this loop's earlier answers
+        self.suffix_side = SuffixSide(None, shared=SharedSuffixCache())
         self.policy, self.curve = policy, curve
         # what a round's drafting adds (the propose call, hop included); live rounds refit it
         self.draft_cost = (
@@ -590,6 +602,8 @@ class RoundLoop:
             live.future.set_exception(_as_value_error(err))
             return
         tokens, finished_as = finish(live.out, live.max_new_tokens, live.eos, stopped=live.stopped)
+        if live.learn and (reason or finished_as) in (FINISH_STOP, FINISH_LENGTH):
+            self.suffix_side.remember(tokens)  # later requests may copy from it (learn: false keeps nothing)
         now = time.perf_counter()
         wall = now - live.arrival
         result = GenerationResult(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.drafting.suffix import SuffixIndex, SuffixSpec, graft, suffix_tree
+from eyas.drafting.suffix import SharedSuffixCache, SuffixIndex, SuffixSpec, graft, suffix_tree
 from eyas.generate import generate
 from eyas.protocol.schema import parse_request
 from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
@@ -173,3 +173,51 @@ def test_the_drafter_grows_no_tree_in_a_round_whose_suffix_span_is_likely():
     for rid in histories:
         side.close_session(rid)
     assert not side.indexes
+
+
+def test_the_shared_cache_finds_the_longest_match_across_answers_and_evicts_the_oldest_first():
+    """Answers kept oldest first: a lookup finds the longest suffix of the history the answers hold
+    (from min_match up), the continuation tree scores what followed; past max_tokens the oldest answer
+    goes, every index entry of it with it (none left pointing at it), and nothing else changes."""
+    cache = SharedSuffixCache(40, SuffixSpec(min_match=2, max_match=6))
+    cache.add([1, 2, 3, 4, 5, 6, 7])  # "3 4 5" then 6 7
+    cache.add([9, 9, 4, 5, 8, 8])  # "4 5" then 8 8
+    cache.add([0])  # too short to match anything: not kept
+    assert [(a[e + 1 :]) for a, e in cache.occurrences([2, 3, 4, 5])] == [[6, 7]]  # "3 4 5" beats "4 5"
+    assert [(a[e + 1 :]) for a, e in cache.occurrences([7, 4, 5])] == [[6, 7], [8, 8]]  # "4 5" in both
+    assert paths(cache.tree([7, 4, 5])) == {(6,), (6, 7), (8,), (8, 8)}
+    assert cache.occurrences([5, 1]) == [] and cache.stats()["answers"] == 2
+    for i in range(10):
+        cache.add([100 + i] * 3 + [200 + i] * 2)
+    stats = cache.stats()
+    assert stats["tokens"] <= 40 and stats["answers"] == 8 and stats["max_tokens"] == 40
+    assert cache.occurrences([3, 4, 5]) == []  # the first two answers are gone
+    alive = set(cache.answers)
+    entries = [aid for ends in cache.ends.values() for aid, _ in ends]
+    assert set(entries) <= alive and len(entries) == stats["index_entries"] == stats["tokens"] - 8
+    with pytest.raises(ValueError, match="^suffix.shared_tokens: "):
+        SharedSuffixCache(0)
+
+
+@pytest.mark.parametrize("method", [None, "eagle3"])
+def test_a_request_copies_an_earlier_answer_from_the_shared_cache_and_stays_exact(tiny_target, method):
+    """With the target's own earlier answer in the shared cache, a suffix request (alone or grafted)
+    drafts it back: greedy output equals target-only's, in far fewer rounds than without the cache."""
+    target, drafter = engines(tiny_target, method or "eagle3")
+    prompt = [11, 4, 29, 7, 3, 18]
+    base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=40, stop_ids=())
+    cache = SharedSuffixCache()
+    cache.add(base.token_ids)
+    runs = {}
+    for shared in (None, cache):
+        runs[shared is not None] = generate(
+            target if method else TargetEngine(tiny_target, ()),
+            prompt,
+            max_new_tokens=40,
+            stop_ids=(),
+            drafter=drafter if method else None,
+            suffix=SuffixSpec(),
+            shared_suffix=shared,
+        )
+    assert runs[True].token_ids == runs[False].token_ids == base.token_ids
+    assert len(runs[True].rounds) * 2 <= len(runs[False].rounds)

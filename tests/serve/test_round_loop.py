@@ -620,5 +620,34 @@ def test_suffix_drafts_alone_and_grafted_in_batched_rounds_are_token_identical_a
     assert all(sum(x.tree_nodes for x in r.rounds) > 0 and not r.drafter_reseeds for r in alone)
     assert not any(r.drafter_fallback for r in results)
     assert not loop.suffix_side.indexes and not loop.suffix_side.alone
-    assert loop.suffix_side.stats() == {"requests": 0, "history_tokens": 0, "index_entries": 0}
+    stats = loop.suffix_side.stats()
+    assert (stats["requests"], stats["history_tokens"], stats["index_entries"]) == (0, 0, 0)
+    assert stats["shared"]["answers"] == len(jobs)  # every answer kept for later requests' matches
     assert not target.sessions and not drafter.session_method
+
+
+def test_a_later_request_drafts_from_an_earlier_answer_and_an_opted_out_answer_is_never_kept(tiny_target, workers):
+    """The loop keeps finished answers (SharedSuffixCache): a suffix request asking what an earlier one
+    asked copies its answer (every answer target-only's, in fewer rounds, its trees from the shared
+    cache); an answer of a request with learn: false is not kept."""
+    from eyas.step import suffix_tree_spec
+
+    target, drafter = workers
+    loop = local_loop(target, drafter, drafter.info(), PromptLengthPolicy())
+    prompt, tree = prompts(1)[0], suffix_tree_spec(loop.suffix_side.spec)
+
+    def ask(rid, learn=True, p=prompt):
+        return loop.submit(rid, p, 40, "suffix", tree, SamplingParams(), 0, learn=learn).result(timeout=120)
+
+    try:
+        first = ask("first")
+        second = ask("second")
+        kept = loop.suffix_side.stats()
+        ask("private", learn=False, p=prompts(2)[1])
+        after = loop.suffix_side.stats()
+    finally:
+        loop.close()
+    base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=40).token_ids
+    assert first.token_ids == second.token_ids == base
+    assert len(second.rounds) < len(first.rounds) and kept["trees_from"]["shared"] > 0
+    assert kept["shared"]["answers"] == 2 and after["shared"] == kept["shared"]
