@@ -27,13 +27,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from eyas.drafting.engine import TreeSpec
-from eyas.drafting.suffix import SharedSuffixCache, SuffixIndex, SuffixSpec, expected_accepted, graft, suffix_tree
+from eyas.drafting.suffix import (
+    SharedSuffixCache,
+    SuffixIndex,
+    SuffixSpec,
+    continuation_tree,
+    expected_accepted,
+    graft,
+    suffix_tree,
+)
 from eyas.protocol.messages import AcceptDecision, Refusal, Seed
 from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree, FlatTree
@@ -273,7 +281,7 @@ class SuffixSide:
                 for seed in seeds:
                     index.extend_seed(seed.start_position, seed.advanced_tokens.tolist())
                 if tree.max_candidates > 0:
-                    suffix[request_id] = self._tree(index)
+                    suffix[request_id] = self._tree(index, tree.max_candidates)
         suffix_s = time.perf_counter() - t0
         # a grafted request whose suffix span is likely enough: its drafter only reads its seeds
         neural = [
@@ -303,11 +311,16 @@ class SuffixSide:
         # the suffix work counts as drafting; a suffix-alone request has no drafter version (None)
         return result, compute_s + suffix_s, [versions.get(rid) for rid, _, _ in items]
 
-    def _tree(self, index: SuffixIndex) -> DraftTree:
-        own = suffix_tree(index, self.spec)
+    def _tree(self, index: SuffixIndex, planned_rows: int) -> DraftTree:
+        """The request's suffix tree this round, at most ``planned_rows`` nodes: the rows its planned
+        tree may verify (a serving loop's scheduler shrinks them under load, to none in a plain round),
+        so suffix candidates never add more rows than the plan holds; a copied span may still run
+        deeper than the drafter's depth (the spec's ``max_depth``)."""
+        spec = self.spec if planned_rows >= self.spec.budget else replace(self.spec, budget=planned_rows)
+        own = suffix_tree(index, spec)
         if self.shared is None:
             return own
-        shared = self.shared.tree(index.tokens)
+        shared = continuation_tree(self.shared.occurrences(index.tokens), spec)
         source, best = max((("own", own), ("shared", shared)), key=lambda st: expected_accepted(st[1]))
         if best.num_nodes:
             self.sources[source] += 1

@@ -221,3 +221,29 @@ def test_a_request_copies_an_earlier_answer_from_the_shared_cache_and_stays_exac
         )
     assert runs[True].token_ids == runs[False].token_ids == base.token_ids
     assert len(runs[True].rounds) * 2 <= len(runs[False].rounds)
+
+
+def test_suffix_candidates_never_add_more_rows_than_the_round_plans():
+    """Load awareness: a suffix-alone request's tree holds at most the candidate rows its planned tree
+    may verify (a loaded loop's scheduler plans fewer, none in a plain round), however many its
+    history offers; a copied span still runs as deep as the spec allows."""
+    from eyas.drafting.engine import TreeSpec
+    from eyas.protocol.messages import Seed
+    from eyas.step import CONSUME_SEED_ONLY, DraftState, SuffixSide, suffix_tree_spec
+
+    spec = SuffixSpec(budget=6, max_depth=8)
+    history = [5, 6, 7, 8, 9, 10, 11, 12, 13] * 3 + [5, 6]
+    sizes = {}
+    for name, tree in (
+        ("full", suffix_tree_spec(spec)),
+        ("two", TreeSpec(kind="dynamic", expand_width=1, max_depth=2, verify_budget=2)),
+        ("plain", CONSUME_SEED_ONLY),
+    ):
+        side = SuffixSide(None, spec)
+        side.open_session(DraftState(request_id="r", method="suffix"))
+        (drafted,), _, versions = side.propose_batch(
+            [("r", [Seed(torch.zeros(len(history), 0), torch.tensor(history), 0, 0)], tree)]
+        )
+        sizes[name] = (drafted.num_nodes, int(drafted.depths.max()) if drafted.num_nodes else 0)
+        assert versions == [None]  # a suffix-alone request: no drafter drafted it
+    assert sizes["full"] == (6, 6) and sizes["two"] == (2, 2) and sizes["plain"] == (0, 0)
