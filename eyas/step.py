@@ -313,9 +313,9 @@ class SuffixSide:
 
     def _tree(self, index: SuffixIndex, planned_rows: int) -> DraftTree:
         """The request's suffix tree this round, at most ``planned_rows`` nodes: the rows its planned
-        tree may verify (a serving loop's scheduler shrinks them under load, to none in a plain round),
-        so suffix candidates never add more rows than the plan holds; a copied span may still run
-        deeper than the drafter's depth (the spec's ``max_depth``)."""
+        tree may verify (a serving loop's scheduler shrinks them under load, to none in a plain round;
+        grafted, at most that many rows beside the drafter's); a copied span may still run deeper
+        than the drafter's depth (the spec's ``max_depth``)."""
         spec = self.spec if planned_rows >= self.spec.budget else replace(self.spec, budget=planned_rows)
         own = suffix_tree(index, spec)
         if self.shared is None:
