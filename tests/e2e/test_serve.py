@@ -100,7 +100,7 @@ def test_stream_chunks_add_up_to_the_unary_answer(client):
     assert chunks[-1].stats.HasField("drafter_version") and chunks[-1].stats.drafter_version == 0
 
 
-MULTIBYTE_PROMPTS = ("Translate 'thank you' into Japanese.", "Repeat exactly: 日本語です 😀, café")
+MULTIBYTE_PROMPTS = ('How do you write "thank you" in Japanese characters?', "Repeat exactly: 日本語です 😀, café")
 
 
 @pytest.mark.parametrize("prompt", MULTIBYTE_PROMPTS)
