@@ -472,7 +472,9 @@ def main(argv=None) -> int:
 
     print(f"loading the target ({args.precision}) and the drafters ...", file=sys.stderr, flush=True)
     eyas = Eyas(precision=args.precision, dtype=args.dtype, device=args.device)
-    prompt_ids = [eyas.encode(p) for p in prompts]
+    from eyas.target.loader import encode_messages
+
+    prompt_ids = [eyas.encode(p) if isinstance(p, str) else encode_messages(eyas.tokenizer, p) for p in prompts]
     eos_ids = set(eyas.cfg.eos_token_ids) | {eyas.tokenizer.eos_token_id}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="no trained .* drafter")  # reported as "random-init"

@@ -77,8 +77,9 @@ def placement_refused(device: str, dtype: str = "float32", precision: str = "fp3
     return False
 
 
-def load_prompts(path: str | None, limit: int | None) -> list[str]:
-    """``--prompts`` lines are ``{"prompt": ...}``; MT-bench lines give their first turn."""
+def load_prompts(path: str | None, limit: int | None) -> list[str | list[dict]]:
+    """``--prompts`` lines are ``{"prompt": ...}`` or ``{"messages": [...]}`` (a conversation, its
+    last turn the user's); MT-bench lines give their first turn."""
     source = Path(path) if path else mtbench_path()
     if source is None:
         raise FileNotFoundError(
@@ -89,7 +90,7 @@ def load_prompts(path: str | None, limit: int | None) -> list[str]:
     for line in source.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
+            prompts.append(row["prompt"] if "prompt" in row else row.get("messages") or row["turns"][0])
     if not prompts:
         raise ValueError(f"prompts: {source} holds no prompt")
     return prompts[:limit] if limit else prompts

@@ -8,6 +8,9 @@ files that ``bench/acceptance.py --prompts FILE --suffix`` reads:
   a passage, and a question answered from it, asking to quote it.
 - ``asked_again.jsonl``: MT-bench first turns, then the same questions asked again by other users in
   other words (a request prefix), for ``--shared-suffix``: a later answer may copy an earlier one.
+- ``multi_turn.jsonl``: ShareGPT's held-out conversations (never trained on) up to their second user
+  turn, as ``{"messages": [...]}``: the answer to the follow-up may repeat the first answer's names,
+  code and phrases.
 
 Both are deterministic (a seed picks the functions and passages).
 
@@ -118,6 +121,25 @@ def asked_again(limit: int, seed: int) -> list[dict]:
     return [{"prompt": q} for q in first] + [{"prompt": AGAIN[i % len(AGAIN)] + q} for i, q in enumerate(first)]
 
 
+def multi_turn(limit: int, seed: int) -> list[dict]:
+    from eyas.training.data import conversations
+
+    rng = random.Random(seed)
+    found = []
+    for _, msgs in conversations("heldout", limit=4000, min_turns=3):
+        first, answer, follow = msgs[0], msgs[1], msgs[2]
+        if (
+            answer["role"] == "assistant"
+            and follow["role"] == "user"
+            and 200 <= len(answer["content"]) <= 2000
+            and len(first["content"]) + len(follow["content"]) <= 1200
+            and (first["content"] + answer["content"] + follow["content"]).isascii()
+        ):
+            found.append({"messages": [first, answer, follow]})
+    rng.shuffle(found)
+    return found[:limit]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
@@ -130,6 +152,7 @@ def main(argv=None) -> int:
         ("code_edit", code_edit(args.limit, args.seed)),
         ("document", document(args.limit, args.seed)),
         ("asked_again", asked_again(args.limit, args.seed)),
+        ("multi_turn", multi_turn(args.limit, args.seed)),
     )
     for name, rows in sets:
         path = out / f"{name}.jsonl"
