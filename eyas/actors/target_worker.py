@@ -449,7 +449,9 @@ class TargetWorker:
     ) -> dict[int, float]:
         """The verify latency curve on this worker's device: ms of a verify of R rows after a
         ``prefix``-token committed context (the median of ``repeats``), for each R in ``rows``,
-        tapping ``taps`` as a drafter's sessions would."""
+        tapping ``taps`` as a drafter's sessions would. Each timed verify is a session's second: its
+        first grows the K/V store past the prompt (a one-off a request pays once or twice, 10-20 ms
+        at gguf against a 7 ms verify), which is not what a round costs."""
         from eyas.protocol.tree import DraftTree
         from eyas.scheduler.latency import measure_curve
 
@@ -458,11 +460,13 @@ class TargetWorker:
         rid = "__latency_curve__"
 
         def run(r: int) -> float:
-            engine.open_session(rid, ids, 4, r)
+            engine.open_session(rid, ids, 4 + r, r)
             try:
                 v = engine.prefill(rid)
                 engine.publish(rid, v.round, AcceptDecision(torch.arange(prefix), torch.tensor(ids[1:]), 1))
                 tree = DraftTree.chain([2] * (r - 1))
+                v = engine.verify(rid, tree)  # the store grows here, untimed
+                engine.publish(rid, v.round, AcceptDecision(torch.tensor([0]), torch.tensor([], dtype=torch.int64), 1))
                 t0 = time.perf_counter()
                 engine.verify(rid, tree)
                 return time.perf_counter() - t0

@@ -365,3 +365,21 @@ def test_the_verify_latency_curve_measures_each_row_count_and_leaves_nothing_beh
     curve = worker.measure_latency(rows=(1, 2, 4), repeats=1, prefix=8)
     assert sorted(curve) == [1, 2, 4] and all(ms > 0 for ms in curve.values())
     assert worker.leak_check()["ok"] and not worker.sessions
+
+
+def test_the_latency_curve_times_a_round_not_the_store_growing(worker, monkeypatch):
+    """Each timed verify is its session's second: the first grows the K/V store past the prompt (a
+    one-off that made the gguf curve flat at ~3x a round), the timed one finds it grown."""
+    engine = worker.engine_for(())
+    grew: list[bool] = []
+    verify = engine.verify
+
+    def watched(rid, tree):
+        before = (engine.kv.row_capacity, engine.kv.slot_capacity)
+        out = verify(rid, tree)
+        grew.append((engine.kv.row_capacity, engine.kv.slot_capacity) != before)
+        return out
+
+    monkeypatch.setattr(engine, "verify", watched)
+    worker.measure_latency(rows=(1, 4), repeats=1, prefix=128)  # 128: a full slot granule, so the tree grows it
+    assert grew[0::2] == [True] * (len(grew) // 2) and grew[1::2] == [False] * (len(grew) // 2)
