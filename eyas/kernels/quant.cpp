@@ -261,7 +261,7 @@ inline void rows_pass(int64_t rows, const uint8_t* gp, int64_t nb, const ActBloc
 }
 
 template <int64_t QT>
-void matmul_t(const std::vector<ActBlock>& act, int64_t M, int64_t nb, const uint8_t* w, int64_t N, float* y,
+void matmul_t(const ActBlock* act, int64_t M, int64_t nb, const uint8_t* w, int64_t N, float* y,
               const float* residual) {
   const int64_t groups = (N + kGroup - 1) / kGroup, gbytes = nb * group_block_bytes(QT);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -271,7 +271,7 @@ void matmul_t(const std::vector<ActBlock>& act, int64_t M, int64_t nb, const uin
       const int64_t n0 = g * kGroup, n = std::min(kGroup, N - n0);
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
         const int64_t mr = std::min<int64_t>(kRowsPerPass, M - m0);
-        for (int64_t i = 0; i < mr; i++) rows[i] = act.data() + (m0 + i) * nb;
+        for (int64_t i = 0; i < mr; i++) rows[i] = act + (m0 + i) * nb;
         rows_pass<QT>(mr, w + g * gbytes, nb, rows, out);
         for (int64_t i = 0; i < mr; i++) {
           float* yr = y + (m0 + i) * N + n0;
@@ -283,7 +283,7 @@ void matmul_t(const std::vector<ActBlock>& act, int64_t M, int64_t nb, const uin
 }
 
 // y [M, N] = act @ W^T (+ residual [M, N]); W repacked by repack_q
-void matmul(const std::vector<ActBlock>& act, int64_t M, int64_t K, const torch::Tensor& w, int64_t qtype, int64_t N,
+void matmul(const ActBlock* act, int64_t M, int64_t K, const torch::Tensor& w, int64_t qtype, int64_t N,
             float* y, const float* residual = nullptr) {
   const int64_t nb = K / kBlock;
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -343,6 +343,24 @@ std::vector<ActBlock> quantize_rows(const float* x, int64_t M, int64_t K) {
   return act;
 }
 
+// A buffer of this thread's own, reused across calls (grown, never shrunk, never cleared: every caller writes
+// what it reads). ``Slot`` tells a caller's buffers apart. A fresh std::vector a layer a call zeroed (and, past
+// malloc's mmap threshold, page-faulted) megabytes of it for a prefill chunk.
+template <typename T, int Slot>
+T* scratch(size_t n) {
+  thread_local std::vector<T> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+// rows [M, K] -> this thread's Q8 scratch (its Slot-th), valid until the next call with that slot
+template <int Slot>
+const ActBlock* quantize_scratch(const float* x, int64_t M, int64_t K) {
+  ActBlock* act = scratch<ActBlock, Slot>(M * (K / kBlock));
+  for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, act + m * (K / kBlock));
+  return act;
+}
+
 // RMSNorm of each row, in one fixed order: w * (x / sqrt(mean(x^2) + eps))
 void rms_norm_rows(const float* x, int64_t M, int64_t K, const float* w, double eps, float* out) {
   for (int64_t m = 0; m < M; m++) {
@@ -377,7 +395,7 @@ torch::Tensor linear_q(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t 
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto act = quantize_rows(x.data_ptr<float>(), M, K);
-  matmul(act, M, K, w, qtype, N, y.data_ptr<float>());
+  matmul(act.data(), M, K, w, qtype, N, y.data_ptr<float>());
   return y;
 }
 
@@ -388,11 +406,12 @@ void layer_qkv(const float* x, int64_t M, int64_t d, const float* norm_w, double
                int64_t qtype, const float* cos, const float* sin, int64_t heads, int64_t kv_heads, int64_t hd, float* q,
                float* k, float* v) {
   const int64_t N = (heads + 2 * kv_heads) * hd, half = hd / 2;
-  std::vector<float> h(norm_w != nullptr ? M * d : 0), qkv(M * N);
-  if (norm_w != nullptr) rms_norm_rows(x, M, d, norm_w, eps, h.data());  // none: x comes normed (a drafter's)
-  matmul(quantize_rows(norm_w != nullptr ? h.data() : x, M, d), M, d, wqkv, qtype, N, qkv.data());
+  float* h = scratch<float, 0>(norm_w != nullptr ? M * d : 0);
+  float* qkv = scratch<float, 1>(M * N);
+  if (norm_w != nullptr) rms_norm_rows(x, M, d, norm_w, eps, h);  // none: x comes normed (a drafter's)
+  matmul(quantize_scratch<0>(norm_w != nullptr ? h : x, M, d), M, d, wqkv, qtype, N, qkv);
   for (int64_t m = 0; m < M; m++) {
-    const float* row = qkv.data() + m * N;
+    const float* row = qkv + m * N;
     const float* cm = cos + m * hd;
     const float* sm = sin + m * hd;
     auto rotate = [&](const float* in, float* out) {  // x * cos + rotate_half(x) * sin
@@ -432,14 +451,17 @@ inline void silu_mul_row(const float* g, const float* u, int64_t n, float* out) 
 void layer_out_mlp(const float* x, const float* a, int64_t M, int64_t d, int64_t ha, const torch::Tensor& wo,
                    int64_t wo_type, const float* norm_w, double eps, const torch::Tensor& w_gate_up, int64_t gate_up_type,
                    const torch::Tensor& w_down, int64_t down_type, int64_t ffn, float* out) {
-  std::vector<float> x1(M * d), h(M * d), gu(M * 2 * ffn), act(M * ffn);
-  matmul(quantize_rows(a, M, ha), M, ha, wo, wo_type, d, x1.data(), x);
-  rms_norm_rows(x1.data(), M, d, norm_w, eps, h.data());
-  matmul(quantize_rows(h.data(), M, d), M, d, w_gate_up, gate_up_type, 2 * ffn, gu.data());
+  float* x1 = scratch<float, 2>(M * d);
+  float* h = scratch<float, 3>(M * d);
+  float* gu = scratch<float, 4>(M * 2 * ffn);
+  float* act = scratch<float, 5>(M * ffn);
+  matmul(quantize_scratch<1>(a, M, ha), M, ha, wo, wo_type, d, x1, x);
+  rms_norm_rows(x1, M, d, norm_w, eps, h);
+  matmul(quantize_scratch<1>(h, M, d), M, d, w_gate_up, gate_up_type, 2 * ffn, gu);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; m++) silu_mul_row(gu.data() + m * 2 * ffn, gu.data() + m * 2 * ffn + ffn, ffn, act.data() + m * ffn);
+    for (int64_t m = m0; m < m1; m++) silu_mul_row(gu + m * 2 * ffn, gu + m * 2 * ffn + ffn, ffn, act + m * ffn);
   });
-  matmul(quantize_rows(act.data(), M, ffn), M, ffn, w_down, down_type, d, out, x1.data());
+  matmul(quantize_scratch<1>(act, M, ffn), M, ffn, w_down, down_type, d, out, x1);
 }
 
 }  // namespace eyas_quant
@@ -777,8 +799,11 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
   auto h = x.clone();
   auto tapped = torch::empty({static_cast<int64_t>(taps.size()), N, d}, x.options());
   if (N == 0) return {h, tapped};
-  std::vector<float> q(N * heads * hd), k(N * kv_heads * hd), v(N * kv_heads * hd), att(N * heads * hd);
-  std::vector<float> next(N * d);
+  float* q = scratch<float, 6>(N * heads * hd);
+  float* k = scratch<float, 7>(N * kv_heads * hd);
+  float* v = scratch<float, 8>(N * kv_heads * hd);
+  float* att = scratch<float, 9>(N * heads * hd);
+  float* next = scratch<float, 10>(N * d);
   float* kp = kv_k.data_ptr<float>();
   float* vp = kv_v.data_ptr<float>();
   const int64_t group = group_heads;
@@ -786,24 +811,24 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
   for (int64_t l = 0; l < L; l++) {
     float* hp = h.data_ptr<float>();
     layer_qkv(hp, N, d, attn_norm[l].data_ptr<float>(), eps, wqkv[l], qtypes[4 * l], cos.data_ptr<float>(),
-              sin.data_ptr<float>(), heads, kv_heads, hd, q.data(), k.data(), v.data());
+              sin.data_ptr<float>(), heads, kv_heads, hd, q, k, v);
     for (int64_t n = 0; n < N; n++)
       for (int64_t j = 0; j < kv_heads; j++) {
         const int64_t at = (((l * R + rp[n]) * kv_heads + j) * S + sp[n]) * hd;
-        std::memcpy(kp + at, k.data() + (n * kv_heads + j) * hd, sizeof(float) * hd);
-        std::memcpy(vp + at, v.data() + (n * kv_heads + j) * hd, sizeof(float) * hd);
+        std::memcpy(kp + at, k + (n * kv_heads + j) * hd, sizeof(float) * hd);
+        std::memcpy(vp + at, v + (n * kv_heads + j) * hd, sizeof(float) * hd);
       }
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t a0, int64_t a1) {
       for (int64_t a = a0; a < a1; a++) {  // one request's rows, the query heads [h0, h1) of one K/V head
         const AttnTask& t = tasks[a];
         const int64_t base = ((l * R + t.kv_row) * kv_heads + t.h0 / group) * S * hd;
-        attend_request(t.rows, visible, prefix[t.request], q.data(), heads, t.h0, t.h1, hd, kp + base,
-                       vp + base, scale, att.data());
+        attend_request(t.rows, visible, prefix[t.request], q, heads, t.h0, t.h1, hd, kp + base,
+                       vp + base, scale, att);
       }
     });
-    layer_out_mlp(hp, att.data(), N, d, heads * hd, wo[l], qtypes[4 * l + 1], mlp_norm[l].data_ptr<float>(), eps,
-                  w_gate_up[l], qtypes[4 * l + 2], w_down[l], qtypes[4 * l + 3], ffn, next.data());
-    std::memcpy(hp, next.data(), sizeof(float) * N * d);
+    layer_out_mlp(hp, att, N, d, heads * hd, wo[l], qtypes[4 * l + 1], mlp_norm[l].data_ptr<float>(), eps,
+                  w_gate_up[l], qtypes[4 * l + 2], w_down[l], qtypes[4 * l + 3], ffn, next);
+    std::memcpy(hp, next, sizeof(float) * N * d);
     for (size_t t = 0; t < taps.size(); t++)
       if (taps[t] == l + 1) std::memcpy(tapped.data_ptr<float>() + t * N * d, hp, sizeof(float) * N * d);
   }
