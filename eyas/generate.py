@@ -333,6 +333,13 @@ def stop_ids_for(
     return tuple(dict.fromkeys((() if ignore_eos else tuple(eos_ids)) + own))
 
 
+def keeps_answer(finish_reason: str, learn: bool) -> bool:
+    """Whether a finished answer may be kept for later requests' suffix drafts (``SharedSuffixCache``):
+    its request allows it (``learn``) and it ended as an answer does (stop or length; not cancelled,
+    not failed). The one rule of the serving loop and of an in-process ``Eyas``."""
+    return learn and finish_reason in (FINISH_STOP, FINISH_LENGTH)
+
+
 def is_finished(out: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], emitted, stopped: bool) -> bool:
     """The one finish rule of every decode loop, after a publish that ``emitted`` these tokens: the
     answer is done at ``max_new_tokens``, at a stop token, or when the caller stopped it."""

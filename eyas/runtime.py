@@ -20,7 +20,7 @@ from eyas.drafting.engine import DrafterEngine, TreeSpec
 from eyas.drafting.manifest import load_drafter
 from eyas.drafting.model import DrafterConfig, drafter_feature_address, init_drafter
 from eyas.drafting.suffix import SharedSuffixCache, SuffixSpec
-from eyas.generate import GenerationResult, generate, stop_ids_for
+from eyas.generate import GenerationResult, generate, keeps_answer, stop_ids_for
 from eyas.protocol.schema import GenerateRequest
 from eyas.protocol.text import AnswerText
 from eyas.step import SUFFIX, suffix_tree_spec
@@ -238,7 +238,7 @@ class Eyas:
             grammar=self.grammars.cursor(sampling.grammar),
             stop_ids=stop_ids,
         )
-        if self.shared_suffix is not None and req.learn and result.finish_reason in ("stop", "length"):
+        if self.shared_suffix is not None and keeps_answer(result.finish_reason, req.learn):
             self.shared_suffix.add(result.token_ids)
         return result, self.report(req, result, handle, tree)
 

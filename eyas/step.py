@@ -37,7 +37,6 @@ from eyas.drafting.suffix import (
     SharedSuffixCache,
     SuffixIndex,
     SuffixSpec,
-    continuation_tree,
     expected_accepted,
     graft,
     suffix_tree,
@@ -320,7 +319,7 @@ class SuffixSide:
         own = suffix_tree(index, spec)
         if self.shared is None:
             return own
-        shared = continuation_tree(self.shared.occurrences(index.tokens), spec)
+        shared = self.shared.tree(index.tokens, spec)
         source, best = max((("own", own), ("shared", shared)), key=lambda st: expected_accepted(st[1]))
         if best.num_nodes:
             self.sources[source] += 1

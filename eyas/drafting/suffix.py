@@ -208,9 +208,10 @@ class SharedSuffixCache:
                 found.append((tokens, end))
         return found[::-1]
 
-    def tree(self, history: list[int]) -> DraftTree:
-        """The continuation tree of ``history``'s match in the kept answers."""
-        return continuation_tree(self.occurrences(history), self.spec)
+    def tree(self, history: list[int], spec: SuffixSpec | None = None) -> DraftTree:
+        """The continuation tree of ``history``'s match in the kept answers, cut by ``spec`` (its
+        budget and depth; None: the cache's own spec). The match itself follows the cache's spec."""
+        return continuation_tree(self.occurrences(history), spec or self.spec)
 
     def stats(self) -> dict:
         """What it holds (``eyas stats``): answers, tokens, index entries, and its bound."""

@@ -45,13 +45,12 @@ from eyas.drafting.suffix import SharedSuffixCache
 from eyas.generate import (
     FINISH_CANCELLED,
     FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
     GenerationResult,
     RoundRecord,
     RoundStats,
     finish,
     is_finished,
+    keeps_answer,
 )
 from eyas.protocol import wire
 from eyas.protocol.messages import Refusal, Seed
@@ -602,7 +601,7 @@ class RoundLoop:
             live.future.set_exception(_as_value_error(err))
             return
         tokens, finished_as = finish(live.out, live.max_new_tokens, live.eos, stopped=live.stopped)
-        if live.learn and (reason or finished_as) in (FINISH_STOP, FINISH_LENGTH):
+        if keeps_answer(reason or finished_as, live.learn):
             self.suffix_side.remember(tokens)  # later requests may copy from it (learn: false keeps nothing)
         now = time.perf_counter()
         wall = now - live.arrival

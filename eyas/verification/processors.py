@@ -27,6 +27,7 @@ from collections import Counter
 
 import torch
 
+from eyas.protocol.checks import check_in_vocab
 from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import FlatTree
 from eyas.verification.grammar import GrammarCursor, apply_bitmask
@@ -74,11 +75,8 @@ def _hold_stops(
     """min_tokens (module docstring): the stop columns of every row shorter than ``min_tokens`` at -inf."""
     short = (lengths < min_tokens).to(out.device)  # [R]
     if stop_columns and bool(short.any()):
+        check_in_vocab(stop_columns, out.shape[1], "min_tokens_stop_ids")
         cols = torch.tensor(stop_columns, dtype=torch.int64, device=out.device)
-        if int(cols.max()) >= out.shape[1]:
-            raise ValueError(
-                f"stop_token_ids: token id {int(cols.max())} is outside the vocabulary of size {out.shape[1]}"
-            )
         out[short.nonzero().flatten()[:, None], cols[None, :]] = float("-inf")
     return out
 
