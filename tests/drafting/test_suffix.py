@@ -70,21 +70,28 @@ def test_graft_merges_shared_paths_and_appends_the_rest_in_one_tree():
     assert graft(base, DraftTree.empty()) is base
 
 
+def with_suffix(tiny_target, method: str | None, prompt: list[int], shared: SharedSuffixCache | None = None):
+    """40 greedy tokens with suffix drafts: alone (``method`` None) or grafted into ``method``'s tree;
+    ``shared``: earlier answers they may copy from too."""
+    target, drafter = engines(tiny_target, method or "eagle3")
+    return generate(
+        target if method else TargetEngine(tiny_target, ()),
+        prompt,
+        max_new_tokens=40,
+        stop_ids=(),
+        drafter=drafter if method else None,
+        suffix=SuffixSpec(),
+        shared_suffix=shared,
+    )
+
+
 @pytest.mark.parametrize("method", [None, "eagle1", "eagle3"])
 def test_greedy_identity_with_suffix_drafts(tiny_target, method):
     """Suffix drafts alone (no drafter) and grafted into EAGLE trees: greedy output equals target-only,
     and on a repetitive prompt they take fewer target forwards than target-only."""
-    target, drafter = engines(tiny_target, method or "eagle3")
     for prompt in ([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4], [5, 6, 7, 5, 6, 7, 5, 6, 7]):
         base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=40, stop_ids=())
-        spec = generate(
-            target if method else TargetEngine(tiny_target, ()),
-            prompt,
-            max_new_tokens=40,
-            stop_ids=(),
-            drafter=drafter if method else None,
-            suffix=SuffixSpec(),
-        )
+        spec = with_suffix(tiny_target, method, prompt)
         assert spec.token_ids == base.token_ids
         assert len(spec.rounds) < len(base.rounds)
 
@@ -203,22 +210,11 @@ def test_the_shared_cache_finds_the_longest_match_across_answers_and_evicts_the_
 def test_a_request_copies_an_earlier_answer_from_the_shared_cache_and_stays_exact(tiny_target, method):
     """With the target's own earlier answer in the shared cache, a suffix request (alone or grafted)
     drafts it back: greedy output equals target-only's, in far fewer rounds than without the cache."""
-    target, drafter = engines(tiny_target, method or "eagle3")
     prompt = [11, 4, 29, 7, 3, 18]
     base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=40, stop_ids=())
     cache = SharedSuffixCache()
     cache.add(base.token_ids)
-    runs = {}
-    for shared in (None, cache):
-        runs[shared is not None] = generate(
-            target if method else TargetEngine(tiny_target, ()),
-            prompt,
-            max_new_tokens=40,
-            stop_ids=(),
-            drafter=drafter if method else None,
-            suffix=SuffixSpec(),
-            shared_suffix=shared,
-        )
+    runs = {shared is not None: with_suffix(tiny_target, method, prompt, shared) for shared in (None, cache)}
     assert runs[True].token_ids == runs[False].token_ids == base.token_ids
     assert len(runs[True].rounds) * 2 <= len(runs[False].rounds)
 
