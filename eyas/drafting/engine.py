@@ -202,6 +202,10 @@ class DrafterEngine:
         # one LM-head call for every parent row of every request in the batch
         """hidden: [P, d] -> the top-k (target ids [P, k] int64, confidences [P, k] float32).
         ``processed``: (first row, rows, process, histories) of the requests with logits processors."""
+        fused = None if processed else self.drafter.top_children(hidden, k, self.lm_head)
+        if fused is not None:  # gguf: the norm, the head and the top-k in one kernel call
+            ids, conf = fused
+            return self.drafter.to_target_ids(ids), conf
         logits = self.drafter.logits(hidden, self.lm_head)
         for lo, n, process, histories in processed:
             logits[lo : lo + n] = process(logits[lo : lo + n], histories)

@@ -282,6 +282,19 @@ class Drafter(nn.Module):
             return head_rows(self.head, self.norm(hidden)).float()
         return head_rows(target_lm_head, hidden).float()
 
+    def top_children(
+        self, hidden: torch.Tensor, k: int, target_lm_head: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """hidden [P, d] -> the top-k draft ids [P, k] and their probabilities, in one kernel call where
+        the head is GGUF blocks (``gguf``: ``QLinear.top_k``, the norm fused); None elsewhere (the caller
+        takes the logits, ``softmax`` and ``topk``)."""
+        from eyas.target.quantized import QLinear
+
+        head = self.head if self.head is not None else target_lm_head
+        if type(head) is not QLinear or head.bias is not None or hidden.dtype != torch.float32:
+            return None
+        return head.top_k(hidden, k, self.norm if self.head is not None else None)
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[draft_ids] if self.head is not None else draft_ids
 

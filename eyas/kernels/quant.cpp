@@ -512,6 +512,77 @@ torch::Tensor attn_out_mlp(torch::Tensor x, torch::Tensor a, torch::Tensor wo, i
 
 namespace eyas_quant {
 
+// One row of logits [N] -> its k largest (ids, in decreasing order, a tie to the lower id) and their softmax
+// probabilities exp(l - max) / sum(exp(l - max)), the sum over the whole row 8 lanes at a time (the tail
+// through zero-padded lanes).
+void row_topk(const float* logits, int64_t N, int64_t k, int64_t* ids, float* conf) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < N; j++) top = std::max(top, logits[j]);
+  const __m256 topv = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= N; j += 8) acc = _mm256_add_ps(acc, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(logits + j), topv)));
+  float sum = hsum8(acc);
+  if (j < N) {
+    alignas(32) float tail[8], e[8];
+    for (int i = 0; i < 8; i++) tail[i] = j + i < N ? logits[j + i] - top : -INFINITY;
+    _mm256_store_ps(e, exp_nonpositive(_mm256_load_ps(tail)));
+    for (int i = 0; i < 8 && j + i < N; i++) sum += e[i];
+  }
+  // the k best so far, best first
+  std::vector<int64_t> best;
+  best.reserve(k + 1);
+  for (int64_t v = 0; v < N; v++) {
+    const float l = logits[v];
+    if (static_cast<int64_t>(best.size()) == k && !(l > logits[best.back()])) continue;
+    auto at = best.end();
+    while (at != best.begin() && l > logits[*(at - 1)]) --at;
+    best.insert(at, v);
+    if (static_cast<int64_t>(best.size()) > k) best.pop_back();
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < k; i++) {
+    alignas(32) float d[8] = {logits[best[i]] - top, 0, 0, 0, 0, 0, 0, 0}, e[8];
+    _mm256_store_ps(e, exp_nonpositive(_mm256_load_ps(d)));
+    ids[i] = best[i];
+    conf[i] = e[0] * inv;
+  }
+}
+
+}  // namespace eyas_quant
+
+// A drafter's children in one call: RMSNorm of x (norm_w empty: x as it is), the vocabulary head (GGUF
+// blocks, repacked), then each row's top k with their softmax probabilities. x [P, d] -> (ids [P, k] int64,
+// conf [P, k] float32).
+std::vector<torch::Tensor> head_topk(torch::Tensor x, torch::Tensor norm_w, double eps, torch::Tensor w, int64_t qtype,
+                                     int64_t N, int64_t k) {
+  x = as_rows(x, "x");
+  const int64_t P = x.size(0), d = x.size(1);
+  check_packed(w, qtype, d, N, "weight");
+  TORCH_CHECK((norm_w.numel() == d || norm_w.numel() == 0) && norm_w.scalar_type() == torch::kFloat,
+              "norm_w: expected [d] float32 (or empty: no norm)");
+  TORCH_CHECK(k >= 1 && k <= N, "k: ", k, " is not in [1, ", N, "]");
+  auto ids = torch::empty({P, k}, x.options().dtype(torch::kLong));
+  auto conf = torch::empty({P, k}, x.options());
+  if (P == 0) return {ids, conf};
+  auto nw = norm_w.contiguous();
+  const float* in = x.data_ptr<float>();
+  float* h = scratch<float, 0>(P * d);
+  if (nw.numel()) {
+    rms_norm_rows(in, P, d, nw.data_ptr<float>(), eps, h);
+    in = h;
+  }
+  float* logits = scratch<float, 6>(P * N);
+  matmul(quantize_scratch<0>(in, P, d), P, d, w, qtype, N, logits);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++)
+      row_topk(logits + p * N, N, k, ids.data_ptr<int64_t>() + p * k, conf.data_ptr<float>() + p * k);
+  });
+  return {ids, conf};
+}
+
+namespace eyas_quant {
+
 // --- attention of one request's rows, per K/V head, reading its K/V once --------------------------------
 // Every (row, query head) is computed exactly as alone, in one fixed order: a key's score is q . key as one
 // 8-lane FMA chain reduced as ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)) (four keys at a time or one, the same sum
@@ -993,6 +1064,7 @@ void register_quant(pybind11::module& m) {
   m.def("linear_q", &linear_q, "x [M, K] float32 @ repacked GGUF-block weights^T -> [M, N], Q8 activations, row-invariant");
   m.def("repack", &repack, "GGUF blocks [N, K/32 * block bytes] -> the kernels' output-interleaved groups");
   m.def("group_size", []() { return kGroup; }, "outputs a repacked group interleaves (one SIMD lane each)");
+  m.def("head_topk", &head_topk, "RMSNorm, a vocabulary head (GGUF blocks) and each row's top k with softmax probabilities");
   m.def("attn_in", &attn_in, "RMSNorm, fused q/k/v (GGUF blocks) and rotary: q [M, H, hd], k, v [M, Hkv, hd]");
   m.def("attn_out_mlp", &attn_out_mlp, "x + wo(a), then + down(silu(gate) * up) of its RMSNorm (GGUF blocks)");
   m.def("forward_layers", &forward_layers, "every plain Llama decoder layer over packed rows, K/V written, in one call");

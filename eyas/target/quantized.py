@@ -117,6 +117,23 @@ class QLinear(nn.Module):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
+    def top_k(self, x: torch.Tensor, k: int, norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A vocabulary head's top ``k`` in one kernel call: x [P, K] (through the RMSNorm ``norm`` first,
+        if given) -> (ids [P, k] int64, best first, and their softmax probabilities [P, k] float32): what
+        ``softmax(self(norm(x))).topk(k)`` gives, up to float rounding (a tie to the lower id)."""
+        assert self.bias is None, "top_k: a bias-free head"
+        weight, eps = (norm.weight.detach().float(), norm.eps) if norm is not None else (NO_NORM, 0.0)
+        ids, conf = self.kernels.head_topk(
+            x.reshape(-1, self.in_features).float().contiguous(),
+            weight,
+            eps,
+            self.packed,
+            self.qtype,
+            self.out_features,
+            k,
+        )
+        return ids, conf
+
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, out={self.out_features}, {QTYPE_NAMES[self.qtype]}, bias={self.bias is not None}"

@@ -94,6 +94,31 @@ def test_the_kernels_refuse_bad_input_naming_it(k, call, problem):
         call(k)
 
 
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_a_heads_top_k_in_one_call_is_softmax_topk_of_its_logits_row_by_row(k, with_norm):
+    """QLinear.top_k (the drafter's children at gguf): the norm, the head and each row's top k in one
+    kernel call give the ids ``softmax(head(norm(x))).topk(k)`` gives and their probabilities up to float
+    rounding (a vocabulary of 1,000, not a multiple of the SIMD width), each row the same alone as
+    beside others; a k outside [1, N] is refused naming it."""
+    from eyas.target.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(7)
+    head = QLinear(Blocks.quantize(torch.randn(1000, 64, generator=gen) * 0.3, Q8_0))
+    norm = RMSNorm(64, 1e-5) if with_norm else None
+    if norm is not None:
+        norm.weight.data = torch.rand(64, generator=gen) + 0.5
+    x = torch.randn(5, 64, generator=gen) * 4
+    ids, conf = head.top_k(x, 6, norm)
+    logits = head(norm(x) if norm is not None else x)
+    want_conf, want_ids = torch.softmax(logits, -1).topk(6, -1)
+    assert torch.equal(ids, want_ids) and torch.allclose(conf, want_conf, rtol=1e-5, atol=1e-7)
+    for i in range(5):
+        one_ids, one_conf = head.top_k(x[i : i + 1], 6, norm)
+        assert torch.equal(one_ids, ids[i : i + 1]) and torch.equal(one_conf, conf[i : i + 1])
+    with pytest.raises(RuntimeError, match="k: 1001 is not in"):
+        head.top_k(x, 1001)
+
+
 def test_a_gguf_verify_is_bit_for_bit_the_one_row_decodes_it_stands_for_in_both_fused_paths(k):
     """Per-layer fusion (head_dim 16: attention through the per-row kernel between two fused calls)
     and the whole forward in one call (head_dim 32)."""
