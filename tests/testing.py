@@ -303,10 +303,12 @@ def assert_verify_rows_equal_decodes(model, prompt: list[int], chain: list[int])
 FLAT = LatencyCurve.from_points({1: 50.0, 16: 55.0, 64: 70.0, 256: 200.0})
 
 
-def local_loop(target, drafter, info, policy, curve=FLAT, **kwargs) -> RoundLoop:
+def local_loop(target, drafter, info, policy, curve=FLAT, learn_curve: bool = False, **kwargs) -> RoundLoop:
     """A RoundLoop over a target worker and a drafter worker (or a stand-in around one) in this process,
-    both called directly (``WorkerCalls(..., local=True)``)."""
-    return RoundLoop(
+    both called directly (``WorkerCalls(..., local=True)``). ``curve`` is the test's premise (e.g. rows
+    nearly free, as on a GPU): it is kept as it is unless ``learn_curve``, since live rounds would scale it
+    to this CPU's speed (``LatencyCurve.observe``), where a tiny drafter costs as much as its target."""
+    loop = RoundLoop(
         WorkerCalls(target, 30, local=True),
         WorkerCalls(drafter, 30, local=True, drafter=True),
         info,
@@ -314,3 +316,6 @@ def local_loop(target, drafter, info, policy, curve=FLAT, **kwargs) -> RoundLoop
         curve.copy(),
         **kwargs,
     )
+    if not learn_curve:
+        loop.curve.observe = lambda rows, ms, weight=0: None
+    return loop

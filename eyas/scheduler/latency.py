@@ -3,8 +3,9 @@
 ``LatencyCurve`` holds (rows, ms) knots, interpolates linearly between them, and extrapolates past
 the last knot with the last segment's slope (at least flat). It is measured at start-up on the
 machine that serves (:func:`measure_curve`, given a function that runs a verify of R rows) and updated
-from live rounds (:meth:`LatencyCurve.observe`: an exponential moving average into the two knots
-around the observed row count, weighted by distance).
+from live rounds (:meth:`LatencyCurve.observe`: most of a round's error scales the whole curve, the
+rest goes, as an exponential moving average, into the two knots around the observed row count,
+weighted by distance).
 
 Pure: no model, no Ray.
 """
@@ -19,6 +20,12 @@ from dataclasses import dataclass, field
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
 EMA_WEIGHT = 0.2
+# of a live round's error, the share that scales every knot (the machine got faster or slower at every row
+# count: a shared host's speed moves by tens of percent between minutes); the rest goes into the knots
+# around the observed row count (the curve's shape, measured at start-up, changes only where rounds
+# land). Without it, a loop that decodes plainly moves only its 1-row knot, and the marginal cost of a
+# tree, read off knots measured at start-up, stays whatever that minute's speed made it.
+LEVEL_SHARE = 0.8
 
 
 @dataclass
@@ -65,6 +72,10 @@ class LatencyCurve:
             return
         self.observations += 1
         self.history = (self.history + [(rows, ms)])[-256:]
+        predicted = self.predict(rows)
+        scale = 1.0 + weight * LEVEL_SHARE * (ms - predicted) / predicted
+        self.ms = [max(m * scale, 1e-6) for m in self.ms]  # the whole curve follows the machine's speed
+        weight *= 1.0 - LEVEL_SHARE
         i = bisect.bisect_left(self.rows, rows)
         if i < len(self.rows) and self.rows[i] == rows:
             self.ms[i] += weight * (ms - self.ms[i])

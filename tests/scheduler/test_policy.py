@@ -42,6 +42,12 @@ def test_latency_curve_interpolates_extrapolates_and_learns():
     assert c.ms[0] > 10.0 and c.ms[1] > 60.0
     with pytest.raises(ValueError, match="^latency_curve.rows: "):
         LatencyCurve([2, 1], [1.0, 2.0])
+    # plain rounds only (1 row), the machine faster than at start-up: the whole curve comes down with the
+    # 1-row knot, so a tree's marginal cost is read off the start-up shape, not off a stale level
+    c = LatencyCurve.from_points({1: 6.0, 4: 7.0, 8: 10.0})
+    for _ in range(100):
+        c.observe(1, 3.5)
+    assert abs(c.predict(1) - 3.5) < 0.05 and 3.5 < c.predict(4) < 5.0 and c.predict(8) < 8.0
     calls = []
     m = measure_curve(lambda r: calls.append(r), rows=(1, 4), repeats=3, warmup=1)
     assert m.rows == [1, 4] and calls == [1] * 4 + [4] * 4
