@@ -267,6 +267,40 @@ def summarize(methods: list[Method], records: list[dict], eos_ids: set[int]) -> 
     return out
 
 
+def paired_ratio(records: list[dict], a: str, b: str, draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """tok/s of method ``a`` over method ``b`` on the same prompts, with a 95 % paired-bootstrap interval
+    (prompts drawn with replacement, each draw's ratio of summed tokens over summed wall time)."""
+    import random
+
+    by = {(r["method"], r["prompt"]): r for r in records}
+    prompts = sorted({r["prompt"] for r in records})
+    pairs = [
+        ((by[(a, p)]["new_tokens"], by[(a, p)]["wall_s"]), (by[(b, p)]["new_tokens"], by[(b, p)]["wall_s"]))
+        for p in prompts
+    ]
+
+    def ratio(sample):
+        rate = [sum(x[i][0] for x in sample) / sum(x[i][1] for x in sample) for i in (0, 1)]
+        return rate[0] / rate[1]
+
+    rng = random.Random(seed)
+    boot = sorted(ratio([rng.choice(pairs) for _ in pairs]) for _ in range(draws))
+    return ratio(pairs), boot[int(0.025 * draws)], boot[int(0.975 * draws) - 1]
+
+
+def hybrid_intervals(methods: list[Method], records: list[dict]) -> dict[str, dict]:
+    """Each ``<method>+suffix`` against its drafter alone and suffix drafts alone (:func:`paired_ratio`)."""
+    names = {m.name for m in methods}
+    out = {}
+    for m in methods:
+        if m.name.endswith("+suffix") and m.name[: -len("+suffix")] in names and "suffix" in names:
+            out[m.name] = {
+                other: dict(zip(("ratio", "lo", "hi"), paired_ratio(records, m.name, other)))
+                for other in (m.name[: -len("+suffix")], "suffix")
+            }
+    return out
+
+
 def with_suffix(methods: list[Method]) -> list[Method]:
     """Suffix drafts beside the drafters (eyas.drafting.suffix): ``suffix`` (alone, no drafter) and, for
     each dynamic-tree drafter method, ``<method>+suffix`` (suffix candidates grafted into its tree)."""
@@ -522,6 +556,16 @@ def main(argv=None) -> int:
                 f"depth {tree['max_depth']} budget {tree['verify_budget']} value floors "
                 f"{tree.get('min_value', 0):g}/{tree.get('expand_min_value', 0):g}"
             )
+    intervals = hybrid_intervals(methods, records)
+    for name, against in intervals.items():
+        print(
+            f"  {name} tok/s over "
+            + ", ".join(f"{o}'s: {v['ratio']:.3f}x [{v['lo']:.3f}, {v['hi']:.3f}]" for o, v in against.items())
+            + " (95 % paired bootstrap over prompts)"
+        )
+    gates = {f"{method}:{drafter or 'default'}": g.stats() for (method, drafter), g in eyas.drafter_gates.items()}
+    for name, stats in gates.items():
+        print(f"  drafter gate {name}: {stats}")
     for note in notes:
         print(f"note: {note}")
     if any(m.drafter == "random-init" for m in methods):
@@ -557,7 +601,19 @@ def main(argv=None) -> int:
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"methods": summary, "config": config, "notes": notes, "records": records}, indent=1))
+        out.write_text(
+            json.dumps(
+                {
+                    "methods": summary,
+                    "hybrid_intervals": intervals,
+                    "drafter_gates": gates,
+                    "config": config,
+                    "notes": notes,
+                    "records": records,
+                },
+                indent=1,
+            )
+        )
         written.append(str(out))
     plot_path = Path(args.plot) if args.plot else (Path(args.json).with_suffix(".png") if args.json else DEFAULT_PLOT)
     plot_path.parent.mkdir(parents=True, exist_ok=True)

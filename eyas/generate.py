@@ -29,6 +29,7 @@ from eyas.protocol.checks import check_in_vocab
 from eyas.protocol.messages import AcceptDecision
 from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import FlatTree
+from eyas.scheduler.gate import DrafterGate
 from eyas.step import (
     SUFFIX,
     Decided,
@@ -215,6 +216,7 @@ def generate(
     suffix: SuffixSpec | None = None,
     grammar: GrammarCursor | None = None,
     shared_suffix: SharedSuffixCache | None = None,
+    gate: DrafterGate | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``; speculative when ``drafter`` is given,
     or ``suffix``: suffix drafts from the request's own history (``eyas.drafting.suffix``), alone
@@ -224,7 +226,9 @@ def generate(
     grammar: the structured-output cursor of ``sampling.grammar`` (``GrammarCompiler.cursor``): every
     verify row is masked under its own path (``eyas.verification.grammar``).
     shared_suffix: earlier answers the suffix drafts may copy from too (the caller keeps it and adds
-    the answers it allows to be kept)."""
+    the answers it allows to be kept).
+    gate: the drafter gate of suffix drafts grafted into the drafter's tree (``eyas.scheduler.gate``;
+    None: one of this request's own), kept by a caller so that its round costs carry across requests."""
     if (grammar is None) != (sampling.grammar == ""):
         raise ValueError("grammar: a cursor goes with sampling.grammar, and only with it")
     if type(max_new_tokens) is not int or max_new_tokens < 1:
@@ -232,7 +236,7 @@ def generate(
     stop_ids = tuple(target.cfg.eos_token_ids if stop_ids is None else stop_ids)
     drafter_side = SessionDrafter(drafter) if drafter is not None else None
     if suffix is not None:
-        drafter_side = SuffixSide(drafter_side, suffix, shared_suffix)
+        drafter_side = SuffixSide(drafter_side, suffix, shared_suffix, gate)
         tree = tree if drafter is not None else suffix_tree_spec(suffix)
     sides = EngineTarget(target), drafter_side
     sides[0].add(request_id, prompt_ids, sampling, torch.Generator().manual_seed(seed), grammar)

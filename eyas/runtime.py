@@ -23,6 +23,7 @@ from eyas.drafting.suffix import SharedSuffixCache, SuffixSpec
 from eyas.generate import GenerationResult, generate, keeps_answer, stop_ids_for
 from eyas.protocol.schema import GenerateRequest
 from eyas.protocol.text import AnswerText
+from eyas.scheduler.gate import DrafterGate
 from eyas.step import SUFFIX, suffix_tree_spec
 from eyas.target.config import FeatureTap, TargetConfig
 from eyas.target.engine import TargetEngine
@@ -162,6 +163,8 @@ class Eyas:
 
         self.prefix_cache = PrefixCache(prefix_cache_bytes)  # checked before the load, naming the knob
         self.shared_suffix = SharedSuffixCache(shared_suffix_tokens) if shared_suffix_tokens else None
+        # per drafter: the gate of its grafted requests (eyas.scheduler.gate), round costs kept across requests
+        self.drafter_gates: dict[tuple[str, str | None], DrafterGate] = {}
         self.loaded = loaded or load_target(target, precision, device=device, dtype=dtype)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
@@ -227,6 +230,7 @@ class Eyas:
             engine,
             ids,
             shared_suffix=self.shared_suffix,
+            gate=self.drafter_gates.setdefault((req.method, req.drafter), DrafterGate()) if req.suffix_drafts else None,
             max_new_tokens=req.max_new_tokens,
             sampling=sampling,
             drafter=handle.engine if handle else None,

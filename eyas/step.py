@@ -37,13 +37,16 @@ from eyas.drafting.suffix import (
     SharedSuffixCache,
     SuffixIndex,
     SuffixSpec,
+    accepted_depth,
     expected_accepted,
+    first_token_value,
     graft,
     suffix_tree,
 )
 from eyas.protocol.messages import AcceptDecision, Refusal, Seed
 from eyas.protocol.sampling_params import SamplingParams
 from eyas.protocol.tree import DraftTree, FlatTree
+from eyas.scheduler.gate import DrafterGate, RoundWork, SuffixOffer
 from eyas.target.engine import PrefillProgress, TargetEngine, Verified
 from eyas.verification.accept import decide
 from eyas.verification.grammar import GrammarCursor
@@ -211,15 +214,27 @@ class SuffixSide:
     drafting, the others' calls raise DrafterUnavailable as the drafter's would). ``shared``: the
     loop's cache of earlier answers (None: a request's own history only): a request drafts the
     continuation tree, of its own history or of the earlier answers, with the larger expected
-    accepted tokens."""
+    accepted tokens. ``gate``: whether a grafted request's drafter grows a tree in a round
+    (``eyas.scheduler.gate``: measured round costs against each source's expected tokens); a skipped
+    drafter's seeds wait here and it reads them, in one call, when it drafts next."""
 
     def __init__(
-        self, inner: DrafterSide | None, spec: SuffixSpec = SuffixSpec(), shared: SharedSuffixCache | None = None
+        self,
+        inner: DrafterSide | None,
+        spec: SuffixSpec = SuffixSpec(),
+        shared: SharedSuffixCache | None = None,
+        gate: DrafterGate | None = None,
     ):
         self.inner, self.spec, self.shared = inner, spec, shared
+        self.gate = gate if gate is not None else DrafterGate(skip_value=spec.drafter_skip_value)
         self.indexes: dict[str, SuffixIndex] = {}
         self.alone: set[str] = set()
         self.sources = {"own": 0, "shared": 0}  # rounds whose suffix tree came from each source
+        # a grafted request's seeds its drafter has not read (the rounds the gate skipped it), in order
+        self.pending: dict[str, list[Seed]] = {}
+        self.drafted: dict[str, DraftTree] = {}  # grafted request -> its drafter's own tree last round
+        self.offered: dict[str, tuple[DraftTree, SuffixOffer]] = {}  # grafted request -> its suffix tree last round
+        self.last_round: tuple[float, RoundWork] | None = None  # when the last propose began, and what it did
 
     def over(self, inner: DrafterSide | None) -> SuffixSide:
         self.inner = inner
@@ -236,6 +251,7 @@ class SuffixSide:
             "index_entries": sum(ix.entries for ix in indexes),
             "trees_from": dict(self.sources),
             "shared": self.shared.stats() if self.shared is not None else None,
+            "drafter_gate": self.gate.stats(),
         }
 
     def remember(self, answer: list[int]) -> None:
@@ -249,6 +265,9 @@ class SuffixSide:
         return state.method == SUFFIX or self.inner is not None
 
     def open_session(self, state: DraftState) -> None:
+        self.pending.pop(state.request_id, None)  # a reseed hands the whole history again
+        self.drafted.pop(state.request_id, None)
+        self.offered.pop(state.request_id, None)
         if state.method == SUFFIX or state.suffix:
             self.indexes[state.request_id] = SuffixIndex(self.spec.max_match)
         if state.method == SUFFIX:
@@ -261,6 +280,10 @@ class SuffixSide:
     def forget(self, request_id: str) -> bool:
         """Drop a request's suffix state. -> whether it drafted with suffix drafts alone (no drafter session)."""
         self.indexes.pop(request_id, None)
+        self.pending.pop(request_id, None)
+        self.drafted.pop(request_id, None)
+        self.offered.pop(request_id, None)
+        self.gate.forget(request_id)
         alone = request_id in self.alone
         self.alone.discard(request_id)
         return alone
@@ -273,6 +296,7 @@ class SuffixSide:
         self, items: list[tuple[str, list[Seed], TreeSpec]]
     ) -> tuple[list[DraftTree | Refusal], float, list[int | None]]:
         t0 = time.perf_counter()
+        self._observe(items, t0)
         suffix: dict[str, DraftTree] = {}
         for request_id, seeds, tree in items:  # indexing is idempotent: a failed drafter call may hand them again
             index = self.indexes.get(request_id)
@@ -282,18 +306,22 @@ class SuffixSide:
                 if tree.max_candidates > 0:
                     suffix[request_id] = self._tree(index, tree.max_candidates)
         suffix_s = time.perf_counter() - t0
-        # a grafted request whose suffix span is likely enough: its drafter only reads its seeds
-        neural = [
-            (
-                rid,
-                seeds,
-                CONSUME_SEED_ONLY
-                if expected_accepted(suffix.get(rid, EMPTY)) >= self.spec.drafter_skip_value
-                else tree,
-            )
-            for rid, seeds, tree in items
-            if rid not in self.alone
-        ]
+        # a grafted request whose drafter the gate skips this round: its seeds wait for its next drafting
+        # round; its suffix tree alone is verified (eyas.scheduler.gate)
+        neural = []
+        for rid, seeds, tree in items:
+            if rid in self.alone:
+                continue
+            if rid in suffix:
+                backlog = Seed.total_rows(self.pending.get(rid, [])) + Seed.total_rows(seeds)
+                t = suffix[rid]
+                offer = SuffixOffer(expected=expected_accepted(t), first=first_token_value(t), nodes=t.num_nodes)
+                if offer.nodes:
+                    self.offered[rid] = (suffix[rid], offer)
+                if not self.gate.should_draft(rid, offer, backlog):
+                    self._queue(rid, seeds)
+                    continue
+            neural.append((rid, self.pending.pop(rid, []) + list(seeds), tree))
         trees, compute_s, versions = {}, 0.0, {}
         if neural:
             if self.inner is None:
@@ -305,10 +333,48 @@ class SuffixSide:
         for request_id, _, _ in items:
             drafted = trees.get(request_id, DraftTree.empty())
             if request_id in suffix and not isinstance(drafted, Refusal):
+                if request_id in trees:
+                    self.drafted[request_id] = drafted
                 drafted = graft(drafted, suffix[request_id])
             result.append(drafted)
+        grafted_drafted = [item for item in neural if item[0] in suffix]
+        self.last_round = (
+            t0,
+            RoundWork(
+                drafted=bool(grafted_drafted),
+                verify_rows=sum(1 + t.num_nodes for t in result if not isinstance(t, Refusal)),
+                context_rows=sum(Seed.total_rows(seeds) for _, seeds, _ in grafted_drafted),
+            ),
+        )
         # the suffix work counts as drafting; a suffix-alone request has no drafter version (None)
         return result, compute_s + suffix_s, [versions.get(rid) for rid, _, _ in items]
+
+    def _queue(self, request_id: str, seeds: list[Seed]) -> None:
+        """Keep seeds for the request's next drafting round (once each: a call may hand them again)."""
+        queue = self.pending.setdefault(request_id, [])
+        for seed in seeds:
+            if not queue or seed.start_position >= queue[-1].end_position:
+                queue.append(seed)
+
+    def _observe(self, items: list[tuple[str, list[Seed], TreeSpec]], now: float) -> None:
+        """What the last round showed the gate: its wall time (when every request comes back after
+        exactly that one round, one seed each) and, per grafted request, how many of its accepted tokens
+        (the seed's advanced tokens but the new frontier) its suffix tree held and how many more its
+        drafter's tree added."""
+        for rid, seeds, _ in items:
+            tree, offered = self.drafted.pop(rid, None), self.offered.pop(rid, None)
+            if len(seeds) != 1:
+                continue
+            accepted = seeds[0].advanced_tokens.tolist()[:-1]
+            copied = accepted_depth(offered[0], accepted) if offered is not None else 0
+            if tree is not None:
+                room = 1.0 - self.gate.calibrated(offered[1]).first if offered is not None else 1.0
+                self.gate.observe_drafted(tree.num_nodes, len(accepted) - copied, room)
+            if offered is not None:
+                self.gate.observe_suffix(offered[1], copied)
+        grafted = [rid for rid, _, _ in items if rid in self.indexes and rid not in self.alone]
+        if self.last_round is not None and grafted and all(len(seeds) == 1 for _, seeds, _ in items):
+            self.gate.observe_round(self.last_round[1], now - self.last_round[0])
 
     def _tree(self, index: SuffixIndex, planned_rows: int) -> DraftTree:
         """The request's suffix tree this round, at most ``planned_rows`` nodes: the rows its planned
@@ -326,7 +392,7 @@ class SuffixSide:
         return best
 
     def publish(self, request_ids: list[str]) -> None:
-        neural = [r for r in request_ids if r not in self.alone]
+        neural = [r for r in request_ids if r not in self.alone and r not in self.pending]
         if neural and self.inner is not None:
             self.inner.publish(neural)
 

@@ -48,9 +48,10 @@ class SuffixSpec:
     min_match: int = 2  # tokens of the shortest suffix that counts as a match
     max_match: int = 12  # tokens of the longest suffix looked up
     max_occurrences: int = 32  # the newest earlier occurrences of the match read
-    # grafted (hybrid): when the suffix tree's expected accepted tokens (its nodes' path values added)
-    # reach this, the drafter only reads its seeds that round and grows no tree: the copied span is
-    # likely enough that the drafter's steps and rows would cost more than they could add
+    # grafted (hybrid), until the gate has timed both kinds of round (eyas.scheduler.gate): when the
+    # suffix tree's expected accepted tokens (its nodes' path values added) reach this, the drafter
+    # grows no tree that round: the copied span is likely enough that the drafter's steps and rows
+    # would cost more than they could add
     drafter_skip_value: float = 1.0
 
     def __post_init__(self):
@@ -230,6 +231,27 @@ def expected_accepted(tree: DraftTree) -> float:
     for p, q in zip(tree.parents.tolist(), tree.draft_probs.tolist()):
         value.append(q * (1.0 if p == PARENT_IS_ROOT else value[p]))
     return sum(value)
+
+
+def first_token_value(tree: DraftTree) -> float:
+    """The chance a tree's first token is accepted, by its own values: its root children's values added
+    (at most 1)."""
+    return min(sum(q for p, q in zip(tree.parents.tolist(), tree.draft_probs.tolist()) if p == PARENT_IS_ROOT), 1.0)
+
+
+def accepted_depth(tree: DraftTree, accepted: list[int]) -> int:
+    """How many of a round's ``accepted`` draft tokens (in order from the root) lie on one path of
+    ``tree``: the tokens that tree would have got accepted alone."""
+    children: dict[tuple[int, int], int] = {}
+    for i, (token, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+        children.setdefault((parent, token), i)
+    node, depth = PARENT_IS_ROOT, 0
+    for token in accepted:
+        node = children.get((node, token))
+        if node is None:
+            break
+        depth += 1
+    return depth
 
 
 def _tree(nodes: list[tuple[int, int, int, float]], ids: list[int]) -> DraftTree:

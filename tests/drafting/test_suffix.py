@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.drafting.suffix import SharedSuffixCache, SuffixIndex, SuffixSpec, graft, suffix_tree
+from eyas.drafting.suffix import (
+    SharedSuffixCache,
+    SuffixIndex,
+    SuffixSpec,
+    accepted_depth,
+    expected_accepted,
+    first_token_value,
+    graft,
+    suffix_tree,
+)
 from eyas.generate import generate
 from eyas.protocol.schema import parse_request
 from eyas.protocol.tree import PARENT_IS_ROOT, DraftTree
@@ -141,45 +150,141 @@ def test_suffix_is_a_method_and_a_flag_refused_where_it_means_nothing():
             parse_request(prompt="hi", method=method, suffix_drafts=True)
 
 
+class RecordingInner:
+    """The inner drafter side's protocol: records the seeds and trees asked for, drafts nothing."""
+
+    def __init__(self):
+        self.asked = {}
+
+    def open_session(self, state):
+        pass
+
+    def close_session(self, request_id):
+        pass
+
+    def propose_batch(self, items):
+        self.asked = {rid: (seeds, tree) for rid, seeds, tree in items}
+        return [DraftTree.empty() for _ in items], 0.0, [3 for _ in items]
+
+    def publish(self, request_ids):
+        pass
+
+
 def test_the_drafter_grows_no_tree_in_a_round_whose_suffix_span_is_likely():
-    """Grafted: a request whose suffix tree expects at least ``drafter_skip_value`` accepted tokens asks
-    its drafter only to read its seeds (the context-rows-only tree); another grows its own tree; a
-    seed handed over again (after a failed drafter call) is not indexed twice."""
+    """Grafted, with a gate that skips the drafter where the suffix tree expects at least
+    ``drafter_skip_value`` accepted tokens (the rule of a request's first round): that request does not
+    call its drafter (its seeds wait, once each, and are read with the next round's when it drafts);
+    another grows its own tree; a seed handed over again (after a failed drafter call) is not indexed
+    twice."""
     from eyas.protocol.messages import Seed
+    from eyas.scheduler.gate import DrafterGate
     from eyas.step import CONSUME_SEED_ONLY, DraftState, SuffixSide
 
-    class Inner:  # the inner drafter side's protocol: records the trees asked for, drafts nothing
-        def __init__(self):
-            self.asked = {}
+    class ThresholdGate(DrafterGate):
+        def should_draft(self, request_id, offer, context_rows=0):
+            return offer.expected < self.skip_value
 
-        def open_session(self, state):
-            pass
-
-        def close_session(self, request_id):
-            pass
-
-        def propose_batch(self, items):
-            self.asked.update({rid: tree for rid, _, tree in items})
-            return [DraftTree.empty() for _ in items], 0.0, [3 for _ in items]
-
-        def publish(self, request_ids):
-            pass
-
-    inner = Inner()
-    side = SuffixSide(inner, SuffixSpec())
+    inner = RecordingInner()
+    side = SuffixSide(inner, SuffixSpec(), gate=ThresholdGate())
     histories = {"copying": [5, 6, 7, 8] * 6, "fresh": list(range(10, 34))}
     seeds = {}
     for rid, tokens in histories.items():
         side.open_session(DraftState(request_id=rid, method="eagle3", suffix=True))
         seeds[rid] = Seed(torch.zeros(len(tokens), 0), torch.tensor(tokens), 0, 0)
     trees, _, versions = side.propose_batch([(rid, [seeds[rid]], TREE) for rid in histories])
-    assert inner.asked == {"copying": CONSUME_SEED_ONLY, "fresh": TREE} and versions == [3, 3]
+    assert {rid: tree for rid, (_, tree) in inner.asked.items()} == {"fresh": TREE} and versions == [None, 3]
     assert paths(trees[0]) >= {(5,), (5, 6), (5, 6, 7)} and trees[1].num_nodes == 0
     side.propose_batch([(rid, [seeds[rid]], TREE) for rid in histories])  # the same seeds again
-    assert side.indexes["copying"].tokens == histories["copying"]
+    assert side.indexes["copying"].tokens == histories["copying"] and side.pending["copying"] == [seeds["copying"]]
+    # a plain round: the drafter reads the waiting seed and the new one together, in order
+    more = Seed(torch.zeros(2, 0), torch.tensor([5, 6]), 24, 1)
+    side.propose_batch([("copying", [more], CONSUME_SEED_ONLY)])
+    assert inner.asked == {"copying": ([seeds["copying"], more], CONSUME_SEED_ONLY)} and not side.pending
     for rid in histories:
         side.close_session(rid)
     assert not side.indexes
+
+
+def test_the_gate_drafts_where_a_drafter_round_pays_for_its_cost_and_tries_the_other_kind():
+    """The drafter gate (eyas.scheduler.gate): its cost model recovers a round's parts from timed rounds
+    (base, drafting, a verify row, a backlog row); with a 5 ms base a drafter tree worth 0.7 tokens does
+    not pay for its 2 ms and 4 rows, with a 35 ms base it does, unless the copied span alone is worth
+    more; one kind runs at most EXPLORE_EVERY rounds in a row while the two are close; a drafted tree's
+    accepted depth is read along its own path."""
+    from eyas.scheduler.gate import (
+        DRAFTED,
+        EXPLORE_EVERY,
+        SKIPPED,
+        DrafterGate,
+        RoundWork,
+        SuffixOffer,
+        drafter_pays,
+    )
+
+    none, likely = SuffixOffer(), SuffixOffer(expected=2.0, first=0.9, nodes=4)
+    assert not drafter_pays(none, 0.7, 0.009, 0.005) and drafter_pays(none, 0.7, 0.045, 0.035)
+    assert not drafter_pays(likely, 0.7, 0.045, 0.035)  # the span's first token likely: the drafter adds little
+    assert drafter_pays(SuffixOffer(expected=0.4, first=0.3, nodes=2), 0.7, 0.045, 0.035)
+    for base, drafts in ((0.005, False), (0.035, True)):
+        gate = DrafterGate()
+        for i in range(60):
+            suffix_nodes = i % 7
+            for work in (
+                RoundWork(drafted=False, verify_rows=1 + suffix_nodes),
+                RoundWork(drafted=True, verify_rows=5 + suffix_nodes, context_rows=2 + i % 3 + (40 if i == 7 else 0)),
+            ):
+                seconds = base + 0.002 * work.drafted + 0.0005 * work.verify_rows + 0.00005 * work.context_rows
+                gate.observe_round(work, seconds)
+        assert gate.cost.coef == pytest.approx((base, 0.002, 0.0005, 0.00005), rel=1e-3, abs=1e-7)
+        gate.gain_sums = [0.5, 1.0]  # the drafter adds half a token a round
+        assert gate.should_draft("r", SuffixOffer(), 2) == drafts
+        assert not gate.should_draft("r", SuffixOffer(expected=3.0, first=0.95, nodes=6), 2)
+        assert gate.worth("r", SuffixOffer(), 200) < gate.worth("r", SuffixOffer(), 2)  # a long backlog costs
+    gate = DrafterGate()
+    gate.samples = {DRAFTED: 99, SKIPPED: 99}
+    gate.cost.coef = (0.005, 0.002, 0.0005, 0.0)  # skipped 5.5 ms, drafted 9.5 ms: close, skipped wins
+    runs = [gate.should_draft("r") for _ in range(2 * (EXPLORE_EVERY + 1))]
+    assert runs.count(True) == 2 and runs[EXPLORE_EVERY] and runs[2 * EXPLORE_EVERY + 1]
+    assert gate.stats()["rounds"] == {DRAFTED: 2, SKIPPED: 2 * EXPLORE_EVERY}
+    tree = DraftTree(
+        torch.tensor([4, 8, 5, 6]), torch.tensor([-1, -1, 0, 2]), torch.tensor([1, 1, 2, 3]), torch.ones(4)
+    )
+    assert [accepted_depth(tree, a) for a in ([4, 5, 6, 1], [4, 6], [8], [], [9, 4])] == [3, 1, 1, 0, 0]
+    offer = SuffixOffer(expected=expected_accepted(tree), first=first_token_value(tree), nodes=tree.num_nodes)
+    assert (offer.expected, offer.first, offer.nodes) == (4.0, 1.0, 4)
+    for accepted in (0, 2) * 10:  # verified: a quarter of its tokens, its first token half the time
+        gate.observe_suffix(offer, accepted)
+    for _ in range(300):  # drafted rounds: 2 tokens beyond the copied span where it left half a token's room
+        gate.observe_drafted(3, 2, 0.5)
+    assert gate.gain == pytest.approx(4.0, rel=0.01) and gate.drafter_nodes == pytest.approx(3.0)
+    calibrated = gate.calibrated(offer)
+    assert calibrated.expected == pytest.approx(1.0, rel=0.1) and calibrated.first == pytest.approx(0.5, rel=0.1)
+
+
+def test_a_gated_hybrid_skips_its_drafter_where_rounds_say_so_and_stays_exact(tiny_target):
+    """A gate whose cost model says the drafter pays a little less than it costs (its estimates held):
+    the hybrid request skips it in most rounds (its seeds wait, read when it drafts next), tries it every
+    EXPLORE_EVERY rounds, and its greedy output equals target-only's. Far from paying, it is never
+    tried."""
+    from eyas.scheduler.gate import DRAFTED, SKIPPED, DrafterGate, RoundCost
+
+    class HeldGate(DrafterGate):  # the test's costs, not this machine's
+        def observe_round(self, work, seconds):
+            pass
+
+        def observe_drafted(self, nodes, added, room):
+            pass
+
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
+    base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=40, stop_ids=())
+    for drafting_s, tried in ((0.0001, True), (0.01, False)):
+        gate = HeldGate(
+            cost=RoundCost(coef=(0.001, drafting_s, 0.0, 0.0)), samples={DRAFTED: 9, SKIPPED: 9}, gain_sums=[0.0, 1.0]
+        )
+        target, drafter = engines(tiny_target, "eagle3")
+        out = generate(target, prompt, max_new_tokens=40, stop_ids=(), drafter=drafter, suffix=SuffixSpec(), gate=gate)
+        assert out.token_ids == base.token_ids
+        assert gate.decisions[SKIPPED] > gate.decisions[DRAFTED] and (gate.decisions[DRAFTED] > 0) == tried
 
 
 def test_the_shared_cache_finds_the_longest_match_across_answers_and_evicts_the_oldest_first():

@@ -1,0 +1,239 @@
+"""The drafter gate of a hybrid request (suffix drafts grafted into a drafter's tree, ``SuffixSide``):
+whether its drafter grows a tree this round, decided by what rounds measurably cost and what each
+source gets accepted.
+
+Terms.
+
+- A *drafted* round: a hybrid request's drafter grew a tree (its suffix tree grafted into it). A
+  *skipped* round: it did not; only the suffix tree (or nothing) was verified, and the drafter reads
+  the seeds it missed when it drafts next (one call over the backlog).
+- ``e_suffix``: the suffix tree's expected accepted tokens this round (its nodes' path values added,
+  known before the drafter is asked: suffix lookups cost no model).
+- ``gain``: what a drafter's tree adds to a round, per unit of room the copied span leaves it (``1 -
+  first_suffix``): over the drafted rounds, the accepted tokens beyond those the suffix tree alone held
+  (all of them where there was none), summed with forgetting, over the room summed the same way
+  (started from ``PRIOR_GAIN`` tokens for one unit: EAGLE-3 at tau ~1.7).
+- ``round_s``: a round's wall time (propose to the next propose: drafting, the verify of its rows,
+  the decision, the publish), predicted for this round's own rows by :class:`RoundCost`, a linear
+  model fitted on the loop's recent rounds: a base, what drafting adds, a verify row, a seed row the
+  drafter reads first (its backlog after skipped rounds: the whole prompt in its first drafting round).
+
+The rule, expected tokens a second (each round commits its accepted tokens plus one):
+
+    draft  iff  (1 + e_suffix + (1 - first_suffix) gain) / round_s(drafted: suffix + drafter nodes, backlog)
+             >  (1 + e_suffix) / round_s(skipped: suffix nodes)
+
+(``first_suffix``: the chance the copied span's first token is accepted)
+
+so where a drafter round costs more than its tokens are worth (a cheap target: ``gguf`` on a CPU,
+where a drafting round costs ~1.8 decodes) the request goes on with its suffix drafts alone, and where
+the target is expensive (``fp16w``) it drafts unless the copied span alone is worth more. Until both
+kinds have ``MIN_SAMPLES`` timed rounds the old threshold decides (skip when ``e_suffix >=
+skip_value``) in a request's first round, and the kinds alternate after it (each timed at a short
+backlog); after that a request that
+took one kind ``EXPLORE_EVERY`` rounds in a row takes the other once while the two are close
+(``EXPLORE_MARGIN``), so that both estimates follow the machine and the request; a drafter far from
+paying is not tried again (a trial after many skipped rounds is its dearest round: the backlog).
+A suffix tree's values are the frequencies of what followed its match, not acceptance rates: the gate
+scales ``e_suffix`` and ``first_suffix`` by what the verified suffix trees got accepted against what
+they predicted (``DrafterGate.calibrated``).
+
+Pure bookkeeping: numbers in, a decision out. No model, no Ray. One owner (the ``SuffixSide``, or the
+``Eyas`` object that lends one to each of its requests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DRAFTED, SKIPPED = "drafted", "skipped"
+MIN_SAMPLES = 8  # timed rounds of each kind before the costs decide
+EXPLORE_EVERY = 16  # rounds one kind may run in a row for a request before the other is tried once
+# ... and only while the two kinds are this close (a drafted round's worth over a skipped one's between
+# this and its inverse): a drafter that reads a backlog of skipped rounds costs the most when it is tried
+EXPLORE_MARGIN = 0.75
+FORGET = 0.98  # a timed round's weight in the cost model, multiplied by this each round after it
+REFIT_EVERY = 8  # rounds between two fits of the cost model
+CALIBRATION_MIN = 2.0  # predicted tokens (forgetting sum) before the suffix trees' calibration is used
+PRIOR_DRAFTER_NODES = 4.0  # nodes a drafter tree adds before any is seen
+NODES_EMA = 0.3  # how fast the drafter's nodes a round follow its drafted rounds
+PRIOR_GAIN = 0.7  # a drafter round's accepted tokens before any is seen (EAGLE-3 at tau ~1.7)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SuffixOffer:
+    """What a round's suffix tree offers, known before the drafter is asked."""
+
+    expected: float = 0.0  # expected accepted tokens: its nodes' path values added
+    first: float = 0.0  # the chance its first token is accepted: its root children's values added (at most 1)
+    nodes: int = 0  # the rows it adds to the verify
+
+
+def drafted_worth(offer: SuffixOffer, gain: float, drafted_s: float, skipped_s: float) -> float:
+    """A drafted round's expected tokens a second over a skipped round's (module docstring): the drafter's
+    tree adds ``gain`` tokens per unit of room the copied span leaves it."""
+    assert drafted_s > 0 and skipped_s > 0, "round times: positive seconds"
+    union = offer.expected + (1.0 - offer.first) * gain
+    return ((1.0 + union) / drafted_s) / ((1.0 + offer.expected) / skipped_s)
+
+
+def drafter_pays(offer: SuffixOffer, gain: float, drafted_s: float, skipped_s: float) -> bool:
+    """The gate's rule: whether a drafted round's expected tokens a second beat a skipped round's."""
+    return drafted_worth(offer, gain, drafted_s, skipped_s) > 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundWork:
+    """What a round did, as the gate's cost model reads it."""
+
+    drafted: bool  # a drafter grew a tree
+    verify_rows: int  # rows the target verified (roots and every tree's nodes)
+    context_rows: int = 0  # seed rows the drafter read before it drafted (its backlog); 0 when skipped
+
+    def features(self) -> list[float]:
+        d = float(self.drafted)
+        return [1.0, d, float(self.verify_rows), d * self.context_rows]
+
+
+@dataclass
+class RoundCost:
+    """A round's seconds as ``base + drafting + per_row * verify_rows + per_context_row * context_rows``
+    (the rows as :class:`RoundWork` counts them; drafting and the context rows only in a drafted round),
+    fitted by least squares over the recent rounds of each kind (a timed round's weight multiplied by
+    ``FORGET`` for each later round of its kind: a drafter skipped for long keeps what its rounds cost),
+    so that a round's cost is read for its own rows: a skipped round with a 6-node suffix tree costs
+    more than one with none, a drafter's first round reads the whole prompt."""
+
+    # kind -> the weighted sums x x^T [4, 4] and x y [4] of its rounds (x: RoundWork.features())
+    sums: dict[str, tuple[list[list[float]], list[float]]] = field(default_factory=dict)
+    coef: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+    unfitted: int = 0  # rounds observed since the last fit
+
+    def observe(self, work: RoundWork, seconds: float) -> None:
+        import numpy as np
+
+        x = work.features()
+        xtx, xty = self.sums.setdefault(
+            DRAFTED if work.drafted else SKIPPED, ([[0.0] * 4 for _ in range(4)], [0.0] * 4)
+        )
+        for a in range(4):
+            xty[a] = FORGET * xty[a] + x[a] * seconds
+            for b in range(4):
+                xtx[a][b] = FORGET * xtx[a][b] + x[a] * x[b]
+        self.unfitted += 1
+        if self.unfitted < REFIT_EVERY and any(self.coef):  # a fit costs more than a round's bookkeeping
+            return
+        self.unfitted = 0
+        both = list(self.sums.values())
+        solution = np.linalg.lstsq(
+            np.array([[sum(s[0][a][b] for s in both) for b in range(4)] for a in range(4)]),
+            np.array([sum(s[1][a] for s in both) for a in range(4)]),
+            rcond=1e-9,
+        )[0]
+        self.coef = tuple(max(float(c), 0.0) for c in solution)  # no part of a round saves time
+
+    def predict(self, work: RoundWork) -> float:
+        return sum(c * x for c, x in zip(self.coef, work.features()))
+
+
+@dataclass
+class DrafterGate:
+    """The gate's estimates (module docstring) and its per-request state."""
+
+    skip_value: float = 1.0  # the rule before the costs are known: skip when e_suffix reaches it
+    cost: RoundCost = field(default_factory=RoundCost)
+    samples: dict[str, int] = field(default_factory=lambda: {DRAFTED: 0, SKIPPED: 0})
+    drafter_nodes: float = PRIOR_DRAFTER_NODES  # EMA of the nodes a drafter tree adds to a round
+    # forgetting sums over drafted rounds of (tokens the drafter added, room the copied span left it)
+    gain_sums: list[float] = field(default_factory=lambda: [PRIOR_GAIN, 1.0])
+    streak: dict[str, tuple[str, int]] = field(default_factory=dict)  # request id -> (kind, rounds in a row)
+    decisions: dict[str, int] = field(default_factory=lambda: {DRAFTED: 0, SKIPPED: 0})
+    # the suffix trees' calibration: forgetting sums of (predicted, accepted) tokens and of (predicted,
+    # accepted) first tokens over the rounds that verified one (a suffix tree's values are frequencies of
+    # what followed the match, not acceptance rates)
+    suffix_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
+
+    def calibrated(self, offer: SuffixOffer) -> SuffixOffer:
+        """``offer`` with its values scaled by what suffix trees' values got accepted so far (as they are
+        until a few rounds are seen)."""
+        pe, ae, pf, af = self.suffix_sums
+        if pe < CALIBRATION_MIN or pf < CALIBRATION_MIN:
+            return offer
+        return SuffixOffer(expected=offer.expected * ae / pe, first=min(offer.first * af / pf, 1.0), nodes=offer.nodes)
+
+    def observe_suffix(self, offer: SuffixOffer, accepted: int) -> None:
+        """A verified suffix tree's offer (uncalibrated) and how many of its tokens got accepted
+        (``eyas.drafting.suffix.accepted_depth``)."""
+        update = (offer.expected, float(accepted), offer.first, float(accepted >= 1))
+        self.suffix_sums = [FORGET * old + new for old, new in zip(self.suffix_sums, update)]
+
+    @property
+    def warm(self) -> bool:
+        return min(self.samples.values()) >= MIN_SAMPLES
+
+    def worth(self, request_id: str, offer: SuffixOffer, context_rows: int) -> float | None:
+        """A drafted round's expected tokens a second over a skipped one's for this request now (None
+        until both kinds are timed): ``offer`` its suffix tree's, ``context_rows`` the seed rows its
+        drafter would read first."""
+        if not self.warm:
+            return None
+        offer = self.calibrated(offer)
+        skipped = self.cost.predict(RoundWork(drafted=False, verify_rows=1 + offer.nodes))
+        drafted = self.cost.predict(
+            RoundWork(drafted=True, verify_rows=1 + offer.nodes + round(self.drafter_nodes), context_rows=context_rows)
+        )
+        if not (skipped > 0 and drafted > 0):
+            return None
+        return drafted_worth(offer, self.gain, drafted, skipped)
+
+    @property
+    def gain(self) -> float:
+        return self.gain_sums[0] / self.gain_sums[1]
+
+    def should_draft(self, request_id: str, offer: SuffixOffer = SuffixOffer(), context_rows: int = 0) -> bool:
+        """This round's decision for ``request_id`` (counted, and its streak advanced)."""
+        worth = self.worth(request_id, offer, context_rows)
+        if worth is None:
+            draft, close = offer.expected < self.skip_value, True
+        else:
+            draft, close = worth > 1.0, EXPLORE_MARGIN < worth < 1.0 / EXPLORE_MARGIN
+        kind = DRAFTED if draft else SKIPPED
+        last, run = self.streak.get(request_id, (kind, 0))
+        if not self.warm and run:  # warming up: the kinds alternate, so that each is timed at a short backlog
+            kind = SKIPPED if last == DRAFTED else DRAFTED
+        elif close and last == kind and run >= EXPLORE_EVERY:  # the other kind once
+            kind = SKIPPED if kind == DRAFTED else DRAFTED
+        run = run + 1 if kind == last else 1
+        self.streak[request_id] = (kind, run)
+        self.decisions[kind] += 1
+        return kind == DRAFTED
+
+    def observe_round(self, work: RoundWork, seconds: float) -> None:
+        """A round's wall time and what it did."""
+        self.cost.observe(work, seconds)
+        self.samples[DRAFTED if work.drafted else SKIPPED] += 1
+
+    def observe_drafted(self, nodes: int, added: int, room: float) -> None:
+        """A drafted round: its drafter tree's ``nodes``, the accepted tokens it ``added`` beyond what
+        the suffix tree alone held, and the ``room`` the suffix tree left it (1 - its calibrated first-
+        token chance; 1 with no suffix tree)."""
+        self.drafter_nodes += NODES_EMA * (nodes - self.drafter_nodes)
+        self.gain_sums = [FORGET * self.gain_sums[0] + added, FORGET * self.gain_sums[1] + room]
+
+    def forget(self, request_id: str) -> None:
+        self.streak.pop(request_id, None)
+
+    def stats(self) -> dict:
+        """Rounds decided each way, the cost model (ms: a round's base, a drafter's, a verify row's, a
+        drafter context row's), the drafter's gain and nodes, and the suffix trees' calibration."""
+        base, drafting, row, context = (round(1000 * c, 4) for c in self.cost.coef)
+        return {
+            "rounds": dict(self.decisions),
+            "cost_ms": {"base": base, "drafting": drafting, "verify_row": row, "context_row": context},
+            "drafter_gain": round(self.gain, 3),
+            "drafter_nodes": round(self.drafter_nodes, 2),
+            "suffix_calibration": {
+                "expected": round(self.suffix_sums[1] / self.suffix_sums[0], 3) if self.suffix_sums[0] else None,
+                "first": round(self.suffix_sums[3] / self.suffix_sums[2], 3) if self.suffix_sums[2] else None,
+            },
+        }
