@@ -590,7 +590,12 @@ class RoundLoop:
             self.target("close", live.request_id)
         except Exception:
             log.exception("close_session %s", live.request_id)
-        if not self.suffix_side.forget(live.request_id) and live.drafter_open and self.drafter is not None:
+        # a drafter method's session may outlive what the loop knows of it (a call that failed or timed out
+        # after the drafter opened it): it is closed whenever one may exist; a drafter without it refuses
+        may_hold = live.drafter_open or (
+            live.method != "target" and (live.needs_reseed or live.reseeds or live.fallback)
+        )
+        if not self.suffix_side.forget(live.request_id) and may_hold and self.drafter is not None:
             if self.drafter_down.is_set():  # it would wait out the call's timeout: the round loop must not
                 threading.Thread(
                     target=self._close_draft_session, args=(live.request_id,), name="eyas-drafter-close", daemon=True
