@@ -232,7 +232,7 @@ class SuffixSide:
         self.sources = {"own": 0, "shared": 0}  # rounds whose suffix tree came from each source
         # a grafted request's seeds its drafter has not read (the rounds the gate skipped it), in order
         self.pending: dict[str, list[Seed]] = {}
-        self.drafted: dict[str, DraftTree] = {}  # grafted request -> its drafter's own tree last round
+        self.drafted: dict[str, int] = {}  # grafted request -> its drafter's own tree's nodes last round
         self.offered: dict[str, tuple[DraftTree, SuffixOffer]] = {}  # grafted request -> its suffix tree last round
         self.last_round: tuple[float, RoundWork] | None = None  # when the last propose began, and what it did
 
@@ -317,7 +317,7 @@ class SuffixSide:
                 t = suffix[rid]
                 offer = SuffixOffer(expected=expected_accepted(t), first=first_token_value(t), nodes=t.num_nodes)
                 if offer.nodes:
-                    self.offered[rid] = (suffix[rid], offer)
+                    self.offered[rid] = (t, offer)
                 if not self.gate.should_draft(rid, offer, backlog):
                     self._queue(rid, seeds)
                     continue
@@ -334,7 +334,7 @@ class SuffixSide:
             drafted = trees.get(request_id, DraftTree.empty())
             if request_id in suffix and not isinstance(drafted, Refusal):
                 if request_id in trees:
-                    self.drafted[request_id] = drafted
+                    self.drafted[request_id] = drafted.num_nodes
                 drafted = graft(drafted, suffix[request_id])
             result.append(drafted)
         grafted_drafted = [item for item in neural if item[0] in suffix]
@@ -362,14 +362,14 @@ class SuffixSide:
         (the seed's advanced tokens but the new frontier) its suffix tree held and how many more its
         drafter's tree added."""
         for rid, seeds, _ in items:
-            tree, offered = self.drafted.pop(rid, None), self.offered.pop(rid, None)
+            drafter_nodes, offered = self.drafted.pop(rid, None), self.offered.pop(rid, None)
             if len(seeds) != 1:
                 continue
             accepted = seeds[0].advanced_tokens.tolist()[:-1]
             copied = accepted_depth(offered[0], accepted) if offered is not None else 0
-            if tree is not None:
+            if drafter_nodes is not None:
                 room = 1.0 - self.gate.calibrated(offered[1]).first if offered is not None else 1.0
-                self.gate.observe_drafted(tree.num_nodes, len(accepted) - copied, room)
+                self.gate.observe_drafted(drafter_nodes, len(accepted) - copied, room)
             if offered is not None:
                 self.gate.observe_suffix(offered[1], copied)
         grafted = [rid for rid, _, _ in items if rid in self.indexes and rid not in self.alone]

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 DRAFTED, SKIPPED = "drafted", "skipped"
 MIN_SAMPLES = 8  # timed rounds of each kind before the costs decide
 EXPLORE_EVERY = 16  # rounds one kind may run in a row for a request before the other is tried once
@@ -110,8 +112,6 @@ class RoundCost:
     unfitted: int = 0  # rounds observed since the last fit
 
     def observe(self, work: RoundWork, seconds: float) -> None:
-        import numpy as np
-
         x = work.features()
         xtx, xty = self.sums.setdefault(
             DRAFTED if work.drafted else SKIPPED, ([[0.0] * 4 for _ in range(4)], [0.0] * 4)
@@ -171,10 +171,10 @@ class DrafterGate:
     def warm(self) -> bool:
         return min(self.samples.values()) >= MIN_SAMPLES
 
-    def worth(self, request_id: str, offer: SuffixOffer, context_rows: int) -> float | None:
-        """A drafted round's expected tokens a second over a skipped one's for this request now (None
-        until both kinds are timed): ``offer`` its suffix tree's, ``context_rows`` the seed rows its
-        drafter would read first."""
+    def worth(self, offer: SuffixOffer, context_rows: int) -> float | None:
+        """A drafted round's expected tokens a second over a skipped one's now (None until both kinds are
+        timed): ``offer`` the round's suffix tree's, ``context_rows`` the seed rows the drafter would
+        read first."""
         if not self.warm:
             return None
         offer = self.calibrated(offer)
@@ -192,7 +192,7 @@ class DrafterGate:
 
     def should_draft(self, request_id: str, offer: SuffixOffer = SuffixOffer(), context_rows: int = 0) -> bool:
         """This round's decision for ``request_id`` (counted, and its streak advanced)."""
-        worth = self.worth(request_id, offer, context_rows)
+        worth = self.worth(offer, context_rows)
         if worth is None:
             draft, close = offer.expected < self.skip_value, True
         else:

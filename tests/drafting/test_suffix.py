@@ -239,7 +239,7 @@ def test_the_gate_drafts_where_a_drafter_round_pays_for_its_cost_and_tries_the_o
         gate.gain_sums = [0.5, 1.0]  # the drafter adds half a token a round
         assert gate.should_draft("r", SuffixOffer(), 2) == drafts
         assert not gate.should_draft("r", SuffixOffer(expected=3.0, first=0.95, nodes=6), 2)
-        assert gate.worth("r", SuffixOffer(), 200) < gate.worth("r", SuffixOffer(), 2)  # a long backlog costs
+        assert gate.worth(SuffixOffer(), 200) < gate.worth(SuffixOffer(), 2)  # a long backlog costs
     gate = DrafterGate()
     gate.samples = {DRAFTED: 99, SKIPPED: 99}
     gate.cost.coef = (0.005, 0.002, 0.0005, 0.0)  # skipped 5.5 ms, drafted 9.5 ms: close, skipped wins
