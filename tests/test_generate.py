@@ -161,7 +161,7 @@ def test_greedy_identity_fp16w_served_precision(method):
 def test_greedy_identity_gguf_served_precision(method, hidden):
     """gguf (GGUF blocks, Q8 activations, integer dot products) is a served precision: speculative
     equals target-only at it, for random drafters and for a drafter that proposes the target's own
-    chain (every row accepted: the deepest verifies), with the drafter's linears at Q8_0 too."""
+    chain (every row accepted: the deepest verifies), with the drafter's linears at Q4_1."""
     from eyas.runtime import gguf_drafter
     from eyas.target.quantized import QLinear, quantize_gguf
 
@@ -553,7 +553,7 @@ def test_greedy_identity_fp16w_real_model():
 def test_greedy_identity_gguf_real_model():
     """At the served gguf precision (the default GGUF's own Q4_1 / Q8_0 blocks, llama.cpp's
     arithmetic), EAGLE-3 and EAGLE-1 speculative greedy output equals gguf target-only output on two
-    MT-bench first turns, in fewer target forwards; its drafters draft with Q8_0 blocks."""
+    MT-bench first turns, in fewer target forwards; its drafters draft with Q4_1 blocks."""
     from eyas.runtime import Eyas
 
     if kernels_off():

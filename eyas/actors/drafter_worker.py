@@ -65,7 +65,7 @@ class DrafterWorker:
         """Load the target's embedding and LM head (and no decoder layer: :func:`load_target_head`) plus a
         drafter per method (shipped ones by default).
         ``precision``: the served target precision; at ``fp16w`` the drafters and the target head they
-        read run with fp16 weights too, at ``gguf`` the drafters with Q8_0 blocks and the head with the
+        read run with fp16 weights too, at ``gguf`` the drafters with Q4_1 blocks and the head with the
         GGUF's own blocks (fp32 otherwise: an int8 target still drafts at fp32).
         ``dtype``, ``device``: the target's compute dtype and where these drafters compute."""
         from eyas.runtime import make_drafter

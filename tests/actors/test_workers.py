@@ -330,14 +330,15 @@ def test_a_drafter_worker_for_an_fp16w_target_drafts_with_fp16_weights():
 
 
 @pytest.mark.real_model
-def test_a_drafter_worker_for_a_gguf_target_drafts_with_q8_blocks_and_the_ggufs_own_head():
-    """At gguf the drafter deployment's drafter holds Q8_0 blocks and the target head an EAGLE-1
+def test_a_drafter_worker_for_a_gguf_target_drafts_with_q4_blocks_and_the_ggufs_own_head():
+    """At gguf the drafter deployment's drafter holds Q4_1 blocks and the target head an EAGLE-1
     drafter reads is the GGUF's own Q8_0 head, as the gguf target's is; drafting still works."""
-    from eyas.target.quantized import Q8_0, QLinear
+    from eyas.target.quantized import Q4_1, Q8_0, QLinear
 
     w = DrafterWorker.load("smollm2-135m", ("eagle1",), precision="gguf")
     engine = w.engines["eagle1"]
     assert not any(type(m) is torch.nn.Linear for m in engine.drafter.modules())
+    assert {m.qtype for m in engine.drafter.modules() if isinstance(m, QLinear)} == {Q4_1}
     assert isinstance(engine.lm_head, QLinear) and engine.lm_head.qtype == Q8_0
     points = w.measure_costs(repeats=1)["eagle1"]
     assert points and all(ms > 0 for _, _, ms in points)

@@ -211,7 +211,7 @@ def test_the_avx2_and_avx512_builds_compute_the_same_bits(k, tmp_path):
 
 @pytest.mark.parametrize("method, layout", [("eagle3", "reference"), ("eagle1", "reference"), ("eagle3", "eyas-v1")])
 def test_a_fused_draft_layer_computes_what_its_quantized_modules_compute(k, method, layout):
-    """A drafter beside a gguf target (Q8_0 blocks, its layer fused: with its own input norm, or
+    """A drafter beside a gguf target (Q4_1 blocks, its layer fused: with its own input norm, or
     reading the reference EAGLE-3 layer's pre-normed [E(x); state]) against the same blocks run
     module by module: the same draft states up to float rounding, over a context and a tree step."""
     from eyas.drafting.model import DrafterConfig, init_drafter
