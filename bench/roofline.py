@@ -132,7 +132,7 @@ def target_account(eyas: Eyas) -> dict:
     return {
         "weight_bytes": sum(b for b, _ in parts),
         "macs_per_row": sum(m for _, m in parts),
-        "kv_bytes_per_slot": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4,
+        "kv_bytes_per_slot": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * eyas.model.kv_dtype.itemsize,
         "attn_macs_per_row_slot": cfg.num_layers * 2 * cfg.num_heads * cfg.head_dim,
     }
 

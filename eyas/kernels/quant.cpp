@@ -591,36 +591,41 @@ namespace eyas_quant {
 // key while it is in L1: the committed prefix (slots 0..P-1, visible to every row of the request) is walked
 // in tiles, every row and head of the group scoring a tile before the next is read.
 
-template <int lanes>
-inline __m128 key_dots4(const __m256* qv, const float* k0, const float* k1, const float* k2, const float* k3) {
+// A stored K/V element: fp32, or fp16 (llama.cpp's default cache type: half the bytes a decode reads), 8 at a
+// time as fp32 (exact: every fp16 is an fp32)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+template <int lanes, typename T>
+inline __m128 key_dots4(const __m256* qv, const T* k0, const T* k1, const T* k2, const T* k3) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
   for (int64_t l = 0; l < lanes; l++) {
-    a0 = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k0 + 8 * l), a0);
-    a1 = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k1 + 8 * l), a1);
-    a2 = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k2 + 8 * l), a2);
-    a3 = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k3 + 8 * l), a3);
+    a0 = _mm256_fmadd_ps(qv[l], load8(k0 + 8 * l), a0);
+    a1 = _mm256_fmadd_ps(qv[l], load8(k1 + 8 * l), a1);
+    a2 = _mm256_fmadd_ps(qv[l], load8(k2 + 8 * l), a2);
+    a3 = _mm256_fmadd_ps(qv[l], load8(k3 + 8 * l), a3);
   }
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 // eight consecutive keys k, k + stride, ... (each exactly as key_dots4 / key_dot sum it)
-template <int lanes>
-inline void key_dots8(const __m256* qv, const float* k, int64_t stride, __m128* lo, __m128* hi) {
+template <int lanes, typename T>
+inline void key_dots8(const __m256* qv, const T* k, int64_t stride, __m128* lo, __m128* hi) {
   __m256 a[8];
   for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
   for (int l = 0; l < lanes; l++)
-    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k + j * stride + 8 * l), a[j]);
+    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv[l], load8(k + j * stride + 8 * l), a[j]);
   const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   *lo = _mm_add_ps(_mm256_castps256_ps128(h0), _mm256_extractf128_ps(h0, 1));
   *hi = _mm_add_ps(_mm256_castps256_ps128(h1), _mm256_extractf128_ps(h1, 1));
 }
 
-template <int lanes>
-inline float key_dot(const __m256* qv, const float* k) {
+template <int lanes, typename T>
+inline float key_dot(const __m256* qv, const T* k) {
   __m256 a = _mm256_setzero_ps();
-  for (int64_t l = 0; l < lanes; l++) a = _mm256_fmadd_ps(qv[l], _mm256_loadu_ps(k + 8 * l), a);
+  for (int64_t l = 0; l < lanes; l++) a = _mm256_fmadd_ps(qv[l], load8(k + 8 * l), a);
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, a), _mm256_hadd_ps(a, a));
   return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
@@ -630,9 +635,9 @@ constexpr int64_t kKeyTile = 32;  // keys of the shared prefix read once into L1
 // rows: the request's packed rows; each sees visible[n] (the first P slots 0..P-1 shared by all of them). q [*, H,
 // hd]; heads [h0, h1) all read K/V head j, whose slots are keys/values + slot * hd. Writes out [*, H, hd].
 // lanes: head_dim / 8, a constant of the compiled code so that the accumulators stay in registers
-template <int lanes>
+template <int lanes, typename T>
 void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::vector<int32_t>>& visible, int64_t P,
-                      const float* q, int64_t H, int64_t h0, int64_t h1, const float* keys, const float* values,
+                      const float* q, int64_t H, int64_t h0, int64_t h1, const T* keys, const T* values,
                       float scale, float* out) {
   constexpr int64_t hd = 8 * lanes;
   const int64_t nh = h1 - h0, nr = static_cast<int64_t>(rows.size());
@@ -655,7 +660,7 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
     const int64_t t1 = std::min(P4, t0 + kKeyTile);
     // the next tile's keys into L1 and this tile's values into L2 while this one is scored: the K/V rows
     // come from memory, and the hardware prefetchers stop at every page end
-    for (int64_t o = 0; o < kKeyTile * hd * 4; o += 64) {
+    for (int64_t o = 0; o < kKeyTile * hd * static_cast<int64_t>(sizeof(T)); o += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(keys + (t0 + kKeyTile) * hd) + o, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(values + t0 * hd) + o, _MM_HINT_T1);
     }
@@ -665,14 +670,14 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
       qvec(u, qv);
       int64_t i = t0;
       for (; i + 8 <= t1; i += 8) {  // two groups of four, interleaved: eight independent FMA chains
-        const float* k = keys + i * hd;
+        const T* k = keys + i * hd;
         __m128 lo, hi;
         key_dots8<lanes>(qv, k, hd, &lo, &hi);
         _mm_storeu_ps(sc + i, lo);
         _mm_storeu_ps(sc + i + 4, hi);
       }
       for (; i < t1; i += 4) {
-        const float* k = keys + i * hd;
+        const T* k = keys + i * hd;
         _mm_storeu_ps(sc + i, key_dots4<lanes>(qv, k, k + hd, k + 2 * hd, k + 3 * hd));
       }
     }
@@ -725,9 +730,9 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
       __m256 a[lanes];
       for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc.data() + u * hd + 8 * l);
       for (int64_t i = t0; i < t1; i++) {
-        const float* vr = values + i * hd;
+        const T* vr = values + i * hd;
         const __m256 pw = _mm256_set1_ps(sc[i]);
-        for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * l), a[l]);
+        for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, load8(vr + 8 * l), a[l]);
       }
       for (int l = 0; l < lanes; l++) _mm256_storeu_ps(acc.data() + u * hd + 8 * l, a[l]);
     }
@@ -739,9 +744,9 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
     __m256 a[lanes];
     for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc.data() + u * hd + 8 * l);
     for (int64_t i = P; i < n; i++) {
-      const float* vr = values + vis[i] * hd;
+      const T* vr = values + vis[i] * hd;
       const __m256 pw = _mm256_set1_ps(sc[i]);
-      for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * l), a[l]);
+      for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, load8(vr + 8 * l), a[l]);
     }
     const __m256 invv = _mm256_set1_ps(inv[u]);
     float* o = out + (rows[u / nh] * H + h0 + u % nh) * hd;
@@ -753,14 +758,15 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
   }
 }
 
+template <typename T>
 void attend_request(const std::vector<int64_t>& rows, const std::vector<std::vector<int32_t>>& visible, int64_t P,
-                    const float* q, int64_t H, int64_t h0, int64_t h1, int64_t hd, const float* keys,
-                    const float* values, float scale, float* out) {
+                    const float* q, int64_t H, int64_t h0, int64_t h1, int64_t hd, const T* keys, const T* values,
+                    float scale, float* out) {
   switch (hd) {
-    case 64: return attend_request_t<8>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
-    case 128: return attend_request_t<16>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
-    case 32: return attend_request_t<4>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
-    case 96: return attend_request_t<12>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    case 64: return attend_request_t<8, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    case 128: return attend_request_t<16, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    case 32: return attend_request_t<4, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    case 96: return attend_request_t<12, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
     default: TORCH_CHECK(false, "head_dim: ", hd, " is not 32, 64, 96 or 128 (the fused attention's)");
   }
 }
@@ -801,10 +807,11 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
                     mlp_norm[l].is_contiguous(),
                 "norms: expected [d] float32, contiguous");
   }
-  TORCH_CHECK(kv_k.dim() == 5 && kv_k.scalar_type() == torch::kFloat && kv_k.is_contiguous() &&
-                  kv_v.sizes() == kv_k.sizes() && kv_v.scalar_type() == torch::kFloat && kv_v.is_contiguous() &&
+  const bool half = kv_k.scalar_type() == torch::kHalf;
+  TORCH_CHECK(kv_k.dim() == 5 && (half || kv_k.scalar_type() == torch::kFloat) && kv_k.is_contiguous() &&
+                  kv_v.sizes() == kv_k.sizes() && kv_v.scalar_type() == kv_k.scalar_type() && kv_v.is_contiguous() &&
                   kv_k.size(0) == L && kv_k.size(2) == kv_heads && kv_k.size(4) == hd,
-              "kv_k, kv_v: expected the store's [L, R, Hkv, S, hd] float32, contiguous");
+              "kv_k, kv_v: expected the store's [L, R, Hkv, S, hd] float32 or float16 (both alike), contiguous");
   const int64_t R = kv_k.size(1), S = kv_k.size(3);
   cos = as_rows(cos, "cos");
   sin = as_rows(sin, "sin");
@@ -875,8 +882,15 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
   float* v = scratch<float, 8>(N * kv_heads * hd);
   float* att = scratch<float, 9>(N * heads * hd);
   float* next = scratch<float, 10>(N * d);
-  float* kp = kv_k.data_ptr<float>();
-  float* vp = kv_v.data_ptr<float>();
+  // the store's K/V: fp32, or fp16 (each element rounded to nearest once, when written)
+  float* kp = half ? nullptr : kv_k.data_ptr<float>();
+  float* vp = half ? nullptr : kv_v.data_ptr<float>();
+  uint16_t* kh = half ? reinterpret_cast<uint16_t*>(kv_k.data_ptr<at::Half>()) : nullptr;
+  uint16_t* vh = half ? reinterpret_cast<uint16_t*>(kv_v.data_ptr<at::Half>()) : nullptr;
+  auto to_half = [hd](const float* src, uint16_t* dst) {
+    for (int64_t j = 0; j < hd; j += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+  };
   const int64_t group = group_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t l = 0; l < L; l++) {
@@ -886,15 +900,22 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
     for (int64_t n = 0; n < N; n++)
       for (int64_t j = 0; j < kv_heads; j++) {
         const int64_t at = (((l * R + rp[n]) * kv_heads + j) * S + sp[n]) * hd;
-        std::memcpy(kp + at, k + (n * kv_heads + j) * hd, sizeof(float) * hd);
-        std::memcpy(vp + at, v + (n * kv_heads + j) * hd, sizeof(float) * hd);
+        if (half) {
+          to_half(k + (n * kv_heads + j) * hd, kh + at);
+          to_half(v + (n * kv_heads + j) * hd, vh + at);
+        } else {
+          std::memcpy(kp + at, k + (n * kv_heads + j) * hd, sizeof(float) * hd);
+          std::memcpy(vp + at, v + (n * kv_heads + j) * hd, sizeof(float) * hd);
+        }
       }
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t a0, int64_t a1) {
       for (int64_t a = a0; a < a1; a++) {  // one request's rows, the query heads [h0, h1) of one K/V head
         const AttnTask& t = tasks[a];
         const int64_t base = ((l * R + t.kv_row) * kv_heads + t.h0 / group) * S * hd;
-        attend_request(t.rows, visible, prefix[t.request], q, heads, t.h0, t.h1, hd, kp + base,
-                       vp + base, scale, att);
+        if (half)
+          attend_request(t.rows, visible, prefix[t.request], q, heads, t.h0, t.h1, hd, kh + base, vh + base, scale, att);
+        else
+          attend_request(t.rows, visible, prefix[t.request], q, heads, t.h0, t.h1, hd, kp + base, vp + base, scale, att);
       }
     });
     layer_out_mlp(hp, att, N, d, heads * hd, wo[l], qtypes[4 * l + 1], mlp_norm[l].data_ptr<float>(), eps,

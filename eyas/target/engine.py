@@ -134,8 +134,9 @@ class TargetEngine:
         self.capture_taps = tuple(t for t in capture_taps if t not in taps)
         self.sessions: dict[str, TargetSession] = {}
         self.prefix_cache = prefix_cache if isinstance(prefix_cache, PrefixCache) else PrefixCache(prefix_cache)
-        w = model.embed.weight
-        self.kv = BatchKV(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, w.dtype, w.device)
+        self.kv = BatchKV(
+            self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, model.kv_dtype, model.embed.weight.device
+        )
         self.last_expert_union: tuple[tuple[int, ...], ...] = ()  # MoE: experts the last verify touched, per layer
         self.last_expert_bytes: int = 0
         self.last_request_expert_bytes: dict[str, int] = {}  # MoE: each request's own rows' union, last verify

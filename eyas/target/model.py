@@ -77,6 +77,13 @@ class TargetModel(nn.Module):
         self.fused = None  # the gguf precision's one-call forward of every layer (eyas.target.quantized.FusedForward)
         self.requires_grad_(False)
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the K/V store holds: fp16 under the gguf precision's one-call forward (llama.cpp's default
+        cache type: half the bytes a decode reads at a long context; each key and value rounded once, when
+        written, so a verify row still equals its one-row decode), else the compute dtype."""
+        return torch.float16 if self.fused is not None else self.embed.weight.dtype
+
     def allocate_cache(self, batch: int, max_slots: int) -> KVCache:
         c = self.cfg
         return KVCache.allocate(
@@ -85,7 +92,7 @@ class TargetModel(nn.Module):
             c.num_kv_heads,
             max_slots,
             c.head_dim,
-            self.embed.weight.dtype,
+            self.kv_dtype,
             self.embed.weight.device,
         )
 

@@ -10,8 +10,9 @@ Terms:
   absolute maximum / 127, rounded to nearest even), a weight block's and an activation block's
   products are summed in integers (exact), and the sums are scaled and accumulated in fp32 in one
   fixed order (llama.cpp's ``vec_dot_q4_1_q8_1`` arithmetic). RMSNorm, rotary, SiLU x up and the
-  residual adds run in fp32 inside the same kernels (``eyas/kernels/quant.cpp``); attention is
-  fp16w's row-invariant kernel over fp32 K/V. Every kernel is row-invariant, so a verify row is bit
+  residual adds run in fp32 inside the same kernels (``eyas/kernels/quant.cpp``); attention runs in
+  fp32 over an fp16 K/V store (llama.cpp's default cache type; each value rounded once, when written).
+  Every kernel is row-invariant, so a verify row is bit
   for bit the one-row decode of its token and greedy speculative output equals target-only output
   at ``gguf`` (tested). The model is not fp32's: its top-1 agreement with fp32 is measured
   (``bench/roofline.py --agreement``).

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from eyas import kernels
+from eyas.target.layers import KVCache
 from eyas.target.quantized import BLOCK_BYTES, Q4_0, Q4_1, Q8_0, Blocks, QLinear, quantize_gguf
 from tests.testing import assert_verify_rows_equal_decodes, ours_from_hf, tiny_hf
 
@@ -146,11 +147,18 @@ def test_the_fused_forward_computes_what_the_quantized_modules_compute(k):
     tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     mask = torch.ones(8, 8, dtype=torch.bool).tril()[None]
 
-    def logits(m):
-        return m(tokens, torch.arange(8)[None], m.allocate_cache(1, 8), 0, mask, (), logits_rows="all").logits
+    def logits(m, kv_dtype=None):
+        c = m.cfg
+        cache = KVCache.allocate(c.num_layers, 1, c.num_kv_heads, 8, c.head_dim, kv_dtype or m.kv_dtype, "cpu")
+        return m(tokens, torch.arange(8)[None], cache, 0, mask, (), logits_rows="all").logits
 
-    a, b = logits(fused), logits(modules)
+    # the modules keep fp32 K/V; the one-call forward takes an fp32 store too (its own default is fp16)
+    a, b = logits(fused, torch.float32), logits(modules)
+    assert modules.kv_dtype == torch.float32 and fused.kv_dtype == torch.float16
     assert (a - b).abs().max().item() < 1e-5 * a.abs().max().item() + 1e-6
+    # with its fp16 store, each key and value rounded once: within fp16's rounding of the fp32 store's
+    h = logits(fused)
+    assert 0 < (h - a).abs().max().item() < 5e-2 * a.abs().max().item()
 
 
 @pytest.mark.real_model
