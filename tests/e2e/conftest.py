@@ -134,7 +134,14 @@ def wait_until_no_sessions(client, timeout_s: float = 60.0) -> list[dict]:
     while not client.idle() and time.monotonic() < deadline:
         time.sleep(0.2)
     workers = client.stats()["workers"]
+    holding = [w for w in workers if w["live_sessions"] or w.get("kv_slots_allocated", 0)]
+    # every worker's count and the finish reasons so far: a leaked session tells apart from a request
+    # that is still running (a cancel that never reached its replica holds a target session too)
+    assert not holding, {
+        "holding": holding,
+        "sessions": [(w["worker"], w["live_sessions"]) for w in workers],
+        "finishes": client.finish_counts(),
+    }
     for w in workers:
-        assert w["live_sessions"] == 0 and w.get("kv_slots_allocated", 0) == 0, w
         assert w["ok"] in (True, None), w  # None: a worker that is dead or restarting (it holds nothing)
     return workers
