@@ -596,6 +596,13 @@ namespace eyas_quant {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// hd fp32 values (a multiple of 8) into the store: as they are, or each rounded to the nearest fp16
+inline void store_row(const float* src, float* dst, int64_t hd) { std::memcpy(dst, src, sizeof(float) * hd); }
+inline void store_row(const float* src, uint16_t* dst, int64_t hd) {
+  for (int64_t j = 0; j < hd; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+}
+
 template <int lanes, typename T>
 inline __m128 key_dots4(const __m256* qv, const T* k0, const T* k1, const T* k2, const T* k3) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
@@ -882,42 +889,34 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
   float* v = scratch<float, 8>(N * kv_heads * hd);
   float* att = scratch<float, 9>(N * heads * hd);
   float* next = scratch<float, 10>(N * d);
-  // the store's K/V: fp32, or fp16 (each element rounded to nearest once, when written)
-  float* kp = half ? nullptr : kv_k.data_ptr<float>();
-  float* vp = half ? nullptr : kv_v.data_ptr<float>();
-  uint16_t* kh = half ? reinterpret_cast<uint16_t*>(kv_k.data_ptr<at::Half>()) : nullptr;
-  uint16_t* vh = half ? reinterpret_cast<uint16_t*>(kv_v.data_ptr<at::Half>()) : nullptr;
-  auto to_half = [hd](const float* src, uint16_t* dst) {
-    for (int64_t j = 0; j < hd; j += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
-  };
   const int64_t group = group_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  for (int64_t l = 0; l < L; l++) {
-    float* hp = h.data_ptr<float>();
-    layer_qkv(hp, N, d, attn_norm[l].data_ptr<float>(), eps, wqkv[l], qtypes[4 * l], cos.data_ptr<float>(),
-              sin.data_ptr<float>(), heads, kv_heads, hd, q, k, v);
+  // layer l's new K/V written into the store (fp32, or fp16: each value rounded to nearest once, when
+  // written), then every task's attention over it; kp, vp: the store's float* or uint16_t* (fp16 bits)
+  auto attend_layer = [&](int64_t l, auto* kp, auto* vp) {
     for (int64_t n = 0; n < N; n++)
       for (int64_t j = 0; j < kv_heads; j++) {
         const int64_t at = (((l * R + rp[n]) * kv_heads + j) * S + sp[n]) * hd;
-        if (half) {
-          to_half(k + (n * kv_heads + j) * hd, kh + at);
-          to_half(v + (n * kv_heads + j) * hd, vh + at);
-        } else {
-          std::memcpy(kp + at, k + (n * kv_heads + j) * hd, sizeof(float) * hd);
-          std::memcpy(vp + at, v + (n * kv_heads + j) * hd, sizeof(float) * hd);
-        }
+        store_row(k + (n * kv_heads + j) * hd, kp + at, hd);
+        store_row(v + (n * kv_heads + j) * hd, vp + at, hd);
       }
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t a0, int64_t a1) {
       for (int64_t a = a0; a < a1; a++) {  // one request's rows, the query heads [h0, h1) of one K/V head
         const AttnTask& t = tasks[a];
         const int64_t base = ((l * R + t.kv_row) * kv_heads + t.h0 / group) * S * hd;
-        if (half)
-          attend_request(t.rows, visible, prefix[t.request], q, heads, t.h0, t.h1, hd, kh + base, vh + base, scale, att);
-        else
-          attend_request(t.rows, visible, prefix[t.request], q, heads, t.h0, t.h1, hd, kp + base, vp + base, scale, att);
+        attend_request(t.rows, visible, prefix[t.request], q, heads, t.h0, t.h1, hd, kp + base, vp + base, scale, att);
       }
     });
+  };
+  for (int64_t l = 0; l < L; l++) {
+    float* hp = h.data_ptr<float>();
+    layer_qkv(hp, N, d, attn_norm[l].data_ptr<float>(), eps, wqkv[l], qtypes[4 * l], cos.data_ptr<float>(),
+              sin.data_ptr<float>(), heads, kv_heads, hd, q, k, v);
+    if (half)
+      attend_layer(l, reinterpret_cast<uint16_t*>(kv_k.data_ptr<at::Half>()),
+                   reinterpret_cast<uint16_t*>(kv_v.data_ptr<at::Half>()));
+    else
+      attend_layer(l, kv_k.data_ptr<float>(), kv_v.data_ptr<float>());
     layer_out_mlp(hp, att, N, d, heads * hd, wo[l], qtypes[4 * l + 1], mlp_norm[l].data_ptr<float>(), eps,
                   w_gate_up[l], qtypes[4 * l + 2], w_down[l], qtypes[4 * l + 3], ffn, next);
     std::memcpy(hp, next, sizeof(float) * N * d);

@@ -12,9 +12,8 @@ Terms:
   fixed order (llama.cpp's ``vec_dot_q4_1_q8_1`` arithmetic). RMSNorm, rotary, SiLU x up and the
   residual adds run in fp32 inside the same kernels (``eyas/kernels/quant.cpp``); attention runs in
   fp32 over an fp16 K/V store (llama.cpp's default cache type; each value rounded once, when written).
-  Every kernel is row-invariant, so a verify row is bit
-  for bit the one-row decode of its token and greedy speculative output equals target-only output
-  at ``gguf`` (tested). The model is not fp32's: its top-1 agreement with fp32 is measured
+  Every kernel is row-invariant, so a verify row is bit for bit the one-row decode of its token and
+  greedy speculative output equals target-only output at ``gguf`` (tested). The model is not fp32's: its top-1 agreement with fp32 is measured
   (``bench/roofline.py --agreement``).
 - A GGUF target's blocks are read from the file as they are (rows of ``attn_q`` and ``attn_k`` put
   back in HF's head order, as transformers' GGUF loader does); any other checkpoint is quantized at
@@ -124,7 +123,7 @@ class QLinear(nn.Module):
         ``softmax(self(norm(x))).topk(k)`` gives, up to float rounding (a tie to the lower id)."""
         assert self.bias is None, "top_k: a bias-free head"
         weight, eps = (norm.weight.detach().float(), norm.eps) if norm is not None else (NO_NORM, 0.0)
-        ids, conf = self.kernels.head_topk(
+        return self.kernels.head_topk(
             x.reshape(-1, self.in_features).float().contiguous(),
             weight,
             eps,
@@ -133,7 +132,6 @@ class QLinear(nn.Module):
             self.out_features,
             k,
         )
-        return ids, conf
 
     def extra_repr(self) -> str:
         return (
