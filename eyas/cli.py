@@ -474,14 +474,18 @@ def cmd_experiment(args) -> int:
 def cmd_experiment_learn(args) -> int:
     import random
 
-    from eyas.experiments.learn import humaneval_prompts, read_prompts, run_learn
+    from eyas.experiments.learn import humaneval_prompts, read_prompts, run_learn, wheel_stub_prompts
     from eyas.learning.learner import LearnConfig
 
-    if args.traffic:
+    if args.traffic not in ("stubs", "humaneval"):
         traffic = read_prompts(args.traffic, "traffic")
         heldout = read_prompts(args.heldout, "heldout") if args.heldout else []
         if not heldout:
-            raise ValueError("heldout: --traffic needs --heldout FILE (prompts of the same kind, never served)")
+            raise ValueError("heldout: --traffic FILE needs --heldout FILE (prompts of the same kind, never served)")
+    elif args.traffic == "stubs":  # thousands of distinct stubs: a seeded order, the first 48 held out
+        prompts = wheel_stub_prompts()
+        random.Random(0).shuffle(prompts)
+        heldout, traffic = prompts[:48], prompts[48:]
     else:  # HumanEval: a seeded split, a quarter held out
         prompts = humaneval_prompts()
         random.Random(0).shuffle(prompts)
@@ -501,8 +505,12 @@ def cmd_experiment_learn(args) -> int:
         replay=args.replay,
         steps_per_check=args.steps_per_check,
         duty=args.duty,
+        minutes=args.minutes,
+        pause_every=args.pause_every,
         out=args.out,
-        learn_config=LearnConfig(lr=args.lr, dtype=args.dtype),
+        learn_config=LearnConfig(
+            lr=args.lr, dtype=args.dtype, decay_steps=args.decay_steps, warmup_steps=args.warmup_steps
+        ),
     )
     if args.json:
         keys = (
@@ -797,7 +805,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     a.set_defaults(func=cmd_experiment)
     le = exs.add_parser("learn", help="serve traffic with online drafter learning on; τ before and after")
-    le.add_argument("--traffic", help='a .jsonl of {"prompt": ...} to serve (default: HumanEval, the learn extra)')
+    le.add_argument(
+        "--traffic",
+        default="stubs",
+        help='what to serve: "stubs" (function stubs from the installed wheels\' sources, thousands), '
+        '"humaneval" (the learn extra) or a .jsonl of {"prompt": ...}',
+    )
     le.add_argument("--heldout", help="a .jsonl of prompts of the same kind, never served while learning")
     le.add_argument("--precision", choices=["fp32", "fp16w", "gguf"], default="gguf")
     le.add_argument(
@@ -807,12 +820,23 @@ def main(argv: list[str] | None = None) -> int:
         help="serving threads (1: the learner, one thread at nice 19, takes the other core)",
     )
     le.add_argument("--max-new-tokens", type=int, default=128)
-    le.add_argument("--passes", type=int, default=2, help="times the traffic is served")
+    le.add_argument("--passes", type=int, default=1, help="times the traffic is served")
+    le.add_argument("--minutes", type=float, help="stop serving the traffic after this many minutes")
+    le.add_argument(
+        "--pause-every", type=int, default=2, help="pause the learner for every N-th chunk (its cost to serving)"
+    )
     le.add_argument("--chunk", type=int, default=8, help="requests between learner checks and swaps")
     le.add_argument("--mtbench", type=int, default=80, help="MT-bench first turns for the forgetting check")
     le.add_argument("--replay", type=int, default=1024, help="ShareGPT training samples the learner replays")
     le.add_argument("--steps-per-check", type=int, default=40, help="learner steps between verdicts")
+    le.add_argument(
+        "--decay-steps",
+        type=int,
+        default=10,
+        help="a verdict judges the candidate after this many steps of a falling rate",
+    )
     le.add_argument("--lr", type=float, default=1e-4)
+    le.add_argument("--warmup-steps", type=int, default=40, help="the learner's rate rises over its first N steps")
     le.add_argument("--duty", type=float, default=1.0, help="the share of wall time the learner may train")
     le.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the learner's autocast dtype")
     le.add_argument("--limit", type=int, help="serve only the first N traffic prompts (a quick run)")

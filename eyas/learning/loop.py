@@ -11,6 +11,7 @@ they started with).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -27,12 +28,18 @@ REPLAY_MAX_LEN = 384  # replayed samples are cut here (a learner step costs abou
 
 # the shipped drafters' training answers (the target's own answers to ShareGPT first turns), in the repository
 REPLAY_ANSWERS = Path(__file__).resolve().parents[2] / "data" / "regen" / "smollm2-135m-sharegpt-train.answers.jsonl"
+# their held-out answers (no drafter trained on them): the forgetting check's window
+HELDOUT_ANSWERS = REPLAY_ANSWERS.with_name("smollm2-135m-sharegpt-heldout.answers.jsonl")
 
 
-def replay_samples(target: str, model, count: int, seed: int = 0) -> list:
+def replay_samples(
+    target: str, model, count: int, seed: int = 0, path: Path = REPLAY_ANSWERS, keep: bool = False
+) -> list:
     """``count`` of the shipped drafters' training samples (the target's own answers to ShareGPT first
-    turns, ``data/regen``), their fp32 features computed when read: the learner's replay against
-    forgetting (a few dozen are memorized, not replayed: use hundreds)."""
+    turns, ``data/regen``; ``path``: another such file), their features computed by ``model`` (in its
+    dtype) when read: the learner's replay against forgetting (a few dozen are memorized, not
+    replayed: use hundreds). ``keep``: computed once now and kept (fp16, about 4.6 KB a token): a set
+    read at every verdict, such as the forgetting window."""
     import random
 
     from eyas.target.loader import load_tokenizer
@@ -41,7 +48,6 @@ def replay_samples(target: str, model, count: int, seed: int = 0) -> list:
 
     if count <= 0:
         return []
-    path = REPLAY_ANSWERS
     if not path.exists():
         raise ValueError(f"learn.replay_samples: the replay set {path} is missing")
     records = read_regenerated(path)
@@ -54,9 +60,12 @@ def replay_samples(target: str, model, count: int, seed: int = 0) -> list:
             samples.append(s)
         if len(samples) == count:
             break
-    # features made when a sample is read (one fp32 target forward each, in the learner): a replay
-    # set of any size in constant memory
-    return OnlineFeatures(model, samples, training_taps(model)).samples()
+    # features made when a sample is read (one target forward each, in the learner): a replay set of
+    # any size in constant memory
+    online = OnlineFeatures(model, samples, training_taps(model), dtype=model.embed.weight.dtype).samples()
+    if not keep:
+        return online
+    return [FeatureBatch(s.sample_id, s.input_ids, s.loss_mask, s.features.to(torch.float16)) for s in online]
 
 
 class LearnerLoop:
@@ -89,8 +98,21 @@ class LearnerLoop:
             loaded = load_target(target)
             model, fingerprint = loaded.model, asdict(loaded.fingerprint)
         model.requires_grad_(False)
+        # the replay's features from a bf16 copy of the target where the learner trains in bf16 (about
+        # 3x the fp32 rate on a CPU with AVX-512 BF16; the losses read the fp32 target's head)
+        features = copy.deepcopy(model).to(torch.bfloat16) if config.dtype == "bfloat16" and replay else model
         self.learner = OnlineLearner(
-            model, fingerprint, drafter_dir, out, config, replay_samples(target, model, replay, config.seed)
+            model,
+            fingerprint,
+            drafter_dir,
+            out,
+            config,
+            replay_samples(target, features, replay, config.seed),
+            # forgetting is judged on answers no drafter trained on (a trained-on sample is memorized),
+            # their features made once
+            replay_samples(target, features, config.replay_window, config.seed, HELDOUT_ANSWERS, keep=True)
+            if replay
+            else None,
         )
         if self.learner.resume():  # a restarted learner goes on from its last check
             v = self.learner.stats.version

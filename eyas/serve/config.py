@@ -30,6 +30,8 @@ class LearnSettings(BaseModel):
     poll_period_s: float = Field(5.0, gt=0)  # how often a drafter replica asks for a new version
     lr: float = Field(1e-4, gt=0)
     steps_per_check: int = Field(40, ge=1)  # learner steps between verdicts
+    warmup_steps: int = Field(40, ge=0)  # the learner's rate rises linearly over its first this many steps
+    decay_steps: int = Field(10, ge=0)  # each verdict judges the candidate after this many steps of a rate falling to 0
     replay: int = Field(1024, ge=0)  # ShareGPT training samples replayed against forgetting (features made when read)
     margin: float = 0.0  # the chain-estimate gain a candidate's lower 95 % bound must exceed
     heldout_every: int = Field(4, ge=2)  # every n-th captured sample is kept for the guard, never trained on

@@ -159,6 +159,8 @@ def learner_for(app: str, cfg):
             out=str(Path(s.out).expanduser() / app),
             config=LearnConfig(
                 lr=s.lr,
+                decay_steps=s.decay_steps,
+                warmup_steps=s.warmup_steps,
                 margin=s.margin,
                 heldout_every=s.heldout_every,
                 min_window=s.min_window,

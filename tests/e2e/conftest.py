@@ -59,6 +59,8 @@ if E2E_LEARNS:
         "window": 4,
         "replay": 0,
         "steps_per_check": 2,
+        "warmup_steps": 0,
+        "decay_steps": 0,
         "heldout_every": 2,
         "min_window": 2,
         "margin": -100.0,

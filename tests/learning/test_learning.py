@@ -216,7 +216,7 @@ def test_the_learner_loop_trains_beside_serving_and_publishes_what_it_promotes(s
         target="unused",
         drafter_dir=str(folder),
         out=str(tmp_path / "out"),
-        config=LearnConfig(lr=1e-2, min_window=8, replay_fraction=0.0, epochs=8),
+        config=LearnConfig(lr=1e-2, min_window=8, replay_fraction=0.0, epochs=8, warmup_steps=0),
         replay=0,
         steps_per_check=25,
         model=model,
@@ -249,7 +249,7 @@ def test_a_candidate_trained_on_noise_never_goes_live_one_trained_on_the_traffic
     does not go live."""
     model, folder = setup
     assert len(served) == 48
-    config = LearnConfig(lr=1e-2, batch_samples=4, heldout_every=4, min_window=8, replay_fraction=0.0)
+    config = LearnConfig(lr=1e-2, batch_samples=4, heldout_every=4, min_window=8, replay_fraction=0.0, warmup_steps=0)
     good = OnlineLearner(model, FINGERPRINT, folder, tmp_path / "good", config)
     good.add(served)
     assert len(good.window) >= 8 and len(good.pool) + len(good.window) == 48
@@ -304,12 +304,79 @@ def test_a_candidate_better_on_the_traffic_that_forgot_its_replay_never_goes_liv
     for drop, promoted in ((0.1, False), (0.03, True)):
 
         def estimates(state=None, samples=None, drop=drop):
+            live = state is learner.live_state
             if samples is None:
-                return traffic["live" if state is not None else "cand"]
-            return [2.0] * 4 if state is not None else [2.0 - drop] * 4
+                return traffic["live" if live else "cand"]
+            return [2.0] * 4 if live else [2.0 - drop] * 4
 
         learner.chain_estimates = estimates
         verdict = learner.verdict()
         assert verdict.promote is promoted, verdict
         assert learner.stats.verdicts[-1]["forgot"] == pytest.approx(drop)
         assert ("forgot" in verdict.why) is not promoted
+
+
+def test_a_verdict_judges_a_decay_branch_and_the_stable_run_goes_on(setup, served, tmp_path):
+    """Each verdict judges the candidate after ``decay_steps`` steps of a rate falling to zero; after it
+    the learner's own weights, optimizer state, step and rate are what they were (the stable run goes
+    on), and a promotion writes and makes live the judged weights, not the stable ones."""
+    import copy
+
+    model, folder = setup
+    config = LearnConfig(lr=1e-2, min_window=8, replay_fraction=0.0, decay_steps=5, warmup_steps=0)
+    learner = OnlineLearner(model, FINGERPRINT, folder, tmp_path / "d", config)
+    learner.add(served)
+    learner.train(60)
+    t = learner.trainer
+    weights = {k: v.clone() for k, v in t.drafter.state_dict().items()}
+    moments = copy.deepcopy(t.optimizer.state_dict()["state"])
+    step, rate = t.step, t.optimizer.param_groups[0]["lr"]
+    rates = []
+    train_on = t.train_on
+    t.train_on = lambda batch: (rates.append(t.optimizer.param_groups[0]["lr"]), train_on(batch))[1]
+    verdict = learner.verdict()
+    t.train_on = train_on
+    assert rates == pytest.approx([1e-2 * (5 - i) / 5 for i in range(5)])  # 1, 4/5, ... 1/5 of the rate
+    judged = learner._judged
+    assert any(not torch.equal(judged[k], weights[k]) for k in weights)  # the branch trained
+    assert all(torch.equal(v, weights[k]) for k, v in t.drafter.state_dict().items())
+    after = t.optimizer.state_dict()["state"]
+    assert all(torch.equal(after[i]["exp_avg"], moments[i]["exp_avg"]) for i in moments)
+    assert t.step == step and t.branch is None and t.optimizer.param_groups[0]["lr"] == rate
+    assert verdict.promote, verdict
+    path = learner.promote(verdict)
+    assert all(torch.equal(learner.live_state[k], judged[k]) for k in judged)
+    assert all(torch.equal(v, weights[k]) for k, v in t.drafter.state_dict().items())
+    served_drafter, _ = load_drafter(path, TargetFingerprint(**FINGERPRINT))
+    state = served_drafter.state_dict()
+    stored = [k for k in judged if judged[k].is_floating_point()]  # written as fp16
+    assert stored and all(torch.equal(state[k], judged[k].half().to(state[k].dtype)) for k in stored)
+
+
+def test_learn_config_refuses_what_it_cannot_run():
+    for bad in ({"decay_steps": -1}, {"heldout_every": 1}, {"replay_fraction": 1.0}):
+        with pytest.raises(ValueError, match="learn."):
+            LearnConfig(**bad)
+
+
+def test_wheel_stubs_are_a_function_s_signature_and_docstring_without_its_body(tmp_path, monkeypatch):
+    """The experiment's default traffic: each public, undecorated, documented top-level function of a
+    package's sources becomes its signature and docstring in HumanEval's template, its body left out;
+    private, decorated, undocumented and test-file functions give none; a stub found twice is given once."""
+    from eyas.experiments.learn import PROMPT_TEMPLATE, wheel_stub_prompts
+
+    pkg = tmp_path / "stubpkg"
+    (pkg / "tests").mkdir(parents=True)
+    doc = "Add two numbers and return their sum, which is the point of this function entirely."
+    body = f'def add(a, b):\n    """{doc}"""\n    total = a + b\n    total = total + 0\n    return total\n'
+    others = (
+        f'def _hidden(a):\n    """{doc}"""\n    x = a\n    return x\n\n\n'
+        f'@staticmethod\ndef decorated(a):\n    """{doc}"""\n    x = a\n    return x\n\n\n'
+        "def bare(a):\n    x = a\n    y = x\n    z = y\n    return z\n"
+    )
+    (pkg / "__init__.py").write_text(body + "\n\n" + others)
+    (pkg / "copy.py").write_text(body)  # the same stub again
+    (pkg / "tests" / "test_it.py").write_text(body.replace("add", "add_in_tests"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    prompts = wheel_stub_prompts(("stubpkg", "no_such_package_here"))
+    assert prompts == [PROMPT_TEMPLATE.format(code=f'def add(a, b):\n    """{doc}"""\n')]
