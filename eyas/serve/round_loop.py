@@ -73,6 +73,10 @@ from eyas.target.engine import PrefillProgress
 log = logging.getLogger("eyas.round_loop")
 NEVER_ACCEPTS = AcceptanceEstimate([0.0] * 8)  # target-only requests: no tree ever pays
 DRAFTER_PROBE_S = 0.5  # how often a loop whose drafter is down asks whether it answers again
+# a drafter call that timed out is not withdrawn: it may still run after its request finished (an
+# open landing after the close, on a replica that runs its calls concurrently). A request whose drafter
+# calls failed has its draft session closed again after each of these delays (seconds after it finished)
+LATE_CLOSE_S = (5.0, 30.0, 120.0)
 
 
 class WorkerCalls:
@@ -582,6 +586,16 @@ class RoundLoop:
         except Exception as err:  # noqa: BLE001 - unexpected: said; the request is finished either way
             log.warning("drafter close_session %s failed (%s: %s)", request_id, type(err).__name__, err)
 
+    def _close_late(self, request_id: str) -> None:
+        """Close a finished request's draft session again after each of ``LATE_CLOSE_S`` (a refusal:
+        nothing was left). It goes on after the loop closes: the drafter deployment outlives a target
+        replica."""
+        waited = 0.0
+        for delay in LATE_CLOSE_S:
+            time.sleep(max(delay - waited, 0.0))
+            waited = delay
+            self._close_draft_session(request_id)
+
     def _finish(self, live: Live, reason: str | None, err: Exception | None = None) -> None:
         if live.future.done():
             return
@@ -602,6 +616,10 @@ class RoundLoop:
                 ).start()
             else:
                 self._close_draft_session(live.request_id)
+            if live.needs_reseed or live.reseeds or live.fallback:  # a call of its failed: it may still run
+                threading.Thread(
+                    target=self._close_late, args=(live.request_id,), name="eyas-drafter-late-close", daemon=True
+                ).start()
         if err is not None and reason == FINISH_ERROR and not live.out:
             live.future.set_exception(_as_value_error(err))
             return

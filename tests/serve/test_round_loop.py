@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -651,3 +652,65 @@ def test_a_later_request_drafts_from_an_earlier_answer_and_an_opted_out_answer_i
     assert first.token_ids == second.token_ids == base
     assert len(second.rounds) < len(first.rounds) and kept["trees_from"]["shared"] > 0
     assert kept["shared"]["answers"] == 2 and after["shared"] == kept["shared"]
+
+
+class LateDrafter:
+    """A DrafterWorker whose first ``open_session`` of each request times out and still runs ``delay_s``
+    later, after calls made in the meantime (a Serve replica runs its calls concurrently: a later close
+    can take the worker's lock first), as a handle's call does when it outlives its timeout (the call
+    is not withdrawn). Until the late opens have run it answers no probe (``info``): it is stalled."""
+
+    def __init__(self, worker: DrafterWorker, delay_s: float):
+        self.worker, self.delay_s, self.late, self.pending = worker, delay_s, set(), 0
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def info(self):
+        if self.pending:
+            raise DrafterUnavailable("drafter: TimeoutError (test)")
+        return self.worker.info()
+
+    def open_session(self, request_id, *args):
+        if request_id in self.late:
+            return self.worker.open_session(request_id, *args)
+        self.late.add(request_id)
+        self.pending += 1
+
+        def later():
+            time.sleep(self.delay_s)
+            try:
+                self.worker.open_session(request_id, *args)
+            except ValueError:
+                pass  # a session of that id is live already (a reseed opened one): refused
+            finally:
+                self.pending -= 1
+
+        threading.Thread(target=later, daemon=True).start()
+        raise DrafterUnavailable("drafter: TimeoutError (test)")
+
+
+def test_a_drafter_call_that_times_out_and_runs_after_its_request_finished_leaves_no_session(
+    tiny_target, workers, monkeypatch
+):
+    """Each request's draft session opens late: its open times out, the loop goes plain and the answers
+    finish before the late opens run. The loop closes each such request's session again later
+    (``LATE_CLOSE_S``), so the drafter holds none; no token changes."""
+    from eyas.serve import round_loop
+
+    monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 5.0)  # the drafter stays down for the whole answer
+    monkeypatch.setattr(round_loop, "LATE_CLOSE_S", (0.3, 1.5))
+    target, drafter = workers
+    late = LateDrafter(drafter, delay_s=0.8)
+    loop = local_loop(target, late, drafter.info(), PromptLengthPolicy())
+    jobs = [(p, "eagle1") for p in prompts(3)]
+    results = run_all(loop, jobs, n=8)
+    assert_target_only_output(tiny_target, jobs, results, 8)
+    assert late.late == {f"r{i}" for i in range(3)}
+    deadline = time.monotonic() + 5
+    while late.pending and time.monotonic() < deadline:  # the late opens run (0.8 s after they timed out)
+        time.sleep(0.05)
+    assert not late.pending
+    while drafter.session_method and time.monotonic() < deadline:  # and the loop's late closes
+        time.sleep(0.05)
+    assert not drafter.session_method and not target.sessions
