@@ -305,7 +305,7 @@ def test_a_candidate_better_on_the_traffic_that_forgot_its_replay_never_goes_liv
 
         def estimates(state=None, samples=None, drop=drop):
             live = state is learner.live_state
-            if samples is None:
+            if samples is None or any(s is learner.window[0] for s in samples):  # the traffic window
                 return traffic["live" if live else "cand"]
             return [2.0] * 4 if live else [2.0 - drop] * 4
 
@@ -344,7 +344,11 @@ def test_a_verdict_judges_a_decay_branch_and_the_stable_run_goes_on(setup, serve
     assert all(torch.equal(after[i]["exp_avg"], moments[i]["exp_avg"]) for i in moments)
     assert t.step == step and t.branch is None and t.optimizer.param_groups[0]["lr"] == rate
     assert verdict.promote, verdict
+    # the live side is computed once per live version: the cache gives what a fresh computation does
+    assert learner.live_estimates(learner.window) == learner.chain_estimates(learner.live_state, learner.window)
     path = learner.promote(verdict)
+    assert not learner._live_cache  # a new live version: judged afresh
+    assert learner.live_estimates(learner.window) == learner.chain_estimates(judged, learner.window)
     assert all(torch.equal(learner.live_state[k], judged[k]) for k in judged)
     assert all(torch.equal(v, weights[k]) for k, v in t.drafter.state_dict().items())
     served_drafter, _ = load_drafter(path, TargetFingerprint(**FINGERPRINT))
