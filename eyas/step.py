@@ -563,7 +563,12 @@ def reseed(target: TargetSide, drafter: DrafterSide, s: DraftState) -> bool:
             log.debug("reseed %s: close_session: %s", s.request_id, err)
         except Exception as err:  # noqa: BLE001 - anything else is unexpected: said, and the reseed goes on
             log.warning("reseed %s: the drafter's close_session failed (%s: %s)", s.request_id, type(err).__name__, err)
-        drafter.open_session(s)
+        try:
+            drafter.open_session(s)
+        except ValueError as err:  # a refusal (a late open of this request took the drafter's lock first):
+            # it stays to be reseeded, next round, counted by the reseed rule; the round goes on
+            log.warning("reseed %s: the drafter refused the open (%s); again next round", s.request_id, err)
+            return False
         s.seed = target.reseed(s.request_id)
         s.unread = [s.seed]
         s.drafter_open, s.needs_reseed = True, False

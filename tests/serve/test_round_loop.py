@@ -714,3 +714,36 @@ def test_a_drafter_call_that_times_out_and_runs_after_its_request_finished_leave
     while drafter.session_method and time.monotonic() < deadline:  # and the loop's late closes
         time.sleep(0.05)
     assert not drafter.session_method and not target.sessions
+
+
+class RefusingReopenDrafter(DownDrafter):
+    """A DownDrafter whose first reopen of each request after it comes back is refused (``ValueError``,
+    as when a late open of that request took the worker's lock between the reseed's close and open)."""
+
+    def __init__(self, worker: DrafterWorker, down_at: int, probes_down: int):
+        super().__init__(worker, down_at, probes_down)
+        self.opens, self.refused = {}, set()
+
+    def open_session(self, request_id, *args):
+        self.opens[request_id] = self.opens.get(request_id, 0) + 1
+        if not self.down and self.opens[request_id] == 2 and request_id not in self.refused:
+            self.refused.add(request_id)
+            raise ValueError(f"request_id: {request_id!r} already has a live draft session")
+        return self.__getattr__("open_session")(request_id, *args)
+
+
+def test_a_refused_reseed_is_retried_and_fails_nobody(tiny_target, workers, monkeypatch):
+    """A reseed whose open the drafter refuses leaves its request to reseed again next round (counted
+    by the reseed rule); the round goes on, no request fails and no token changes."""
+    from eyas.serve import round_loop
+
+    monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
+    target, drafter = workers
+    refusing = RefusingReopenDrafter(drafter, down_at=3, probes_down=2)
+    loop = local_loop(target, refusing, drafter.info(), PromptLengthPolicy())
+    jobs = [(p, "eagle1") for p in prompts(3)]
+    results = run_all(loop, jobs, n=40)
+    assert_target_only_output(tiny_target, jobs, results, 40)
+    assert refusing.refused and all(r.finish_reason in ("length", "stop") for r in results)
+    assert any(r.drafter_reseeds >= 2 for r in results)
+    assert not target.sessions and not drafter.session_method
