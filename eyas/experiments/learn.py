@@ -280,7 +280,9 @@ def run_learn(
                     raise RuntimeError(f"learner: {status['error']}")
         ray.get(learner.pause.remote(False))
         status = ray.get(learner.status.remote())
-        ray.get(learner.stop.remote())
+        # the "after" runs with nothing beside them: wait out a verdict in progress
+        if not ray.get(learner.stop.remote(600.0)):
+            progress("  the learner did not stop within 600 s: the speeds after are beside it")
         # on: chunks the learner trained beside; off: chunks it was paused for and did nothing in (a
         # pause takes effect after the step or the check in progress)
         busy = [t for t in timeline if not t["learner_paused"] and t["learner_trained_steps"] > 0]

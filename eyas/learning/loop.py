@@ -164,10 +164,13 @@ class LearnerLoop:
             "checks": len(self.learner.stats.verdicts),
         }
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 60.0) -> bool:
+        """Stop after the step or verdict in progress (a verdict takes a minute or two on one thread),
+        waiting at most ``timeout_s`` -> whether the thread has ended."""
         self._stop.set()
         self._running.set()  # a paused loop wakes to stop
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
 
     def _forget_old_versions(self, keep: int = 3) -> None:
         """Delete promoted versions but the newest ``keep`` (a replica may still be loading the one

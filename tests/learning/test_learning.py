@@ -233,7 +233,8 @@ def test_the_learner_loop_trains_beside_serving_and_publishes_what_it_promotes(s
         assert version >= 1 and (Path(path) / "manifest.json").exists(), status
         assert status["seen"] == 48 and status["error"] is None and status["verdicts"][-1]["promote"] in (True, False)
     finally:
-        loop.stop()
+        stopped = loop.stop(timeout_s=120)
+    assert stopped  # the thread ended: nothing trains beside what comes next
     again = LearnerLoop(**kwargs)
     try:
         assert again.live()[0] >= version and again.status()["steps"] >= status["steps"]
