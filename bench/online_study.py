@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -37,21 +36,18 @@ sys.path.insert(0, str(ROOT))
 
 
 def capture(args) -> None:
-    from eyas.experiments.learn import Served, humaneval_prompts, wheel_stub_prompts
+    from eyas.experiments.learn import Served, traffic_split
     from eyas.training.data import mtbench_questions
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stubs = wheel_stub_prompts()
-    random.Random(0).shuffle(stubs)  # the experiment's order: its first 48 are held out
-    groups = {"stub_held": stubs[:48], "mt": [q["turns"][0] for q in mtbench_questions()]}
+    stub_held, stub_traffic = traffic_split("stubs")  # the experiment's own split
+    groups = {"stub_held": stub_held, "mt": [q["turns"][0] for q in mtbench_questions()]}
     try:
-        he = humaneval_prompts()
-        random.Random(0).shuffle(he)
-        groups["he_held"] = he[: len(he) // 4]
+        groups["he_held"] = traffic_split("humaneval")[0]
     except ValueError:
         print("HumanEval is not installed (the learn extra): skipped")
-    groups["stub_train"] = stubs[48 : 48 + args.train]
+    groups["stub_train"] = stub_traffic[: args.train]
     served = Served(args.target, args.precision, args.threads, args.max_new_tokens)
     try:
         for name, prompts in groups.items():
@@ -74,7 +70,7 @@ def train(args) -> None:
     from dataclasses import asdict
 
     from eyas.learning.learner import LearnConfig, OnlineLearner
-    from eyas.learning.loop import HELDOUT_ANSWERS, replay_samples
+    from eyas.learning.loop import replay_sets
     from eyas.runtime import DEFAULT_DRAFTER_DIRS, REPO_DRAFTERS
     from eyas.target.loader import load_target
 
@@ -95,8 +91,7 @@ def train(args) -> None:
         REPO_DRAFTERS / DEFAULT_DRAFTER_DIRS["eagle3"],
         Path(args.cap) / "study" / args.tag,
         config,
-        replay_samples(args.target, model, args.replay, 0),
-        replay_samples(args.target, model, config.replay_window, 0, HELDOUT_ANSWERS),
+        *replay_sets(args.target, model, config, args.replay),
     )
     sets = {
         p.stem: torch.load(p, weights_only=False) for p in sorted(Path(args.cap).glob("*.pt")) if p.stem != "stub_train"

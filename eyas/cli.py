@@ -472,9 +472,7 @@ def cmd_experiment(args) -> int:
 
 
 def cmd_experiment_learn(args) -> int:
-    import random
-
-    from eyas.experiments.learn import humaneval_prompts, read_prompts, run_learn, wheel_stub_prompts
+    from eyas.experiments.learn import read_prompts, run_learn, traffic_split
     from eyas.learning.learner import LearnConfig
 
     if args.traffic not in ("stubs", "humaneval"):
@@ -482,15 +480,8 @@ def cmd_experiment_learn(args) -> int:
         heldout = read_prompts(args.heldout, "heldout") if args.heldout else []
         if not heldout:
             raise ValueError("heldout: --traffic FILE needs --heldout FILE (prompts of the same kind, never served)")
-    elif args.traffic == "stubs":  # thousands of distinct stubs: a seeded order, the first 48 held out
-        prompts = wheel_stub_prompts()
-        random.Random(0).shuffle(prompts)
-        heldout, traffic = prompts[:48], prompts[48:]
-    else:  # HumanEval: a seeded split, a quarter held out
-        prompts = humaneval_prompts()
-        random.Random(0).shuffle(prompts)
-        cut = len(prompts) // 4
-        heldout, traffic = prompts[:cut], prompts[cut:]
+    else:
+        heldout, traffic = traffic_split(args.traffic)
     if args.limit:
         traffic, heldout = traffic[: args.limit], heldout[: max(2, args.limit // 3)]
     record = run_learn(

@@ -82,6 +82,17 @@ def wheel_stub_prompts(packages: tuple[str, ...] = STUB_PACKAGES) -> list[str]:
     return list(dict.fromkeys(out))  # a file vendored twice gives its stubs once
 
 
+def traffic_split(source: str) -> tuple[list[str], list[str]]:
+    """The experiment's built-in traffic, ``"stubs"`` (thousands of distinct wheel stubs: the first 48
+    of a seeded order held out) or ``"humaneval"`` (a seeded quarter held out) -> (held out, traffic)."""
+    import random
+
+    prompts = wheel_stub_prompts() if source == "stubs" else humaneval_prompts()
+    random.Random(0).shuffle(prompts)
+    cut = 48 if source == "stubs" else len(prompts) // 4
+    return prompts[:cut], prompts[cut:]
+
+
 def read_prompts(path: str | Path, name: str) -> list[str]:
     """A .jsonl of ``{"prompt": ...}`` objects -> the prompts (a bad line is refused, naming ``name``)."""
     out = []

@@ -87,6 +87,11 @@ class Verdict:
     why: str
 
 
+def weights_of(module: torch.nn.Module) -> dict:
+    """A copy of ``module``'s state dict (a version to judge, keep or restore)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
 def chain_estimate(top1: list[float]) -> float:
     """``1 + sum_s prod_{j <= s} top1_j`` (see the module's terms)."""
     out, run = 1.0, 1.0
@@ -181,7 +186,7 @@ class OnlineLearner:
             replay, replay_window = replay[held:], replay[:held]
         self.replay, self.replay_window = replay, list(replay_window)  # trained on / kept for the guard
         self.trainer = DrafterTrainer(cfg, target, fingerprint, SampleList(taps, ()), SampleList(taps, ()), out=out)
-        self.live_state = {k: v.detach().clone() for k, v in self.trainer.drafter.state_dict().items()}
+        self.live_state = weights_of(self.trainer.drafter)
         self._judged: dict | None = None  # the weights the last verdict judged (a decay branch's end)
         self._live_cache: dict[int, tuple[FeatureBatch, float]] = {}  # id(sample) -> (sample, live estimate)
         self.pool: list[FeatureBatch] = []  # served samples to train on
@@ -238,7 +243,7 @@ class OnlineLearner:
         drafter = self.trainer.drafter
         kept = None
         if state is not None:
-            kept = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+            kept = weights_of(drafter)
             drafter.load_state_dict(state)
         try:
             data = self.window if samples is None else samples
@@ -280,27 +285,20 @@ class OnlineLearner:
 
         t, n = self.trainer, self.config.decay_steps
         if n == 0 or not self.pool:
-            return {k: v.detach().clone() for k, v in t.drafter.state_dict().items()}
-        weights = {k: v.detach().clone() for k, v in t.drafter.state_dict().items()}
+            return weights_of(t.drafter)
+        weights = weights_of(t.drafter)
         optimizer, step = copy.deepcopy(t.optimizer.state_dict()), t.step
         t.branch = {"tokens": 0, "start": step, "length": n}
-        self._set_rate(step)  # the branch's rate from its first step
+        t.set_rate(step)  # the branch's rate from its first step
         try:
             for _ in range(n):
                 t.train_on(self._batch()[0])
-            return {k: v.detach().clone() for k, v in t.drafter.state_dict().items()}
+            return weights_of(t.drafter)
         finally:
             t.drafter.load_state_dict(weights)
             t.optimizer.load_state_dict(optimizer)
             t.step, t.branch = step, None
-            self._set_rate(step)
-
-    def _set_rate(self, step: int) -> None:
-        """The trainer's rate at ``step`` (its schedule, and the branch when one is set)."""
-        t = self.trainer
-        t.scheduler.last_epoch = step
-        for group, base in zip(t.optimizer.param_groups, t.scheduler.base_lrs):
-            group["lr"] = base * t._lr_factor(step)
+            t.set_rate(step)
 
     def verdict(self) -> Verdict:
         """Live against the candidate (after its decay branch) on the window (the guard), and on the
@@ -370,7 +368,7 @@ class OnlineLearner:
         ``verdict`` says so -> its folder (None: not)."""
         if not verdict.promote:
             return None
-        judged = self._judged or {k: v.detach().clone() for k, v in self.trainer.drafter.state_dict().items()}
+        judged = self._judged or weights_of(self.trainer.drafter)
         self.stats.version += 1
         folder = self.out / f"v{self.stats.version}"
         summary = {
@@ -382,7 +380,7 @@ class OnlineLearner:
                 "window_low": round(verdict.low, 4),
             }
         }
-        stable = {k: v.detach().clone() for k, v in self.trainer.drafter.state_dict().items()}
+        stable = weights_of(self.trainer.drafter)
         self.trainer.drafter.load_state_dict(judged)
         try:
             self.trainer.export(summary, out=folder)

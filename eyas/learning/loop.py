@@ -68,6 +68,21 @@ def replay_samples(
     return [FeatureBatch(s.sample_id, s.input_ids, s.loss_mask, s.features.to(torch.float16)) for s in online]
 
 
+def replay_sets(target: str, model, config: LearnConfig, count: int) -> tuple[list, list | None]:
+    """The learner's replay (``count`` training answers, features made when read) and its forgetting
+    window (``config.replay_window`` held-out answers, no drafter trained on them: a trained-on sample
+    is memorized; features made once); no replay: ``([], None)``. The features come from a bf16 copy of
+    ``model`` where the learner trains in bf16 (about 3x the fp32 rate on a CPU with AVX-512 BF16; the
+    losses read the fp32 target's head)."""
+    if not count:
+        return [], None
+    features = copy.deepcopy(model).to(torch.bfloat16) if config.dtype == "bfloat16" else model
+    return (
+        replay_samples(target, features, count, config.seed),
+        replay_samples(target, features, config.replay_window, config.seed, HELDOUT_ANSWERS, keep=True),
+    )
+
+
 class LearnerLoop:
     """Owner of the learner and its thread. ``target``: the served target's source (loaded here at
     fp32 for the frozen embedding, norm and head the losses read); ``drafter_dir``: the live drafter;
@@ -98,21 +113,8 @@ class LearnerLoop:
             loaded = load_target(target)
             model, fingerprint = loaded.model, asdict(loaded.fingerprint)
         model.requires_grad_(False)
-        # the replay's features from a bf16 copy of the target where the learner trains in bf16 (about
-        # 3x the fp32 rate on a CPU with AVX-512 BF16; the losses read the fp32 target's head)
-        features = copy.deepcopy(model).to(torch.bfloat16) if config.dtype == "bfloat16" and replay else model
         self.learner = OnlineLearner(
-            model,
-            fingerprint,
-            drafter_dir,
-            out,
-            config,
-            replay_samples(target, features, replay, config.seed),
-            # forgetting is judged on answers no drafter trained on (a trained-on sample is memorized),
-            # their features made once
-            replay_samples(target, features, config.replay_window, config.seed, HELDOUT_ANSWERS, keep=True)
-            if replay
-            else None,
+            model, fingerprint, drafter_dir, out, config, *replay_sets(target, model, config, replay)
         )
         if self.learner.resume():  # a restarted learner goes on from its last check
             v = self.learner.stats.version

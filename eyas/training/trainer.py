@@ -232,6 +232,14 @@ class DrafterTrainer:
         progress = (step - self.cfg.warmup_steps) / max(1, self.total_steps - self.cfg.warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
+    def set_rate(self, step: int) -> None:
+        """Put the optimizer at ``step``'s rate (the schedule, and the decay branch when one is set)
+        without stepping the scheduler: a caller that moves ``step`` or ``branch`` itself (the online
+        learner's decay branches)."""
+        self.scheduler.last_epoch = step
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self._lr_factor(step)
+
     # --- data order ------------------------------------------------------------------------------------
     def batch_indices(self, step: int) -> list[int]:
         """The samples of optimizer step ``step``: a seeded permutation per epoch (resumable by step)."""
