@@ -128,6 +128,27 @@ class DownDrafter:
         return call
 
 
+class PacedTarget:
+    """A TargetWorker whose calls, while ``drafter`` is down, each wait up to ``wait_s`` for it to come
+    back: the rounds stay plain while it is down (nothing waits on the drafter for long), but a tiny
+    model's plain rounds can no longer finish every answer before the loop's probe sees the drafter
+    again (without this, a fast machine ran out the answers first and the reseed was never tried)."""
+
+    def __init__(self, worker, drafter: DownDrafter, wait_s: float = 0.05):
+        self.worker, self.drafter, self.wait_s = worker, drafter, wait_s
+
+    def __getattr__(self, name):
+        attr = getattr(self.worker, name)
+
+        def call(*args, **kwargs):
+            deadline = time.monotonic() + self.wait_s
+            while self.drafter.down and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return attr(*args, **kwargs)
+
+        return call
+
+
 def test_a_drafter_that_goes_down_makes_rounds_plain_at_once_and_comes_back_by_reseeding(
     tiny_target, workers, monkeypatch
 ):
@@ -139,7 +160,7 @@ def test_a_drafter_that_goes_down_makes_rounds_plain_at_once_and_comes_back_by_r
     monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
     target, drafter = workers
     down = DownDrafter(drafter, down_at=3, probes_down=4)
-    loop = local_loop(target, down, drafter.info(), PromptLengthPolicy())
+    loop = local_loop(PacedTarget(target, down), down, drafter.info(), PromptLengthPolicy())
     jobs = [(p, "eagle1") for p in prompts(4)]
     results = run_all(loop, jobs, n=60)
     assert_target_only_output(tiny_target, jobs, results, 60)
@@ -594,7 +615,7 @@ def test_suffix_drafts_alone_and_grafted_in_batched_rounds_are_token_identical_a
     monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
     target, drafter = workers
     down = DownDrafter(drafter, down_at=4, probes_down=3)
-    loop = local_loop(target, down, drafter.info(), PromptLengthPolicy())
+    loop = local_loop(PacedTarget(target, down), down, drafter.info(), PromptLengthPolicy())
     kinds = [("suffix", False), ("eagle1", True), ("eagle1", False), ("target", False)]
     jobs = [(p * 3, kinds[i % 4]) for i, p in enumerate(prompts(8))]
     try:
@@ -740,7 +761,7 @@ def test_a_refused_reseed_is_retried_and_fails_nobody(tiny_target, workers, monk
     monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
     target, drafter = workers
     refusing = RefusingReopenDrafter(drafter, down_at=3, probes_down=2)
-    loop = local_loop(target, refusing, drafter.info(), PromptLengthPolicy())
+    loop = local_loop(PacedTarget(target, refusing), refusing, drafter.info(), PromptLengthPolicy())
     jobs = [(p, "eagle1") for p in prompts(3)]
     results = run_all(loop, jobs, n=40)
     assert_target_only_output(tiny_target, jobs, results, 40)
