@@ -16,6 +16,10 @@ Terms:
   chance that the target accepts the whole path.
 - The tree keeps the ``budget`` nodes of highest path value, each at least ``min_value``; a node's
   value never exceeds its parent's, so the kept set holds every kept node's ancestors.
+- A match of n tokens draws at most ``max_spec_factor * n`` candidates, no deeper than that
+  (SuffixDecoding's adaptive speculation length): a frequency score says nothing of a 2-token
+  match's reliability (one occurrence scores 1 all the way down), its length does. A match as long
+  as ``max_match`` is measured on backwards past it, up to the length that still moves the bound.
 
 A serving loop (and an in-process ``Eyas``) also keeps a :class:`SharedSuffixCache` of recent
 answers (SuffixDecoding's global tree): a request's match is looked up in its own history and in the
@@ -30,8 +34,9 @@ one per serving loop); no Ray, no torch compute.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,6 +49,9 @@ class SuffixSpec:
 
     max_depth: int = 8  # the deepest candidate (a copied span may run past a drafter's depth)
     budget: int = 6  # candidate rows at most
+    # a tree holds at most this many candidates (and is at most as deep) per token of its match:
+    # a short match copies a short span, a long one a long span (SuffixDecoding's max_spec_factor)
+    max_spec_factor: float = 1.0
     min_value: float = 0.3  # a candidate's path value at least this
     min_match: int = 2  # tokens of the shortest suffix that counts as a match
     max_match: int = 12  # tokens of the longest suffix looked up
@@ -62,6 +70,18 @@ class SuffixSpec:
             raise ValueError(f"suffix.min_match: {self.min_match} exceeds max_match {self.max_match}")
         if not 0.0 <= self.min_value <= 1.0:
             raise ValueError(f"suffix.min_value: a path value in [0, 1], got {self.min_value!r}")
+        factor = self.max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"suffix.max_spec_factor: a positive number, got {factor!r}")
+
+    def row_limit(self, match_length: int) -> int:
+        """The candidates (and depth) a tree drawn from a match of ``match_length`` tokens may have."""
+        return max(1, min(self.budget, int(self.max_spec_factor * match_length)))
+
+    @property
+    def match_reach(self) -> int:
+        """The longest match whose length still moves :meth:`row_limit` (a match is measured up to it)."""
+        return max(self.max_match, math.ceil(self.budget / self.max_spec_factor))
 
 
 class SuffixIndex:
@@ -91,25 +111,44 @@ class SuffixIndex:
 
     def occurrences(self, spec: SuffixSpec) -> list[int]:
         """The earlier ends of the longest matching suffix (module docstring), newest last; [] if none."""
-        last = len(self.tokens) - 1
+        return self.match(spec)[0]
+
+    def match(self, spec: SuffixSpec) -> tuple[list[int], int]:
+        """-> (:meth:`occurrences`, the match's length): the longest of them measured backwards past
+        ``max_match`` up to :attr:`SuffixSpec.match_reach` (0 where there is none)."""
+        tokens, last = self.tokens, len(self.tokens) - 1
         for n in range(min(spec.max_match, last), spec.min_match - 1, -1):
-            ends = self.ends.get(tuple(self.tokens[last - n + 1 :]), ())
-            earlier = [e for e in ends if e < last]
+            ends = self.ends.get(tuple(tokens[last - n + 1 :]), ())
+            earlier = [e for e in ends if e < last][-spec.max_occurrences :]
             if earlier:
-                return earlier[-spec.max_occurrences :]
-        return []
+                length = n
+                if n == spec.max_match:  # none is longer within the index; read on past it
+                    for e in earlier:
+                        k = n
+                        while k < spec.match_reach and e - k >= 0 and tokens[e - k] == tokens[last - k]:
+                            k += 1
+                        length = max(length, k)
+                return earlier, length
+        return [], 0
 
 
 def suffix_tree(index: SuffixIndex, spec: SuffixSpec) -> DraftTree:
     """The continuation tree of the history's match (module docstring), rooted at the frontier."""
-    return continuation_tree([(index.tokens, e) for e in index.occurrences(spec)], spec)
+    ends, length = index.match(spec)
+    return continuation_tree([(index.tokens, e) for e in ends], spec, length)
 
 
-def continuation_tree(occurrences: list[tuple[list[int], int]], spec: SuffixSpec) -> DraftTree:
+def continuation_tree(
+    occurrences: list[tuple[list[int], int]], spec: SuffixSpec, match_length: int | None = None
+) -> DraftTree:
     """The trie of what followed each occurrence ``(tokens, end)`` (``tokens[end + 1:]``, up to
-    ``max_depth``), scored and cut as the module docstring says, rooted at the frontier."""
+    ``max_depth``), scored and cut as the module docstring says, rooted at the frontier. A match of
+    ``match_length`` tokens bounds its candidates and depth (:meth:`SuffixSpec.row_limit`; None: no bound)."""
     if not occurrences:
         return DraftTree.empty()
+    if match_length is not None:
+        limit = spec.row_limit(match_length)
+        spec = replace(spec, budget=min(spec.budget, limit), max_depth=min(spec.max_depth, limit))
     node_token: list[int] = []
     node_parent: list[int] = []
     node_depth: list[int] = []
@@ -190,12 +229,18 @@ class SharedSuffixCache:
     def occurrences(self, history: list[int]) -> list[tuple[list[int], int]]:
         """The earlier answers' ends of the longest suffix of ``history`` they hold (at least
         ``min_match`` tokens): ``(answer tokens, end)``, newest last; [] if none."""
+        return self.match(history)[0]
+
+    def match(self, history: list[int], reach: int | None = None) -> tuple[list[tuple[list[int], int]], int]:
+        """-> (:meth:`occurrences`, the match's length): matches longer than ``max_match`` count as
+        ``max_match`` when they are chosen, and the chosen ones are measured on up to ``reach`` (None: the
+        cache's :attr:`SuffixSpec.match_reach`)."""
         spec, k = self.spec, self.spec.min_match
         if len(history) < k:
-            return []
+            return [], 0
         ends = self.ends.get(tuple(history[-k:]))
         if not ends:
-            return []
+            return [], 0
         best, found = 0, []
         for i in range(len(ends) - 1, max(len(ends) - 1 - self.scan, -1), -1):  # newest first
             aid, end = ends[i]
@@ -207,12 +252,22 @@ class SharedSuffixCache:
                 best, found = n, []
             if n == best and len(found) < spec.max_occurrences:
                 found.append((tokens, end))
-        return found[::-1]
+        length = best
+        if best == spec.max_match:  # read on past max_match
+            reach = spec.match_reach if reach is None else reach
+            for tokens, end in found:
+                n = best
+                while n < reach and n < len(history) and end - n >= 0 and tokens[end - n] == history[-1 - n]:
+                    n += 1
+                length = max(length, n)
+        return found[::-1], length
 
     def tree(self, history: list[int], spec: SuffixSpec | None = None) -> DraftTree:
         """The continuation tree of ``history``'s match in the kept answers, cut by ``spec`` (its
-        budget and depth; None: the cache's own spec). The match itself follows the cache's spec."""
-        return continuation_tree(self.occurrences(history), spec or self.spec)
+        budget, depth and spec factor; None: the cache's own spec). The match itself follows the cache's spec."""
+        spec = spec or self.spec
+        found, length = self.match(history, spec.match_reach)
+        return continuation_tree(found, spec, length)
 
     def stats(self) -> dict:
         """What it holds (``eyas stats``): answers, tokens, index entries, and its bound."""

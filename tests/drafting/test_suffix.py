@@ -42,7 +42,7 @@ def test_the_longest_earlier_suffix_gives_a_frequency_scored_continuation_tree()
     index.extend([1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 7, 1, 2, 3])
     assert index.occurrences(SuffixSpec()) == [2, 8]
     assert index.entries == sum(min(12, end + 1) for end in range(15))  # one per n-gram end, n <= 12
-    tree = suffix_tree(index, SuffixSpec(budget=6, min_value=0.0, max_depth=3))
+    tree = suffix_tree(index, SuffixSpec(budget=6, min_value=0.0, max_depth=3, max_spec_factor=2.0))
     assert paths(tree) == {(4,), (4, 5), (4, 5, 9), (4, 6), (4, 6, 7)}
     probs = dict(zip(tree.tokens.tolist(), tree.draft_probs.tolist()))
     assert (probs[4], probs[5], probs[6], probs[9], probs[7]) == (1.0, 0.5, 0.5, 1.0, 1.0)
@@ -60,9 +60,39 @@ def test_the_budget_keeps_the_highest_path_values_with_their_ancestors():
     index = SuffixIndex(8)
     index.extend([7, 8, 1, 1, 1, 5, 7, 8, 2, 2, 6, 7, 8, 1, 1, 9, 7, 8])
     assert index.occurrences(SuffixSpec()) == [1, 7, 12]
-    tree = suffix_tree(index, SuffixSpec(budget=3, min_value=0.0))
+    tree = suffix_tree(index, SuffixSpec(budget=3, min_value=0.0, max_spec_factor=2.0))
     assert paths(tree) == {(1,), (1, 1), (2,)}
-    assert paths(suffix_tree(index, SuffixSpec(budget=3, min_value=0.5))) == {(1,), (1, 1)}
+    assert paths(suffix_tree(index, SuffixSpec(budget=3, min_value=0.5, max_spec_factor=2.0))) == {(1,), (1, 1)}
+
+
+def test_a_match_bounds_its_tree_by_its_length_measured_past_max_match():
+    """A tree drawn from a match of n tokens holds at most max_spec_factor * n candidates and is at most
+    that deep (SuffixDecoding's max_spec_factor): a 2-token match copies 2 tokens, a long one up to the
+    budget; a match as long as ``max_match`` is measured on past it (here 4 tokens of index, 9 matched)."""
+    span = list(range(100, 120))
+    index = SuffixIndex(4)
+    index.extend([1, 2] + span + [3] + [1, 2])  # "1 2" matches once: 2 tokens
+    ends, length = index.match(SuffixSpec(max_match=4))
+    assert ends == [1] and length == 2
+    tree = suffix_tree(index, SuffixSpec(max_match=4, max_depth=16, budget=16, min_value=0.0))
+    assert paths(tree) == {tuple(span[:1]), tuple(span[:2])}
+    half = suffix_tree(index, SuffixSpec(max_match=4, max_depth=16, budget=16, min_value=0.0, max_spec_factor=0.5))
+    assert paths(half) == {tuple(span[:1])}  # at least one candidate
+    long = SuffixIndex(4)
+    long.extend(span + [7] + span[:9])  # the last 9 tokens occurred before: 4 indexed, 9 measured
+    ends, length = long.match(SuffixSpec(max_match=4, budget=16))
+    assert ends == [8] and length == 9
+    tree = suffix_tree(long, SuffixSpec(max_match=4, max_depth=16, budget=16, min_value=0.0))
+    assert tree.num_nodes == 9 and paths(tree) >= {tuple(span[9:18])}
+    capped = suffix_tree(long, SuffixSpec(max_match=4, max_depth=16, budget=6, min_value=0.0))
+    assert capped.num_nodes == 6 and SuffixSpec(max_match=4, budget=6).match_reach == 6
+    cache = SharedSuffixCache(100, SuffixSpec(min_match=2, max_match=4, budget=16))
+    cache.add(span)
+    assert cache.match(span[:9] + [5] + span[:9])[1] == 9
+    assert cache.tree(span[:9], SuffixSpec(max_match=4, max_depth=16, budget=16, min_value=0.0)).num_nodes == 9
+    for bad in (0, -1.0, True, "1"):
+        with pytest.raises(ValueError, match="^suffix.max_spec_factor: "):
+            SuffixSpec(max_spec_factor=bad)
 
 
 def test_graft_merges_shared_paths_and_appends_the_rest_in_one_tree():
@@ -291,7 +321,7 @@ def test_the_shared_cache_finds_the_longest_match_across_answers_and_evicts_the_
     """Answers kept oldest first: a lookup finds the longest suffix of the history the answers hold
     (from min_match up), the continuation tree scores what followed; past max_tokens the oldest answer
     goes, every index entry of it with it (none left pointing at it), and nothing else changes."""
-    cache = SharedSuffixCache(40, SuffixSpec(min_match=2, max_match=6))
+    cache = SharedSuffixCache(40, SuffixSpec(min_match=2, max_match=6, max_spec_factor=2.0))
     cache.add([1, 2, 3, 4, 5, 6, 7])  # "3 4 5" then 6 7
     cache.add([9, 9, 4, 5, 8, 8])  # "4 5" then 8 8
     cache.add([0])  # too short to match anything: not kept
