@@ -132,7 +132,9 @@ def target_account(eyas: Eyas) -> dict:
     return {
         "weight_bytes": sum(b for b, _ in parts),
         "macs_per_row": sum(m for _, m in parts),
-        "kv_bytes_per_slot": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * eyas.model.kv_dtype.itemsize,
+        "kv_bytes_per_slot": cfg.num_layers  # a key (as the store holds it: Q8 blocks at gguf) and a value a head
+        * cfg.num_kv_heads
+        * (eyas.model.key_layout[1] * eyas.model.key_layout[0].itemsize + cfg.head_dim * eyas.model.kv_dtype.itemsize),
         "attn_macs_per_row_slot": cfg.num_layers * 2 * cfg.num_heads * cfg.head_dim,
     }
 

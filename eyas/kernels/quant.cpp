@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -353,17 +354,23 @@ T* scratch(size_t n) {
   return buf.data();
 }
 
+// rows at least this many go over the threads (each row alone, the same code: row-invariant); fewer run inline
+constexpr int64_t kRowGrain = 16;
+
 // rows [M, K] -> this thread's Q8 scratch (its Slot-th), valid until the next call with that slot
 template <int Slot>
 const ActBlock* quantize_scratch(const float* x, int64_t M, int64_t K) {
   ActBlock* act = scratch<ActBlock, Slot>(M * (K / kBlock));
-  for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, act + m * (K / kBlock));
+  at::parallel_for(0, M, kRowGrain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) quantize_row(x + m * K, K, act + m * (K / kBlock));
+  });
   return act;
 }
 
 // RMSNorm of each row, in one fixed order: w * (x / sqrt(mean(x^2) + eps))
 void rms_norm_rows(const float* x, int64_t M, int64_t K, const float* w, double eps, float* out) {
-  for (int64_t m = 0; m < M; m++) {
+  at::parallel_for(0, M, kRowGrain, [&](int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; m++) {
     const float* xr = x + m * K;
     __m256 ss = _mm256_setzero_ps();
     int64_t k = 0;
@@ -376,6 +383,7 @@ void rms_norm_rows(const float* x, int64_t M, int64_t K, const float* w, double 
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(K) + static_cast<float>(eps));
     for (k = 0; k < K; k++) out[m * K + k] = w[k] * (xr[k] * inv);
   }
+  });
 }
 
 torch::Tensor as_rows(const torch::Tensor& x, const char* name) {
@@ -410,7 +418,8 @@ void layer_qkv(const float* x, int64_t M, int64_t d, const float* norm_w, double
   float* qkv = scratch<float, 1>(M * N);
   if (norm_w != nullptr) rms_norm_rows(x, M, d, norm_w, eps, h);  // none: x comes normed (a drafter's)
   matmul(quantize_scratch<0>(norm_w != nullptr ? h : x, M, d), M, d, wqkv, qtype, N, qkv);
-  for (int64_t m = 0; m < M; m++) {
+  at::parallel_for(0, M, kRowGrain, [&](int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; m++) {
     const float* row = qkv + m * N;
     const float* cm = cos + m * hd;
     const float* sm = sin + m * hd;
@@ -424,6 +433,7 @@ void layer_qkv(const float* x, int64_t M, int64_t d, const float* norm_w, double
     for (int64_t i = 0; i < kv_heads; i++) rotate(row + (heads + i) * hd, k + (m * kv_heads + i) * hd);
     std::memcpy(v + m * kv_heads * hd, row + (heads + kv_heads) * hd, sizeof(float) * kv_heads * hd);
   }
+  });
 }
 
 // silu(g) * u, 8 at a time: g * sigmoid(g), sigmoid from e = exp(-|g|) (never above 1) as 1 / (1 + e) for g >= 0
@@ -639,14 +649,170 @@ inline float key_dot(const __m256* qv, const T* k) {
 
 constexpr int64_t kKeyTile = 32;  // keys of the shared prefix read once into L1 for every row and head
 
+// --- keys in Q8 blocks (llama.cpp's `-ctk q8_0`) -----------------------------------------------------
+// A stored key of hd values is hd int8 (blocks of 32, each scaled by its absolute maximum / 127, rounded to
+// nearest: quantize_row) then hd / 32 fp32 scales: key_width(hd) bytes. A query row is quantized the same way,
+// and a score is its integer dot products block by block, each scaled in fp32, added in block order:
+//   score = fma(isum[nb-1], dk[nb-1] * dq[nb-1], ... fma(isum[0], dk[0] * dq[0], 0))
+// The same arithmetic for every key in every path (a tile of the shared prefix or a row's own tail), so a
+// verify row's scores are bit for bit its one-row decode's; the integers are exact on both builds.
+inline int64_t key_width(int64_t hd) { return hd + 4 * (hd / kBlock); }
+
+inline void store_key_q8(const float* src, uint8_t* dst, int64_t hd) {
+  ActBlock blocks[4];
+  quantize_row(src, hd, blocks);
+  for (int64_t b = 0; b < hd / kBlock; b++) {
+    std::memcpy(dst + b * kBlock, blocks[b].q, kBlock);
+    std::memcpy(dst + hd + 4 * b, &blocks[b].d, 4);
+  }
+}
+
+// one key's score against a quantized query (qa: its hd / 32 blocks), the gathered path
+inline float key_dot_q8(const ActBlock* qa, const uint8_t* key, int64_t hd) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < hd / kBlock; b++) {
+    const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + b * kBlock));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa[b].q));
+    const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(k)),
+                                         _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)));
+    const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(k, 1)),
+                                         _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
+    __m256i s = _mm256_add_epi32(lo, hi);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    float dk;
+    std::memcpy(&dk, key + hd + 4 * b, 4);
+    acc = std::fma(static_cast<float>(_mm_cvtsi128_si32(s4)), dk * qa[b].d, acc);
+  }
+  return acc;
+}
+
+#if defined(__AVX512VNNI__)
+// r[16]: one vector a key (its 16 lanes of 4-input dot products) -> each key's two 32-input block sums, as two
+// vectors over the 16 keys (lanes 0-7 of a key's vector are its first block, 8-15 its second)
+inline void block_sums16(const __m512i* r, __m512i* b0, __m512i* b1) {
+  __m512i s1[8], s2[4];
+  for (int p = 0; p < 8; p++)
+    s1[p] = _mm512_add_epi32(_mm512_unpacklo_epi32(r[2 * p], r[2 * p + 1]), _mm512_unpackhi_epi32(r[2 * p], r[2 * p + 1]));
+  for (int g = 0; g < 4; g++)  // s2[g], 128-bit lane c: keys 4g..4g+3, each summed over its lanes 4c..4c+3
+    s2[g] = _mm512_add_epi32(_mm512_unpacklo_epi64(s1[2 * g], s1[2 * g + 1]), _mm512_unpackhi_epi64(s1[2 * g], s1[2 * g + 1]));
+  const __m512i lo = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_i32x4(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i hi = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[2], s2[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_i32x4(s2[2], s2[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  *b0 = _mm512_shuffle_i32x4(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
+  *b1 = _mm512_shuffle_i32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+// group_scores_q8 for head_dim 64 without the transposing gathers: each key's whole row in one product a unit
+// and a reduction; cheaper where a task has few units (a decode, a small tree). The same integers, the same
+// scaling in the same order: the same bits.
+inline void group_scores_q8_rows(const uint8_t* keys, int64_t W, int64_t n, const ActBlock* qa, const uint8_t* qu,
+                                 int64_t units, float* const* sc, const int64_t* run, int64_t i0) {
+  __m512i k[16], r[16];
+  alignas(64) float d0[16], d1[16];
+  for (int j = 0; j < 16; j++) {
+    const uint8_t* key = keys + (j < n ? j : 0) * W;
+    k[j] = _mm512_loadu_si512(key);
+    std::memcpy(d0 + j, key + 64, 4);
+    std::memcpy(d1 + j, key + 68, 4);
+  }
+  const VecF dk0 = _mm512_load_ps(d0), dk1 = _mm512_load_ps(d1);
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i ksum0, ksum1;
+  for (int j = 0; j < 16; j++) r[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, k[j]);
+  block_sums16(r, &ksum0, &ksum1);
+  ksum0 = _mm512_slli_epi32(ksum0, 7);  // 128 * sum: the offset of the query's unsigned form
+  ksum1 = _mm512_slli_epi32(ksum1, 7);
+  for (int64_t u = 0; u < units; u++) {
+    const int64_t m = std::min<int64_t>(n, run[u] - i0);
+    if (m <= 0) continue;
+    const __m512i qv = _mm512_loadu_si512(qu + u * 64);
+    for (int j = 0; j < 16; j++) r[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, k[j]);
+    __m512i is0, is1;
+    block_sums16(r, &is0, &is1);
+    const ActBlock* a = qa + u * 2;
+    VecF acc = vfma(vcvt(_mm512_sub_epi32(is0, ksum0)), vmul(dk0, vset1_f(a[0].d)), vzero_f());
+    acc = vfma(vcvt(_mm512_sub_epi32(is1, ksum1)), vmul(dk1, vset1_f(a[1].d)), acc);
+    vstore(sc[u] + i0, acc, m);
+  }
+}
+#endif
+constexpr int64_t kRowsPathUnits = 8;  // a task of at most this many units scores by rows (VNNI build, head_dim 64)
+
+// kGroup consecutive keys (n of them real; the rest repeat the first and are not stored) against every unit's
+// quantized query: scores into sc[u] + i0 for the keys of the group below run[u] (the unit's run of visible
+// slots 0, 1, 2, ...). keys: the first key's bytes; W: key_width(hd).
+template <int nb>
+inline void group_scores_q8(const uint8_t* keys, int64_t W, int64_t n, const ActBlock* qa, const uint8_t* qu,
+                            int64_t units, float* const* sc, const int64_t* run, int64_t i0) {
+  constexpr int64_t hd = nb * kBlock;
+  alignas(64) int32_t idx[kGroup];
+  for (int64_t j = 0; j < kGroup; j++) idx[j] = static_cast<int32_t>((j < n ? j : 0) * W);
+  VecI reg[nb][8];
+  VecF dk[nb];
+#if defined(__AVX512VNNI__)
+  const __m512i vidx = _mm512_load_si512(idx);
+  VecI ksum[nb];
+  const VecI ones = vset1_8(1);
+  for (int b = 0; b < nb; b++) {
+    ksum[b] = vzero_i();
+    for (int st = 0; st < 8; st++) {
+      reg[b][st] = _mm512_i32gather_epi32(vidx, keys + b * kBlock + 4 * st, 1);
+      ksum[b] = vdot(ksum[b], ones, reg[b][st]);  // each lane's sum of its key's block
+    }
+    ksum[b] = _mm512_slli_epi32(ksum[b], 7);  // 128 * sum: the offset of the query's unsigned form
+    dk[b] = _mm512_i32gather_ps(vidx, keys + hd + 4 * b, 1);
+  }
+  for (int64_t u = 0; u < units; u++) {
+    const int64_t m = std::min<int64_t>(n, run[u] - i0);  // this unit's keys in the group
+    if (m <= 0) continue;
+    const ActBlock* a = qa + u * nb;
+    VecF acc = vzero_f();
+    const int8_t* q8u = reinterpret_cast<const int8_t*>(qu + u * hd);
+    for (int b = 0; b < nb; b++) {
+      VecI isum = vzero_i();
+      for (int st = 0; st < 8; st++) isum = vdot(isum, vbcast4(q8u + b * kBlock + 4 * st), reg[b][st]);
+      isum = _mm512_sub_epi32(isum, ksum[b]);
+      acc = vfma(vcvt(isum), vmul(dk[b], vset1_f(a[b].d)), acc);
+    }
+    vstore(sc[u] + i0, acc, m);
+  }
+#else
+  const __m256i vidx = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+  VecI kabs[nb][8];
+  for (int b = 0; b < nb; b++) {
+    for (int st = 0; st < 8; st++) {
+      reg[b][st] = _mm256_i32gather_epi32(reinterpret_cast<const int*>(keys + b * kBlock + 4 * st), vidx, 1);
+      kabs[b][st] = vabs8(reg[b][st]);
+    }
+    dk[b] = _mm256_i32gather_ps(reinterpret_cast<const float*>(keys + hd + 4 * b), vidx, 1);
+  }
+  for (int64_t u = 0; u < units; u++) {
+    const int64_t m = std::min<int64_t>(n, run[u] - i0);  // this unit's keys in the group
+    if (m <= 0) continue;
+    const ActBlock* a = qa + u * nb;
+    VecF acc = vzero_f();
+    for (int b = 0; b < nb; b++) {
+      VecI isum = vzero_i();
+      for (int st = 0; st < 8; st++) isum = vdot(isum, kabs[b][st], vsign8(vbcast4(a[b].q + 4 * st), reg[b][st]));
+      acc = vfma(vcvt(isum), vmul(dk[b], vset1_f(a[b].d)), acc);
+    }
+    vstore(sc[u] + i0, acc, m);
+  }
+#endif
+}
+
 // rows: the request's packed rows; each sees visible[n] (the first P slots 0..P-1 shared by all of them). q [*, H,
 // hd]; heads [h0, h1) all read K/V head j, whose slots are keys/values + slot * hd. Writes out [*, H, hd].
 // lanes: head_dim / 8, a constant of the compiled code so that the accumulators stay in registers
-template <int lanes, typename T>
+template <int lanes, typename TK, typename T>
 void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::vector<int32_t>>& visible, int64_t P,
-                      const float* q, int64_t H, int64_t h0, int64_t h1, const T* keys, const T* values,
+                      const float* q, int64_t H, int64_t h0, int64_t h1, const TK* keys, const T* values,
                       float scale, float* out) {
   constexpr int64_t hd = 8 * lanes;
+  constexpr bool q8_keys = std::is_same_v<TK, uint8_t>;  // keys in Q8 blocks (key_width(hd) bytes a key)
   const int64_t nh = h1 - h0, nr = static_cast<int64_t>(rows.size());
   const int64_t units = nr * nh;  // (row, head) pairs
   std::vector<int64_t> offset(units + 1, 0);
@@ -662,6 +828,47 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
   auto qvec = [&](int64_t u, __m256* qv) {
     for (int l = 0; l < lanes; l++) qv[l] = _mm256_loadu_ps(qf.data() + u * hd + 8 * l);
   };
+  if constexpr (q8_keys) {
+    constexpr int nb = static_cast<int>(hd / kBlock);
+    const int64_t W = key_width(hd);
+    std::vector<ActBlock> qa(units * nb);
+    std::vector<uint8_t> qu(units * hd);  // each query's q + 128, unsigned (the VNNI build's form)
+    std::vector<float*> sc(units);
+    for (int64_t u = 0; u < units; u++) {
+      quantize_row(qf.data() + u * hd, hd, qa.data() + u * nb);
+      for (int64_t j = 0; j < hd; j++) qu[u * hd + j] = static_cast<uint8_t>(qa[u * nb + j / kBlock].q[j % kBlock]) ^ 0x80;
+      sc[u] = score.data() + offset[u];
+    }
+    // each unit's run of visible slots 0, 1, 2, ...: the shared prefix and, for a prompt chunk's rows, the
+    // chunk's rows up to its own; scored kGroup keys at a time for every unit whose run reaches them
+    std::vector<int64_t> run(units);
+    int64_t longest = 0;
+    for (int64_t u = 0; u < units; u++) {
+      const auto& vis = visible[rows[u / nh]];
+      int64_t c = P;
+      while (c < static_cast<int64_t>(vis.size()) && vis[c] == c) c++;
+      run[u] = c;
+      longest = std::max(longest, c);
+    }
+    for (int64_t i0 = 0; i0 < longest; i0 += kGroup) {
+      for (int64_t o = 0; o < kGroup * W; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(keys + (i0 + 2 * kGroup) * W) + o, _MM_HINT_T0);
+#if defined(__AVX512VNNI__)
+      if (hd == 64 && units <= kRowsPathUnits) {
+        group_scores_q8_rows(keys + i0 * W, W, std::min<int64_t>(kGroup, longest - i0), qa.data(), qu.data(), units,
+                             sc.data(), run.data(), i0);
+        continue;
+      }
+#endif
+      group_scores_q8<nb>(keys + i0 * W, W, std::min<int64_t>(kGroup, longest - i0), qa.data(), qu.data(), units,
+                          sc.data(), run.data(), i0);
+    }
+    for (int64_t u = 0; u < units; u++) {  // the rest of each row's keys: its tree ancestors, itself
+      const auto& vis = visible[rows[u / nh]];
+      for (int64_t i = run[u]; i < static_cast<int64_t>(vis.size()); i++)
+        sc[u][i] = key_dot_q8(qa.data() + u * nb, keys + vis[i] * W, hd);
+    }
+  } else {
   const int64_t P4 = P / 4 * 4;
   for (int64_t t0 = 0; t0 < P4; t0 += kKeyTile) {
     const int64_t t1 = std::min(P4, t0 + kKeyTile);
@@ -700,6 +907,7 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
       _mm_storeu_ps(sc + i, key_dots4<lanes>(qv, keys + vis[i] * hd, keys + vis[i + 1] * hd, keys + vis[i + 2] * hd,
                                              keys + vis[i + 3] * hd));
     for (; i < n; i++) sc[i] = key_dot<lanes>(qv, keys + vis[i] * hd);
+  }
   }
   // 2. each (row, head): scale, max, exp 8 at a time, the sum
   std::vector<float> inv(units);
@@ -765,15 +973,15 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
   }
 }
 
-template <typename T>
+template <typename TK, typename T>
 void attend_request(const std::vector<int64_t>& rows, const std::vector<std::vector<int32_t>>& visible, int64_t P,
-                    const float* q, int64_t H, int64_t h0, int64_t h1, int64_t hd, const T* keys, const T* values,
+                    const float* q, int64_t H, int64_t h0, int64_t h1, int64_t hd, const TK* keys, const T* values,
                     float scale, float* out) {
   switch (hd) {
-    case 64: return attend_request_t<8, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
-    case 128: return attend_request_t<16, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
-    case 32: return attend_request_t<4, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
-    case 96: return attend_request_t<12, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    case 64: return attend_request_t<8, TK, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    case 128: return attend_request_t<16, TK, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    case 32: return attend_request_t<4, TK, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
+    case 96: return attend_request_t<12, TK, T>(rows, visible, P, q, H, h0, h1, keys, values, scale, out);
     default: TORCH_CHECK(false, "head_dim: ", hd, " is not 32, 64, 96 or 128 (the fused attention's)");
   }
 }
@@ -814,11 +1022,15 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
                     mlp_norm[l].is_contiguous(),
                 "norms: expected [d] float32, contiguous");
   }
-  const bool half = kv_k.scalar_type() == torch::kHalf;
-  TORCH_CHECK(kv_k.dim() == 5 && (half || kv_k.scalar_type() == torch::kFloat) && kv_k.is_contiguous() &&
-                  kv_v.sizes() == kv_k.sizes() && kv_v.scalar_type() == kv_k.scalar_type() && kv_v.is_contiguous() &&
-                  kv_k.size(0) == L && kv_k.size(2) == kv_heads && kv_k.size(4) == hd,
-              "kv_k, kv_v: expected the store's [L, R, Hkv, S, hd] float32 or float16 (both alike), contiguous");
+  const bool q8k = kv_k.scalar_type() == torch::kByte;  // keys in Q8 blocks (key_width(hd) bytes), values fp16
+  const bool half = kv_v.scalar_type() == torch::kHalf;
+  TORCH_CHECK(kv_v.dim() == 5 && (half || kv_v.scalar_type() == torch::kFloat) && kv_v.is_contiguous() &&
+                  kv_v.size(0) == L && kv_v.size(2) == kv_heads && kv_v.size(4) == hd && kv_k.dim() == 5 &&
+                  kv_k.is_contiguous() && kv_k.sizes().slice(0, 4) == kv_v.sizes().slice(0, 4) &&
+                  (q8k ? half && kv_k.size(4) == key_width(hd) : kv_k.scalar_type() == kv_v.scalar_type() &&
+                                                                    kv_k.size(4) == hd),
+              "kv_k, kv_v: expected the store's [L, R, Hkv, S, hd] float32 or float16 (both alike), or keys in Q8 "
+              "blocks [L, R, Hkv, S, hd + hd / 8] uint8 with float16 values, contiguous");
   const int64_t R = kv_k.size(1), S = kv_k.size(3);
   cos = as_rows(cos, "cos");
   sin = as_rows(sin, "sin");
@@ -876,10 +1088,11 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
     const int64_t nr = static_cast<int64_t>(requests[r].size());
     const int64_t parts = std::min(nr, std::max<int64_t>(1, (want + nreq * kv_heads - 1) / (nreq * kv_heads)));
     for (int64_t j = 0; j < kv_heads; j++)
-      for (int64_t p = 0; p < parts; p++)
-        tasks.push_back({r, request_row[r], j * group_heads, (j + 1) * group_heads,
-                         std::vector<int64_t>(requests[r].begin() + p * nr / parts,
-                                              requests[r].begin() + (p + 1) * nr / parts)});
+      for (int64_t p = 0; p < parts; p++) {  // every parts-th row: a prompt chunk's causal rows, short and long
+        std::vector<int64_t> part;             // alike in each part, so that the parts weigh the same
+        for (int64_t i = p; i < nr; i += parts) part.push_back(requests[r][i]);
+        tasks.push_back({r, request_row[r], j * group_heads, (j + 1) * group_heads, std::move(part)});
+      }
   }
   auto h = x.clone();
   auto tapped = torch::empty({static_cast<int64_t>(taps.size()), N, d}, x.options());
@@ -894,17 +1107,25 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
   // layer l's new K/V written into the store (fp32, or fp16: each value rounded to nearest once, when
   // written), then every task's attention over it; kp, vp: the store's float* or uint16_t* (fp16 bits)
   auto attend_layer = [&](int64_t l, auto* kp, auto* vp) {
-    for (int64_t n = 0; n < N; n++)
-      for (int64_t j = 0; j < kv_heads; j++) {
-        const int64_t at = (((l * R + rp[n]) * kv_heads + j) * S + sp[n]) * hd;
-        store_row(k + (n * kv_heads + j) * hd, kp + at, hd);
-        store_row(v + (n * kv_heads + j) * hd, vp + at, hd);
-      }
+    constexpr bool q8 = std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>, uint8_t>;
+    const int64_t kw = q8 ? key_width(hd) : hd;  // a stored key's elements
+    at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {  // each row's own slots
+      for (int64_t n = n0; n < n1; n++)
+        for (int64_t j = 0; j < kv_heads; j++) {
+          const int64_t at = ((l * R + rp[n]) * kv_heads + j) * S + sp[n];
+          if constexpr (q8)
+            store_key_q8(k + (n * kv_heads + j) * hd, kp + at * kw, hd);
+          else
+            store_row(k + (n * kv_heads + j) * hd, kp + at * kw, hd);
+          store_row(v + (n * kv_heads + j) * hd, vp + at * hd, hd);
+        }
+    });
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t a0, int64_t a1) {
       for (int64_t a = a0; a < a1; a++) {  // one request's rows, the query heads [h0, h1) of one K/V head
         const AttnTask& t = tasks[a];
-        const int64_t base = ((l * R + t.kv_row) * kv_heads + t.h0 / group) * S * hd;
-        attend_request(t.rows, visible, prefix[t.request], q, heads, t.h0, t.h1, hd, kp + base, vp + base, scale, att);
+        const int64_t base = ((l * R + t.kv_row) * kv_heads + t.h0 / group) * S;
+        attend_request(t.rows, visible, prefix[t.request], q, heads, t.h0, t.h1, hd, kp + base * kw, vp + base * hd,
+                       scale, att);
       }
     });
   };
@@ -912,7 +1133,9 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
     float* hp = h.data_ptr<float>();
     layer_qkv(hp, N, d, attn_norm[l].data_ptr<float>(), eps, wqkv[l], qtypes[4 * l], cos.data_ptr<float>(),
               sin.data_ptr<float>(), heads, kv_heads, hd, q, k, v);
-    if (half)
+    if (q8k)
+      attend_layer(l, kv_k.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(kv_v.data_ptr<at::Half>()));
+    else if (half)
       attend_layer(l, reinterpret_cast<uint16_t*>(kv_k.data_ptr<at::Half>()),
                    reinterpret_cast<uint16_t*>(kv_v.data_ptr<at::Half>()));
     else

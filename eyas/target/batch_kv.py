@@ -37,14 +37,26 @@ class BatchKV:
     (a ``TargetEngine`` or a ``DrafterEngine``); mutated only by it."""
 
     def __init__(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        key_dtype: torch.dtype | None = None,
+        key_width: int | None = None,
     ):
+        """``key_dtype``, ``key_width``: how a key is held (``TargetModel.key_layout``: Q8 blocks under the
+        gguf precision's fused forward); None: as the values (``dtype``, ``head_dim``)."""
         self.shape_per_slot = (num_layers, num_kv_heads, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
+        self.key_dtype, self.key_width = key_dtype or dtype, key_width or head_dim
         self.k = torch.zeros(
+            num_layers, 0, num_kv_heads, 0, self.key_width, dtype=self.key_dtype, device=self.device
+        )  # [L, B, H_kv, S, key_width]
+        self.v = torch.zeros(
             num_layers, 0, num_kv_heads, 0, head_dim, dtype=dtype, device=self.device
         )  # [L, B, H_kv, S, hd]
-        self.v = torch.zeros_like(self.k)  # [L, B, H_kv, S, hd]
         self.owners: list[tuple[str, int]] = []  # KV row -> (its request id, the slots it may use); rows [0, live)
 
     @property
@@ -58,7 +70,7 @@ class BatchKV:
     @property
     def bytes_per_slot(self) -> int:
         L, H, hd = self.shape_per_slot
-        return 2 * L * H * hd * self.k.element_size()
+        return L * H * (self.key_width * self.k.element_size() + hd * self.v.element_size())
 
     @property
     def nbytes(self) -> int:
@@ -74,8 +86,8 @@ class BatchKV:
         new_slots = max(self.slot_capacity, -(-slots // SLOT_GRANULE) * SLOT_GRANULE)
         L, H, hd = self.shape_per_slot
         with torch.inference_mode(False):  # a store grown inside a forward stays writable outside one
-            k = torch.zeros(L, new_rows, H, new_slots, hd, dtype=self.dtype, device=self.device)
-            v = torch.zeros_like(k)
+            k = torch.zeros(L, new_rows, H, new_slots, self.key_width, dtype=self.key_dtype, device=self.device)
+            v = torch.zeros(L, new_rows, H, new_slots, hd, dtype=self.dtype, device=self.device)
             b, s = self.row_capacity, self.slot_capacity
             k[:, :b, :, :s], v[:, :b, :, :s] = self.k, self.v
         self.k, self.v = k, v
@@ -131,7 +143,7 @@ class BatchKV:
     def release(self) -> None:
         """Free the storage (:meth:`close_row` calls this when the last row closes)."""
         self.k = self.k.new_zeros(self.k.shape[0], 0, self.k.shape[2], 0, self.k.shape[4])
-        self.v = torch.zeros_like(self.k)
+        self.v = self.v.new_zeros(self.v.shape[0], 0, self.v.shape[2], 0, self.v.shape[4])
 
     def write(self, layer: int, kv_rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v ([N, H_kv, hd]) of N packed rows at (``kv_rows``[n], ``slots``[n]) ([N] int64 each)."""

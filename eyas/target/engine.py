@@ -134,8 +134,15 @@ class TargetEngine:
         self.capture_taps = tuple(t for t in capture_taps if t not in taps)
         self.sessions: dict[str, TargetSession] = {}
         self.prefix_cache = prefix_cache if isinstance(prefix_cache, PrefixCache) else PrefixCache(prefix_cache)
+        key_dtype, key_width = model.key_layout
         self.kv = BatchKV(
-            self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, model.kv_dtype, model.embed.weight.device
+            self.cfg.num_layers,
+            self.cfg.num_kv_heads,
+            self.cfg.head_dim,
+            model.kv_dtype,
+            model.embed.weight.device,
+            key_dtype=key_dtype,
+            key_width=key_width,
         )
         self.last_expert_union: tuple[tuple[int, ...], ...] = ()  # MoE: experts the last verify touched, per layer
         self.last_expert_bytes: int = 0

@@ -102,9 +102,16 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        key_dtype: torch.dtype | None = None,
+        key_width: int | None = None,
     ) -> KVCache:
+        """``key_dtype``, ``key_width``: how a key is held (``TargetModel.key_layout``; None: as the values)."""
         shape = (num_layers, batch, num_kv_heads, max_slots, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        key_shape = shape[:4] + (key_width or head_dim,)
+        return cls(
+            torch.zeros(key_shape, dtype=key_dtype or dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
 
     @property
     def max_slots(self) -> int:
@@ -112,8 +119,8 @@ class KVCache:
 
     @property
     def bytes_per_slot(self) -> int:
-        L, B, H, _, hd = self.k.shape
-        return 2 * L * B * H * hd * self.k.element_size()
+        L, B, H, _, _ = self.k.shape
+        return L * B * H * (self.k[0, 0, 0, 0].nbytes + self.v[0, 0, 0, 0].nbytes)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v ([B, H_kv, T, hd]) in slots [start, start+T); return the keys/values of [0, start+T)."""

@@ -79,13 +79,25 @@ class TargetModel(nn.Module):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """What the K/V store holds: fp16 under the gguf precision's one-call forward (llama.cpp's default
-        cache type: half the bytes a decode reads at a long context; each key and value rounded once, when
-        written, so a verify row still equals its one-row decode), else the compute dtype."""
+        """What the store's values are: fp16 under the gguf precision's one-call forward (llama.cpp's default
+        cache type: half the bytes a decode reads at a long context; each value rounded once, when written,
+        so a verify row still equals its one-row decode), else the compute dtype. Keys: :attr:`key_layout`."""
         return torch.float16 if self.fused is not None else self.embed.weight.dtype
+
+    @property
+    def key_layout(self) -> tuple[torch.dtype, int]:
+        """How the store holds a key (dtype, elements a key a head): as the values (:attr:`kv_dtype`, head_dim),
+        or, under the gguf precision's one-call forward, in Q8 blocks as llama.cpp's ``-ctk q8_0`` does
+        (head_dim int8, then head_dim / 32 fp32 scales: uint8, head_dim * 9 / 8 bytes), scored in integers
+        (``eyas/kernels/quant.cpp``, "keys in Q8 blocks")."""
+        hd = self.cfg.head_dim
+        if self.fused is not None and self.fused.q8_keys:
+            return torch.uint8, hd + hd // 8
+        return self.kv_dtype, hd
 
     def allocate_cache(self, batch: int, max_slots: int) -> KVCache:
         c = self.cfg
+        key_dtype, key_width = self.key_layout
         return KVCache.allocate(
             c.num_layers,
             batch,
@@ -94,6 +106,8 @@ class TargetModel(nn.Module):
             c.head_dim,
             self.kv_dtype,
             self.embed.weight.device,
+            key_dtype=key_dtype,
+            key_width=key_width,
         )
 
     def forward(

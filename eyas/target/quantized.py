@@ -10,8 +10,9 @@ Terms:
   absolute maximum / 127, rounded to nearest even), a weight block's and an activation block's
   products are summed in integers (exact), and the sums are scaled and accumulated in fp32 in one
   fixed order (llama.cpp's ``vec_dot_q4_1_q8_1`` arithmetic). RMSNorm, rotary, SiLU x up and the
-  residual adds run in fp32 inside the same kernels (``eyas/kernels/quant.cpp``); attention runs in
-  fp32 over an fp16 K/V store (llama.cpp's default cache type; each value rounded once, when written).
+  residual adds run in fp32 inside the same kernels (``eyas/kernels/quant.cpp``); attention scores a
+  query against keys held in Q8 blocks (llama.cpp's ``-ctk q8_0``; each key quantized once, when
+  written, the query row as an activation row) in integers, and weighs fp16 values in fp32.
   Every kernel is row-invariant, so a verify row is bit for bit the one-row decode of its token and
   greedy speculative output equals target-only output at ``gguf`` (tested). The model is not fp32's: its top-1 agreement with fp32 is measured
   (``bench/roofline.py --agreement``).
@@ -209,9 +210,12 @@ class FusedForward:
     def fits(cls, model: TargetModel) -> bool:
         return all(layer.fused is not None for layer in model.layers) and model.cfg.head_dim in cls.HEAD_DIMS
 
-    def __init__(self, model: TargetModel):
+    def __init__(self, model: TargetModel, q8_keys: bool = True):
+        """``q8_keys``: the store holds keys in Q8 blocks, scored in integers (``TargetModel.key_layout``);
+        False: fp16 keys, scored in fp32."""
         layers = list(model.layers)
         assert layers and all(FusedLayer.fits(layer) for layer in layers), "model: every layer plain"
+        self.q8_keys = q8_keys
         eps = {layer.attn_norm.eps for layer in layers} | {layer.mlp_norm.eps for layer in layers}
         assert len(eps) == 1, "model: one RMSNorm epsilon"
         self.kernels, self.eps = _kernels(), eps.pop()

@@ -132,6 +132,12 @@ def test_a_gguf_verify_is_bit_for_bit_the_one_row_decodes_it_stands_for_in_both_
     assert whole.fused is not None
     assert origin["lm_head"] == "Q8_0 (quantized)" and origin["layers.0.mlp.w_down"] == "Q4_1 (quantized)"
     assert_verify_rows_equal_decodes(whole, [3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9])
+    # head_dim 64, four query heads a K/V head: a 24-row verify scores its Q8 keys through the transposing
+    # gathers (24 units a task), each decode by rows (4 units; the AVX-512 build): the same bits
+    wide = ours_from_hf(tiny_hf("llama", hidden=256, heads=4, kv_heads=1, seed=6))
+    quantize_gguf(wide)
+    assert wide.fused is not None and wide.key_layout == (torch.uint8, 72)
+    assert_verify_rows_equal_decodes(wide, [(7 * i + 3) % 64 for i in range(37)], [(5 * i + 1) % 64 for i in range(24)])
 
 
 def test_the_fused_forward_computes_what_the_quantized_modules_compute(k):
@@ -156,9 +162,31 @@ def test_the_fused_forward_computes_what_the_quantized_modules_compute(k):
     a, b = logits(fused, torch.float32), logits(modules)
     assert modules.kv_dtype == torch.float32 and fused.kv_dtype == torch.float16
     assert (a - b).abs().max().item() < 1e-5 * a.abs().max().item() + 1e-6
-    # with its fp16 store, each key and value rounded once: within fp16's rounding of the fp32 store's
+    # with fp16 keys and values, each rounded once: within fp16's rounding of the fp32 store's
     h = logits(fused)
     assert 0 < (h - a).abs().max().item() < 5e-2 * a.abs().max().item()
+    # its own store (TargetModel.key_layout): keys in Q8 blocks, scored in integers, values fp16
+    assert fused.key_layout == (torch.uint8, fused.cfg.head_dim * 9 // 8) and modules.key_layout[0] == torch.float32
+    cache = fused.allocate_cache(1, 8)
+    assert cache.k.dtype == torch.uint8 and cache.v.dtype == torch.float16
+    q8 = fused(tokens, torch.arange(8)[None], cache, 0, mask, (), logits_rows="all").logits
+    assert 0 < (q8 - a).abs().max().item() < 5e-2 * a.abs().max().item()
+    # each first-layer key (the same inputs either way) dequantizes (int8 * its block's scale) to within
+    # half a step of the fp32 store's
+    fp32 = KVCache.allocate(
+        fused.cfg.num_layers, 1, fused.cfg.num_kv_heads, 8, fused.cfg.head_dim, torch.float32, "cpu"
+    )
+    fused(tokens, torch.arange(8)[None], fp32, 0, mask, (), logits_rows="all")
+    hd = fused.cfg.head_dim
+    ints = cache.k[0, ..., :hd].view(torch.int8).float().unflatten(-1, (hd // 32, 32))
+    scales = cache.k[0, ..., hd:].contiguous().view(torch.float32)[..., None]
+    keys = fp32.k[0].unflatten(-1, (hd // 32, 32))
+    assert ((ints * scales - keys).abs() <= 0.5 * scales + 1e-6).all() and (scales > 0).all()
+    with pytest.raises(RuntimeError, match="kv_k, kv_v: "):  # a Q8 key store of the wrong width is refused
+        bad = KVCache.allocate(
+            fused.cfg.num_layers, 1, fused.cfg.num_kv_heads, 8, hd, torch.float16, "cpu", torch.uint8, hd + 8
+        )
+        fused(tokens, torch.arange(8)[None], bad, 0, mask, (), logits_rows="all")
 
 
 @pytest.mark.real_model
@@ -200,6 +228,12 @@ def test_the_avx2_and_avx512_builds_compute_the_same_bits(k, tmp_path):
         "quantize_gguf(m)\n"
         "t = torch.tensor([[3, 1, 4, 1, 5, 9]])\n"
         "out['model'] = m(t, torch.arange(6)[None], m.allocate_cache(1, 6), 0, torch.ones(6, 6, dtype=torch.bool).tril()[None], (), logits_rows='all').logits\n"
+        "w = ours_from_hf(tiny_hf('llama', hidden=256, heads=4, kv_heads=1, seed=6))\n"
+        "quantize_gguf(w)\n"
+        "t = torch.arange(40)[None] % 64\n"
+        "c = w.allocate_cache(1, 41)\n"
+        "w(t, torch.arange(40)[None], c, 0, torch.ones(40, 40, dtype=torch.bool).tril()[None], ())\n"
+        "out['wide'] = w(torch.tensor([[5]]), torch.tensor([[40]]), c, 40, None, (), logits_rows='all').logits\n"
         "from eyas import kernels\n"
         "out['isa'] = kernels.isa()\n"
         "torch.save(out, sys.argv[1])\n"
@@ -213,7 +247,7 @@ def test_the_avx2_and_avx512_builds_compute_the_same_bits(k, tmp_path):
         )
         results[isa] = torch.load(path)
     assert results["avx2"]["isa"] == "avx2" and results["avx512-vnni"]["isa"] == "avx512-vnni"
-    for key in (2, 3, 8, "model"):
+    for key in (2, 3, 8, "model", "wide"):
         assert torch.equal(results["avx2"][key], results["avx512-vnni"][key]), key
 
 
