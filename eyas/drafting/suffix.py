@@ -84,6 +84,14 @@ class SuffixSpec:
         return max(self.max_match, math.ceil(self.budget / self.max_spec_factor))
 
 
+def matched_length(a: list[int], a_end: int, b: list[int], b_end: int, n: int, limit: int) -> int:
+    """How many tokens ending at ``a[a_end]`` and at ``b[b_end]`` agree, counted backwards from the ``n``
+    already known to agree, up to ``limit``."""
+    while n < limit and a_end - n >= 0 and b_end - n >= 0 and a[a_end - n] == b[b_end - n]:
+        n += 1
+    return n
+
+
 class SuffixIndex:
     """One request's history and, for every n-gram of it (n <= ``max_match``), where it ended. Owned
     by the loop side that drafts for the request; grows by :meth:`extend` only."""
@@ -123,11 +131,7 @@ class SuffixIndex:
             if earlier:
                 length = n
                 if n == spec.max_match:  # none is longer within the index; read on past it
-                    for e in earlier:
-                        k = n
-                        while k < spec.match_reach and e - k >= 0 and tokens[e - k] == tokens[last - k]:
-                            k += 1
-                        length = max(length, k)
+                    length = max(matched_length(tokens, e, tokens, last, n, spec.match_reach) for e in earlier)
                 return earlier, length
         return [], 0
 
@@ -245,9 +249,7 @@ class SharedSuffixCache:
         for i in range(len(ends) - 1, max(len(ends) - 1 - self.scan, -1), -1):  # newest first
             aid, end = ends[i]
             tokens = self.answers[aid]
-            n = k
-            while n < spec.max_match and n < len(history) and end - n >= 0 and tokens[end - n] == history[-1 - n]:
-                n += 1
+            n = matched_length(tokens, end, history, len(history) - 1, k, spec.max_match)
             if n > best:
                 best, found = n, []
             if n == best and len(found) < spec.max_occurrences:
@@ -255,11 +257,7 @@ class SharedSuffixCache:
         length = best
         if best == spec.max_match:  # read on past max_match
             reach = spec.match_reach if reach is None else reach
-            for tokens, end in found:
-                n = best
-                while n < reach and n < len(history) and end - n >= 0 and tokens[end - n] == history[-1 - n]:
-                    n += 1
-                length = max(length, n)
+            length = max(matched_length(tokens, end, history, len(history) - 1, best, reach) for tokens, end in found)
         return found[::-1], length
 
     def tree(self, history: list[int], spec: SuffixSpec | None = None) -> DraftTree:

@@ -120,7 +120,7 @@ class KVCache:
     @property
     def bytes_per_slot(self) -> int:
         L, B, H, _, _ = self.k.shape
-        return L * B * H * (self.k[0, 0, 0, 0].nbytes + self.v[0, 0, 0, 0].nbytes)
+        return L * B * H * (self.k.shape[4] * self.k.element_size() + self.v.shape[4] * self.v.element_size())
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v ([B, H_kv, T, hd]) in slots [start, start+T); return the keys/values of [0, start+T)."""
