@@ -149,18 +149,24 @@ class PacedTarget:
         return call
 
 
+def drafter_down_loop(monkeypatch, target, drafter, down: DownDrafter):
+    """A loop over ``target`` (paced while ``down`` is down: :class:`PacedTarget`) and ``down`` (wrapping
+    ``drafter``), whose probe asks every 20 ms whether the drafter answers again."""
+    from eyas.serve import round_loop
+
+    monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
+    return local_loop(PacedTarget(target, down), down, drafter.info(), PromptLengthPolicy())
+
+
 def test_a_drafter_that_goes_down_makes_rounds_plain_at_once_and_comes_back_by_reseeding(
     tiny_target, workers, monkeypatch
 ):
     """While the drafter is down the rounds go on target-only with no drafter call in them (the
     streams do not wait for a replacement); only the loop's probe asks, and once it answers every
     request still running reseeds and drafts again; no token changes and nobody is given up."""
-    from eyas.serve import round_loop
-
-    monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
     target, drafter = workers
     down = DownDrafter(drafter, down_at=3, probes_down=4)
-    loop = local_loop(PacedTarget(target, down), down, drafter.info(), PromptLengthPolicy())
+    loop = drafter_down_loop(monkeypatch, target, drafter, down)
     jobs = [(p, "eagle1") for p in prompts(4)]
     results = run_all(loop, jobs, n=60)
     assert_target_only_output(tiny_target, jobs, results, 60)
@@ -609,13 +615,11 @@ def test_suffix_drafts_alone_and_grafted_in_batched_rounds_are_token_identical_a
     with plain EAGLE and target-only ones; every answer is target-only's; suffix candidates were
     verified (more rows than the EAGLE trees alone give); while the drafter is down the suffix-alone
     requests go on drafting and nobody spends a reseed on it; no index or session is left."""
-    from eyas.serve import round_loop
     from eyas.step import suffix_tree_spec
 
-    monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
     target, drafter = workers
     down = DownDrafter(drafter, down_at=4, probes_down=3)
-    loop = local_loop(PacedTarget(target, down), down, drafter.info(), PromptLengthPolicy())
+    loop = drafter_down_loop(monkeypatch, target, drafter, down)
     kinds = [("suffix", False), ("eagle1", True), ("eagle1", False), ("target", False)]
     jobs = [(p * 3, kinds[i % 4]) for i, p in enumerate(prompts(8))]
     try:
@@ -756,12 +760,9 @@ class RefusingReopenDrafter(DownDrafter):
 def test_a_refused_reseed_is_retried_and_fails_nobody(tiny_target, workers, monkeypatch):
     """A reseed whose open the drafter refuses leaves its request to reseed again next round (counted
     by the reseed rule); the round goes on, no request fails and no token changes."""
-    from eyas.serve import round_loop
-
-    monkeypatch.setattr(round_loop, "DRAFTER_PROBE_S", 0.02)
     target, drafter = workers
     refusing = RefusingReopenDrafter(drafter, down_at=3, probes_down=2)
-    loop = local_loop(PacedTarget(target, refusing), refusing, drafter.info(), PromptLengthPolicy())
+    loop = drafter_down_loop(monkeypatch, target, drafter, refusing)
     jobs = [(p, "eagle1") for p in prompts(3)]
     results = run_all(loop, jobs, n=40)
     assert_target_only_output(tiny_target, jobs, results, 40)
