@@ -12,6 +12,7 @@
 // AVX2 takes two. Both sum the same integers exactly, so the two builds compute the same bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -261,39 +262,50 @@ inline void rows_pass(int64_t rows, const uint8_t* gp, int64_t nb, const ActBloc
   }
 }
 
+// groups [g0, g1) of kGroup outputs of y [M, N] = act @ W^T (+ residual)
 template <int64_t QT>
-void matmul_t(const ActBlock* act, int64_t M, int64_t nb, const uint8_t* w, int64_t N, float* y,
-              const float* residual) {
-  const int64_t groups = (N + kGroup - 1) / kGroup, gbytes = nb * group_block_bytes(QT);
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    const ActBlock* rows[kRowsPerPass];
-    VecF out[kRowsPerPass];
-    for (int64_t g = g0; g < g1; g++) {
-      const int64_t n0 = g * kGroup, n = std::min(kGroup, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
-        const int64_t mr = std::min<int64_t>(kRowsPerPass, M - m0);
-        for (int64_t i = 0; i < mr; i++) rows[i] = act + (m0 + i) * nb;
-        rows_pass<QT>(mr, w + g * gbytes, nb, rows, out);
-        for (int64_t i = 0; i < mr; i++) {
-          float* yr = y + (m0 + i) * N + n0;
-          vstore(yr, residual ? vadd(vload_f(residual + (m0 + i) * N + n0, n), out[i]) : out[i], n);
-        }
+void matmul_groups_t(const ActBlock* act, int64_t M, int64_t nb, const uint8_t* w, int64_t N, float* y,
+                     const float* residual, int64_t g0, int64_t g1) {
+  const int64_t gbytes = nb * group_block_bytes(QT);
+  const ActBlock* rows[kRowsPerPass];
+  VecF out[kRowsPerPass];
+  for (int64_t g = g0; g < g1; g++) {
+    const int64_t n0 = g * kGroup, n = std::min(kGroup, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+      const int64_t mr = std::min<int64_t>(kRowsPerPass, M - m0);
+      for (int64_t i = 0; i < mr; i++) rows[i] = act + (m0 + i) * nb;
+      rows_pass<QT>(mr, w + g * gbytes, nb, rows, out);
+      for (int64_t i = 0; i < mr; i++) {
+        float* yr = y + (m0 + i) * N + n0;
+        vstore(yr, residual ? vadd(vload_f(residual + (m0 + i) * N + n0, n), out[i]) : out[i], n);
       }
     }
-  });
+  }
 }
 
-// y [M, N] = act @ W^T (+ residual [M, N]); W repacked by repack_q
-void matmul(const ActBlock* act, int64_t M, int64_t K, const torch::Tensor& w, int64_t qtype, int64_t N,
-            float* y, const float* residual = nullptr) {
+// groups [g0, g1) of y [M, N] = act @ W^T (+ residual [M, N]); W repacked by repack_q
+void matmul_groups(const ActBlock* act, int64_t M, int64_t K, const torch::Tensor& w, int64_t qtype, int64_t N,
+                   float* y, const float* residual, int64_t g0, int64_t g1) {
   const int64_t nb = K / kBlock;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   switch (qtype) {
-    case kQ4_0: matmul_t<kQ4_0>(act, M, nb, wp, N, y, residual); break;
-    case kQ4_1: matmul_t<kQ4_1>(act, M, nb, wp, N, y, residual); break;
-    case kQ8_0: matmul_t<kQ8_0>(act, M, nb, wp, N, y, residual); break;
+    case kQ4_0: matmul_groups_t<kQ4_0>(act, M, nb, wp, N, y, residual, g0, g1); break;
+    case kQ4_1: matmul_groups_t<kQ4_1>(act, M, nb, wp, N, y, residual, g0, g1); break;
+    case kQ8_0: matmul_groups_t<kQ8_0>(act, M, nb, wp, N, y, residual, g0, g1); break;
     default: TORCH_CHECK(false, "qtype: ", qtype, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
   }
+}
+
+inline int64_t output_groups(int64_t N) { return (N + kGroup - 1) / kGroup; }
+
+// y [M, N] = act @ W^T (+ residual [M, N]), the output groups over the threads
+void matmul(const ActBlock* act, int64_t M, int64_t K, const torch::Tensor& w, int64_t qtype, int64_t N,
+            float* y, const float* residual = nullptr) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qtype: ", qtype,
+              " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  at::parallel_for(0, output_groups(N), 1, [&](int64_t g0, int64_t g1) {
+    matmul_groups(act, M, K, w, qtype, N, y, residual, g0, g1);
+  });
 }
 
 void check_raw(const torch::Tensor& w, int64_t qtype, int64_t K, const char* name) {
@@ -367,22 +379,27 @@ const ActBlock* quantize_scratch(const float* x, int64_t M, int64_t K) {
   return act;
 }
 
+// 1 / sqrt(mean(x^2) + eps) of one row [K], in one fixed order
+inline float rms_inv(const float* xr, int64_t K, double eps) {
+  __m256 ss = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(xr + k);
+    ss = _mm256_fmadd_ps(v, v, ss);
+  }
+  float sum = hsum8(ss);
+  for (; k < K; k++) sum += xr[k] * xr[k];
+  return 1.0f / std::sqrt(sum / static_cast<float>(K) + static_cast<float>(eps));
+}
+
 // RMSNorm of each row, in one fixed order: w * (x / sqrt(mean(x^2) + eps))
 void rms_norm_rows(const float* x, int64_t M, int64_t K, const float* w, double eps, float* out) {
   at::parallel_for(0, M, kRowGrain, [&](int64_t m0, int64_t m1) {
-  for (int64_t m = m0; m < m1; m++) {
-    const float* xr = x + m * K;
-    __m256 ss = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-      const __m256 v = _mm256_loadu_ps(xr + k);
-      ss = _mm256_fmadd_ps(v, v, ss);
+    for (int64_t m = m0; m < m1; m++) {
+      const float* xr = x + m * K;
+      const float inv = rms_inv(xr, K, eps);
+      for (int64_t k = 0; k < K; k++) out[m * K + k] = w[k] * (xr[k] * inv);
     }
-    float sum = hsum8(ss);
-    for (; k < K; k++) sum += xr[k] * xr[k];
-    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(K) + static_cast<float>(eps));
-    for (k = 0; k < K; k++) out[m * K + k] = w[k] * (xr[k] * inv);
-  }
   });
 }
 
@@ -1097,54 +1114,136 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
   auto h = x.clone();
   auto tapped = torch::empty({static_cast<int64_t>(taps.size()), N, d}, x.options());
   if (N == 0) return {h, tapped};
+  const int64_t qkv_n = (heads + 2 * kv_heads) * hd, ha = heads * hd;
+  const int64_t nbd = d / kBlock, nba = ha / kBlock, nbf = ffn / kBlock, hb = hd / kBlock;
+  TORCH_CHECK(d % kBlock == 0 && ffn % kBlock == 0, "d, ffn: multiples of ", kBlock);
+  // every buffer of the forward, the calling thread's own (shared by the region's threads)
   float* q = scratch<float, 6>(N * heads * hd);
-  float* k = scratch<float, 7>(N * kv_heads * hd);
-  float* v = scratch<float, 8>(N * kv_heads * hd);
-  float* att = scratch<float, 9>(N * heads * hd);
-  float* next = scratch<float, 10>(N * d);
+  float* qkv = scratch<float, 7>(N * qkv_n);
+  float* kr = scratch<float, 8>(N * kv_heads * hd);
+  float* att = scratch<float, 9>(N * ha);
+  float* x1 = scratch<float, 10>(N * d);
+  float* gu = scratch<float, 11>(N * 2 * ffn);
+  ActBlock* act_d = scratch<ActBlock, 12>(N * nbd);  // the normed rows (attention's, then the MLP's input)
+  ActBlock* act_a = scratch<ActBlock, 13>(N * nba);  // the attention output
+  ActBlock* act_f = scratch<ActBlock, 14>(N * nbf);  // silu(gate) * up
   const int64_t group = group_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  // layer l's new K/V written into the store (fp32, or fp16: each value rounded to nearest once, when
-  // written), then every task's attention over it; kp, vp: the store's float* or uint16_t* (fp16 bits)
-  auto attend_layer = [&](int64_t l, auto* kp, auto* vp) {
-    constexpr bool q8 = std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>, uint8_t>;
-    const int64_t kw = q8 ? key_width(hd) : hd;  // a stored key's elements
-    at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {  // each row's own slots
-      for (int64_t n = n0; n < n1; n++)
-        for (int64_t j = 0; j < kv_heads; j++) {
-          const int64_t at = ((l * R + rp[n]) * kv_heads + j) * S + sp[n];
-          if constexpr (q8)
-            store_key_q8(k + (n * kv_heads + j) * hd, kp + at * kw, hd);
-          else
-            store_row(k + (n * kv_heads + j) * hd, kp + at * kw, hd);
-          store_row(v + (n * kv_heads + j) * hd, vp + at * hd, hd);
-        }
-    });
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t a0, int64_t a1) {
-      for (int64_t a = a0; a < a1; a++) {  // one request's rows, the query heads [h0, h1) of one K/V head
-        const AttnTask& t = tasks[a];
-        const int64_t base = ((l * R + t.kv_row) * kv_heads + t.h0 / group) * S;
-        attend_request(t.rows, visible, prefix[t.request], q, heads, t.h0, t.h1, hd, kp + base * kw, vp + base * hd,
-                       scale, att);
-      }
-    });
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  const int64_t kw = q8k ? key_width(hd) : hd;  // a stored key's elements
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  // One parallel region for every layer: each step's work split over the threads in fixed shares (every
+  // element computed as it is alone: row-invariant), a barrier between steps; no fork and join per step, and
+  // a row's glue (norms, quantizing, rotary, SiLU) goes over the threads whatever the number of rows.
+  auto norm_quantize = [&](const float* xs, const float* w, int t, int nt) {  // RMSNorm then Q8, block by block
+    const int64_t u0 = N * nbd * t / nt, u1 = N * nbd * (t + 1) / nt;
+    alignas(32) float tmp[kBlock];
+    int64_t row = -1;
+    float inv = 0.0f;
+    for (int64_t u = u0; u < u1; u++) {
+      const int64_t m = u / nbd, b = u % nbd;
+      const float* xr = xs + m * d;
+      if (m != row) inv = rms_inv(xr, d, eps), row = m;
+      for (int64_t k = 0; k < kBlock; k++) tmp[k] = w[b * kBlock + k] * (xr[b * kBlock + k] * inv);
+      quantize_row(tmp, kBlock, act_d + u);
+    }
   };
-  for (int64_t l = 0; l < L; l++) {
-    float* hp = h.data_ptr<float>();
-    layer_qkv(hp, N, d, attn_norm[l].data_ptr<float>(), eps, wqkv[l], qtypes[4 * l], cos.data_ptr<float>(),
-              sin.data_ptr<float>(), heads, kv_heads, hd, q, k, v);
+  auto groups_of = [&](int64_t Nout, int t, int nt) {
+    const int64_t g = output_groups(Nout);
+    return std::pair<int64_t, int64_t>(g * t / nt, g * (t + 1) / nt);
+  };
+  auto run_layers = [&](auto* kp, auto* vp, int t, int nt) {
+    constexpr bool q8 = std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>, uint8_t>;
+    for (int64_t l = 0; l < L; l++) {
+      norm_quantize(hp, attn_norm[l].data_ptr<float>(), t, nt);
+#pragma omp barrier
+      {
+        auto [g0, g1] = groups_of(qkv_n, t, nt);
+        matmul_groups(act_d, N, d, wqkv[l], qtypes[4 * l], qkv_n, qkv, nullptr, g0, g1);
+      }
+#pragma omp barrier
+      {  // rotary on q and k (HF's rotate-half: x * cos + rotate_half(x) * sin); K/V into the store
+        const int64_t per = heads + kv_heads, u0 = N * per * t / nt, u1 = N * per * (t + 1) / nt, half = hd / 2;
+        for (int64_t u = u0; u < u1; u++) {
+          const int64_t m = u / per, i = u % per;
+          const float* row = qkv + m * qkv_n;
+          const float* cm = cp + m * hd;
+          const float* sm = snp + m * hd;
+          const float* in = row + i * hd;
+          float* o = i < heads ? q + (m * heads + i) * hd : kr + (m * kv_heads + (i - heads)) * hd;
+          for (int64_t j = 0; j < half; j++) {
+            o[j] = in[j] * cm[j] + (-in[j + half]) * sm[j];
+            o[j + half] = in[j + half] * cm[j + half] + in[j] * sm[j + half];
+          }
+          if (i >= heads) {
+            const int64_t j = i - heads, at = ((l * R + rp[m]) * kv_heads + j) * S + sp[m];
+            if constexpr (q8)
+              store_key_q8(o, kp + at * kw, hd);
+            else
+              store_row(o, kp + at * kw, hd);
+            store_row(row + (heads + kv_heads + j) * hd, vp + at * hd, hd);
+          }
+        }
+      }
+#pragma omp barrier
+#pragma omp for schedule(static)
+      for (int64_t a = 0; a < ntasks; a++) {  // one request's rows, the query heads [h0, h1) of one K/V head
+        const AttnTask& task = tasks[a];
+        const int64_t base = ((l * R + task.kv_row) * kv_heads + task.h0 / group) * S;
+        attend_request(task.rows, visible, prefix[task.request], q, heads, task.h0, task.h1, hd, kp + base * kw,
+                       vp + base * hd, scale, att);
+        for (int64_t n : task.rows)  // its own heads' blocks of the output, quantized (hd is whole blocks)
+          for (int64_t hh = task.h0; hh < task.h1; hh++)
+            quantize_row(att + (n * heads + hh) * hd, hd, act_a + n * nba + hh * hb);
+      }  // (the loop's barrier)
+      {
+        auto [g0, g1] = groups_of(d, t, nt);
+        matmul_groups(act_a, N, ha, wo[l], qtypes[4 * l + 1], d, x1, hp, g0, g1);  // x1 = x + wo(a)
+      }
+#pragma omp barrier
+      norm_quantize(x1, mlp_norm[l].data_ptr<float>(), t, nt);
+#pragma omp barrier
+      {
+        auto [g0, g1] = groups_of(2 * ffn, t, nt);
+        matmul_groups(act_d, N, d, w_gate_up[l], qtypes[4 * l + 2], 2 * ffn, gu, nullptr, g0, g1);
+      }
+#pragma omp barrier
+      {  // silu(gate) * up, then Q8, block by block
+        const int64_t u0 = N * nbf * t / nt, u1 = N * nbf * (t + 1) / nt;
+        alignas(32) float tmp[kBlock];
+        for (int64_t u = u0; u < u1; u++) {
+          const int64_t m = u / nbf, b = u % nbf;
+          const float* g = gu + m * 2 * ffn + b * kBlock;
+          silu_mul_row(g, g + ffn, kBlock, tmp);
+          quantize_row(tmp, kBlock, act_f + u);
+        }
+      }
+#pragma omp barrier
+      {
+        auto [g0, g1] = groups_of(d, t, nt);
+        matmul_groups(act_f, N, ffn, w_down[l], qtypes[4 * l + 3], d, hp, x1, g0, g1);  // x = x1 + down(...)
+      }
+#pragma omp barrier
+      for (size_t k = 0; k < taps.size(); k++)
+        if (taps[k] == l + 1) {
+          const int64_t r0 = N * t / nt, r1 = N * (t + 1) / nt;
+          std::memcpy(tapped.data_ptr<float>() + (k * N + r0) * d, hp + r0 * d, sizeof(float) * (r1 - r0) * d);
+        }
+    }
+  };
+  const int threads = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     if (q8k)
-      attend_layer(l, kv_k.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(kv_v.data_ptr<at::Half>()));
+      run_layers(kv_k.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(kv_v.data_ptr<at::Half>()), t, nt);
     else if (half)
-      attend_layer(l, reinterpret_cast<uint16_t*>(kv_k.data_ptr<at::Half>()),
-                   reinterpret_cast<uint16_t*>(kv_v.data_ptr<at::Half>()));
+      run_layers(reinterpret_cast<uint16_t*>(kv_k.data_ptr<at::Half>()),
+                 reinterpret_cast<uint16_t*>(kv_v.data_ptr<at::Half>()), t, nt);
     else
-      attend_layer(l, kv_k.data_ptr<float>(), kv_v.data_ptr<float>());
-    layer_out_mlp(hp, att, N, d, heads * hd, wo[l], qtypes[4 * l + 1], mlp_norm[l].data_ptr<float>(), eps,
-                  w_gate_up[l], qtypes[4 * l + 2], w_down[l], qtypes[4 * l + 3], ffn, next);
-    std::memcpy(hp, next, sizeof(float) * N * d);
-    for (size_t t = 0; t < taps.size(); t++)
-      if (taps[t] == l + 1) std::memcpy(tapped.data_ptr<float>() + t * N * d, hp, sizeof(float) * N * d);
+      run_layers(kv_k.data_ptr<float>(), kv_v.data_ptr<float>(), t, nt);
   }
   return {h, tapped};
 }
