@@ -72,18 +72,29 @@ def greedy_accept(
     then B1 (7 == argmax of row 3), so accepted_rows = [0, 3, 4], accepted_tokens = [6, 7],
     frontier = argmax of row 4 = 3.
     """
-    _check_target(flat, target_logits, "target_logits")
-    predicted = target_logits.argmax(dim=1)  # [R] first maximal index on ties
-    retrieve = flat.retrieve  # [L, D+1]
-    valid = retrieve != RETRIEVE_PAD  # [L, D+1]
-    safe = retrieve.clamp(min=0)  # [L, D+1] pads point at the root, masked out by `valid`
-    candidates = flat.tokens[safe]  # [L, D+1]
-    matches = (candidates[:, 1:] == predicted[safe[:, :-1]]) & valid[:, 1:]  # [L, D]
-    match_lengths = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [L]
-    best = int(match_lengths.argmax().item())  # first longest path
-    length = int(match_lengths[best].item())
-    rows = retrieve[best, : length + 1]  # [A]
-    return _decision(flat, rows, int(predicted[rows[-1]].item()))
+    if not isinstance(target_logits, torch.Tensor) or target_logits.ndim != 2:
+        raise ValueError("target_logits: expected a 2-D tensor [R, V]")
+    if target_logits.shape[0] != flat.num_rows:
+        raise ValueError(f"target_logits: {target_logits.shape[0]} rows != flat tree rows {flat.num_rows}")
+    if not target_logits.dtype.is_floating_point:
+        raise ValueError(f"target_logits: expected a floating dtype, got {target_logits.dtype}")
+    # a tree is a few rows: its walk runs over Python lists (a dozen tensor ops on a handful of
+    # elements cost more than the walk)
+    tokens = flat.tokens.tolist()  # [R]
+    if max(tokens) >= target_logits.shape[1] or min(tokens) < 0:
+        raise ValueError(
+            f"target_logits: flat tree token ids fall outside the vocabulary of size {target_logits.shape[1]}"
+        )
+    predicted = target_logits.argmax(dim=1).tolist()  # [R] first maximal index on ties
+    best, length = 0, 0
+    for i, path in enumerate(flat.retrieve.tolist()):  # [L][D+1], RETRIEVE_PAD after a path's end
+        n = 0
+        while n + 1 < len(path) and path[n + 1] != RETRIEVE_PAD and tokens[path[n + 1]] == predicted[path[n]]:
+            n += 1
+        if n > length:  # the first longest path
+            best, length = i, n
+    rows = flat.retrieve[best, : length + 1]  # [A]
+    return _decision(flat, rows, predicted[int(rows[-1])])
 
 
 def stochastic_accept(
