@@ -832,33 +832,36 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
   constexpr bool q8_keys = std::is_same_v<TK, uint8_t>;  // keys in Q8 blocks (key_width(hd) bytes a key)
   const int64_t nh = h1 - h0, nr = static_cast<int64_t>(rows.size());
   const int64_t units = nr * nh;  // (row, head) pairs
-  std::vector<int64_t> offset(units + 1, 0);
+  // this thread's buffers (eyas_quant::scratch: no allocation, zeroing or page faults a call), each written
+  // before it is read
+  int64_t* offset = scratch<int64_t, 20>(units + 1);
+  offset[0] = 0;
   for (int64_t u = 0; u < units; u++) {
     const int64_t n = static_cast<int64_t>(visible[rows[u / nh]].size());
     offset[u + 1] = offset[u] + ((n + 7) / 8) * 8 + 8;
   }
-  std::vector<float> score(offset[units]);
+  float* score = scratch<float, 22>(offset[units]);
   auto qrow = [&](int64_t u) { return q + (rows[u / nh] * H + h0 + u % nh) * hd; };
   // 1. scores: the shared prefix in tiles, then each row's own tail
-  std::vector<float> qf(units * hd);
-  for (int64_t u = 0; u < units; u++) std::memcpy(qf.data() + u * hd, qrow(u), sizeof(float) * hd);
+  float* qf = scratch<float, 23>(units * hd);
+  for (int64_t u = 0; u < units; u++) std::memcpy(qf + u * hd, qrow(u), sizeof(float) * hd);
   auto qvec = [&](int64_t u, __m256* qv) {
-    for (int l = 0; l < lanes; l++) qv[l] = _mm256_loadu_ps(qf.data() + u * hd + 8 * l);
+    for (int l = 0; l < lanes; l++) qv[l] = _mm256_loadu_ps(qf + u * hd + 8 * l);
   };
   if constexpr (q8_keys) {
     constexpr int nb = static_cast<int>(hd / kBlock);
     const int64_t W = key_width(hd);
-    std::vector<ActBlock> qa(units * nb);
-    std::vector<uint8_t> qu(units * hd);  // each query's q + 128, unsigned (the VNNI build's form)
-    std::vector<float*> sc(units);
+    ActBlock* qa = scratch<ActBlock, 24>(units * nb);
+    uint8_t* qu = scratch<uint8_t, 25>(units * hd);  // each query's q + 128, unsigned (the VNNI build's form)
+    float** sc = scratch<float*, 26>(units);
     for (int64_t u = 0; u < units; u++) {
-      quantize_row(qf.data() + u * hd, hd, qa.data() + u * nb);
+      quantize_row(qf + u * hd, hd, qa + u * nb);
       for (int64_t j = 0; j < hd; j++) qu[u * hd + j] = static_cast<uint8_t>(qa[u * nb + j / kBlock].q[j % kBlock]) ^ 0x80;
-      sc[u] = score.data() + offset[u];
+      sc[u] = score + offset[u];
     }
     // each unit's run of visible slots 0, 1, 2, ...: the shared prefix and, for a prompt chunk's rows, the
     // chunk's rows up to its own; scored kGroup keys at a time for every unit whose run reaches them
-    std::vector<int64_t> run(units);
+    int64_t* run = scratch<int64_t, 27>(units);
     int64_t longest = 0;
     for (int64_t u = 0; u < units; u++) {
       const auto& vis = visible[rows[u / nh]];
@@ -870,20 +873,20 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
     for (int64_t i0 = 0; i0 < longest; i0 += kGroup) {
       for (int64_t o = 0; o < kGroup * W; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(keys + (i0 + 2 * kGroup) * W) + o, _MM_HINT_T0);
+      for (int64_t o = 0; o < kGroup * hd * static_cast<int64_t>(sizeof(T)); o += 64)  // its values, into L2
+        _mm_prefetch(reinterpret_cast<const char*>(values + i0 * hd) + o, _MM_HINT_T1);
 #if defined(__AVX512VNNI__)
       if (hd == 64 && units <= kRowsPathUnits) {
-        group_scores_q8_rows(keys + i0 * W, W, std::min<int64_t>(kGroup, longest - i0), qa.data(), qu.data(), units,
-                             sc.data(), run.data(), i0);
+        group_scores_q8_rows(keys + i0 * W, W, std::min<int64_t>(kGroup, longest - i0), qa, qu, units, sc, run, i0);
         continue;
       }
 #endif
-      group_scores_q8<nb>(keys + i0 * W, W, std::min<int64_t>(kGroup, longest - i0), qa.data(), qu.data(), units,
-                          sc.data(), run.data(), i0);
+      group_scores_q8<nb>(keys + i0 * W, W, std::min<int64_t>(kGroup, longest - i0), qa, qu, units, sc, run, i0);
     }
     for (int64_t u = 0; u < units; u++) {  // the rest of each row's keys: its tree ancestors, itself
       const auto& vis = visible[rows[u / nh]];
       for (int64_t i = run[u]; i < static_cast<int64_t>(vis.size()); i++)
-        sc[u][i] = key_dot_q8(qa.data() + u * nb, keys + vis[i] * W, hd);
+        sc[u][i] = key_dot_q8(qa + u * nb, keys + vis[i] * W, hd);
     }
   } else {
   const int64_t P4 = P / 4 * 4;
@@ -896,7 +899,7 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
       _mm_prefetch(reinterpret_cast<const char*>(values + t0 * hd) + o, _MM_HINT_T1);
     }
     for (int64_t u = 0; u < units; u++) {
-      float* sc = score.data() + offset[u];
+      float* sc = score + offset[u];
       __m256 qv[lanes];
       qvec(u, qv);
       int64_t i = t0;
@@ -916,7 +919,7 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
   for (int64_t u = 0; u < units; u++) {
     const auto& vis = visible[rows[u / nh]];
     const int64_t n = static_cast<int64_t>(vis.size());
-    float* sc = score.data() + offset[u];
+    float* sc = score + offset[u];
     __m256 qv[lanes];
     qvec(u, qv);
     int64_t i = P4;
@@ -927,11 +930,11 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
   }
   }
   // 2. each (row, head): scale, max, exp 8 at a time, the sum
-  std::vector<float> inv(units);
+  float* inv = scratch<float, 29>(units);
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t u = 0; u < units; u++) {
     const int64_t n = static_cast<int64_t>(visible[rows[u / nh]].size());
-    float* sc = score.data() + offset[u];
+    float* sc = score + offset[u];
     for (int64_t i = n; i < ((n + 7) / 8) * 8; i++) sc[i] = ninf;
     const __m256 scalev = _mm256_set1_ps(scale), ninfv = _mm256_set1_ps(ninf);
     __m256 topv8 = ninfv;
@@ -954,27 +957,28 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
     inv[u] = 1.0f / hsum8(sumv);
   }
   // 3. the weighted values: the shared prefix in tiles (each accumulator carried across them), then the tails
-  std::vector<float> acc(units * hd, 0.0f);
+  float* acc = scratch<float, 28>(units * hd);
+  std::fill(acc, acc + units * hd, 0.0f);
   for (int64_t t0 = 0; t0 < P; t0 += kKeyTile) {
     const int64_t t1 = std::min(P, t0 + kKeyTile);
     for (int64_t u = 0; u < units; u++) {
-      const float* sc = score.data() + offset[u];
+      const float* sc = score + offset[u];
       __m256 a[lanes];
-      for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc.data() + u * hd + 8 * l);
+      for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc + u * hd + 8 * l);
       for (int64_t i = t0; i < t1; i++) {
         const T* vr = values + i * hd;
         const __m256 pw = _mm256_set1_ps(sc[i]);
         for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, load8(vr + 8 * l), a[l]);
       }
-      for (int l = 0; l < lanes; l++) _mm256_storeu_ps(acc.data() + u * hd + 8 * l, a[l]);
+      for (int l = 0; l < lanes; l++) _mm256_storeu_ps(acc + u * hd + 8 * l, a[l]);
     }
   }
   for (int64_t u = 0; u < units; u++) {
     const auto& vis = visible[rows[u / nh]];
     const int64_t n = static_cast<int64_t>(vis.size());
-    const float* sc = score.data() + offset[u];
+    const float* sc = score + offset[u];
     __m256 a[lanes];
-    for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc.data() + u * hd + 8 * l);
+    for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc + u * hd + 8 * l);
     for (int64_t i = P; i < n; i++) {
       const T* vr = values + vis[i] * hd;
       const __m256 pw = _mm256_set1_ps(sc[i]);
