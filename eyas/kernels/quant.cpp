@@ -756,7 +756,59 @@ inline void group_scores_q8_rows(const uint8_t* keys, int64_t W, int64_t n, cons
   }
 }
 #endif
-constexpr int64_t kRowsPathUnits = 8;  // a task of at most this many units scores by rows (VNNI build, head_dim 64)
+// a task of at most this many units scores by rows (head_dim 64): VNNI's rows path pays a transposing reduction a
+// unit, its gathers a task; AVX2's costs less than its gathers up to a tree's units (a prompt chunk's gather)
+#if defined(__AVX512VNNI__)
+constexpr int64_t kRowsPathUnits = 8;
+#else
+constexpr int64_t kRowsPathUnits = 32;
+#endif
+
+#if !defined(__AVX512VNNI__)
+// 8 int32 vectors -> one vector of their horizontal sums (lane j: the sum of v[j]'s lanes); integers: exact
+inline __m256i hsums8(const __m256i* v) {
+  const __m256i t01 = _mm256_hadd_epi32(v[0], v[1]), t23 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i t45 = _mm256_hadd_epi32(v[4], v[5]), t67 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t01, t23), u1 = _mm256_hadd_epi32(t45, t67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// group_scores_q8 for head_dim 64 on the AVX2 build without gathers: each key's two 32-byte blocks as they lie,
+// one product per (unit, key, block) (|k| times q signed by k, in int16 pairs: |sum| <= 2 * 127 * 127), the
+// eight keys' sums by one transposing reduction; the same integers, scaled in the same order: the same bits
+inline void group_scores_q8_rows(const uint8_t* keys, int64_t W, int64_t n, const ActBlock* qa, int64_t units,
+                                 float* const* sc, const int64_t* run, int64_t i0) {
+  __m256i k[8][2], ka[8][2];
+  alignas(32) float d0[8], d1[8];
+  for (int j = 0; j < 8; j++) {
+    const uint8_t* key = keys + (j < n ? j : 0) * W;
+    for (int b = 0; b < 2; b++) {
+      k[j][b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + kBlock * b));
+      ka[j][b] = _mm256_abs_epi8(k[j][b]);
+    }
+    std::memcpy(d0 + j, key + 64, 4);
+    std::memcpy(d1 + j, key + 68, 4);
+  }
+  const VecF dk0 = _mm256_load_ps(d0), dk1 = _mm256_load_ps(d1);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t u = 0; u < units; u++) {
+    const int64_t m = std::min<int64_t>(n, run[u] - i0);
+    if (m <= 0) continue;
+    const ActBlock* a = qa + u * 2;
+    __m256i is[2];
+    for (int b = 0; b < 2; b++) {
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].q));
+      __m256i p[8];
+      for (int j = 0; j < 8; j++)
+        p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ka[j][b], _mm256_sign_epi8(qv, k[j][b])), ones);
+      is[b] = hsums8(p);
+    }
+    VecF acc = vfma(vcvt(is[0]), vmul(dk0, vset1_f(a[0].d)), vzero_f());
+    acc = vfma(vcvt(is[1]), vmul(dk1, vset1_f(a[1].d)), acc);
+    vstore(sc[u] + i0, acc, m);
+  }
+}
+#endif
 
 // kGroup consecutive keys (n of them real; the rest repeat the first and are not stored) against every unit's
 // quantized query: scores into sc[u] + i0 for the keys of the group below run[u] (the unit's run of visible
@@ -856,7 +908,9 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
     float** sc = scratch<float*, 26>(units);
     for (int64_t u = 0; u < units; u++) {
       quantize_row(qf + u * hd, hd, qa + u * nb);
+#if defined(__AVX512VNNI__)
       for (int64_t j = 0; j < hd; j++) qu[u * hd + j] = static_cast<uint8_t>(qa[u * nb + j / kBlock].q[j % kBlock]) ^ 0x80;
+#endif
       sc[u] = score + offset[u];
     }
     // each unit's run of visible slots 0, 1, 2, ...: the shared prefix and, for a prompt chunk's rows, the
@@ -875,12 +929,14 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
         _mm_prefetch(reinterpret_cast<const char*>(keys + (i0 + 2 * kGroup) * W) + o, _MM_HINT_T0);
       for (int64_t o = 0; o < kGroup * hd * static_cast<int64_t>(sizeof(T)); o += 64)  // its values, into L2
         _mm_prefetch(reinterpret_cast<const char*>(values + i0 * hd) + o, _MM_HINT_T1);
-#if defined(__AVX512VNNI__)
       if (hd == 64 && units <= kRowsPathUnits) {
+#if defined(__AVX512VNNI__)
         group_scores_q8_rows(keys + i0 * W, W, std::min<int64_t>(kGroup, longest - i0), qa, qu, units, sc, run, i0);
+#else
+        group_scores_q8_rows(keys + i0 * W, W, std::min<int64_t>(kGroup, longest - i0), qa, units, sc, run, i0);
+#endif
         continue;
       }
-#endif
       group_scores_q8<nb>(keys + i0 * W, W, std::min<int64_t>(kGroup, longest - i0), qa, qu, units, sc, run, i0);
     }
     for (int64_t u = 0; u < units; u++) {  // the rest of each row's keys: its tree ancestors, itself

@@ -231,9 +231,11 @@ def test_the_avx2_and_avx512_builds_compute_the_same_bits(k, tmp_path):
         "w = ours_from_hf(tiny_hf('llama', hidden=256, heads=4, kv_heads=1, seed=6))\n"
         "quantize_gguf(w)\n"
         "t = torch.arange(40)[None] % 64\n"
-        "c = w.allocate_cache(1, 41)\n"
+        "c = w.allocate_cache(1, 44)\n"
         "w(t, torch.arange(40)[None], c, 0, torch.ones(40, 40, dtype=torch.bool).tril()[None], ())\n"
         "out['wide'] = w(torch.tensor([[5]]), torch.tensor([[40]]), c, 40, None, (), logits_rows='all').logits\n"
+        "m3 = torch.ones(3, 44, dtype=torch.bool).tril(41)[None]\n"  # 12 (row, head) units: AVX2 scores by rows
+        "out['wide3'] = w(torch.tensor([[6, 7, 8]]), torch.arange(41, 44)[None], c, 41, m3, (), logits_rows='all').logits\n"
         "from eyas import kernels\n"
         "out['isa'] = kernels.isa()\n"
         "torch.save(out, sys.argv[1])\n"
@@ -247,7 +249,7 @@ def test_the_avx2_and_avx512_builds_compute_the_same_bits(k, tmp_path):
         )
         results[isa] = torch.load(path)
     assert results["avx2"]["isa"] == "avx2" and results["avx512-vnni"]["isa"] == "avx512-vnni"
-    for key in (2, 3, 8, "model", "wide"):
+    for key in (2, 3, 8, "model", "wide", "wide3"):
         assert torch.equal(results["avx2"][key], results["avx512-vnni"][key]), key
 
 
