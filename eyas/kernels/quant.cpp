@@ -426,11 +426,20 @@ torch::Tensor linear_q(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t 
 
 namespace eyas_quant {
 
+// one head's rotary (HF's rotate-half layout): out = in * cos + rotate_half(in) * sin, cos/sin the row's [hd]
+inline void rotate_half_row(const float* in, const float* cm, const float* sm, int64_t hd, float* out) {
+  const int64_t half = hd / 2;
+  for (int64_t j = 0; j < half; j++) {
+    out[j] = in[j] * cm[j] + (-in[j + half]) * sm[j];
+    out[j + half] = in[j + half] * cm[j + half] + in[j] * sm[j + half];
+  }
+}
+
 // q, k, v [M, H|Hkv, hd] of RMSNorm(x) through the fused q/k/v weights, rotary applied to q and k
 void layer_qkv(const float* x, int64_t M, int64_t d, const float* norm_w, double eps, const torch::Tensor& wqkv,
                int64_t qtype, const float* cos, const float* sin, int64_t heads, int64_t kv_heads, int64_t hd, float* q,
                float* k, float* v) {
-  const int64_t N = (heads + 2 * kv_heads) * hd, half = hd / 2;
+  const int64_t N = (heads + 2 * kv_heads) * hd;
   float* h = scratch<float, 0>(norm_w != nullptr ? M * d : 0);
   float* qkv = scratch<float, 1>(M * N);
   if (norm_w != nullptr) rms_norm_rows(x, M, d, norm_w, eps, h);  // none: x comes normed (a drafter's)
@@ -440,14 +449,9 @@ void layer_qkv(const float* x, int64_t M, int64_t d, const float* norm_w, double
     const float* row = qkv + m * N;
     const float* cm = cos + m * hd;
     const float* sm = sin + m * hd;
-    auto rotate = [&](const float* in, float* out) {  // x * cos + rotate_half(x) * sin
-      for (int64_t j = 0; j < half; j++) {
-        out[j] = in[j] * cm[j] + (-in[j + half]) * sm[j];
-        out[j + half] = in[j + half] * cm[j + half] + in[j] * sm[j + half];
-      }
-    };
-    for (int64_t i = 0; i < heads; i++) rotate(row + i * hd, q + (m * heads + i) * hd);
-    for (int64_t i = 0; i < kv_heads; i++) rotate(row + (heads + i) * hd, k + (m * kv_heads + i) * hd);
+    for (int64_t i = 0; i < heads; i++) rotate_half_row(row + i * hd, cm, sm, hd, q + (m * heads + i) * hd);
+    for (int64_t i = 0; i < kv_heads; i++)
+      rotate_half_row(row + (heads + i) * hd, cm, sm, hd, k + (m * kv_heads + i) * hd);
     std::memcpy(v + m * kv_heads * hd, row + (heads + kv_heads) * hd, sizeof(float) * kv_heads * hd);
   }
   });
@@ -1225,7 +1229,7 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
       }
 #pragma omp barrier
       {  // rotary on q and k (HF's rotate-half: x * cos + rotate_half(x) * sin); K/V into the store
-        const int64_t per = heads + kv_heads, u0 = N * per * t / nt, u1 = N * per * (t + 1) / nt, half = hd / 2;
+        const int64_t per = heads + kv_heads, u0 = N * per * t / nt, u1 = N * per * (t + 1) / nt;
         for (int64_t u = u0; u < u1; u++) {
           const int64_t m = u / per, i = u % per;
           const float* row = qkv + m * qkv_n;
@@ -1233,10 +1237,7 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, torch::Tensor cos, to
           const float* sm = snp + m * hd;
           const float* in = row + i * hd;
           float* o = i < heads ? q + (m * heads + i) * hd : kr + (m * kv_heads + (i - heads)) * hd;
-          for (int64_t j = 0; j < half; j++) {
-            o[j] = in[j] * cm[j] + (-in[j + half]) * sm[j];
-            o[j + half] = in[j + half] * cm[j + half] + in[j] * sm[j + half];
-          }
+          rotate_half_row(in, cm, sm, hd, o);
           if (i >= heads) {
             const int64_t j = i - heads, at = ((l * R + rp[m]) * kv_heads + j) * S + sp[m];
             if constexpr (q8)

@@ -72,19 +72,10 @@ def greedy_accept(
     then B1 (7 == argmax of row 3), so accepted_rows = [0, 3, 4], accepted_tokens = [6, 7],
     frontier = argmax of row 4 = 3.
     """
-    if not isinstance(target_logits, torch.Tensor) or target_logits.ndim != 2:
-        raise ValueError("target_logits: expected a 2-D tensor [R, V]")
-    if target_logits.shape[0] != flat.num_rows:
-        raise ValueError(f"target_logits: {target_logits.shape[0]} rows != flat tree rows {flat.num_rows}")
-    if not target_logits.dtype.is_floating_point:
-        raise ValueError(f"target_logits: expected a floating dtype, got {target_logits.dtype}")
+    _check_target(flat, target_logits, "target_logits")
     # a tree is a few rows: its walk runs over Python lists (a dozen tensor ops on a handful of
     # elements cost more than the walk)
     tokens = flat.tokens.tolist()  # [R]
-    if max(tokens) >= target_logits.shape[1] or min(tokens) < 0:
-        raise ValueError(
-            f"target_logits: flat tree token ids fall outside the vocabulary of size {target_logits.shape[1]}"
-        )
     predicted = target_logits.argmax(dim=1).tolist()  # [R] first maximal index on ties
     best, length = 0, 0
     for i, path in enumerate(flat.retrieve.tolist()):  # [L][D+1], RETRIEVE_PAD after a path's end
