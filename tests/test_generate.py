@@ -74,6 +74,30 @@ def test_greedy_identity_tiny(tiny_target, method, tree):
         assert sum(r.new_tokens for r in spec.rounds) + 1 >= len(spec.token_ids)
 
 
+def test_a_prompt_longer_than_a_prefill_chunk_is_prefilled_in_chunks_and_answers_as_in_one_forward(
+    tiny_target, monkeypatch
+):
+    """``decode`` prefills at most PREFILL_CHUNK_ROWS prompt rows a forward: an 11-row prompt in chunks of
+    3 takes 4 prefill forwards, and its answer, target-only and speculative (the drafter reading the
+    features of every chunk), is the one-forward prefill's."""
+    import eyas.generate as gen
+
+    prompt = [7, 7, 7, 7, 7, 9, 30, 11, 2, 5, 8]
+    monkeypatch.setattr(gen, "PREFILL_CHUNK_ROWS", None)
+    whole = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=20).token_ids
+    monkeypatch.setattr(gen, "PREFILL_CHUNK_ROWS", 3)
+    target, drafter = engines(tiny_target, "eagle3")
+    prefill_forwards = []
+    step = target.step
+    monkeypatch.setattr(
+        target, "step", lambda p, v, m=None: (prefill_forwards.append(m) if p else None, step(p, v, m))[1]
+    )
+    spec = generate(target, prompt, max_new_tokens=20, drafter=drafter, tree=TREES[0])
+    plain = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=20)
+    assert prefill_forwards == [3, 3, 3, 3]
+    assert spec.token_ids == plain.token_ids == whole
+
+
 @pytest.mark.parametrize("method", ["eagle1", "eagle3"])
 def test_value_floors_prune_the_tree_and_keep_greedy_identity(tiny_target, method):
     """A cost-aware tree (value floors) verifies fewer rows than the same tree without floors, but
