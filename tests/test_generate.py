@@ -185,7 +185,8 @@ def test_greedy_identity_fp16w_served_precision(method):
 def test_greedy_identity_gguf_served_precision(method, hidden):
     """gguf (GGUF blocks, Q8 activations, integer dot products) is a served precision: speculative
     equals target-only at it, for random drafters and for a drafter that proposes the target's own
-    chain (every row accepted: the deepest verifies), with the drafter's linears at Q4_1."""
+    chain (every row accepted: the deepest verifies), with the drafter's linears at Q4_1 (EAGLE-3's
+    steady rounds each step one kernel call)."""
     from eyas.runtime import gguf_drafter
     from eyas.target.quantized import QLinear, quantize_gguf
 
@@ -197,6 +198,8 @@ def test_greedy_identity_gguf_served_precision(method, hidden):
     target, drafter = engines(model, method)
     gguf_drafter(drafter.drafter)
     assert any(isinstance(m, QLinear) for m in drafter.drafter.modules()) and drafter.drafter.layer.fused is not None
+    # a reference EAGLE-3 drafter steps in one kernel call (FusedDraftStep); EAGLE-1 through its fused layer
+    assert (drafter.fused_step is not None) == (method == "eagle3")
     for prompt in ([3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7, 7, 9, 30, 11]):
         base = generate(TargetEngine(model, ()), prompt, max_new_tokens=30)
         for tree in TREES:

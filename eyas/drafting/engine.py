@@ -139,6 +139,8 @@ class DrafterEngine:
         self.device = embed.weight.device  # where every draft tensor lives (the target's device)
         self.sessions: dict[str, DraftSession] = {}
         self.version = 0  # the live drafter's version (swap_drafter); 0: the one it was built with
+        self.fuse_steps = True  # run a step as one kernel call where the drafter allows it (benches: False)
+        self._fused: tuple[tuple[int, int], object | None] = ((0, 0), None)  # (the drafter it was made for, step)
         # every live request's draft K/V in one padded store, rows [0, live) (eyas.target.batch_kv)
         self.kv = self.drafter.allocate_store()
 
@@ -159,6 +161,21 @@ class DrafterEngine:
             raise ValueError("drafter: a swap keeps the live drafter's draft vocabulary")
         self.drafter = drafter.eval().requires_grad_(False)
         self.version = self.version + 1 if version is None else version
+
+    @property
+    def fused_step(self):
+        """The live drafter's whole step as one kernel call (``eyas.target.quantized.FusedDraftStep``: a
+        reference EAGLE-3 drafter at gguf), or None: its steps run through the Python path. Made again
+        when the drafter or its fused layer is replaced (a swap, ``gguf_drafter`` after the engine)."""
+        from eyas.target.quantized import FusedDraftStep
+
+        if not self.fuse_steps:
+            return None
+        key = (id(self.drafter), id(self.drafter.layer.fused))
+        if self._fused[0] != key:
+            fits = FusedDraftStep.fits(self.drafter, self.embed)
+            self._fused = (key, FusedDraftStep(self.drafter, self.embed) if fits else None)
+        return self._fused[1]
 
     def version_of(self, request_id: str) -> int:
         """The drafter version that drafts ``request_id``'s trees now (one drafter here: the live one)."""
@@ -226,6 +243,9 @@ class DrafterEngine:
             raise ValueError("request_id: a request appears twice in one drafting batch")
         # checks first; a seed decoded from the wire (on the CPU) moves to the drafter's device here
         growths = [_Growth(self._session(rid), seed, tree, self.device) for rid, seed, tree in items]
+        fused = self.fused_step
+        if fused is not None and len(growths) == 1 and self._fusable(growths[0], fused):
+            return [self._grow_fused(growths[0], fused)]
         # 1. context rows from verified target features (design 0x05A/0x05D) ----------------------
         hidden = self.drafter.forward_batch(self.kv, [g.context_rows(self.drafter, self.embed) for g in growths])
         for g, h in zip(growths, hidden):
@@ -254,6 +274,48 @@ class DrafterEngine:
             for (g, _), h in zip(steps, outs):
                 g.absorb(h)
         return [g.result() for g in growths]
+
+    def _fusable(self, g: _Growth, step) -> bool:
+        """Whether one request's round runs through :attr:`fused_step`: a steady round (its context
+        already started, a seed of at most ``KERNEL_ATTEND_ROWS`` rows: the rows whose attention the
+        Python path runs through the same kernel) with no logits processors, within the rotary table."""
+        from eyas.target.layers import KERNEL_ATTEND_ROWS
+
+        s, a = g.s, g.seed.features.shape[0]
+        return (
+            s.process is None
+            and s.committed_len > 0
+            and a <= KERNEL_ATTEND_ROWS
+            and s.max_slots <= step.max_position  # every row's position is below its slots
+            and g.seed.features.device.type == "cpu"
+        )
+
+    def _grow_fused(self, g: _Growth, step) -> DraftTree:
+        """:meth:`propose_batch` for one request, each step one :attr:`fused_step` call (its draft forward
+        and its children's top-k together): the same growth, without the interpreter between kernels."""
+        s = g.s
+        n, a = s.committed_len, g.seed.features.shape[0]
+        self.kv.fit(s.kv_row + 1, n + a)
+        keys, values = self.kv.k[0, s.kv_row], self.kv.v[0, s.kv_row]  # [H_kv, S, hd] views of its row
+        grows = g.builder is not None and not g.builder.done
+        k = g.builder.children_per_parent if grows else 1
+        mask = None if a == 1 else torch.ones(a, n + a, dtype=torch.bool).tril_(n)  # [A, n+A] causal over the context
+        hidden, ids, conf = step(
+            g.seed.features, g.seed.advanced_tokens, torch.arange(n, n + a), keys, values, n, mask, k, int(grows)
+        )
+        g.start_tree(hidden)
+        while g.parent_hidden is not None:
+            rows = g.add_children(ids, conf)
+            if rows is None:
+                break
+            state, tokens, group = rows
+            p = state.shape[0]
+            self.kv.fit(s.kv_row + 1, group.start + p)
+            keys, values = self.kv.k[0, s.kv_row], self.kv.v[0, s.kv_row]
+            k = g.builder.children_per_parent  # the new parents' (a static tree's ranks vary by depth)
+            hidden, ids, conf = step(state, tokens, group.positions, keys, values, group.start, group.mask, k, p)
+            g.absorb(hidden)
+        return g.result()
 
     def publish(self, request_id: str) -> None:
         """Discard this round's provisional tree rows (design 0x05D)."""

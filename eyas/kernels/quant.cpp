@@ -1459,6 +1459,74 @@ int64_t probe_dot(int64_t iters) {
   return out;
 }
 
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
+                     double scale);  // cpu.cpp
+
+// A reference-layout EAGLE-3 drafter's step over one request's rows in one call, with no interpreter between
+// its kernels: the rows' states (rows [N, d]; or their target features [N, taps * d] through fc when the
+// weights carry one), x = [RMSNorm(E(token)); RMSNorm(state)], q/k/v with rotary at the rows' positions, their
+// K/V written at slots [start, start + N) of the request's store row (keys, values [Hkv, S, hd] float32) and
+// the attention over the slots the mask shows (mask [N, start + N] bool; None: one row that sees every slot up
+// to its own), then o + state, the MLP, and for the last topk_rows rows the final RMSNorm, the draft head and
+// the top k mapped to target ids through d2t. The same kernels the step's Python path calls one by one
+// (linear_q, attn_in, attend, attn_out_mlp, head_topk), so the same arithmetic but the two input norms.
+// w: {fc (empty: rows are states), embed_norm, state_norm, wqkv, wo, mlp_norm, w_gate_up, w_down, norm, head,
+// d2t [V] int64, embed [vocab, d], cos, sin [positions, hd]}; qtypes: {fc, wqkv, wo, gate_up, down, head};
+// dims: {heads, kv_heads, head_dim, ffn, draft vocab, k, topk_rows}.
+// -> {hidden [N, d], ids [topk_rows, k] target ids, conf [topk_rows, k] float32}
+std::vector<torch::Tensor> draft_step(torch::Tensor rows, torch::Tensor tokens, torch::Tensor positions,
+                                      torch::Tensor keys, torch::Tensor values, int64_t start,
+                                      c10::optional<torch::Tensor> mask, std::vector<torch::Tensor> w,
+                                      std::vector<int64_t> qtypes, std::vector<int64_t> dims, double eps) {
+  TORCH_CHECK(w.size() == 14 && qtypes.size() == 6 && dims.size() == 7, "draft_step: 14 weights, 6 qtypes, 7 dims");
+  const int64_t H = dims[0], Hkv = dims[1], hd = dims[2], ffn = dims[3], V = dims[4], k = dims[5], R = dims[6];
+  rows = as_rows(rows, "rows");
+  const int64_t N = rows.size(0);
+  TORCH_CHECK(N >= 1 && tokens.dim() == 1 && tokens.size(0) == N && positions.sizes() == tokens.sizes() &&
+                  tokens.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong,
+              "tokens, positions: expected [N] int64 each");
+  TORCH_CHECK(R >= 0 && R <= N, "topk_rows: ", R, " is not in [0, ", N, "]");
+  TORCH_CHECK(keys.dim() == 3 && keys.size(0) == Hkv && keys.size(2) == hd && values.sizes() == keys.sizes() &&
+                  keys.scalar_type() == torch::kFloat && values.scalar_type() == torch::kFloat &&
+                  start >= 0 && start + N <= keys.size(1),
+              "keys, values: expected the request's store row [Hkv, S, hd] float32 with room for the rows");
+  const torch::Tensor& fc = w[0];
+  torch::Tensor state = fc.numel() ? linear_q(rows, fc, qtypes[0], w[2].numel()) : rows;
+  const int64_t d = state.size(1);
+  auto embeds = w[11].index_select(0, tokens).to(torch::kFloat).contiguous();
+  TORCH_CHECK(embeds.size(1) == d && w[1].numel() == d && w[2].numel() == d, "embed, norms: expected [d]");
+  auto x = torch::empty({N, 2 * d}, state.options());
+  {
+    float* e = scratch<float, 0>(N * d);
+    float* s = scratch<float, 2>(N * d);
+    rms_norm_rows(embeds.data_ptr<float>(), N, d, w[1].data_ptr<float>(), eps, e);
+    rms_norm_rows(state.data_ptr<float>(), N, d, w[2].data_ptr<float>(), eps, s);
+    float* xp = x.data_ptr<float>();
+    for (int64_t n = 0; n < N; n++) {
+      std::memcpy(xp + n * 2 * d, e + n * d, sizeof(float) * d);
+      std::memcpy(xp + n * 2 * d + d, s + n * d, sizeof(float) * d);
+    }
+  }
+  auto cos = w[12].index_select(0, positions), sin = w[13].index_select(0, positions);
+  auto qkv = attn_in(x, torch::empty({0}, x.options()), eps, w[3], qtypes[1], cos, sin, H, Hkv, hd);
+  keys.narrow(1, start, N).copy_(qkv[1].transpose(0, 1));
+  values.narrow(1, start, N).copy_(qkv[2].transpose(0, 1));
+  c10::optional<torch::Tensor> m;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 2 && mask->size(0) == N && mask->size(1) == start + N, "mask: expected [N, start + N]");
+    m = mask->unsqueeze(0);
+  } else {
+    TORCH_CHECK(N == 1, "mask: required for more than one row");
+  }
+  auto o = attend(qkv[0].transpose(0, 1).unsqueeze(0), keys.narrow(1, 0, start + N).unsqueeze(0),
+                  values.narrow(1, 0, start + N).unsqueeze(0), m, 1.0 / std::sqrt(static_cast<double>(hd)));
+  auto a = o[0].transpose(0, 1).reshape({N, H * hd});
+  auto hidden = attn_out_mlp(state, a, w[4], qtypes[2], w[5], eps, w[6], qtypes[3], w[7], qtypes[4], ffn);
+  auto top = head_topk(hidden.narrow(0, N - R, R), w[8], eps, w[9], qtypes[5], V, k);
+  auto ids = w[10].index_select(0, top[0].reshape({-1})).reshape({R, k});
+  return {hidden, ids, top[1]};
+}
+
 void register_quant(pybind11::module& m) {
   m.def("probe_dot", &probe_dot, "iters x 8 integer dot-product instructions a thread (int8 MAC-rate probe)");
   m.def("dot_macs", []() { return static_cast<int64_t>(sizeof(VecI)); }, "u8 x s8 products one probe_dot instruction does");
@@ -1470,6 +1538,7 @@ void register_quant(pybind11::module& m) {
   m.def("head_topk", &head_topk, "RMSNorm, a vocabulary head (GGUF blocks) and each row's top k with softmax probabilities");
   m.def("attn_in", &attn_in, "RMSNorm, fused q/k/v (GGUF blocks) and rotary: q [M, H, hd], k, v [M, Hkv, hd]");
   m.def("attn_out_mlp", &attn_out_mlp, "x + wo(a), then + down(silu(gate) * up) of its RMSNorm (GGUF blocks)");
+  m.def("draft_step", &draft_step, "a reference EAGLE-3 drafter's step over one request's rows, top k included");
   m.def("forward_layers", &forward_layers, "every plain Llama decoder layer over packed rows, K/V written, in one call");
   m.def("quantize_weight", &quantize_weight, "float32 [N, K] -> GGUF blocks (Q4_0, Q4_1, Q8_0)");
   m.def("dequantize_weight", &dequantize_weight, "GGUF blocks -> float32 [N, K]");

@@ -311,6 +311,78 @@ class FusedDraftLayer:
         )[None]
 
 
+class FusedDraftStep:
+    """A reference-layout EAGLE-3 drafter's whole step over one request's rows in ONE kernel call
+    (``kernels.draft_step``): fc of the target features (context rows), the two input RMSNorms, q/k/v
+    with rotary, the K/V written into the request's store row and the attention, o + state and the MLP,
+    then the final norm, the draft head and the top k in target ids. The Python path calls the same
+    kernels one by one with torch's glue between them (about 0.2 ms a step in the interpreter, beside
+    0.1 ms of kernels); only the two input norms' rounding differs (the kernels' RMSNorm), which moves
+    a draft confidence in its last bits, never an output (the target verifies every token)."""
+
+    def __init__(self, drafter, embed: nn.Module):
+        layer, a, mlp = drafter.layer, drafter.layer.attn, drafter.layer.mlp
+        self.kernels = _kernels()
+        self.weights = [
+            drafter.reduce.packed,
+            drafter.embed_norm.weight.detach(),
+            drafter.state_norm.weight.detach(),
+            a.wqkv.packed,
+            a.wo.packed,
+            layer.mlp_norm.weight.detach(),
+            mlp.w_gate_up.packed,
+            mlp.w_down.packed,
+            drafter.norm.weight.detach(),
+            drafter.head.packed,
+            drafter.d2t,
+            embed.weight.detach(),
+            drafter.rope.cos,
+            drafter.rope.sin,
+        ]
+        self.qtypes = [m.qtype for m in (drafter.reduce, a.wqkv, a.wo, mlp.w_gate_up, mlp.w_down, drafter.head)]
+        self.shape = [a.heads, a.kv_heads, a.head_dim, mlp.ffn, drafter.head.out_features]
+        self.eps = drafter.cfg.rms_norm_eps
+        self.max_position = drafter.rope.cos.shape[0]
+
+    @staticmethod
+    def fits(drafter, embed: nn.Module) -> bool:
+        """Whether ``drafter`` runs as one call: reference EAGLE-3 without per-tap norms, every linear in
+        GGUF blocks with no bias (``gguf_drafter``), float32 on the CPU, norms of one epsilon."""
+        cfg = drafter.cfg
+        if (cfg.method, cfg.layout, cfg.fc_norm) != ("eagle3", "reference", False) or drafter.layer.fused is None:
+            return False
+        linears = (drafter.reduce, drafter.head)
+        norms = (drafter.embed_norm, drafter.state_norm, drafter.layer.mlp_norm, drafter.norm)
+        return (
+            all(type(m) is QLinear and m.bias is None for m in linears)
+            and all(n.eps == cfg.rms_norm_eps and n.weight.dtype == torch.float32 for n in norms)
+            and embed.weight.device.type == "cpu"
+            and embed.weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and drafter.layer.attn.head_dim % 8 == 0
+            and drafter.layer.attn.head_dim <= 128
+        )
+
+    def __call__(self, rows, tokens, positions, keys, values, start: int, mask, k: int, topk_rows: int):
+        """rows [N, taps * d] target features (context rows) or [N, d] states (tree rows); tokens,
+        positions [N] int64 (host-known positions below the rotary table's end); keys, values the
+        request's store row [H_kv, S, hd]; mask [N, start + N] bool or None (one row) -> (hidden [N, d],
+        target ids [topk_rows, k] and their confidences [topk_rows, k] of the last ``topk_rows`` rows)."""
+        weights = self.weights if rows.shape[1] != self.weights[2].shape[0] else [NO_NORM, *self.weights[1:]]
+        return self.kernels.draft_step(
+            rows.float().contiguous(),
+            tokens,
+            positions,
+            keys,
+            values,
+            start,
+            mask,
+            weights,
+            self.qtypes,
+            [*self.shape, k, topk_rows],
+            self.eps,
+        )
+
+
 # --- reading a GGUF's blocks -----------------------------------------------------------------------
 def gguf_source(folder: Path) -> Path | None:
     """The GGUF file a materialized checkpoint folder was made from (None: not from a GGUF)."""

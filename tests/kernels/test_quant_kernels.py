@@ -303,3 +303,52 @@ def test_a_fused_draft_layer_computes_what_its_quantized_modules_compute(k, meth
         )[0]
         outs.append(torch.cat([ctx, step]))
     assert (outs[0] - outs[1]).abs().max().item() < 1e-4 * outs[1].abs().max().item() + 1e-6
+
+
+def test_a_fused_draft_step_drafts_what_the_python_path_drafts(k, monkeypatch):
+    """A reference EAGLE-3 drafter at gguf grows its tree in one kernel call a step
+    (``FusedDraftStep``): over a context, then steady rounds of 1 to 3 seed rows (dynamic and static trees), its trees are the
+    Python path's (the same kernels called one by one), its draft K/V within float rounding of it,
+    and an engine told not to fuse (or a drafter that cannot) takes the Python path."""
+    from eyas.drafting.engine import DrafterEngine, TreeSpec
+    from eyas.drafting.model import DrafterConfig, init_drafter
+    from eyas.protocol.messages import Seed
+    from eyas.runtime import gguf_drafter
+    from eyas.target.quantized import FusedDraftStep
+
+    target = ours_from_hf(tiny_hf("llama", hidden=128, heads=4, kv_heads=2, seed=2))
+    drafter = init_drafter(DrafterConfig.for_target("eagle3", target.cfg), seed=4)
+    with torch.no_grad():  # attention that depends on positions and masks, logits spread beyond rounding
+        drafter.layer.attn.wqkv.weight.mul_(25)
+        drafter.head.weight.mul_(25)
+    gguf_drafter(drafter)
+    fused, python = (DrafterEngine(drafter, target.embed, target.lm_head) for _ in range(2))
+    python.fuse_steps = False
+    assert isinstance(fused.fused_step, FusedDraftStep) and python.fused_step is None
+    calls, call = [], FusedDraftStep.__call__
+    monkeypatch.setattr(FusedDraftStep, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or call(self, *a))
+    gen = torch.Generator().manual_seed(5)
+    dynamic, static = TreeSpec(kind="dynamic", expand_width=3, max_depth=4, verify_budget=8), TreeSpec(kind="static")
+    start = 0
+    for rnd, (rows, tree) in enumerate(((7, dynamic), (1, dynamic), (3, static), (2, dynamic), (1, static))):
+        seed = Seed(
+            torch.randn(rows, 3 * 128, generator=gen) * 3,
+            torch.randint(0, target.cfg.vocab_size, (rows,), generator=gen),
+            start,
+            rnd,
+        )
+        trees = []
+        for engine in (fused, python):
+            if rnd == 0:
+                engine.open_session("r", 64)
+            trees.append(engine.propose("r", seed, tree))
+            engine.publish("r")
+        assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents), rnd
+        assert (trees[0].draft_probs - trees[1].draft_probs).abs().max().item() < 1e-3, rnd
+        assert trees[0].num_nodes > 3
+        start += rows
+    assert calls[0] == 1 and len(calls) > 3  # the context round (start 0) took the Python path; the rest fused
+    n = fused.sessions["r"].committed_len
+    for a, b in ((fused.kv.k, python.kv.k), (fused.kv.v, python.kv.v)):
+        a, b = a[0, 0, :, :n], b[0, 0, :, :n]
+        assert (a - b).abs().max().item() < 1e-3 * b.abs().max().item()
