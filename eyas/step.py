@@ -318,7 +318,7 @@ class SuffixSide:
                 offer = SuffixOffer(expected=expected_accepted(t), first=first_token_value(t), nodes=t.num_nodes)
                 if offer.nodes:
                     self.offered[rid] = (t, offer)
-                if not self.gate.should_draft(rid, offer, backlog):
+                if not self.gate.should_draft(rid, offer, backlog, Seed.total_rows(seeds)):
                     self._queue(rid, seeds)
                     continue
             neural.append((rid, self.pending.pop(rid, []) + list(seeds), tree))

@@ -33,7 +33,10 @@ skip_value``) in a request's first round, and the kinds alternate after it (each
 backlog); after that a request that
 took one kind ``EXPLORE_EVERY`` rounds in a row takes the other once while the two are close
 (``EXPLORE_MARGIN``), so that both estimates follow the machine and the request; a drafter far from
-paying is not tried again (a trial after many skipped rounds is its dearest round: the backlog).
+paying is not tried again. The backlog a drafter reads after skipped rounds is paid once, and the
+drafted rounds after it read their own seed rows only: a round's worth charges the rows beyond its own
+seed spread over ``BACKLOG_ROUNDS`` rounds, so that a long run of skipped rounds (a long backlog) does
+not by itself keep a drafter that pays round by round from drafting again.
 A suffix tree's values are the frequencies of what followed its match, not acceptance rates: the gate
 scales ``e_suffix`` and ``first_suffix`` by what the verified suffix trees got accepted against what
 they predicted (``DrafterGate.calibrated``).
@@ -60,6 +63,7 @@ CALIBRATION_MIN = 2.0  # predicted tokens (forgetting sum) before the suffix tre
 PRIOR_DRAFTER_NODES = 4.0  # nodes a drafter tree adds before any is seen
 NODES_EMA = 0.3  # how fast the drafter's nodes a round follow its drafted rounds
 PRIOR_GAIN = 0.7  # a drafter round's accepted tokens before any is seen (EAGLE-3 at tau ~1.7)
+BACKLOG_ROUNDS = EXPLORE_EVERY  # the rounds a backlog's rows (beyond a round's own seed) are charged over
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,12 +175,15 @@ class DrafterGate:
     def warm(self) -> bool:
         return min(self.samples.values()) >= MIN_SAMPLES
 
-    def worth(self, offer: SuffixOffer, context_rows: int) -> float | None:
+    def worth(self, offer: SuffixOffer, context_rows: int, fresh_rows: int | None = None) -> float | None:
         """A drafted round's expected tokens a second over a skipped one's now (None until both kinds are
         timed): ``offer`` the round's suffix tree's, ``context_rows`` the seed rows the drafter would
-        read first."""
+        read first (its backlog), ``fresh_rows`` those of them this round's own seed holds (None: all):
+        the rest are charged over ``BACKLOG_ROUNDS`` rounds (module docstring)."""
         if not self.warm:
             return None
+        if fresh_rows is not None and context_rows > fresh_rows:
+            context_rows = fresh_rows + (context_rows - fresh_rows) / BACKLOG_ROUNDS
         offer = self.calibrated(offer)
         skipped = self.cost.predict(RoundWork(drafted=False, verify_rows=1 + offer.nodes))
         drafted = self.cost.predict(
@@ -190,9 +197,12 @@ class DrafterGate:
     def gain(self) -> float:
         return self.gain_sums[0] / self.gain_sums[1]
 
-    def should_draft(self, request_id: str, offer: SuffixOffer = SuffixOffer(), context_rows: int = 0) -> bool:
-        """This round's decision for ``request_id`` (counted, and its streak advanced)."""
-        worth = self.worth(offer, context_rows)
+    def should_draft(
+        self, request_id: str, offer: SuffixOffer = SuffixOffer(), context_rows: int = 0, fresh_rows: int | None = None
+    ) -> bool:
+        """This round's decision for ``request_id`` (counted, and its streak advanced); the rows as :meth:`worth`
+        reads them."""
+        worth = self.worth(offer, context_rows, fresh_rows)
         if worth is None:
             draft, close = offer.expected < self.skip_value, True
         else:

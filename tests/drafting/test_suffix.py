@@ -211,7 +211,7 @@ def test_the_drafter_grows_no_tree_in_a_round_whose_suffix_span_is_likely():
     from eyas.step import CONSUME_SEED_ONLY, DraftState, SuffixSide
 
     class ThresholdGate(DrafterGate):
-        def should_draft(self, request_id, offer, context_rows=0):
+        def should_draft(self, request_id, offer, context_rows=0, fresh_rows=None):
             return offer.expected < self.skip_value
 
     inner = RecordingInner()
@@ -289,6 +289,23 @@ def test_the_gate_drafts_where_a_drafter_round_pays_for_its_cost_and_tries_the_o
     assert gate.gain == pytest.approx(4.0, rel=0.01) and gate.drafter_nodes == pytest.approx(3.0)
     calibrated = gate.calibrated(offer)
     assert calibrated.expected == pytest.approx(1.0, rel=0.1) and calibrated.first == pytest.approx(0.5, rel=0.1)
+
+
+def test_a_long_backlog_alone_does_not_keep_a_paying_drafter_from_drafting():
+    """After skipped rounds a drafter reads their seeds once (its backlog) and its next drafted rounds their
+    own seed only: the gate charges the backlog's extra rows over BACKLOG_ROUNDS rounds. A drafter that
+    pays at its own seed (4 ms base, 0.5 ms drafting, 0.4 ms a verify row, 0.07 ms a read row, 0.8 tokens)
+    drafts again after 40 backlog rows, which charged to one round would have kept it out for good."""
+    from eyas.scheduler.gate import BACKLOG_ROUNDS, DRAFTED, SKIPPED, DrafterGate, SuffixOffer
+
+    gate = DrafterGate()
+    gate.samples = {DRAFTED: 99, SKIPPED: 99}
+    gate.cost.coef = (0.004, 0.0005, 0.0004, 0.00007)
+    gate.gain_sums, gate.drafter_nodes = [0.8, 1.0], 2.0
+    assert gate.worth(SuffixOffer(), 2, 2) > 1.0  # steady: its own 2-row seed
+    assert gate.worth(SuffixOffer(), 40) < 1.0 < gate.worth(SuffixOffer(), 40, 2)  # the backlog at once / spread
+    assert gate.worth(SuffixOffer(), 2 + 38 * BACKLOG_ROUNDS, 2) < 1.0  # a backlog past the spread still costs
+    assert gate.should_draft("r", SuffixOffer(), 40, 2)
 
 
 def test_a_gated_hybrid_skips_its_drafter_where_rounds_say_so_and_stays_exact(tiny_target):
