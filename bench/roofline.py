@@ -140,31 +140,36 @@ def target_account(eyas: Eyas) -> dict:
 
 
 # --- timed forwards --------------------------------------------------------------------------------
-def time_verifies(eyas: Eyas, taps, rows: tuple[int, ...], context: int, repeats: int) -> dict[int, float]:
+def time_verifies(eyas: Eyas, taps, rows: tuple[int, ...], context: int, repeats: int) -> tuple[dict, dict]:
     """ms of a verify of R rows (the frontier and a chain of R-1 candidates) after ``context`` committed
-    tokens: the median over ``repeats`` sessions of 8 verifies each."""
+    tokens, every row count in its own session, the row counts taken in turn (one verify of each, then
+    the next turn: a change of the host's speed between turns reaches every row count alike), 8 x
+    ``repeats`` turns, the first two dropped. -> (the median ms per row count, and the median over the
+    turns of each row count's ms over the 1-row verify's of the same turn)."""
     engine = eyas.target_engine(taps)
     ids = [(7 * i + 3) % eyas.cfg.vocab_size for i in range(context)]
-    out: dict[int, list[float]] = {}
-    for _ in range(repeats):
-        for r in rows:
-            engine.open_session("roofline", ids, 40, r)
-            try:
-                v = engine.prefill("roofline")
-                engine.publish("roofline", v.round, AcceptDecision(torch.arange(context), torch.tensor(ids[1:]), 1))
-                tree = DraftTree.chain([2] * (r - 1))
-                times = []
-                for _ in range(8):
-                    t0 = time.perf_counter()
-                    v = engine.verify("roofline", tree)
-                    times.append(1000 * (time.perf_counter() - t0))
-                    engine.publish(
-                        "roofline", v.round, AcceptDecision(torch.tensor([0]), torch.tensor([], dtype=torch.int64), 5)
-                    )
-                out.setdefault(r, []).append(statistics.median(times[2:]))
-            finally:
-                engine.close_session("roofline")
-    return {r: statistics.median(v) for r, v in out.items()}
+    turns = 8 * repeats
+    names = {r: f"roofline-{r}" for r in rows}
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    try:
+        for r, name in names.items():
+            engine.open_session(name, ids, turns + 8, r)
+            v = engine.prefill(name)
+            engine.publish(name, v.round, AcceptDecision(torch.arange(context), torch.tensor(ids[1:]), 1))
+        trees = {r: DraftTree.chain([2] * (r - 1)) for r in rows}
+        for _ in range(turns):
+            for r, name in names.items():
+                t0 = time.perf_counter()
+                v = engine.verify(name, trees[r])
+                times[r].append(1000 * (time.perf_counter() - t0))
+                engine.publish(name, v.round, AcceptDecision(torch.tensor([0]), torch.tensor([], dtype=torch.int64), 5))
+    finally:
+        for name in names.values():
+            engine.close_session(name)
+    ms = {r: statistics.median(t[2:]) for r, t in times.items()}
+    base = min(rows)
+    paired = {r: statistics.median(a / b for a, b in zip(t[2:], times[base][2:])) for r, t in times.items()}
+    return ms, paired
 
 
 def time_prefill(eyas: Eyas, taps, rows: int, repeats: int) -> float:
@@ -296,7 +301,7 @@ def run(args) -> dict:
         taps = eyas.drafter("eagle3").taps
         acct = target_account(eyas)
         rows = (1, 2, 3, 4, 6, 8, 12, 16)
-        verify = time_verifies(eyas, taps, rows, args.context, args.repeats)
+        verify, paired = time_verifies(eyas, taps, rows, args.context, args.repeats)
         prefill = time_prefill(eyas, taps, args.prefill_rows, args.repeats)
         drafter = drafter_account(eyas, "eagle3")
         prof = dispatch_profile(eyas, taps, args.context)
@@ -332,7 +337,13 @@ def run(args) -> dict:
                     "cached_fraction": cached / ms,
                 }
             )
-        mode = {"account": acct, "kinds": table, "dispatch": prof, "drafter_points": drafter["cost_points"]}
+        mode = {
+            "account": acct,
+            "kinds": table,
+            "dispatch": prof,
+            "drafter_points": drafter["cost_points"],
+            "verify_over_decode_paired": paired,  # each turn's R-row verify over its 1-row (median)
+        }
         if reference is not None:
             mode["top1_agreement_fp32"] = agreement(eyas, reference, args.agreement)
         out["modes"][precision] = mode
@@ -348,7 +359,8 @@ def run(args) -> dict:
             )
         one = verify[1]
         print(
-            f"  verify of 4 rows / decode: {verify[4] / one:.2f}x; decode dispatches {prof['ops']} torch ops "
+            f"  verify of 4 rows / decode: {verify[4] / one:.2f}x (paired by turn: {paired[4]:.2f}x; 2 / 3 / 8 rows "
+            f"{paired[2]:.2f} / {paired[3]:.2f} / {paired[8]:.2f}x); decode dispatches {prof['ops']} torch ops "
             f"({prof['top_level_ops']} top-level), their self time {prof['op_self_ms']:.1f} ms of {prof['wall_ms']:.1f} ms"
         )
         if "top1_agreement_fp32" in mode:
