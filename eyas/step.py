@@ -331,7 +331,7 @@ class SuffixSide:
             versions = {item[0]: v for item, v in zip(neural, drafted_by)}
         result = []
         for request_id, _, _ in items:
-            drafted = trees.get(request_id, DraftTree.empty())
+            drafted = trees.get(request_id, EMPTY)
             if request_id in suffix and not isinstance(drafted, Refusal):
                 if request_id in trees:
                     self.drafted[request_id] = drafted.num_nodes
@@ -498,7 +498,7 @@ def propose(
     reseeded (they read the reseed now, drafting nothing if planned plain).
     -> (request id -> tree, the requests that drafted, the drafter's compute seconds, whether the
     drafter was unavailable)."""
-    trees = {s.request_id: DraftTree.empty() for s, _ in batch}
+    trees = {s.request_id: EMPTY for s, _ in batch}  # one shared empty tree (never written)
     drafting = [(s, tree) for s, tree in batch if s.speculative and (tree is not None or s.needs_reseed)]
     if isinstance(drafter, SuffixSide):  # while the drafter is down only suffix-alone requests draft
         drafting = [(s, tree) for s, tree in drafting if drafter.serves(s)]
