@@ -140,7 +140,8 @@ class DrafterEngine:
         self.sessions: dict[str, DraftSession] = {}
         self.version = 0  # the live drafter's version (swap_drafter); 0: the one it was built with
         self.fuse_steps = True  # run a step as one kernel call where the drafter allows it (benches: False)
-        self._fused: tuple[tuple[int, int], object | None] = ((0, 0), None)  # (the drafter it was made for, step)
+        # (the drafter and fused layer it was made for, held: compared by identity, never by a reusable id; step)
+        self._fused: tuple[tuple[object, object], object | None] = ((None, None), None)
         # every live request's draft K/V in one padded store, rows [0, live) (eyas.target.batch_kv)
         self.kv = self.drafter.allocate_store()
 
@@ -160,6 +161,7 @@ class DrafterEngine:
         ):
             raise ValueError("drafter: a swap keeps the live drafter's draft vocabulary")
         self.drafter = drafter.eval().requires_grad_(False)
+        self._fused = ((None, None), None)  # the old drafter's fused step goes with it
         self.version = self.version + 1 if version is None else version
 
     @property
@@ -171,8 +173,8 @@ class DrafterEngine:
 
         if not self.fuse_steps:
             return None
-        key = (id(self.drafter), id(self.drafter.layer.fused))
-        if self._fused[0] != key:
+        key = (self.drafter, self.drafter.layer.fused)
+        if self._fused[0][0] is not key[0] or self._fused[0][1] is not key[1]:
             fits = FusedDraftStep.fits(self.drafter, self.embed)
             self._fused = (key, FusedDraftStep(self.drafter, self.embed) if fits else None)
         return self._fused[1]

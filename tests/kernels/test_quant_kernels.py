@@ -348,6 +348,12 @@ def test_a_fused_draft_step_drafts_what_the_python_path_drafts(k, monkeypatch):
         assert trees[0].num_nodes > 3
         start += rows
     assert calls[0] == 1 and len(calls) > 3  # the context round (start 0) took the Python path; the rest fused
+    # a swapped-in version drafts through a fused step of its own weights
+    learned = init_drafter(DrafterConfig.for_target("eagle3", target.cfg), seed=9)
+    learned.set_draft_vocab(drafter.d2t.clone())
+    gguf_drafter(learned)
+    fused.swap_drafter(learned)
+    assert fused.fused_step is not None and fused.fused_step.weights[9] is learned.head.packed
     n = fused.sessions["r"].committed_len
     for a, b in ((fused.kv.k, python.kv.k), (fused.kv.v, python.kv.v)):
         a, b = a[0, 0, :, :n], b[0, 0, :, :n]
