@@ -289,33 +289,29 @@ class DrafterEngine:
             and s.committed_len > 0
             and a <= KERNEL_ATTEND_ROWS
             and s.max_slots <= step.max_position  # every row's position is below its slots
-            and g.seed.features.device.type == "cpu"
         )
 
     def _grow_fused(self, g: _Growth, step) -> DraftTree:
         """:meth:`propose_batch` for one request, each step one :attr:`fused_step` call (its draft forward
         and its children's top-k together): the same growth, without the interpreter between kernels."""
-        s = g.s
-        n, a = s.committed_len, g.seed.features.shape[0]
-        self.kv.fit(s.kv_row + 1, n + a)
-        keys, values = self.kv.k[0, s.kv_row], self.kv.v[0, s.kv_row]  # [H_kv, S, hd] views of its row
+
+        def run(rows: torch.Tensor, tokens: torch.Tensor, group: RowGroup, k: int, topk_rows: int):
+            n = rows.shape[0]
+            self.kv.fit(group.kv_row + 1, group.start + n)
+            keys, values = self.kv.k[0, group.kv_row], self.kv.v[0, group.kv_row]  # [H_kv, S, hd] views of its row
+            return step(rows, tokens, group.positions, keys, values, group.start, group.mask, k, topk_rows)
+
         grows = g.builder is not None and not g.builder.done
         k = g.builder.children_per_parent if grows else 1
-        mask = None if a == 1 else torch.ones(a, n + a, dtype=torch.bool).tril_(n)  # [A, n+A] causal over the context
-        hidden, ids, conf = step(
-            g.seed.features, g.seed.advanced_tokens, torch.arange(n, n + a), keys, values, n, mask, k, int(grows)
-        )
+        hidden, ids, conf = run(g.seed.features, g.seed.advanced_tokens, g.context_group(), k, int(grows))
         g.start_tree(hidden)
         while g.parent_hidden is not None:
             rows = g.add_children(ids, conf)
             if rows is None:
                 break
             state, tokens, group = rows
-            p = state.shape[0]
-            self.kv.fit(s.kv_row + 1, group.start + p)
-            keys, values = self.kv.k[0, s.kv_row], self.kv.v[0, s.kv_row]
             k = g.builder.children_per_parent  # the new parents' (a static tree's ranks vary by depth)
-            hidden, ids, conf = step(state, tokens, group.positions, keys, values, group.start, group.mask, k, p)
+            hidden, ids, conf = run(state, tokens, group, k, state.shape[0])
             g.absorb(hidden)
         return g.result()
 
@@ -406,13 +402,17 @@ class _Growth:
         self.node_state: dict[int, torch.Tensor] = {}  # node id -> output of the row that proposed it  [d]
         self.node_slot: dict[int, int] = {}  # node id -> provisional slot of its own row
 
-    def context_rows(self, drafter: Drafter, embed: nn.Embedding):
+    def context_group(self) -> RowGroup:
+        """The seed's context rows at slots ``[committed_len, committed_len + A)``: positions, and each row's
+        mask over the committed context and the seed's rows before it (None for one row). Host data, moved
+        once when the round's plan is built (BatchRows)."""
         n, a = self.s.committed_len, self.seed.features.shape[0]
+        mask = torch.ones(a, n + a, dtype=torch.bool).tril_(n) if a > 1 else None  # [A, n+A]
+        return RowGroup(self.s.kv_row, self.host_tokens, torch.arange(n, n + a), n, mask)
+
+    def context_rows(self, drafter: Drafter, embed: nn.Embedding):
         state = drafter.target_state(self.seed.features.to(drafter.dtype))  # [A, d]
-        # the plan's bookkeeping is host data, moved once when the round's plan is built (BatchRows)
-        mask = torch.cat([torch.ones(a, n, dtype=torch.bool), torch.ones(a, a, dtype=torch.bool).tril()], 1)  # [A, n+A]
-        rows = RowGroup(self.s.kv_row, self.host_tokens, torch.arange(n, n + a), n, mask if a > 1 else None)
-        return state, embed(self.seed.advanced_tokens), rows
+        return state, embed(self.seed.advanced_tokens), self.context_group()
 
     def parent_histories(self) -> list[list[int]]:
         """Each parent row's history for the logits processors: the committed tokens, then its path."""

@@ -339,6 +339,7 @@ class FusedDraftStep:
             drafter.rope.cos,
             drafter.rope.sin,
         ]
+        self.state_weights = [NO_NORM, *self.weights[1:]]  # tree rows: states already, no fc
         self.qtypes = [m.qtype for m in (drafter.reduce, a.wqkv, a.wo, mlp.w_gate_up, mlp.w_down, drafter.head)]
         self.shape = [a.heads, a.kv_heads, a.head_dim, mlp.ffn, drafter.head.out_features]
         self.eps = drafter.cfg.rms_norm_eps
@@ -367,7 +368,7 @@ class FusedDraftStep:
         positions [N] int64 (host-known positions below the rotary table's end); keys, values the
         request's store row [H_kv, S, hd]; mask [N, start + N] bool or None (one row) -> (hidden [N, d],
         target ids [topk_rows, k] and their confidences [topk_rows, k] of the last ``topk_rows`` rows)."""
-        weights = self.weights if rows.shape[1] != self.weights[2].shape[0] else [NO_NORM, *self.weights[1:]]
+        weights = self.weights if rows.shape[1] != self.weights[2].shape[0] else self.state_weights
         return self.kernels.draft_step(
             rows.float().contiguous(),
             tokens,
