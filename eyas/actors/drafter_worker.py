@@ -235,6 +235,7 @@ class DrafterWorker:
             "live_sessions": len(self.session_method),
             "kv_slots_allocated": allocated,
             "kv_bytes_allocated": nbytes,
+            "kv_bytes_spare": sum(e.kv.spare_nbytes for e in self.engines.values()),  # kept for the next request
             "orphans": sorted(engine_ids ^ set(self.session_method)),
             "ok": engine_ids == set(self.session_method) and (allocated == 0) == (not self.session_method),
         }

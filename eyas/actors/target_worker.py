@@ -497,6 +497,7 @@ class TargetWorker:
             "kv_slots_allocated": allocated,
             "kv_slots_live": expected,
             "kv_bytes_allocated": sum(e.kv_bytes_allocated() for e in self.engines.values()),
+            "kv_bytes_spare": sum(e.kv.spare_nbytes for e in self.engines.values()),  # kept for the next request
             "orphans": sorted(engine_ids ^ set(self.sessions)),
             "last_expert_bytes": sum(e.last_expert_bytes for e in self.engines.values()),  # MoE (design 0x09A)
             "ok": allocated == expected and engine_ids == set(self.sessions),

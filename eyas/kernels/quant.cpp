@@ -412,6 +412,17 @@ torch::Tensor as_rows(const torch::Tensor& x, const char* name) {
 
 using namespace eyas_quant;
 
+// RMSNorm of each row of x [M, K] float32 with weight w [K] float32 -> [M, K] (rms_norm_rows' order)
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  x = as_rows(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == K && w.scalar_type() == torch::kFloat && w.is_contiguous(), "weight: expected [",
+              K, "] float32, contiguous");
+  auto y = torch::empty({M, K}, x.options());
+  if (M) rms_norm_rows(x.data_ptr<float>(), M, K, w.data_ptr<float>(), eps, y.data_ptr<float>());
+  return y;
+}
+
 // x [M, K] float32 @ W^T, W [N, K] in GGUF blocks of `qtype` repacked by repack() -> [M, N] float32
 torch::Tensor linear_q(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t N) {
   x = as_rows(x, "x");
@@ -422,6 +433,55 @@ torch::Tensor linear_q(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t 
   const auto act = quantize_rows(x.data_ptr<float>(), M, K);
   matmul(act.data(), M, K, w, qtype, N, y.data_ptr<float>());
   return y;
+}
+
+namespace eyas_quant {
+
+// The first maximal index of one row [N] as torch.argmax picks it: a NaN counts as the maximum (the first
+// NaN wins); else the first index holding the row's largest value (-0.0 and 0.0 compare equal).
+int64_t argmax_row(const float* y, int64_t N) {
+  __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan = _mm256_setzero_ps();
+  int64_t n = 0;
+  for (; n + 8 <= N; n += 8) {
+    const __m256 v = _mm256_loadu_ps(y + n);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, v);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, mx);
+  float best = lanes[0];
+  for (int i = 1; i < 8; i++) best = std::max(best, lanes[i]);
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (; n < N; n++) {
+    if (std::isnan(y[n])) any_nan = true;
+    else best = std::max(best, y[n]);
+  }
+  for (int64_t i = 0; i < N; i++) {
+    if (any_nan ? std::isnan(y[i]) : y[i] == best) return i;
+  }
+  return 0;  // every value -inf: the first
+}
+
+}  // namespace eyas_quant
+
+// linear_q and each row's argmax (torch.argmax's choice: see argmax_row): the logits of a
+// vocabulary head and the greedy token of each row in one call -> (y [M, N], ids [M] int64)
+// each row's first maximal index of y [M, N] float32 (argmax_row; N >= 1) -> [M] int64
+torch::Tensor argmax_rows(torch::Tensor y) {
+  y = as_rows(y, "y");
+  const int64_t M = y.size(0), N = y.size(1);
+  TORCH_CHECK(N >= 1, "y: expected at least one column");
+  auto ids = torch::empty({M}, y.options().dtype(torch::kLong));
+  const float* yp = y.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; m++) ip[m] = argmax_row(yp + m * N, N);
+  return ids;
+}
+
+std::vector<torch::Tensor> linear_q_argmax(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t N) {
+  auto y = linear_q(x, w, qtype, N);
+  return {y, argmax_rows(y)};
 }
 
 namespace eyas_quant {
@@ -1532,6 +1592,9 @@ void register_quant(pybind11::module& m) {
   m.def("dot_macs", []() { return static_cast<int64_t>(sizeof(VecI)); }, "u8 x s8 products one probe_dot instruction does");
   m.def("probe_read", &probe_read, "read every byte of a buffer over the threads (bandwidth probe)");
   m.def("probe_fma", &probe_fma, "iters x 8 x 8-lane FMAs a thread (FMA-rate probe)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row [M, K] float32 in one fixed order, row-invariant");
+  m.def("argmax_rows", &argmax_rows, "each row's first maximal index, NaN first (torch.argmax's choice)");
+  m.def("linear_q_argmax", &linear_q_argmax, "linear_q and each row's first maximal index (torch.argmax's choice)");
   m.def("linear_q", &linear_q, "x [M, K] float32 @ repacked GGUF-block weights^T -> [M, N], Q8 activations, row-invariant");
   m.def("repack", &repack, "GGUF blocks [N, K/32 * block bytes] -> the kernels' output-interleaved groups");
   m.def("group_size", []() { return kGroup; }, "outputs a repacked group interleaves (one SIMD lane each)");

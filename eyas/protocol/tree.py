@@ -249,6 +249,17 @@ def flatten_tree(tree: DraftTree, frontier_token: int, base_position: int) -> Fl
     if type(base_position) is not int or base_position < 0:
         raise ValueError(f"base_position: expected a nonnegative int, got {base_position!r}")
     device = tree.tokens.device
+    if tree.tokens.shape[0] == 0:  # a plain round's one row (most rounds of a loaded server): no walk
+        as_long = dict(dtype=torch.int64, device=device)
+        return FlatTree(
+            tokens=torch.tensor([frontier_token], **as_long),
+            positions=torch.tensor([base_position], **as_long),
+            parents=torch.tensor([ROW_IS_ROOT], **as_long),
+            depths=torch.zeros(1, **as_long),
+            tree_mask=torch.ones(1, 1, dtype=torch.bool, device=device),
+            retrieve=torch.zeros(1, 1, **as_long),
+            draft_probs=torch.ones(1, dtype=torch.float32, device=device),
+        )
     parents = [ROW_IS_ROOT] + [0 if p == PARENT_IS_ROOT else p + 1 for p in tree.parents.tolist()]
     depths = [0] + tree.depths.tolist()
     as_long = dict(dtype=torch.int64, device=device)

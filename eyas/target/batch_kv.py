@@ -58,6 +58,9 @@ class BatchKV:
             num_layers, 0, num_kv_heads, 0, head_dim, dtype=dtype, device=self.device
         )  # [L, B, H_kv, S, hd]
         self.owners: list[tuple[str, int]] = []  # KV row -> (its request id, the slots it may use); rows [0, live)
+        # the storage the last close of every row released, kept for the next growth (None: none kept):
+        # sequential requests reuse it instead of allocating, zeroing and page-faulting a store each
+        self.spare: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def row_capacity(self) -> int:
@@ -74,7 +77,13 @@ class BatchKV:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the store live rows use (0 once every row is closed)."""
         return self.row_capacity * self.slot_capacity * self.bytes_per_slot
+
+    @property
+    def spare_nbytes(self) -> int:
+        """Bytes of the released storage kept for the next growth (:attr:`spare`)."""
+        return 0 if self.spare is None else self.spare[0].shape[1] * self.spare[0].shape[3] * self.bytes_per_slot
 
     def reserve(self, rows: int, slots: int) -> None:
         """Grow (never shrink) to at least ``rows`` KV rows of ``slots`` slots, keeping every value."""
@@ -85,9 +94,15 @@ class BatchKV:
             new_rows *= 2
         new_slots = max(self.slot_capacity, -(-slots // SLOT_GRANULE) * SLOT_GRANULE)
         L, H, hd = self.shape_per_slot
+        spare, self.spare = self.spare, None
         with torch.inference_mode(False):  # a store grown inside a forward stays writable outside one
-            k = torch.zeros(L, new_rows, H, new_slots, self.key_width, dtype=self.key_dtype, device=self.device)
-            v = torch.zeros(L, new_rows, H, new_slots, hd, dtype=self.dtype, device=self.device)
+            if spare is not None and spare[0].shape[1] >= new_rows and spare[0].shape[3] >= new_slots:
+                # the kept storage, whole: its slots past the copied ones hold an earlier request's finite
+                # K/V, which no row sees (a row's mask shows only slots it has written)
+                k, v = spare
+            else:
+                k = torch.zeros(L, new_rows, H, new_slots, self.key_width, dtype=self.key_dtype, device=self.device)
+                v = torch.zeros(L, new_rows, H, new_slots, hd, dtype=self.dtype, device=self.device)
             b, s = self.row_capacity, self.slot_capacity
             k[:, :b, :, :s], v[:, :b, :, :s] = self.k, self.v
         self.k, self.v = k, v
@@ -140,8 +155,13 @@ class BatchKV:
         if moved is not None:
             sessions[moved].kv_row = s.kv_row
 
-    def release(self) -> None:
-        """Free the storage (:meth:`close_row` calls this when the last row closes)."""
+    def release(self, keep: bool = True) -> None:
+        """Give the storage up (:meth:`close_row` calls this when the last row closes): kept as the
+        :attr:`spare` for the next growth (``keep``), else freed with any spare."""
+        if keep and self.k.numel() and (self.spare is None or self.spare[0].numel() <= self.k.numel()):
+            self.spare = (self.k, self.v)
+        elif not keep:
+            self.spare = None
         self.k = self.k.new_zeros(self.k.shape[0], 0, self.k.shape[2], 0, self.k.shape[4])
         self.v = self.v.new_zeros(self.v.shape[0], 0, self.v.shape[2], 0, self.v.shape[4])
 

@@ -61,6 +61,7 @@ class Verified:
     logits: torch.Tensor  # [R, V] float32 (prefill: [1, V], the last prompt row)
     features: torch.Tensor  # [R, F]
     captured: torch.Tensor | None = None  # [R, C]: the engine's capture taps of each row (None: none)
+    argmax: torch.Tensor | None = None  # [R] int64: each row's first maximal logit, from the head's kernel (None: not computed)
 
 
 @dataclass(frozen=True)
@@ -382,6 +383,7 @@ class TargetEngine:
         out = self.model.forward_batch(self.kv, plan, self.taps + self.capture_taps, rows)
         served = len(self.taps) * self.cfg.hidden_size
         logits, features = out.logits[0], out.features[0][:, :served]  # [n_logit_rows, V], [N, F]
+        argmax = out.argmax[0] if out.argmax is not None else None  # [n_logit_rows]
         captured = out.features[0][:, served:] if self.capture_taps else None  # [N, C]
         at = {r: j for j, r in enumerate(logit_rows)}  # packed row -> its logits row
         if any(kind == "verify" for kind, *_ in jobs):
@@ -395,7 +397,12 @@ class TargetEngine:
                     pre_out[i] = PrefillProgress(s.request_id, c1, s.prompt_len)
                     continue
                 s.pending = Verified(
-                    s.request_id, PREFILL_ROUND, None, logits[at[b - 1]][None], torch.cat(s.prefill_features)
+                    s.request_id,
+                    PREFILL_ROUND,
+                    None,
+                    logits[at[b - 1]][None],
+                    torch.cat(s.prefill_features),
+                    argmax=None if argmax is None else argmax[at[b - 1]][None],
                 )
                 s.prefill_features = []
                 pre_out[i] = s.pending
@@ -407,6 +414,7 @@ class TargetEngine:
                     logits[at[a] : at[a] + b - a],
                     features[a:b],
                     captured[a:b] if captured is not None and s.learn else None,
+                    argmax=None if argmax is None else argmax[at[a] : at[a] + b - a],
                 )
                 ver_out[i] = s.pending
         return pre_out, ver_out
@@ -482,7 +490,7 @@ class TargetEngine:
         )
         ack = PublishAck(request_id, round, n + a, emitted)
         # -- writes: K/V first (into slots >= n only), then the bookkeeping, committed_len last --
-        if v.flat is not None:
+        if v.flat is not None and rows.tolist() != list(range(a)):  # rows 0..a-1 already sit at their slots
             self.kv.commit(s.kv_row, n + on_device, n)  # provisional slot n + r -> committed slot n + i
         s.tokens = committed_tokens
         s.features.append(seed.features)

@@ -33,6 +33,7 @@ from eyas.target.layers import DecoderLayer, KVCache, MoE, RMSNorm, RotaryTable,
 class ForwardOut:
     logits: torch.Tensor | None  # [B, T_logits, V] float32 (T_logits = T, or 1 for last-row only)
     features: torch.Tensor  # [B, T, n_taps * d]
+    argmax: torch.Tensor | None = None  # [B, T_logits] int64: each logits row's first maximal index (None: not computed)
 
 
 def checked_shape(name: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -222,11 +223,12 @@ class TargetModel(nn.Module):
     def _outputs(self, x, tapped, taps, logits_rows) -> ForwardOut:
         """The features of ``taps`` from the kept layer outputs ``tapped``, and the logits of the final
         norm of ``x`` at ``logits_rows``."""
-        final = self.norm(x)
+        norm = self.norm if self.fused is None else self.fused.norm  # fused: the kernels' RMSNorm (one call)
+        final = norm(x)
         features = (
             torch.cat(
                 [
-                    self.norm(tapped[t.layers_applied])
+                    norm(tapped[t.layers_applied])
                     if t.normed and t.layers_applied != len(self.layers)
                     else (final if t.normed else tapped[t.layers_applied])
                     for t in taps
@@ -237,16 +239,18 @@ class TargetModel(nn.Module):
             else final[..., :0]
         )
         if isinstance(logits_rows, torch.Tensor):  # [n] packed-row indices (forward_batch)
-            logits = head_rows(self.lm_head, final[:, logits_rows]).float()
-        elif logits_rows == "all":
-            logits = head_rows(self.lm_head, final).float()
-        elif logits_rows == "last":
-            logits = head_rows(self.lm_head, final[:, -1:]).float()
-        elif logits_rows == "none":
-            logits = None
+            rows = final[:, logits_rows]
+        elif logits_rows in ("all", "last", "none"):
+            rows = {"all": final, "last": final[:, -1:], "none": None}[logits_rows]
         else:
             raise ValueError(f"logits_rows: {logits_rows!r} is not all/last/none")
-        return ForwardOut(logits, features)
+        head = self.lm_head
+        if rows is None:
+            return ForwardOut(None, features)
+        if hasattr(head, "forward_argmax") and head.bias is None and not (head._forward_hooks or head._forward_pre_hooks):
+            logits, argmax = head.forward_argmax(rows)  # the gguf head: each row's greedy token in the same call
+            return ForwardOut(logits, features, argmax)
+        return ForwardOut(head_rows(head, rows).float(), features)
 
     # --- weights ---------------------------------------------------------------------------
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:

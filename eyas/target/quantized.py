@@ -118,6 +118,16 @@ class QLinear(nn.Module):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
+    def forward_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` and each row's first maximal index (what ``torch.argmax`` picks, NaN first) in
+        one kernel call: x [..., K] -> (y [..., N], ids [...] int64). The greedy token of a head's row with
+        no torch reduction (one woke the thread pool for ~50-100 us a round)."""
+        assert self.bias is None, "forward_argmax: a bias-free head"
+        y, ids = self.kernels.linear_q_argmax(
+            x.reshape(-1, self.in_features).float().contiguous(), self.packed, self.qtype, self.out_features
+        )
+        return y.view(*x.shape[:-1], self.out_features), ids.view(x.shape[:-1])
+
     def top_k(self, x: torch.Tensor, k: int, norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A vocabulary head's top ``k`` in one kernel call: x [P, K] (through the RMSNorm ``norm`` first,
         if given) -> (ids [P, k] int64, best first, and their softmax probabilities [P, k] float32): what
@@ -229,11 +239,18 @@ class FusedForward:
             [layer.mlp.w_gate_up.packed for layer in layers],
             [layer.mlp.w_down.packed for layer in layers],
         ]
+        self.final_norm = model.norm.weight.detach().float().contiguous()  # [d]
+        self.final_eps = float(model.norm.eps)
         self.qtypes = [
             q
             for layer in layers
             for q in (layer.attn.wqkv.qtype, layer.attn.wo.qtype, layer.mlp.w_gate_up.qtype, layer.mlp.w_down.qtype)
         ]
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's final RMSNorm in one kernel call (the kernels' order): x [..., d] -> [..., d] float32."""
+        d = x.shape[-1]
+        return self.kernels.rms_norm(x.reshape(-1, d).float(), self.final_norm, self.final_eps).view(*x.shape[:-1], d)
 
     def __call__(self, x, cos, sin, k_store, v_store, kv_rows, slots, mask, taps: list[int]):
         """x [N, d], cos/sin [N, hd], the store [L, R, H_kv, S, hd] (written in place), kv_rows/slots [N],

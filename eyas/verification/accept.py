@@ -61,11 +61,13 @@ def _decision(flat: FlatTree, rows: torch.Tensor, frontier_token: int) -> Accept
 def greedy_accept(
     flat: FlatTree,
     target_logits: torch.Tensor,  # [R, V] float, target logits of every flat row
+    argmax: torch.Tensor | None = None,  # [R] int64: the argmax of each row of target_logits, if known
 ) -> AcceptDecision:
     """Longest retrieve-map path whose every candidate equals the argmax of its parent row.
 
     The frontier is the argmax at the last accepted row. Rows, not tokens, identify the path:
-    the same token id in two branches is two different rows.
+    the same token id in two branches is two different rows. ``argmax``: the rows' argmax as the
+    head's kernel found it (torch.argmax's choice: the first maximal index), else computed here.
 
     Worked example: rows [root, A=5, A1=7, B=6, B1=7], retrieve [[0, 1, 2], [0, 3, 4]] and
     argmax per row [6, 9, 9, 7, 3]: path 1 matches 0 candidates (5 != 6), path 2 matches B (6)
@@ -73,10 +75,18 @@ def greedy_accept(
     frontier = argmax of row 4 = 3.
     """
     _check_target(flat, target_logits, "target_logits")
+    if argmax is not None and tuple(argmax.shape) != (flat.num_rows,):
+        raise ValueError(f"argmax: shape {tuple(argmax.shape)} != ({flat.num_rows},)")
+    if flat.num_rows == 1:  # a plain round: the root alone, the frontier its argmax
+        return AcceptDecision(
+            accepted_rows=torch.zeros(1, dtype=torch.int64, device=flat.tokens.device),
+            accepted_tokens=flat.tokens[1:],
+            frontier_token=int(target_logits[0].argmax() if argmax is None else argmax[0]),
+        )
     # a tree is a few rows: its walk runs over Python lists (a dozen tensor ops on a handful of
     # elements cost more than the walk)
     tokens = flat.tokens.tolist()  # [R]
-    predicted = target_logits.argmax(dim=1).tolist()  # [R] first maximal index on ties
+    predicted = (target_logits.argmax(dim=1) if argmax is None else argmax).tolist()  # [R] first maximal index on ties
     best, length = 0, 0
     for i, path in enumerate(flat.retrieve.tolist()):  # [L][D+1], RETRIEVE_PAD after a path's end
         n = 0
@@ -201,15 +211,16 @@ def decide(
     if v.flat is None:  # prefill: every prompt row is accepted, the frontier comes from the last
         rows = torch.arange(len(prompt_ids), dtype=torch.int64)
         accepted = torch.tensor(prompt_ids[1:], dtype=torch.int64)
-        last = processed_logits(v.logits[-1:], None, prompt_ids, [], sampling, allowed)  # [1, V]
+        raw = v.logits[-1:]
+        last = processed_logits(raw, None, prompt_ids, [], sampling, allowed)  # [1, V]
         if sampling.greedy:
-            frontier = int(last[0].argmax())
+            frontier = int(v.argmax[-1] if last is raw and v.argmax is not None else last[0].argmax())
         else:
             frontier = int(sample(target_probs(last, sampling)[0], generator))
         return AcceptDecision(rows, accepted, frontier)
     logits = processed_logits(v.logits, v.flat, prompt_ids, list(output_ids), sampling, allowed)  # [R, V]
-    if sampling.greedy:
-        return greedy_accept(v.flat, logits)
+    if sampling.greedy:  # the head's own argmax while the logits are as it wrote them
+        return greedy_accept(v.flat, logits, v.argmax if logits is v.logits else None)
     return stochastic_accept(v.flat, target_probs(logits, sampling), generator)
 
 

@@ -145,7 +145,9 @@ def test_cancel_stops_at_a_round_boundary_and_releases_every_session(tiny_target
     )
     assert out.finish_reason == "cancelled" and len(out.rounds) == 2
     assert out.token_ids == baseline(tiny_target)[: len(out.token_ids)]
-    assert worker.leak_check() | {"worker": None} == {
+    check = worker.leak_check()
+    assert check.pop("kv_bytes_spare") > 0  # the closed row's storage, kept for the next request
+    assert check | {"worker": None} == {
         "worker": None,
         "live_sessions": 0,
         "kv_slots_allocated": 0,
@@ -369,7 +371,7 @@ def test_the_verify_latency_curve_measures_each_row_count_and_leaves_nothing_beh
 
 
 def test_the_latency_curve_times_a_round_not_the_store_growing(worker, monkeypatch):
-    """Each timed verify is its session's second: the first grows the K/V store past the prompt (a
+    """Each timed verify is its session's second: the first may grow the K/V store past the prompt (a
     one-off that made the gguf curve flat at ~3x a round), the timed one finds it grown."""
     engine = worker.engine_for(())
     grew: list[bool] = []
@@ -383,4 +385,5 @@ def test_the_latency_curve_times_a_round_not_the_store_growing(worker, monkeypat
 
     monkeypatch.setattr(engine, "verify", watched)
     worker.measure_latency(rows=(1, 4), repeats=1, prefix=128)  # 128: a full slot granule, so the tree grows it
-    assert grew[0::2] == [True] * (len(grew) // 2) and grew[1::2] == [False] * (len(grew) // 2)
+    # the very first verify grows the store (later probes open into the storage the last close kept)
+    assert grew[0] and len(grew) % 2 == 0 and not any(grew[1::2])

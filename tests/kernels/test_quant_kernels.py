@@ -213,6 +213,50 @@ def test_the_default_gguf_blocks_dequantize_bit_for_bit_to_the_served_fp32_weigh
 
 
 @pytest.mark.skipif("avx512_vnni" not in kernels.cpu_flags(), reason="one build only: the CPU has no AVX-512 VNNI")
+def test_a_heads_argmax_in_the_same_call_is_torch_argmax_of_its_logits(k):
+    """QLinear.forward_argmax (the target's greedy token at gguf): the logits bit for bit those of
+    ``forward``, and each row's index the one ``torch.argmax`` picks from them: the first of tied maxima,
+    -0.0 tied with 0.0, the first NaN over any number, a row of -inf its first index; a vocabulary of
+    1,001 (not a multiple of the SIMD width), so a maximum in the tail counts too."""
+    gen = torch.Generator().manual_seed(11)
+    head = QLinear(Blocks.quantize(torch.randn(1001, 64, generator=gen) * 0.3, Q8_0))
+    x = torch.randn(6, 64, generator=gen) * 4
+    logits, ids = head.forward_argmax(x)
+    assert torch.equal(logits, head(x)) and torch.equal(ids, logits.argmax(-1)) and ids.dtype == torch.int64
+    assert torch.equal(head.forward_argmax(x[None])[1], ids[None])  # leading dimensions kept
+    rows = torch.randn(7, 1001, generator=gen)
+    rows[0, [3, 700]] = 50.0  # tied maxima: the first
+    rows[1, 1000] = 50.0  # the maximum in the tail past the last whole 8 lanes
+    rows[2] = -torch.inf
+    rows[3, [5, 9]] = torch.nan  # NaN counts as the maximum: the first NaN
+    rows[4, 998] = torch.nan
+    rows[5] = torch.zeros(1001)
+    rows[5, :4] = -0.0  # -0.0 == 0.0: the first index
+    rows[6, 500] = torch.inf
+    assert torch.equal(k.argmax_rows(rows), rows.argmax(-1))
+    for n in (1, 7, 8, 9):  # rows shorter than the 8 lanes, exactly 8, one past
+        short = torch.randn(5, n, generator=gen)
+        assert torch.equal(k.argmax_rows(short), short.argmax(-1)), n
+    with pytest.raises(RuntimeError, match="y: expected at least one column"):
+        k.argmax_rows(torch.zeros(2, 0))
+
+
+def test_the_kernels_rmsnorm_is_rmsnorm_row_by_row(k):
+    """The gguf model's final norm in one call (FusedForward.norm): torch's RMSNorm up to float rounding,
+    each row the same alone as beside others; a weight of the wrong width is refused naming it."""
+    from eyas.target.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    norm = RMSNorm(76, 1e-5)
+    norm.weight.data = torch.rand(76, generator=gen) + 0.5
+    x = torch.randn(9, 76, generator=gen) * 3
+    y = k.rms_norm(x, norm.weight.detach(), 1e-5)
+    assert torch.allclose(y, norm(x).detach(), rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(k.rms_norm(x[i : i + 1], norm.weight.detach(), 1e-5), y[i : i + 1]) for i in range(9))
+    with pytest.raises(RuntimeError, match="weight: expected \\[76\\] float32"):
+        k.rms_norm(x, torch.ones(75), 1e-5)
+
+
 def test_the_avx2_and_avx512_builds_compute_the_same_bits(k, tmp_path):
     """quant.cpp sums the same integers either way and scales them in the same order: the baseline
     build (EYAS_CPU_ISA=avx2, built here in a subprocess) gives this build's outputs bit for bit."""

@@ -226,3 +226,23 @@ def test_the_store_grows_with_what_is_written_not_with_the_budgets(tiny_target):
     assert sorted(set(capacities)) == [128, 256]  # grown once as the answer passed 128 slots, not once per token
     with pytest.raises(ValueError, match="^rows: the plan reaches past the K/V store"):
         big.kv.fit(1, 10_000)  # past every open row's budget
+
+
+def test_a_closed_store_is_reused_by_the_next_request_and_changes_nothing(tiny_target):
+    """The last close keeps the store's storage (an earlier answer's K/V still in it) for the next
+    request, which grows into it without allocating, and decodes what a fresh engine decodes: no row
+    sees a slot it has not written."""
+    from eyas.generate import generate
+
+    prompts = ([3, 1, 4, 1, 5, 9, 2, 6] * 20, [7, 7, 7, 9, 30])  # a long answer first, then a short one
+    fresh = [generate(TargetEngine(tiny_target, ()), p, max_new_tokens=40).token_ids for p in prompts]
+    e = TargetEngine(tiny_target, ())
+    assert generate(e, prompts[0], max_new_tokens=40).token_ids == fresh[0]
+    assert e.kv_bytes_allocated() == 0 and e.kv.spare_nbytes > 0
+    kept = e.kv.spare[0].data_ptr()
+    stores = set()
+    got = generate(e, prompts[1], max_new_tokens=40, on_tokens=lambda _: stores.add(e.kv.k.data_ptr()))
+    assert got.token_ids == fresh[1]
+    assert stores == {kept}  # grown into the kept storage, once, and never again
+    e.kv.release(keep=False)
+    assert e.kv.spare is None and e.kv.spare_nbytes == 0

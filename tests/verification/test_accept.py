@@ -94,6 +94,23 @@ def test_greedy_on_empty_tree_is_target_only_decoding():
     assert decision.accepted_rows.tolist() == [0] and decision.frontier_token == 11
 
 
+def test_greedy_reads_a_given_argmax_instead_of_the_logits():
+    """The head's own argmax (the gguf kernel's, ``Verified.argmax``) decides when given: the same
+    decision as the logits' on agreeing input, the given ids when they differ (so it is read, not
+    recomputed), for a tree and for a plain round; an argmax of the wrong length is refused by name."""
+    flat = make_flat(tokens=[1, 2, 3, 4], parents=[SEED, 0, 0, 2])
+    logits = logits_with_argmax([1, 3, 0, 4, 8])
+    want = greedy_accept(flat, logits)
+    given = greedy_accept(flat, logits, torch.tensor([1, 3, 0, 4, 8]))
+    assert (given.accepted_rows.tolist(), given.frontier_token) == (want.accepted_rows.tolist(), want.frontier_token)
+    other = greedy_accept(flat, logits, torch.tensor([1, 2, 9, 0, 0]))  # A then A1, frontier 9
+    assert other.accepted_rows.tolist() == [0, 1, 2] and other.frontier_token == 9
+    plain = flatten_tree(DraftTree.empty(), FRONTIER, 0)
+    assert greedy_accept(plain, logits_with_argmax([11]), torch.tensor([5])).frontier_token == 5
+    with pytest.raises(ValueError, match=r"^argmax: shape \(4,\) != \(5,\)"):
+        greedy_accept(flat, logits, torch.tensor([1, 3, 0, 4]))
+
+
 def test_publication_fixture_accepts_rows_0_2_and_frontier_separately():
     """Seed 0x09 publication fixture. Rows [root, a=4, b=8]; the target's argmax is b at the root
     and 9 at row 2. accepted rows [0, 2] -> target KV rows [0, 2] are gathered; token 9 is the
