@@ -213,11 +213,23 @@ inline void group_rows(const uint8_t* gp, int64_t nb, const ActBlock* const* act
     VecI isum[MR];
     for (int i = 0; i < MR; i++) isum[i] = vzero_i();
     if constexpr (QT == kQ8_0) {
+#if defined(__AVX512VNNI__)
+      // VNNI sums u8 x s8 products without saturating: the weights offset to unsigned once per step for every
+      // row (w ^ 0x80 == w + 128 as a u8), the offset's 128 * sum(q) taken off each row's sum below -- the
+      // same integer as |w| . sign(w) x, without a per-row sign fix (three instructions a row a step)
+      const VecI offset = vset1_8(static_cast<int8_t>(0x80));
+      for (int64_t st = 0; st < 8; st++) {
+        const VecI u = _mm512_xor_si512(vload_i(qs + st * STEP), offset);
+        for (int i = 0; i < MR; i++) isum[i] = vdot(isum[i], u, vbcast4(act[i][b].q + 4 * st));
+      }
+#else
+      // AVX2's maddubs saturates a pair at 2^15: |w| (<= 128) times the row signed by w keeps it exact
       for (int64_t st = 0; st < 8; st++) {
         const VecI w = vload_i(qs + st * STEP);
         const VecI wabs = vabs8(w);
         for (int i = 0; i < MR; i++) isum[i] = vdot(isum[i], wabs, vsign8(vbcast4(act[i][b].q + 4 * st), w));
       }
+#endif
     } else {
       for (int64_t r = 0; r < 4; r++) {
         const VecI raw = vload_i(qs + r * STEP);
@@ -232,6 +244,9 @@ inline void group_rows(const uint8_t* gp, int64_t nb, const ActBlock* const* act
     for (int i = 0; i < MR; i++) {
       const ActBlock& a = act[i][b];
       if constexpr (QT == kQ4_0) isum[i] = vsub_i32(isum[i], 8 * a.isum);
+#if defined(__AVX512VNNI__)
+      if constexpr (QT == kQ8_0) isum[i] = vsub_i32(isum[i], 128 * a.isum);
+#endif
       acc[i] = vfma(vcvt(isum[i]), vmul(dw, vset1_f(a.d)), acc[i]);
       if constexpr (QT == kQ4_1) acc[i] = vfma(vhalf(blk + 2 * kGroup), vset1_f(a.s), acc[i]);
     }
