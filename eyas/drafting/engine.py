@@ -452,11 +452,14 @@ class _Growth:
         assert slots[-1] < s.max_slots, "checked when the growth began"
         mask = torch.zeros(p, slots[-1] + 1, dtype=torch.bool)  # [P, slots] built on the host, moved with the plan
         mask[:, : self.base] = True
-        for i, node in enumerate(parents):  # ancestors' rows and the row itself
+        seen_rows, seen_slots = [], []  # each row's ancestors' rows and the row itself, set in one indexing
+        for i, node in enumerate(parents):
             walk = node
             while walk != PARENT_IS_ROOT:
-                mask[i, self.node_slot[walk]] = True
+                seen_rows.append(i)
+                seen_slots.append(self.node_slot[walk])
                 walk = b.node(walk).parent
+        mask[seen_rows, seen_slots] = True
         tokens_ = torch.tensor([b.node(x).token for x in parents], dtype=torch.int64)  # [P] host
         positions = torch.tensor([self.last_position + b.node(x).depth for x in parents], dtype=torch.int64)  # [P]
         self.parents = parents
