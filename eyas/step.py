@@ -303,8 +303,9 @@ class SuffixSide:
             if index is not None:
                 for seed in seeds:
                     index.extend_seed(seed.start_position, seed.advanced_tokens.tolist())
-                if tree.max_candidates > 0:
-                    suffix[request_id] = self._tree(index, tree.max_candidates)
+                if tree.max_candidates > 0:  # grafted: up to twice the drafter tree's planned rows beside it
+                    rows = tree.max_candidates if request_id in self.alone else 2 * tree.max_candidates
+                    suffix[request_id] = self._tree(index, rows)
         suffix_s = time.perf_counter() - t0
         # a grafted request whose drafter the gate skips this round: its seeds wait for its next drafting
         # round; its suffix tree alone is verified (eyas.scheduler.gate)
@@ -379,7 +380,8 @@ class SuffixSide:
     def _tree(self, index: SuffixIndex, planned_rows: int) -> DraftTree:
         """The request's suffix tree this round, at most ``planned_rows`` nodes: the rows its planned
         tree may verify (a serving loop's scheduler shrinks them under load, to none in a plain round;
-        grafted, at most that many rows beside the drafter's); a copied span may still run deeper
+        grafted, twice the drafter tree's planned rows, beside them: a copied span's rows are as cheap as
+        a drafted node's and need no drafter step); a copied span may still run deeper
         than the drafter's depth (the spec's ``max_depth``)."""
         spec = self.spec if planned_rows >= self.spec.budget else replace(self.spec, budget=planned_rows)
         own = suffix_tree(index, spec)
