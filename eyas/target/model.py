@@ -33,7 +33,9 @@ from eyas.target.layers import DecoderLayer, KVCache, MoE, RMSNorm, RotaryTable,
 class ForwardOut:
     logits: torch.Tensor | None  # [B, T_logits, V] float32 (T_logits = T, or 1 for last-row only)
     features: torch.Tensor  # [B, T, n_taps * d]
-    argmax: torch.Tensor | None = None  # [B, T_logits] int64: each logits row's first maximal index (None: not computed)
+    argmax: torch.Tensor | None = (
+        None  # [B, T_logits] int64: each logits row's first maximal index (None: not computed)
+    )
 
 
 def checked_shape(name: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -247,7 +249,11 @@ class TargetModel(nn.Module):
         head = self.lm_head
         if rows is None:
             return ForwardOut(None, features)
-        if hasattr(head, "forward_argmax") and head.bias is None and not (head._forward_hooks or head._forward_pre_hooks):
+        if (
+            hasattr(head, "forward_argmax")
+            and head.bias is None
+            and not (head._forward_hooks or head._forward_pre_hooks)
+        ):
             logits, argmax = head.forward_argmax(rows)  # the gguf head: each row's greedy token in the same call
             return ForwardOut(logits, features, argmax)
         return ForwardOut(head_rows(head, rows).float(), features)

@@ -88,7 +88,9 @@ def test_empty_tree_flattens_to_root_row():
     assert flat.tree_mask.tolist() == [[T]]
     assert flat.retrieve.tolist() == [[0]]
     assert flat.depths.tolist() == [0] and flat.draft_probs.tolist() == [1.0]
-    assert [t.dtype for t in (flat.tokens, flat.positions, flat.parents, flat.depths, flat.retrieve)] == [torch.int64] * 5
+    assert [t.dtype for t in (flat.tokens, flat.positions, flat.parents, flat.depths, flat.retrieve)] == [
+        torch.int64
+    ] * 5
     assert flat.tree_mask.dtype == torch.bool and flat.draft_probs.dtype == torch.float32
     validate_flat_tree(flat, vocab_size=VOCAB, max_rows=1, base_position=BASE)
 
