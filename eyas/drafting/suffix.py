@@ -48,8 +48,8 @@ class SuffixSpec:
     """How suffix candidates are drawn (module docstring)."""
 
     max_depth: int = 12  # the deepest candidate (a copied span may run past a drafter's depth)
-    # candidate rows at most (12: a gguf verify row costs ~0.1 of a decode since the Q8 head's offset fix;
-    # 12 / 12 over 6 / 8 on code edits 1.98x vs 1.84-1.76x class runs, documents 1.68x vs 1.65x)
+    # candidate rows at most (12 / 12 rather than 6 / 8 since a gguf verify row got cheaper: one process, arms
+    # alternating, code edits 1.88x vs 1.84x target-only, documents 1.68x vs 1.65x; docs/benchmarks.md)
     budget: int = 12
     # a tree holds at most this many candidates (and is at most as deep) per token of its match:
     # a short match copies a short span, a long one a long span (SuffixDecoding's max_spec_factor)

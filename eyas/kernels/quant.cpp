@@ -480,8 +480,6 @@ int64_t argmax_row(const float* y, int64_t N) {
 
 }  // namespace eyas_quant
 
-// linear_q and each row's argmax (torch.argmax's choice: see argmax_row): the logits of a
-// vocabulary head and the greedy token of each row in one call -> (y [M, N], ids [M] int64)
 // each row's first maximal index of y [M, N] float32 (argmax_row; N >= 1) -> [M] int64
 torch::Tensor argmax_rows(torch::Tensor y) {
   y = as_rows(y, "y");
@@ -494,6 +492,8 @@ torch::Tensor argmax_rows(torch::Tensor y) {
   return ids;
 }
 
+// linear_q and each row's argmax (torch.argmax's choice: see argmax_row): the logits of a vocabulary head and
+// the greedy token of each row in one call -> (y [M, N], ids [M] int64)
 std::vector<torch::Tensor> linear_q_argmax(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t N) {
   auto y = linear_q(x, w, qtype, N);
   return {y, argmax_rows(y)};

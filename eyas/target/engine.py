@@ -61,9 +61,8 @@ class Verified:
     logits: torch.Tensor  # [R, V] float32 (prefill: [1, V], the last prompt row)
     features: torch.Tensor  # [R, F]
     captured: torch.Tensor | None = None  # [R, C]: the engine's capture taps of each row (None: none)
-    argmax: torch.Tensor | None = (
-        None  # [R] int64: each row's first maximal logit, from the head's kernel (None: not computed)
-    )
+    # [R] int64: each row's first maximal logit, from the head's kernel (None: not computed)
+    argmax: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

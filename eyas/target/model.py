@@ -33,9 +33,8 @@ from eyas.target.layers import DecoderLayer, KVCache, MoE, RMSNorm, RotaryTable,
 class ForwardOut:
     logits: torch.Tensor | None  # [B, T_logits, V] float32 (T_logits = T, or 1 for last-row only)
     features: torch.Tensor  # [B, T, n_taps * d]
-    argmax: torch.Tensor | None = (
-        None  # [B, T_logits] int64: each logits row's first maximal index (None: not computed)
-    )
+    # [B, T_logits] int64: each logits row's first maximal index (None: not computed)
+    argmax: torch.Tensor | None = None
 
 
 def checked_shape(name: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
