@@ -466,17 +466,19 @@ class TargetEngine:
             raise ValueError(f"round: {round} is stale or from the future (expected {expected})")
         v = s.pending
         rows = decision.accepted_rows.cpu()  # [A] flat rows, from the verification's retrieve map (host side)
+        row_list = rows.tolist()
         on_device = rows.to(self.kv.device)  # the same, to index the features and K/V on the engine's device
         if v.flat is None:  # prefill: every prompt row is accepted
-            if rows.tolist() != list(range(s.prompt_len)):
+            if row_list != list(range(s.prompt_len)):
                 raise ValueError("accepted_rows: a prefill accepts exactly the prompt rows")
-            features = v.features
+            features = v.features.clone()
         else:
-            if int(rows.max()) >= v.flat.num_rows:
-                raise ValueError(f"accepted_rows: {rows.tolist()} reach past the {v.flat.num_rows} verified rows")
-            if not torch.equal(v.flat.tokens[rows[1:]], decision.accepted_tokens):
+            if max(row_list) >= v.flat.num_rows:
+                raise ValueError(f"accepted_rows: {row_list} reach past the {v.flat.num_rows} verified rows")
+            flat_tokens = v.flat.tokens.tolist()
+            if [flat_tokens[r] for r in row_list[1:]] != decision.accepted_tokens.tolist():
                 raise ValueError("accepted_tokens: do not match the verified rows they name")
-            features = v.features.index_select(0, on_device)  # [A, F]
+            features = v.features.index_select(0, on_device)  # [A, F], a tensor of its own
         if not 0 <= decision.frontier_token < self.cfg.vocab_size:
             raise ValueError(f"frontier_token: {decision.frontier_token} lies outside the vocabulary")
         n, a = s.committed_len, rows.numel()
@@ -484,14 +486,14 @@ class TargetEngine:
         emitted = (decision.frontier_token,) if v.flat is None else tuple(decision.emitted_tokens)
         committed_tokens = s.tokens + new_rows
         seed = Seed(
-            features.clone(),
+            features,
             torch.tensor(committed_tokens[n + 1 :] + [decision.frontier_token], dtype=torch.int64),
             start_position=n,
             round=round,
         )
         ack = PublishAck(request_id, round, n + a, emitted)
         # -- writes: K/V first (into slots >= n only), then the bookkeeping, committed_len last --
-        if v.flat is not None and rows.tolist() != list(range(a)):  # rows 0..a-1 already sit at their slots
+        if v.flat is not None and row_list != list(range(a)):  # rows 0..a-1 already sit at their slots
             self.kv.commit(s.kv_row, n + on_device, n)  # provisional slot n + r -> committed slot n + i
         s.tokens = committed_tokens
         s.features.append(seed.features)

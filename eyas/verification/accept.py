@@ -49,15 +49,6 @@ def _check_target(flat: FlatTree, target: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: flat tree token ids fall outside the vocabulary of size {target.shape[1]}")
 
 
-def _decision(flat: FlatTree, rows: torch.Tensor, frontier_token: int) -> AcceptDecision:
-    rows = rows.to(device=flat.tokens.device, dtype=torch.int64)
-    return AcceptDecision(
-        accepted_rows=rows,
-        accepted_tokens=flat.tokens[rows[1:]],
-        frontier_token=frontier_token,
-    )
-
-
 def greedy_accept(
     flat: FlatTree,
     target_logits: torch.Tensor,  # [R, V] float, target logits of every flat row
@@ -87,15 +78,20 @@ def greedy_accept(
     # elements cost more than the walk)
     tokens = flat.tokens.tolist()  # [R]
     predicted = (target_logits.argmax(dim=1) if argmax is None else argmax).tolist()  # [R] first maximal index on ties
-    best, length = 0, 0
-    for i, path in enumerate(flat.retrieve.tolist()):  # [L][D+1], RETRIEVE_PAD after a path's end
+    best, length = [0], 0
+    for path in flat.retrieve.tolist():  # [L][D+1], RETRIEVE_PAD after a path's end
         n = 0
         while n + 1 < len(path) and path[n + 1] != RETRIEVE_PAD and tokens[path[n + 1]] == predicted[path[n]]:
             n += 1
         if n > length:  # the first longest path
-            best, length = i, n
-    rows = flat.retrieve[best, : length + 1]  # [A]
-    return _decision(flat, rows, predicted[int(rows[-1])])
+            best, length = path, n
+    rows = best[: length + 1]  # [A] flat rows, built once as tensors (an index op a field costs more)
+    device = flat.tokens.device
+    return AcceptDecision(
+        accepted_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        accepted_tokens=torch.tensor([tokens[r] for r in rows[1:]], dtype=torch.int64, device=device),
+        frontier_token=predicted[rows[-1]],
+    )
 
 
 def stochastic_accept(
