@@ -132,8 +132,8 @@ class BatchKV:
 
     def close_row(self, kv_row: int) -> str | None:
         """Free ``kv_row``: the last row moves into its place with its K/V, so the live rows stay
-        ``[0, live)``; the storage is freed with the last row. -> the owner now at ``kv_row`` (it
-        moved), or None."""
+        ``[0, live)``; the last row's close releases the storage (kept as the :attr:`spare`). -> the owner
+        now at ``kv_row`` (it moved), or None."""
         last, slots = self.owners.pop()
         moved = None
         if kv_row < len(self.owners):

@@ -68,12 +68,6 @@ def greedy_accept(
     _check_target(flat, target_logits, "target_logits")
     if argmax is not None and tuple(argmax.shape) != (flat.num_rows,):
         raise ValueError(f"argmax: shape {tuple(argmax.shape)} != ({flat.num_rows},)")
-    if flat.num_rows == 1:  # a plain round: the root alone, the frontier its argmax
-        return AcceptDecision(
-            accepted_rows=torch.zeros(1, dtype=torch.int64, device=flat.tokens.device),
-            accepted_tokens=flat.tokens[1:],
-            frontier_token=int(target_logits[0].argmax() if argmax is None else argmax[0]),
-        )
     # a tree is a few rows: its walk runs over Python lists (a dozen tensor ops on a handful of
     # elements cost more than the walk)
     tokens = flat.tokens.tolist()  # [R]
