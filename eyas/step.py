@@ -232,6 +232,7 @@ class SuffixSide:
         self.sources = {"own": 0, "shared": 0}  # rounds whose suffix tree came from each source
         # a grafted request's seeds its drafter has not read (the rounds the gate skipped it), in order
         self.pending: dict[str, list[Seed]] = {}
+        self.pending_rows: dict[str, int] = {}  # ... and their rows together (Seed.total_rows of each list)
         self.drafted: dict[str, int] = {}  # grafted request -> its drafter's own tree's nodes last round
         self.offered: dict[str, tuple[DraftTree, SuffixOffer]] = {}  # grafted request -> its suffix tree last round
         self.last_round: tuple[float, RoundWork] | None = None  # when the last propose began, and what it did
@@ -266,6 +267,7 @@ class SuffixSide:
 
     def open_session(self, state: DraftState) -> None:
         self.pending.pop(state.request_id, None)  # a reseed hands the whole history again
+        self.pending_rows.pop(state.request_id, None)
         self.drafted.pop(state.request_id, None)
         self.offered.pop(state.request_id, None)
         if state.method == SUFFIX or state.suffix:
@@ -281,6 +283,7 @@ class SuffixSide:
         """Drop a request's suffix state. -> whether it drafted with suffix drafts alone (no drafter session)."""
         self.indexes.pop(request_id, None)
         self.pending.pop(request_id, None)
+        self.pending_rows.pop(request_id, None)
         self.drafted.pop(request_id, None)
         self.offered.pop(request_id, None)
         self.gate.forget(request_id)
@@ -314,7 +317,7 @@ class SuffixSide:
             if rid in self.alone:
                 continue
             if rid in suffix:
-                backlog = Seed.total_rows(self.pending.get(rid, [])) + Seed.total_rows(seeds)
+                backlog = self.pending_rows.get(rid, 0) + Seed.total_rows(seeds)
                 t = suffix[rid]
                 offer = SuffixOffer(expected=expected_accepted(t), first=first_token_value(t), nodes=t.num_nodes)
                 if offer.nodes:
@@ -322,6 +325,7 @@ class SuffixSide:
                 if not self.gate.should_draft(rid, offer, backlog, Seed.total_rows(seeds)):
                     self._queue(rid, seeds)
                     continue
+            self.pending_rows.pop(rid, None)
             neural.append((rid, self.pending.pop(rid, []) + list(seeds), tree))
         trees, compute_s, versions = {}, 0.0, {}
         if neural:
@@ -356,6 +360,7 @@ class SuffixSide:
         for seed in seeds:
             if not queue or seed.start_position >= queue[-1].end_position:
                 queue.append(seed)
+                self.pending_rows[request_id] = self.pending_rows.get(request_id, 0) + int(seed.features.shape[0])
 
     def _observe(self, items: list[tuple[str, list[Seed], TreeSpec]], now: float) -> None:
         """What the last round showed the gate: its wall time (when every request comes back after

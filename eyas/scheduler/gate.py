@@ -32,8 +32,12 @@ kinds have ``MIN_SAMPLES`` timed rounds the old threshold decides (skip when ``e
 skip_value``) in a request's first round, and the kinds alternate after it (each timed at a short
 backlog); after that a request that
 took one kind ``EXPLORE_EVERY`` rounds in a row takes the other once while the two are close
-(``EXPLORE_MARGIN``), so that both estimates follow the machine and the request; a drafter far from
-paying is not tried again. The backlog a drafter reads after skipped rounds is paid once, and the
+(``EXPLORE_MARGIN``), so that both estimates follow the machine and the request; each such try that
+leaves the rule's choice as it was doubles the request's run before the next one (up to
+``EXPLORE_MAX``: a tried drafter reads the backlog of the rounds it skipped, the dearest round it has),
+and a change of the rule's own choice starts the runs at ``EXPLORE_EVERY`` again; a drafter far from
+paying is not tried again, nor one that has not read the request's context yet (its first drafting round
+reads the whole prompt: a code edit's 200-700 rows cost 10-30 ms on a CPU, so it is the rule's to take). The backlog a drafter reads after skipped rounds is paid once, and the
 drafted rounds after it read their own seed rows only: a round's worth charges the rows beyond its own
 seed spread over ``BACKLOG_ROUNDS`` rounds, so that a long run of skipped rounds (a long backlog) does
 not by itself keep a drafter that pays round by round from drafting again.
@@ -54,6 +58,7 @@ import numpy as np
 DRAFTED, SKIPPED = "drafted", "skipped"
 MIN_SAMPLES = 8  # timed rounds of each kind before the costs decide
 EXPLORE_EVERY = 16  # rounds one kind may run in a row for a request before the other is tried once
+EXPLORE_MAX = 256  # ... doubled after each try that left the rule's choice as it was, up to this
 # ... and only while the two kinds are this close (a drafted round's worth over a skipped one's between
 # this and its inverse): a drafter that reads a backlog of skipped rounds costs the most when it is tried
 EXPLORE_MARGIN = 0.75
@@ -110,28 +115,28 @@ class RoundCost:
     so that a round's cost is read for its own rows: a skipped round with a 6-node suffix tree costs
     more than one with none, a drafter's first round reads the whole prompt."""
 
-    # kind -> the weighted sums x x^T [4, 4] and x y [4] of its rounds (x: RoundWork.features())
-    sums: dict[str, tuple[list[list[float]], list[float]]] = field(default_factory=dict)
+    # kind -> the weighted sums x x^T [4, 4] (row-major, 16) and x y [4] of its rounds (x: RoundWork.features());
+    # plain floats: a round's update is a few microseconds where numpy's small arrays cost tens in situ
+    sums: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
     coef: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
     unfitted: int = 0  # rounds observed since the last fit
 
     def observe(self, work: RoundWork, seconds: float) -> None:
         x = work.features()
-        xtx, xty = self.sums.setdefault(
-            DRAFTED if work.drafted else SKIPPED, ([[0.0] * 4 for _ in range(4)], [0.0] * 4)
+        kind = DRAFTED if work.drafted else SKIPPED
+        xtx, xty = self.sums.get(kind, ((0.0,) * 16, (0.0,) * 4))
+        self.sums[kind] = (
+            [FORGET * s + a * b for s, (a, b) in zip(xtx, ((a, b) for a in x for b in x))],
+            [FORGET * s + a * seconds for s, a in zip(xty, x)],
         )
-        for a in range(4):
-            xty[a] = FORGET * xty[a] + x[a] * seconds
-            for b in range(4):
-                xtx[a][b] = FORGET * xtx[a][b] + x[a] * x[b]
         self.unfitted += 1
         if self.unfitted < REFIT_EVERY and any(self.coef):  # a fit costs more than a round's bookkeeping
             return
         self.unfitted = 0
         both = list(self.sums.values())
         solution = np.linalg.lstsq(
-            np.array([[sum(s[0][a][b] for s in both) for b in range(4)] for a in range(4)]),
-            np.array([sum(s[1][a] for s in both) for a in range(4)]),
+            np.array([sum(col) for col in zip(*(xtx for xtx, _ in both))]).reshape(4, 4),
+            np.array([sum(col) for col in zip(*(xty for _, xty in both))]),
             rcond=1e-9,
         )[0]
         self.coef = tuple(max(float(c), 0.0) for c in solution)  # no part of a round saves time
@@ -151,6 +156,9 @@ class DrafterGate:
     # forgetting sums over drafted rounds of (tokens the drafter added, room the copied span left it)
     gain_sums: list[float] = field(default_factory=lambda: [PRIOR_GAIN, 1.0])
     streak: dict[str, tuple[str, int]] = field(default_factory=dict)  # request id -> (kind, rounds in a row)
+    # request id -> (the rule's own last choice, the run after which the other kind is tried next)
+    explore: dict[str, tuple[str, int]] = field(default_factory=dict)
+    drafted_once: set[str] = field(default_factory=set)  # requests whose drafter has read their context
     decisions: dict[str, int] = field(default_factory=lambda: {DRAFTED: 0, SKIPPED: 0})
     # the suffix trees' calibration: forgetting sums of (predicted, accepted) tokens and of (predicted,
     # accepted) first tokens over the rounds that verified one (a suffix tree's values are frequencies of
@@ -209,13 +217,23 @@ class DrafterGate:
             draft, close = worth > 1.0, EXPLORE_MARGIN < worth < 1.0 / EXPLORE_MARGIN
         kind = DRAFTED if draft else SKIPPED
         last, run = self.streak.get(request_id, (kind, 0))
+        ruled, every = self.explore.get(request_id, (kind, EXPLORE_EVERY))
+        if ruled != kind:  # the rule changed its mind: tries come at the first interval again
+            every = EXPLORE_EVERY
         if not self.warm and run:  # warming up: the kinds alternate, so that each is timed at a short backlog
+            self.explore[request_id] = (kind, every)
             kind = SKIPPED if last == DRAFTED else DRAFTED
-        elif close and last == kind and run >= EXPLORE_EVERY:  # the other kind once
+        elif close and last == kind and run >= every and (kind == DRAFTED or request_id in self.drafted_once):
+            # the other kind once; the next try twice as far
+            self.explore[request_id] = (kind, min(2 * every, EXPLORE_MAX))
             kind = SKIPPED if kind == DRAFTED else DRAFTED
+        else:
+            self.explore[request_id] = (kind, every)
         run = run + 1 if kind == last else 1
         self.streak[request_id] = (kind, run)
         self.decisions[kind] += 1
+        if kind == DRAFTED:
+            self.drafted_once.add(request_id)
         return kind == DRAFTED
 
     def observe_round(self, work: RoundWork, seconds: float) -> None:
@@ -232,6 +250,8 @@ class DrafterGate:
 
     def forget(self, request_id: str) -> None:
         self.streak.pop(request_id, None)
+        self.explore.pop(request_id, None)
+        self.drafted_once.discard(request_id)
 
     def stats(self) -> dict:
         """Rounds decided each way, the cost model (ms: a round's base, a drafter's, a verify row's, a

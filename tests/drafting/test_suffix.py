@@ -239,7 +239,9 @@ def test_the_gate_drafts_where_a_drafter_round_pays_for_its_cost_and_tries_the_o
     """The drafter gate (eyas.scheduler.gate): its cost model recovers a round's parts from timed rounds
     (base, drafting, a verify row, a backlog row); with a 5 ms base a drafter tree worth 0.7 tokens does
     not pay for its 2 ms and 4 rows, with a 35 ms base it does, unless the copied span alone is worth
-    more; one kind runs at most EXPLORE_EVERY rounds in a row while the two are close; a drafted tree's
+    more; one kind runs at most EXPLORE_EVERY rounds in a row while the two are close, twice as many after
+    each try that left the rule's choice as it was, and a drafter that has not read the request's context
+    is not tried; a drafted tree's
     accepted depth is read along its own path."""
     from eyas.scheduler.gate import (
         DRAFTED,
@@ -272,10 +274,26 @@ def test_the_gate_drafts_where_a_drafter_round_pays_for_its_cost_and_tries_the_o
         assert gate.worth(SuffixOffer(), 200) < gate.worth(SuffixOffer(), 2)  # a long backlog costs
     gate = DrafterGate()
     gate.samples = {DRAFTED: 99, SKIPPED: 99}
-    gate.cost.coef = (0.005, 0.002, 0.0005, 0.0)  # skipped 5.5 ms, drafted 9.5 ms: close, skipped wins
-    runs = [gate.should_draft("r") for _ in range(2 * (EXPLORE_EVERY + 1))]
-    assert runs.count(True) == 2 and runs[EXPLORE_EVERY] and runs[2 * EXPLORE_EVERY + 1]
-    assert gate.stats()["rounds"] == {DRAFTED: 2, SKIPPED: 2 * EXPLORE_EVERY}
+    close, pays = (0.005, 0.002, 0.0005, 0.0), (0.005, 0.0001, 0.0005, 0.0)  # skipped 5.5 ms, drafted 9.5 / 7.6 ms
+    gate.cost.coef = close  # close, skipped wins; a drafter that has not read the request's context is not tried
+    assert not any(gate.should_draft("r") for _ in range(3 * EXPLORE_EVERY))
+    gate.cost.coef = pays  # the rule drafts once (its drafter reads the context) ...
+    assert gate.should_draft("r")
+    gate.cost.coef = close  # ... then skips: each try that leaves its choice as it was doubles the run to the next
+    runs = [gate.should_draft("r") for _ in range(7 * EXPLORE_EVERY + 3)]
+    assert [i for i, drafted in enumerate(runs) if drafted] == [
+        EXPLORE_EVERY,
+        3 * EXPLORE_EVERY + 1,
+        7 * EXPLORE_EVERY + 2,
+    ]
+    assert gate.stats()["rounds"] == {DRAFTED: 4, SKIPPED: 10 * EXPLORE_EVERY}
+    gate.cost.coef = pays  # the rule changes its mind: it drafts ...
+    assert all(gate.should_draft("r") for _ in range(EXPLORE_EVERY - 1))
+    gate.cost.coef = close  # ... and skips again: the first try comes after EXPLORE_EVERY rounds again
+    runs = [gate.should_draft("r") for _ in range(EXPLORE_EVERY + 1)]
+    assert not any(runs[:-1]) and runs[-1]
+    gate.forget("r")  # the request ends: a new one under its id has not read its context
+    assert not any(gate.should_draft("r") for _ in range(2 * EXPLORE_EVERY))
     tree = DraftTree(
         torch.tensor([4, 8, 5, 6]), torch.tensor([-1, -1, 0, 2]), torch.tensor([1, 1, 2, 3]), torch.ones(4)
     )
@@ -311,11 +329,19 @@ def test_a_long_backlog_alone_does_not_keep_a_paying_drafter_from_drafting():
 def test_a_gated_hybrid_skips_its_drafter_where_rounds_say_so_and_stays_exact(tiny_target):
     """A gate whose cost model says the drafter pays a little less than it costs (its estimates held):
     the hybrid request skips it in most rounds (its seeds wait, read when it drafts next), tries it every
-    EXPLORE_EVERY rounds, and its greedy output equals target-only's. Far from paying, it is never
-    tried."""
+    EXPLORE_EVERY rounds (then twice as far) once its drafter has read the context, and its greedy output
+    equals target-only's. Before its drafter has read the context (the rule never drafted it), or far
+    from paying, it is never tried."""
     from eyas.scheduler.gate import DRAFTED, SKIPPED, DrafterGate, RoundCost
 
     class HeldGate(DrafterGate):  # the test's costs, not this machine's
+        read = True  # the request's drafter counted as having read its context (as after a first drafted round)
+
+        def should_draft(self, request_id, *args):
+            if self.read:
+                self.drafted_once.add(request_id)
+            return super().should_draft(request_id, *args)
+
         def observe_round(self, work, seconds):
             pass
 
@@ -324,10 +350,11 @@ def test_a_gated_hybrid_skips_its_drafter_where_rounds_say_so_and_stays_exact(ti
 
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
     base = generate(TargetEngine(tiny_target, ()), prompt, max_new_tokens=40, stop_ids=())
-    for drafting_s, tried in ((0.0001, True), (0.01, False)):
+    for drafting_s, read, tried in ((0.0001, True, True), (0.0001, False, False), (0.01, True, False)):
         gate = HeldGate(
             cost=RoundCost(coef=(0.001, drafting_s, 0.0, 0.0)), samples={DRAFTED: 9, SKIPPED: 9}, gain_sums=[0.0, 1.0]
         )
+        gate.read = read
         target, drafter = engines(tiny_target, "eagle3")
         out = generate(target, prompt, max_new_tokens=40, stop_ids=(), drafter=drafter, suffix=SuffixSpec(), gate=gate)
         assert out.token_ids == base.token_ids
