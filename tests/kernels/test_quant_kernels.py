@@ -353,7 +353,9 @@ def test_a_fused_draft_step_drafts_what_the_python_path_drafts(k, monkeypatch):
     """A reference EAGLE-3 drafter at gguf grows its tree in one kernel call a step
     (``FusedDraftStep``): over a context, then steady rounds of 1 to 3 seed rows (dynamic and static trees), its trees are the
     Python path's (the same kernels called one by one), its draft K/V within float rounding of it,
-    and an engine told not to fuse (or a drafter that cannot) takes the Python path."""
+    and an engine told not to fuse (or a drafter that cannot) takes the Python path, as does a seed of
+    more than ``FUSED_SEED_ROWS`` rows (a long backlog; one of fewer, past the attention kernel's 32, fuses)."""
+    import eyas.drafting.engine
     from eyas.drafting.engine import DrafterEngine, TreeSpec
     from eyas.drafting.model import DrafterConfig, init_drafter
     from eyas.protocol.messages import Seed
@@ -374,7 +376,9 @@ def test_a_fused_draft_step_drafts_what_the_python_path_drafts(k, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     dynamic, static = TreeSpec(kind="dynamic", expand_width=3, max_depth=4, verify_budget=8), TreeSpec(kind="static")
     start = 0
-    for rnd, (rows, tree) in enumerate(((7, dynamic), (1, dynamic), (3, static), (2, dynamic), (1, static))):
+    monkeypatch.setattr(eyas.drafting.engine, "FUSED_SEED_ROWS", 40)  # within the tiny model's rotary table
+    rounds = ((7, dynamic), (1, dynamic), (3, static), (41, dynamic), (33, dynamic), (2, dynamic), (1, static))
+    for rnd, (rows, tree) in enumerate(rounds):
         seed = Seed(
             torch.randn(rows, 3 * 128, generator=gen) * 3,
             torch.randint(0, target.cfg.vocab_size, (rows,), generator=gen),
@@ -384,14 +388,15 @@ def test_a_fused_draft_step_drafts_what_the_python_path_drafts(k, monkeypatch):
         trees = []
         for engine in (fused, python):
             if rnd == 0:
-                engine.open_session("r", 64)
+                engine.open_session("r", 160)
             trees.append(engine.propose("r", seed, tree))
             engine.publish("r")
         assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents), rnd
         assert (trees[0].draft_probs - trees[1].draft_probs).abs().max().item() < 1e-3, rnd
         assert trees[0].num_nodes > 3
         start += rows
-    assert calls[0] == 1 and len(calls) > 3  # the context round (start 0) took the Python path; the rest fused
+    # every round's seed in its first call (the context's 7 rows too) but the long one's, which took the Python path
+    assert calls[0] == 7 and 41 not in calls and 33 in calls and len(calls) > 6
     # a swapped-in version drafts through a fused step of its own weights
     learned = init_drafter(DrafterConfig.for_target("eagle3", target.cfg), seed=9)
     learned.set_draft_vocab(drafter.d2t.clone())
