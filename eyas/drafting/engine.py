@@ -144,6 +144,8 @@ class DrafterEngine:
         self.sessions: dict[str, DraftSession] = {}
         self.version = 0  # the live drafter's version (swap_drafter); 0: the one it was built with
         self.fuse_steps = True  # run a step as one kernel call where the drafter allows it (benches: False)
+        # grow a dynamic tree in one kernel call where a step fuses (tests and benches: False, a call a step)
+        self.native_trees = True
         # (the drafter and fused layer it was made for, held: compared by identity, never by a reusable id; step)
         self._fused: tuple[tuple[object, object], object | None] = ((None, None), None)
         # every live request's draft K/V in one padded store, rows [0, live) (eyas.target.batch_kv)
@@ -293,8 +295,10 @@ class DrafterEngine:
         )
 
     def _grow_fused(self, g: _Growth, step) -> DraftTree:
-        """:meth:`propose_batch` for one request, each step one :attr:`fused_step` call (its draft forward
-        and its children's top-k together): the same growth, without the interpreter between kernels."""
+        """:meth:`propose_batch` for one request without the interpreter between kernels: a dynamic tree
+        (EAGLE-2's) grown and selected in ONE call (``FusedDraftStep.tree``, while :attr:`native_trees`),
+        other trees one :attr:`fused_step` call a step (its draft forward and its children's top-k
+        together) under their builder: the same growth either way, bit for bit."""
 
         def run(rows: torch.Tensor, tokens: torch.Tensor, group: RowGroup, k: int, topk_rows: int):
             n = rows.shape[0]
@@ -302,6 +306,14 @@ class DrafterEngine:
             keys, values = self.kv.k[0, group.kv_row], self.kv.v[0, group.kv_row]  # [H_kv, S, hd] views of its row
             return step(rows, tokens, group.positions, keys, values, group.start, group.mask, k, topk_rows)
 
+        if type(g.builder) is DynamicTreeBuilder and self.native_trees:  # the whole tree in one kernel call
+            s, a = g.s, g.seed.features.shape[0]
+            self.kv.fit(s.kv_row + 1, s.committed_len + a + g.builder.expand_width * max(g.builder.max_depth - 1, 0))
+            keys, values = self.kv.k[0, s.kv_row], self.kv.v[0, s.kv_row]  # [H_kv, S, hd] views of its row
+            tree, written = step.tree(g.seed.features, g.host_tokens, keys, values, s.committed_len, g.builder)
+            s.committed_len += a
+            s.provisional_len += written
+            return tree
         grows = g.builder is not None and not g.builder.done
         k = g.builder.children_per_parent if grows else 1
         hidden, ids, conf = run(g.seed.features, g.seed.advanced_tokens, g.context_group(), k, int(grows))

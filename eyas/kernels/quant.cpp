@@ -1602,6 +1602,145 @@ std::vector<torch::Tensor> draft_step(torch::Tensor rows, torch::Tensor tokens, 
   return {hidden, ids, top[1]};
 }
 
+// A reference EAGLE-3 drafter's whole EAGLE-2 dynamic tree for one request in one call (design terms in
+// eyas/drafting/tree.py): the seed's context rows through draft_step (fc of the target features; the last row's
+// top k), then step by step the top `width` nodes of the newest layer by the ranking key (-log path value,
+// depth, build order), each at the expansion floor, as provisional rows at slots [base, base + written) that
+// see the context and their tree ancestors, each proposing its top k (k = width); at most `max_depth` layers.
+// The selection is the global top `budget` nodes by the same key, those at the value floor, in that order
+// (parents first). The same bookkeeping as DynamicTreeBuilder over the same draft_step calls as the Python
+// loop (_grow_fused), so the same tree: log path values in double, log(max(c, 1e-12)) of each float32
+// confidence. rows [A, taps * d] (the seed's target features), tokens [A], keys, values, w, qtypes as
+// draft_step's; the seed's rows at slots and positions [start, start + A), each seeing the slots up to its own;
+// dims: {heads, kv_heads, head_dim, ffn, draft vocab}; tree: {width, max_depth, budget};
+// floors: {log min_value, log expand_min_value} (-inf: none).
+// -> {tokens [n] int64, parents [n] int64 (-1: the seed), depths [n] int64, confidences [n] float32,
+//     written [1] int64: the provisional rows written}
+std::vector<torch::Tensor> draft_tree(torch::Tensor rows, torch::Tensor tokens, torch::Tensor keys,
+                                      torch::Tensor values, int64_t start, std::vector<torch::Tensor> w,
+                                      std::vector<int64_t> qtypes, std::vector<int64_t> dims,
+                                      std::vector<int64_t> tree, std::vector<double> floors, double eps) {
+  TORCH_CHECK(dims.size() == 5 && tree.size() == 3 && floors.size() == 2, "draft_tree: 5 dims, 3 tree numbers, 2 floors");
+  const int64_t W = tree[0], D = tree[1], B = tree[2];
+  TORCH_CHECK(W >= 1 && D >= 0 && B >= 0, "tree: width >= 1, depth and budget >= 0");
+  // the seed's rows sit at slots and positions start, start + 1, ... each seeing the slots up to its own
+  const int64_t A = rows.size(0), base = start + A, last_position = base - 1;
+  TORCH_CHECK(A >= 1, "rows: at least one seed row");
+  auto positions = torch::arange(start, base, torch::TensorOptions().dtype(torch::kLong));
+  c10::optional<torch::Tensor> mask;
+  if (A > 1) {
+    auto causal = torch::zeros({A, base}, torch::TensorOptions().dtype(torch::kBool));
+    bool* cp = causal.data_ptr<bool>();
+    for (int64_t i = 0; i < A; i++) std::fill(cp + i * base, cp + i * base + start + i + 1, true);
+    mask = causal;
+  }
+  const double min_log = floors[0], expand_min_log = floors[1];
+  constexpr int64_t kRoot = -1;
+  const bool grows = B > 0 && D > 0;
+  auto step_dims = [&](int64_t k, int64_t topk_rows) {
+    return std::vector<int64_t>{dims[0], dims[1], dims[2], dims[3], dims[4], k, topk_rows};
+  };
+  auto ctx = draft_step(rows, tokens, positions, keys, values, start, mask, w, qtypes, step_dims(grows ? W : 1, grows ? 1 : 0), eps);
+  auto empty_tree = [&](int64_t written) {
+    auto i64 = torch::TensorOptions().dtype(torch::kLong);
+    return std::vector<torch::Tensor>{torch::empty({0}, i64), torch::empty({0}, i64), torch::empty({0}, i64),
+                                      torch::empty({0}, torch::TensorOptions().dtype(torch::kFloat)),
+                                      torch::full({1}, written, i64)};
+  };
+  if (!grows) return empty_tree(0);
+  std::vector<torch::Tensor> state_w = w;
+  state_w[0] = torch::empty({0}, w[1].options());  // tree rows are states: no fc
+  struct Node {
+    int64_t parent, token, depth;
+    float conf;
+    double logv;
+    int64_t state_step, state_row, slot;
+  };
+  std::vector<Node> nodes;
+  std::vector<torch::Tensor> hidden{ctx[0]};  // each step's output rows [P, d]: its nodes' children's states
+  auto key_less = [&](int64_t a, int64_t b) {  // the ranking key (-log value, depth, node id)
+    const Node &x = nodes[a], &y = nodes[b];
+    if (x.logv != y.logv) return x.logv > y.logv;
+    if (x.depth != y.depth) return x.depth < y.depth;
+    return a < b;
+  };
+  std::vector<int64_t> parents{kRoot};
+  std::vector<std::pair<int64_t, int64_t>> parent_rows{{0, ctx[0].size(0) - 1}};  // (step, row) of each parent's output
+  torch::Tensor ids = ctx[1], conf = ctx[2];
+  int64_t written = 0, steps = 0;
+  while (true) {
+    const int64_t k = ids.size(1);
+    auto idp = ids.accessor<int64_t, 2>();
+    auto cfp = conf.accessor<float, 2>();
+    std::vector<int64_t> frontier;
+    for (size_t i = 0; i < parents.size(); i++) {
+      const int64_t p = parents[i];
+      const double plog = p == kRoot ? 0.0 : nodes[p].logv;
+      const int64_t pdepth = p == kRoot ? 0 : nodes[p].depth;
+      for (int64_t c = 0; c < k; c++) {
+        const float cf = cfp[i][c];
+        nodes.push_back(Node{p, idp[i][c], pdepth + 1, cf, plog + std::log(std::max(static_cast<double>(cf), 1e-12)),
+                             parent_rows[i].first, parent_rows[i].second, -1});
+        frontier.push_back(static_cast<int64_t>(nodes.size()) - 1);
+      }
+    }
+    steps++;
+    if (steps >= D) break;
+    std::sort(frontier.begin(), frontier.end(), key_less);
+    std::vector<int64_t> next;
+    for (int64_t i = 0; i < std::min<int64_t>(W, frontier.size()); i++)
+      if (nodes[frontier[i]].logv >= expand_min_log) next.push_back(frontier[i]);
+    if (next.empty()) break;
+    const int64_t P = next.size(), first = base + written;
+    for (int64_t i = 0; i < P; i++) nodes[next[i]].slot = first + i;
+    auto m = torch::zeros({P, first + P}, torch::TensorOptions().dtype(torch::kBool));
+    auto tok = torch::empty({P}, torch::TensorOptions().dtype(torch::kLong));
+    auto pos = torch::empty({P}, torch::TensorOptions().dtype(torch::kLong));
+    auto st = torch::empty({P, ctx[0].size(1)}, ctx[0].options());
+    bool* mp = m.data_ptr<bool>();
+    for (int64_t i = 0; i < P; i++) {
+      bool* row = mp + i * (first + P);
+      std::fill(row, row + base, true);
+      for (int64_t walk = next[i]; walk != kRoot; walk = nodes[walk].parent) row[nodes[walk].slot] = true;
+      const Node& n = nodes[next[i]];
+      tok.data_ptr<int64_t>()[i] = n.token;
+      pos.data_ptr<int64_t>()[i] = last_position + n.depth;
+      st[i].copy_(hidden[n.state_step][n.state_row]);
+    }
+    auto out = draft_step(st, tok, pos, keys, values, first, m, state_w, qtypes, step_dims(W, P), eps);
+    hidden.push_back(out[0]);
+    written += P;
+    parents = next;
+    parent_rows.clear();
+    for (int64_t i = 0; i < P; i++) parent_rows.emplace_back(static_cast<int64_t>(hidden.size()) - 1, i);
+    ids = out[1];
+    conf = out[2];
+  }
+  std::vector<int64_t> ranked(nodes.size());
+  for (size_t i = 0; i < ranked.size(); i++) ranked[i] = static_cast<int64_t>(i);
+  std::sort(ranked.begin(), ranked.end(), key_less);
+  std::vector<int64_t> selected;
+  for (int64_t i = 0; i < std::min<int64_t>(B, ranked.size()); i++)
+    if (nodes[ranked[i]].logv >= min_log) selected.push_back(ranked[i]);
+  const int64_t n = selected.size();
+  auto out = empty_tree(written);
+  out[0] = torch::empty({n}, out[0].options());
+  out[1] = torch::empty({n}, out[1].options());
+  out[2] = torch::empty({n}, out[2].options());
+  out[3] = torch::empty({n}, out[3].options());
+  std::vector<int64_t> at(nodes.size(), kRoot);
+  for (int64_t i = 0; i < n; i++) {
+    const Node& x = nodes[selected[i]];
+    at[selected[i]] = i;
+    TORCH_CHECK(x.parent == kRoot || (at[x.parent] != kRoot && at[x.parent] < i), "draft_tree: selection not ancestor-closed");
+    out[0].data_ptr<int64_t>()[i] = x.token;
+    out[1].data_ptr<int64_t>()[i] = x.parent == kRoot ? kRoot : at[x.parent];
+    out[2].data_ptr<int64_t>()[i] = x.depth;
+    out[3].data_ptr<float>()[i] = x.conf;
+  }
+  return out;
+}
+
 void register_quant(pybind11::module& m) {
   m.def("probe_dot", &probe_dot, "iters x 8 integer dot-product instructions a thread (int8 MAC-rate probe)");
   m.def("dot_macs", []() { return static_cast<int64_t>(sizeof(VecI)); }, "u8 x s8 products one probe_dot instruction does");
@@ -1616,6 +1755,7 @@ void register_quant(pybind11::module& m) {
   m.def("head_topk", &head_topk, "RMSNorm, a vocabulary head (GGUF blocks) and each row's top k with softmax probabilities");
   m.def("attn_in", &attn_in, "RMSNorm, fused q/k/v (GGUF blocks) and rotary: q [M, H, hd], k, v [M, Hkv, hd]");
   m.def("attn_out_mlp", &attn_out_mlp, "x + wo(a), then + down(silu(gate) * up) of its RMSNorm (GGUF blocks)");
+  m.def("draft_tree", &draft_tree, "a reference EAGLE-3 drafter's whole EAGLE-2 dynamic tree for one request");
   m.def("draft_step", &draft_step, "a reference EAGLE-3 drafter's step over one request's rows, top k included");
   m.def("forward_layers", &forward_layers, "every plain Llama decoder layer over packed rows, K/V written, in one call");
   m.def("quantize_weight", &quantize_weight, "float32 [N, K] -> GGUF blocks (Q4_0, Q4_1, Q8_0)");

@@ -400,6 +400,30 @@ class FusedDraftStep:
             self.eps,
         )
 
+    def tree(self, rows, tokens, keys, values, start: int, builder):
+        """A whole EAGLE-2 dynamic tree in ONE call (``kernels.draft_tree``): the seed's context rows [A,
+        taps * d] and tokens [A] at slots and positions ``start`` .. ``start + A - 1`` (each seeing the
+        slots up to its own), then every layer's expanded nodes as provisional rows from slot ``start + A``
+        (positions ``start + A - 1`` + depth), grown and selected as ``builder`` (a fresh
+        ``DynamicTreeBuilder``) would over the same steps. -> (DraftTree, provisional rows written)."""
+        from eyas.protocol.tree import DraftTree
+
+        b = builder
+        tokens_, parents, depths, conf, written = self.kernels.draft_tree(
+            rows.float().contiguous(),
+            tokens,
+            keys,
+            values,
+            start,
+            self.weights,
+            self.qtypes,
+            self.shape,
+            [b.expand_width, b.max_depth, b.verify_budget],
+            [b._min_log_value, b._expand_min_log_value],
+            self.eps,
+        )
+        return DraftTree(tokens=tokens_, parents=parents, depths=depths, draft_probs=conf), int(written)
+
 
 # --- reading a GGUF's blocks -----------------------------------------------------------------------
 def gguf_source(folder: Path) -> Path | None:

@@ -370,6 +370,7 @@ def test_a_fused_draft_step_drafts_what_the_python_path_drafts(k, monkeypatch):
     gguf_drafter(drafter)
     fused, python = (DrafterEngine(drafter, target.embed, target.lm_head) for _ in range(2))
     python.fuse_steps = False
+    fused.native_trees = False  # a call a step here (the whole tree in one call: the next test)
     assert isinstance(fused.fused_step, FusedDraftStep) and python.fused_step is None
     calls, call = [], FusedDraftStep.__call__
     monkeypatch.setattr(FusedDraftStep, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or call(self, *a))
@@ -407,3 +408,68 @@ def test_a_fused_draft_step_drafts_what_the_python_path_drafts(k, monkeypatch):
     for a, b in ((fused.kv.k, python.kv.k), (fused.kv.v, python.kv.v)):
         a, b = a[0, 0, :, :n], b[0, 0, :, :n]
         assert (a - b).abs().max().item() < 1e-3 * b.abs().max().item()
+
+
+def test_a_native_tree_is_the_stepwise_fused_trees_bit_for_bit(monkeypatch):
+    """A whole EAGLE-2 dynamic tree in one kernel call (``FusedDraftStep.tree``, ``kernels.draft_tree``) is
+    the tree the fused step grows a call a step under ``DynamicTreeBuilder``: the same tokens, parents,
+    depths and confidences bit for bit, the same provisional rows and draft K/V, over plain trees and
+    trees cut by value floors (growth ended early, nodes left out), a budget of 0 and a depth of 1; a
+    static tree keeps the stepwise loop."""
+    from eyas.drafting.engine import DrafterEngine, TreeSpec
+    from eyas.drafting.model import DrafterConfig, init_drafter
+    from eyas.protocol.messages import Seed
+    from eyas.runtime import gguf_drafter
+    from eyas.target.quantized import FusedDraftStep
+
+    target = ours_from_hf(tiny_hf("llama", hidden=128, heads=4, kv_heads=2, seed=2))
+    drafter = init_drafter(DrafterConfig.for_target("eagle3", target.cfg), seed=4)
+    with torch.no_grad():  # spread logits: confidences of every size, so that the floors bite
+        drafter.layer.attn.wqkv.weight.mul_(25)
+        drafter.head.weight.mul_(8)
+    gguf_drafter(drafter)
+    native, stepwise = (DrafterEngine(drafter, target.embed, target.lm_head) for _ in range(2))
+    stepwise.native_trees = False
+    assert native.native_trees
+    calls, tree_call = [], FusedDraftStep.tree
+    monkeypatch.setattr(
+        FusedDraftStep, "tree", lambda self, *a, **k: calls.append(a[0].shape[0]) or tree_call(self, *a, **k)
+    )
+    gen = torch.Generator().manual_seed(11)
+    specs = [
+        TreeSpec(kind="dynamic", expand_width=3, max_depth=4, verify_budget=8),
+        TreeSpec(kind="dynamic", expand_width=3, max_depth=4, verify_budget=6, min_value=0.06, expand_min_value=0.35),
+        TreeSpec(kind="dynamic", expand_width=4, max_depth=6, verify_budget=16, min_value=0.01, expand_min_value=0.05),
+        TreeSpec(kind="dynamic", expand_width=2, max_depth=1, verify_budget=4),
+        TreeSpec(kind="dynamic", expand_width=3, max_depth=4, verify_budget=0),
+        TreeSpec(kind="static"),
+    ]
+    start, sizes = 0, []
+    for rnd in range(18):
+        rows = 9 if rnd == 0 else 1 + rnd % 3
+        tree = specs[rnd % len(specs)]
+        seed = Seed(
+            torch.randn(rows, 3 * 128, generator=gen) * 3,
+            torch.randint(0, target.cfg.vocab_size, (rows,), generator=gen),
+            start,
+            rnd,
+        )
+        trees = []
+        for engine in (native, stepwise):
+            if rnd == 0:
+                engine.open_session("r", 200)
+            trees.append(engine.propose("r", seed, tree))
+        a, b = trees
+        for field in ("tokens", "parents", "depths", "draft_probs"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), (rnd, field)
+        sn, ss = native.sessions["r"], stepwise.sessions["r"]
+        assert (sn.committed_len, sn.provisional_len) == (ss.committed_len, ss.provisional_len), rnd
+        end = sn.committed_len + sn.provisional_len
+        for x, y in ((native.kv.k, stepwise.kv.k), (native.kv.v, stepwise.kv.v)):
+            assert torch.equal(x[0, sn.kv_row, :, :end], y[0, ss.kv_row, :, :end]), rnd
+        sizes.append(a.num_nodes)
+        for engine in (native, stepwise):
+            engine.publish("r")
+        start += rows
+    assert len(calls) == 15 and calls[0] == 9  # every dynamic round in one call; the static ones stepwise
+    assert min(sizes) == 0 and max(sizes) >= 8 and len(set(sizes)) >= 4  # empty, cut and full trees
