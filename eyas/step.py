@@ -327,11 +327,13 @@ class SuffixSide:
                     continue
             self.pending_rows.pop(rid, None)
             neural.append((rid, self.pending.pop(rid, []) + list(seeds), tree))
-        trees, compute_s, versions = {}, 0.0, {}
+        trees, compute_s, versions, draft_s = {}, 0.0, {}, 0.0
         if neural:
             if self.inner is None:
                 raise DrafterUnavailable("drafter: none is up")
+            t_draft = time.perf_counter()
             out, compute_s, drafted_by = self.inner.propose_batch(neural)
+            draft_s = time.perf_counter() - t_draft
             trees = {item[0]: tree for item, tree in zip(neural, out)}
             versions = {item[0]: v for item, v in zip(neural, drafted_by)}
         result = []
@@ -349,6 +351,7 @@ class SuffixSide:
                 drafted=bool(grafted_drafted),
                 verify_rows=sum(1 + t.num_nodes for t in result if not isinstance(t, Refusal)),
                 context_rows=sum(Seed.total_rows(seeds) for _, seeds, _ in grafted_drafted),
+                draft_s=draft_s if grafted_drafted else 0.0,
             ),
         )
         # the suffix work counts as drafting; a suffix-alone request has no drafter version (None)

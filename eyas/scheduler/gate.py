@@ -14,9 +14,10 @@ Terms.
   (all of them where there was none), summed with forgetting, over the room summed the same way
   (started from ``PRIOR_GAIN`` tokens for one unit: EAGLE-3 at tau ~1.7).
 - ``round_s``: a round's wall time (propose to the next propose: drafting, the verify of its rows,
-  the decision, the publish), predicted for this round's own rows by :class:`RoundCost`, a linear
-  model fitted on the loop's recent rounds: a base, what drafting adds, a verify row, a seed row the
-  drafter reads first (its backlog after skipped rounds: the whole prompt in its first drafting round).
+  the decision, the publish), predicted for this round's own rows by :class:`RoundCost`, two linear
+  models fitted on the loop's recent rounds: a base and a verify row from the rounds less their drafter
+  calls, and the drafter call (timed by the loop) with a seed row it reads first (its backlog after
+  skipped rounds: the whole prompt in its first drafting round).
 
 The rule, expected tokens a second (each round commits its accepted tokens plus one):
 
@@ -56,12 +57,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 DRAFTED, SKIPPED = "drafted", "skipped"
+DRAFT_CALL = "draft call"  # RoundCost's sums of the drafter calls' own seconds
 MIN_SAMPLES = 8  # timed rounds of each kind before the costs decide
 EXPLORE_EVERY = 16  # rounds one kind may run in a row for a request before the other is tried once
-EXPLORE_MAX = 256  # ... doubled after each try that left the rule's choice as it was, up to this
 # ... and only while the two kinds are this close (a drafted round's worth over a skipped one's between
 # this and its inverse): a drafter that reads a backlog of skipped rounds costs the most when it is tried
 EXPLORE_MARGIN = 0.75
+EXPLORE_MAX = 256  # the run between two tries, doubled after each that left the rule's choice as it was, up to this
 FORGET = 0.98  # a timed round's weight in the cost model, multiplied by this each round after it
 REFIT_EVERY = 8  # rounds between two fits of the cost model
 CALIBRATION_MIN = 2.0  # predicted tokens (forgetting sum) before the suffix trees' calibration is used
@@ -93,6 +95,19 @@ def drafter_pays(offer: SuffixOffer, gain: float, drafted_s: float, skipped_s: f
     return drafted_worth(offer, gain, drafted_s, skipped_s) > 1.0
 
 
+def _fit(sums: list[tuple[list[float], list[float]]]) -> tuple[float, float]:
+    """Least squares of y on x = [1, n] from the summed x x^T and x y (no part of a round saves time:
+    negative coefficients are 0; none summed: 0, 0)."""
+    if not sums:
+        return 0.0, 0.0
+    solution = np.linalg.lstsq(
+        np.array([sum(col) for col in zip(*(xtx for xtx, _ in sums))]).reshape(2, 2),
+        np.array([sum(col) for col in zip(*(xty for _, xty in sums))]),
+        rcond=1e-9,
+    )[0]
+    return max(float(solution[0]), 0.0), max(float(solution[1]), 0.0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RoundWork:
     """What a round did, as the gate's cost model reads it."""
@@ -100,49 +115,49 @@ class RoundWork:
     drafted: bool  # a drafter grew a tree
     verify_rows: int  # rows the target verified (roots and every tree's nodes)
     context_rows: int = 0  # seed rows the drafter read before it drafted (its backlog); 0 when skipped
-
-    def features(self) -> list[float]:
-        d = float(self.drafted)
-        return [1.0, d, float(self.verify_rows), d * self.context_rows]
+    draft_s: float = 0.0  # the drafter call's own seconds, as the loop timed it (0 when skipped)
 
 
 @dataclass
 class RoundCost:
-    """A round's seconds as ``base + drafting + per_row * verify_rows + per_context_row * context_rows``
-    (the rows as :class:`RoundWork` counts them; drafting and the context rows only in a drafted round),
-    fitted by least squares over the recent rounds of each kind (a timed round's weight multiplied by
-    ``FORGET`` for each later round of its kind: a drafter skipped for long keeps what its rounds cost),
-    so that a round's cost is read for its own rows: a skipped round with a 6-node suffix tree costs
-    more than one with none, a drafter's first round reads the whole prompt."""
+    """A round's seconds as ``base + per_row * verify_rows`` plus, in a drafted round, the drafter call's
+    ``drafting + per_context_row * context_rows`` (the rows as :class:`RoundWork` counts them). The two
+    are fitted apart by least squares, so that neither is read into the other: the round's seconds less
+    its drafter call's (timed by the loop) over every round, the drafter call's over the drafted rounds.
+    A timed round's weight is multiplied by ``FORGET`` for each later round of its kind (a drafter skipped
+    for long keeps what its rounds cost). A skipped round with a 6-node suffix tree costs more than one
+    with none; a drafter's first round reads the whole prompt."""
 
-    # kind -> the weighted sums x x^T [4, 4] (row-major, 16) and x y [4] of its rounds (x: RoundWork.features());
-    # plain floats: a round's update is a few microseconds where numpy's small arrays cost tens in situ
+    # kind -> the weighted sums x x^T (row-major) and x y of its rounds: the round less its drafter call
+    # over x = [1, verify_rows]; DRAFT_CALL: the drafter call over x = [1, context_rows]. Plain floats: a
+    # round's update is a few microseconds where numpy's small arrays cost tens after a forward
     sums: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
-    coef: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+    coef: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)  # (base, drafting, per verify row, per context row), seconds
     unfitted: int = 0  # rounds observed since the last fit
 
     def observe(self, work: RoundWork, seconds: float) -> None:
-        x = work.features()
         kind = DRAFTED if work.drafted else SKIPPED
-        xtx, xty = self.sums.get(kind, ((0.0,) * 16, (0.0,) * 4))
-        self.sums[kind] = (
-            [FORGET * s + a * b for s, (a, b) in zip(xtx, ((a, b) for a in x for b in x))],
-            [FORGET * s + a * seconds for s, a in zip(xty, x)],
-        )
+        self._add(kind, (1.0, float(work.verify_rows)), seconds - work.draft_s)
+        if work.drafted:
+            self._add(DRAFT_CALL, (1.0, float(work.context_rows)), work.draft_s)
         self.unfitted += 1
         if self.unfitted < REFIT_EVERY and any(self.coef):  # a fit costs more than a round's bookkeeping
             return
         self.unfitted = 0
-        both = list(self.sums.values())
-        solution = np.linalg.lstsq(
-            np.array([sum(col) for col in zip(*(xtx for xtx, _ in both))]).reshape(4, 4),
-            np.array([sum(col) for col in zip(*(xty for _, xty in both))]),
-            rcond=1e-9,
-        )[0]
-        self.coef = tuple(max(float(c), 0.0) for c in solution)  # no part of a round saves time
+        base, row = _fit([v for k, v in self.sums.items() if k != DRAFT_CALL])
+        drafting, context = _fit([self.sums[DRAFT_CALL]] if DRAFT_CALL in self.sums else [])
+        self.coef = (base, drafting, row, context)
+
+    def _add(self, key: str, x: tuple[float, float], y: float) -> None:
+        xtx, xty = self.sums.get(key, ((0.0,) * 4, (0.0,) * 2))
+        self.sums[key] = (
+            [FORGET * s + a * b for s, (a, b) in zip(xtx, ((a, b) for a in x for b in x))],
+            [FORGET * s + a * y for s, a in zip(xty, x)],
+        )
 
     def predict(self, work: RoundWork) -> float:
-        return sum(c * x for c, x in zip(self.coef, work.features()))
+        base, drafting, row, context = self.coef
+        return base + row * work.verify_rows + (drafting + context * work.context_rows if work.drafted else 0.0)
 
 
 @dataclass

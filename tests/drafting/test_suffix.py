@@ -237,7 +237,7 @@ def test_the_drafter_grows_no_tree_in_a_round_whose_suffix_span_is_likely():
 
 def test_the_gate_drafts_where_a_drafter_round_pays_for_its_cost_and_tries_the_other_kind():
     """The drafter gate (eyas.scheduler.gate): its cost model recovers a round's parts from timed rounds
-    (base, drafting, a verify row, a backlog row); with a 5 ms base a drafter tree worth 0.7 tokens does
+    and their timed drafter calls (base, drafting, a verify row, a backlog row); with a 5 ms base a drafter tree worth 0.7 tokens does
     not pay for its 2 ms and 4 rows, with a 35 ms base it does, unless the copied span alone is worth
     more; one kind runs at most EXPLORE_EVERY rounds in a row while the two are close, twice as many after
     each try that left the rule's choice as it was, and a drafter that has not read the request's context
@@ -261,12 +261,15 @@ def test_the_gate_drafts_where_a_drafter_round_pays_for_its_cost_and_tries_the_o
         gate = DrafterGate()
         for i in range(60):
             suffix_nodes = i % 7
+            context = 2 + i % 3 + (40 if i == 7 else 0)
             for work in (
                 RoundWork(drafted=False, verify_rows=1 + suffix_nodes),
-                RoundWork(drafted=True, verify_rows=5 + suffix_nodes, context_rows=2 + i % 3 + (40 if i == 7 else 0)),
+                # the drafter call timed by the loop; drafted rounds verify more rows: the two are fitted apart
+                RoundWork(
+                    drafted=True, verify_rows=5 + suffix_nodes, context_rows=context, draft_s=0.002 + 0.00005 * context
+                ),
             ):
-                seconds = base + 0.002 * work.drafted + 0.0005 * work.verify_rows + 0.00005 * work.context_rows
-                gate.observe_round(work, seconds)
+                gate.observe_round(work, base + 0.0005 * work.verify_rows + work.draft_s)
         assert gate.cost.coef == pytest.approx((base, 0.002, 0.0005, 0.00005), rel=1e-3, abs=1e-7)
         gate.gain_sums = [0.5, 1.0]  # the drafter adds half a token a round
         assert gate.should_draft("r", SuffixOffer(), 2) == drafts
