@@ -6,7 +6,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -154,11 +156,67 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   return out;
 }
 
+// A draft tree's verify rows in one call (eyas.protocol.tree.flatten_tree's FlatTree, and the verify's mask):
+// tree tokens, parents (-1: the root row), depths [n] int64 and draft probabilities [n] float32, parents
+// preceding children; the root row the frontier token at base_position; context: the committed slots every
+// row also sees. -> {tokens, positions, parents (-1 for row 0), depths [R] int64, tree_mask [R, R] bool
+// (ancestor or self), retrieve [leaves, max depth + 1] int64 (root->leaf rows, leaves in row order, -1 after
+// the leaf), draft_probs [R] float32 (1 at the root), mask [R, context + R] bool (the context, then tree_mask)}
+std::vector<torch::Tensor> flatten_tree(torch::Tensor tokens, torch::Tensor parents, torch::Tensor depths,
+                                        torch::Tensor probs, int64_t frontier, int64_t base_position,
+                                        int64_t context) {
+  const int64_t n = tokens.numel(), R = n + 1;
+  TORCH_CHECK(tokens.dim() == 1 && parents.sizes() == tokens.sizes() && depths.sizes() == tokens.sizes() &&
+                  probs.sizes() == tokens.sizes() && tokens.scalar_type() == torch::kLong &&
+                  parents.scalar_type() == torch::kLong && depths.scalar_type() == torch::kLong &&
+                  probs.scalar_type() == torch::kFloat && context >= 0 && frontier >= 0 && base_position >= 0,
+              "flatten_tree: tokens, parents, depths [n] int64, probs [n] float32, nonnegative frontier and positions");
+  auto tc = tokens.contiguous(), pc = parents.contiguous(), dc = depths.contiguous(), qc = probs.contiguous();
+  const int64_t *tp = tc.data_ptr<int64_t>(), *pp = pc.data_ptr<int64_t>(), *dp = dc.data_ptr<int64_t>();
+  const float* qp = qc.data_ptr<float>();
+  auto i64 = torch::TensorOptions().dtype(torch::kLong);
+  auto out_tokens = torch::empty({R}, i64), out_pos = torch::empty({R}, i64), out_par = torch::empty({R}, i64),
+       out_dep = torch::empty({R}, i64), out_prob = torch::empty({R}, torch::TensorOptions().dtype(torch::kFloat));
+  auto mask = torch::zeros({R, context + R}, torch::TensorOptions().dtype(torch::kBool));
+  int64_t *ot = out_tokens.data_ptr<int64_t>(), *op = out_pos.data_ptr<int64_t>(), *opar = out_par.data_ptr<int64_t>(),
+          *od = out_dep.data_ptr<int64_t>();
+  float* oq = out_prob.data_ptr<float>();
+  bool* mp = mask.data_ptr<bool>();
+  const int64_t width = context + R;
+  ot[0] = frontier, op[0] = base_position, opar[0] = -1, od[0] = 0, oq[0] = 1.0f;
+  std::fill(mp, mp + context, true);
+  mp[context] = true;
+  std::vector<char> has_child(R, 0);
+  int64_t max_depth = 0;
+  for (int64_t i = 1; i < R; i++) {
+    const int64_t p = pp[i - 1] < 0 ? 0 : pp[i - 1] + 1;
+    TORCH_CHECK(p < i, "parents: node ", i - 1, " has parent ", pp[i - 1], "; parents must precede children");
+    ot[i] = tp[i - 1], op[i] = base_position + dp[i - 1], opar[i] = p, od[i] = dp[i - 1], oq[i] = qp[i - 1];
+    has_child[p] = 1;
+    max_depth = std::max(max_depth, dp[i - 1]);
+    std::memcpy(mp + i * width, mp + p * width, width);  // the parent's row: its ancestors and itself
+    mp[i * width + context + i] = true;
+  }
+  std::vector<int64_t> leaves;
+  for (int64_t i = 0; i < R; i++)
+    if (!has_child[i]) leaves.push_back(i);
+  auto retrieve = torch::full({static_cast<int64_t>(leaves.size()), max_depth + 1}, -1, i64);
+  int64_t* rp = retrieve.data_ptr<int64_t>();
+  for (size_t l = 0; l < leaves.size(); l++) {
+    std::vector<int64_t> path;
+    for (int64_t walk = leaves[l]; walk != -1; walk = opar[walk]) path.push_back(walk);
+    for (size_t j = 0; j < path.size(); j++) rp[l * (max_depth + 1) + j] = path[path.size() - 1 - j];
+  }
+  auto tree_mask = mask.narrow(1, context, R).contiguous();
+  return {out_tokens, out_pos, out_par, out_dep, tree_mask, retrieve, out_prob, mask};
+}
+
 void register_quant(pybind11::module& m);  // quant.cpp: the gguf precision's kernels
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_f16w", &pack_f16w, "fp16 weights [N, K] packed for linear_f16w");
   m.def("linear_f16w", &linear_f16w, "x [M, K] float32 @ packed fp16 weights^T -> [M, N], row-invariant");
   m.def("attend", &attend, "attention of each query row over its visible keys, row-invariant");
+  m.def("flatten_tree", &flatten_tree, "a draft tree's verify rows (FlatTree) and its verify mask in one call");
   register_quant(m);
 }

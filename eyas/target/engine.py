@@ -444,10 +444,20 @@ class TargetEngine:
         if s.frontier_token is None:
             raise ValueError(f"request_id: {request_id!r} has no frontier token (prefill first)")
         n = s.committed_len
-        flat = flatten_tree(tree, s.frontier_token, n)
-        rows = flat.num_rows
+        rows = 1 + tree.num_nodes
         if n + rows > s.max_slots:
             raise ValueError(f"rows: {rows} tree rows exceed the session's KV budget ({s.max_slots - n} slots left)")
+        fused = self.model.fused
+        if fused is not None and rows > 1 and tree.tokens.device.type == "cpu":  # gguf: one kernel call
+            tokens, positions, parents, depths, tree_mask, retrieve, probs, mask = fused.kernels.flatten_tree(
+                tree.tokens, tree.parents, tree.depths, tree.draft_probs, s.frontier_token, n, n
+            )
+            flat = FlatTree(
+                tokens=tokens, positions=positions, parents=parents, depths=depths, tree_mask=tree_mask,
+                retrieve=retrieve, draft_probs=probs,
+            )  # fmt: skip
+            return s, flat, mask
+        flat = flatten_tree(tree, s.frontier_token, n)
         mask = torch.cat([torch.ones(rows, n, dtype=torch.bool), flat.tree_mask], dim=1) if rows > 1 else None
         return s, flat, mask
 

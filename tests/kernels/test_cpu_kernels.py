@@ -137,3 +137,37 @@ def test_a_switched_off_kernel_leaves_fp16w_on_fbgemm(monkeypatch):
     assert isinstance(m.lm_head, DynamicLinear) and all(
         a.kernels is None for a in m.modules() if hasattr(a, "row_stable")
     )
+
+
+def test_a_trees_verify_rows_in_one_call_are_flatten_trees_and_the_verify_mask(k):
+    """``kernels.flatten_tree`` (the gguf target's verify plan) gives ``flatten_tree``'s FlatTree field
+    for field and the verify mask (the committed context, then the ancestor-or-self relation) over
+    chains, wide trees, one node and random trees; a node before its parent is refused by name."""
+    from eyas.protocol.tree import DraftTree, flatten_tree
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = [[-1], [-1, 0, 1, 2, 3], [-1, -1, -1, -1], [-1, 0, -1, 2, 0, 1]]
+    for _ in range(20):  # random trees, parents before children
+        n = int(torch.randint(1, 14, (1,), generator=gen))
+        shapes.append([int(torch.randint(-1, i, (1,), generator=gen)) if i else -1 for i in range(n)])
+    for parents in shapes:
+        depths = []
+        for p in parents:
+            depths.append(1 if p == -1 else depths[p] + 1)
+        n = len(parents)
+        tree = DraftTree(
+            tokens=torch.randperm(1000, generator=gen)[:n],
+            parents=torch.tensor(parents),
+            depths=torch.tensor(depths),
+            draft_probs=torch.rand(n, generator=gen),
+        )
+        for context in (0, 1, 37):
+            want = flatten_tree(tree, 7, context)
+            got = k.flatten_tree(tree.tokens, tree.parents, tree.depths, tree.draft_probs, 7, context, context)
+            fields = ("tokens", "positions", "parents", "depths", "tree_mask", "retrieve", "draft_probs")
+            for name, value in zip(fields, got):
+                assert torch.equal(value, getattr(want, name)), (parents, context, name)
+            mask = torch.cat([torch.ones(n + 1, context, dtype=torch.bool), want.tree_mask], dim=1)
+            assert torch.equal(got[7], mask), (parents, context)
+    with pytest.raises(RuntimeError, match="parents must precede children"):
+        k.flatten_tree(torch.tensor([5, 6]), torch.tensor([1, -1]), torch.tensor([2, 1]), torch.rand(2), 7, 0, 0)
