@@ -38,10 +38,11 @@ leaves the rule's choice as it was doubles the request's run before the next one
 ``EXPLORE_MAX``: a tried drafter reads the backlog of the rounds it skipped, the dearest round it has),
 and a change of the rule's own choice starts the runs at ``EXPLORE_EVERY`` again; a drafter far from
 paying is not tried again, nor one that has not read the request's context yet (its first drafting round
-reads the whole prompt: a code edit's 200-700 rows cost 10-30 ms on a CPU, so it is the rule's to take). The backlog a drafter reads after skipped rounds is paid once, and the
-drafted rounds after it read their own seed rows only: a round's worth charges the rows beyond its own
-seed spread over ``BACKLOG_ROUNDS`` rounds, so that a long run of skipped rounds (a long backlog) does
-not by itself keep a drafter that pays round by round from drafting again.
+reads the whole prompt: a code edit's 200-700 rows cost 10-30 ms on a CPU, so it is the rule's to take).
+The backlog a drafter reads after skipped rounds is paid once, and the drafted rounds after it read their
+own seed rows only: a round's worth charges the rows beyond its own seed spread over ``BACKLOG_ROUNDS``
+rounds, so that a long run of skipped rounds (a long backlog) does not by itself keep a drafter that pays
+round by round from drafting again.
 A suffix tree's values are the frequencies of what followed its match, not acceptance rates: the gate
 scales ``e_suffix`` and ``first_suffix`` by what the verified suffix trees got accepted against what
 they predicted (``DrafterGate.calibrated``).
