@@ -40,11 +40,9 @@ and a change of the rule's own choice starts the runs at ``EXPLORE_EVERY`` again
 paying is not tried again, nor one that has not read the request's context yet (its first drafting round
 reads the whole prompt: a code edit's 200-700 rows cost 10-30 ms on a CPU, so it is the rule's to take).
 The backlog a drafter reads after skipped rounds is paid once, and the drafted rounds after it read their
-own seed rows only: a round's worth charges the rows beyond its own seed spread over the drafted rounds
-that follow such a read (``drafted_run``: the runs of drafted rounds the rule took, measured, at most
-``BACKLOG_ROUNDS``), so that a long run of skipped rounds (a long backlog) does not by itself keep a drafter
-that pays round by round from drafting again, and a drafter whose runs are short (code edits: a few rounds
-where the copied span runs out) does not read a long prompt for them.
+own seed rows only: a round's worth charges the rows beyond its own seed spread over ``BACKLOG_ROUNDS``
+rounds, so that a long run of skipped rounds (a long backlog) does not by itself keep a drafter that pays
+round by round from drafting again.
 A suffix tree's values are the frequencies of what followed its match, not acceptance rates: the gate
 scales ``e_suffix`` and ``first_suffix`` by what the verified suffix trees got accepted against what
 they predicted (``DrafterGate.calibrated``).
@@ -73,8 +71,7 @@ CALIBRATION_MIN = 2.0  # predicted tokens (forgetting sum) before the suffix tre
 PRIOR_DRAFTER_NODES = 4.0  # nodes a drafter tree adds before any is seen
 NODES_EMA = 0.3  # how fast the drafter's nodes a round follow its drafted rounds
 PRIOR_GAIN = 0.7  # a drafter round's accepted tokens before any is seen (EAGLE-3 at tau ~1.7)
-BACKLOG_ROUNDS = EXPLORE_EVERY  # the most rounds a backlog's rows (beyond a round's own seed) are charged over
-RUN_EMA = 0.3  # how fast ``drafted_run`` follows the lengths of the rule's drafted runs
+BACKLOG_ROUNDS = EXPLORE_EVERY  # the rounds a backlog's rows (beyond a round's own seed) are charged over
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,10 +175,6 @@ class DrafterGate:
     # request id -> (the rule's own last choice, the run after which the other kind is tried next)
     explore: dict[str, tuple[str, int]] = field(default_factory=dict)
     drafted_once: set[str] = field(default_factory=set)  # requests whose drafter has read their context
-    # the rounds a run of drafted rounds the rule took lasts (an EMA of the ended runs, tries not counted):
-    # what a backlog read is paid back over
-    drafted_run: float = float(BACKLOG_ROUNDS)
-    tried: set[str] = field(default_factory=set)  # requests whose current drafted run began as a try
     decisions: dict[str, int] = field(default_factory=lambda: {DRAFTED: 0, SKIPPED: 0})
     # the suffix trees' calibration: forgetting sums of (predicted, accepted) tokens and of (predicted,
     # accepted) first tokens over the rounds that verified one (a suffix tree's values are frequencies of
@@ -210,12 +203,11 @@ class DrafterGate:
         """A drafted round's expected tokens a second over a skipped one's now (None until both kinds are
         timed): ``offer`` the round's suffix tree's, ``context_rows`` the seed rows the drafter would
         read first (its backlog), ``fresh_rows`` those of them this round's own seed holds (None: all):
-        the rest are charged over ``drafted_run`` rounds (at least one, at most ``BACKLOG_ROUNDS``; module
-        docstring)."""
+        the rest are charged over ``BACKLOG_ROUNDS`` rounds (module docstring)."""
         if not self.warm:
             return None
         if fresh_rows is not None and context_rows > fresh_rows:
-            context_rows = fresh_rows + (context_rows - fresh_rows) / min(max(self.drafted_run, 1.0), BACKLOG_ROUNDS)
+            context_rows = fresh_rows + (context_rows - fresh_rows) / BACKLOG_ROUNDS
         offer = self.calibrated(offer)
         skipped = self.cost.predict(RoundWork(drafted=False, verify_rows=1 + offer.nodes))
         drafted = self.cost.predict(
@@ -244,7 +236,6 @@ class DrafterGate:
         ruled, every = self.explore.get(request_id, (kind, EXPLORE_EVERY))
         if ruled != kind:  # the rule changed its mind: tries come at the first interval again
             every = EXPLORE_EVERY
-        tries = False
         if not self.warm and run:  # warming up: the kinds alternate, so that each is timed at a short backlog
             self.explore[request_id] = (kind, every)
             kind = SKIPPED if last == DRAFTED else DRAFTED
@@ -252,13 +243,8 @@ class DrafterGate:
             # the other kind once; the next try twice as far
             self.explore[request_id] = (kind, min(2 * every, EXPLORE_MAX))
             kind = SKIPPED if kind == DRAFTED else DRAFTED
-            tries = True
         else:
             self.explore[request_id] = (kind, every)
-        if last == DRAFTED and kind != DRAFTED and run:  # a drafted run ended
-            self._ended_run(request_id, run)
-        if tries and kind == DRAFTED:  # a drafted run begins as a try: its length is not the rule's
-            self.tried.add(request_id)
         run = run + 1 if kind == last else 1
         self.streak[request_id] = (kind, run)
         self.decisions[kind] += 1
@@ -278,19 +264,7 @@ class DrafterGate:
         self.drafter_nodes += NODES_EMA * (nodes - self.drafter_nodes)
         self.gain_sums = [FORGET * self.gain_sums[0] + added, FORGET * self.gain_sums[1] + room]
 
-    def _ended_run(self, request_id: str, run: int) -> None:
-        """A request's run of ``run`` drafted rounds ended: the rule's runs (not a try's, not warming up)
-        move ``drafted_run``."""
-        if request_id in self.tried:
-            self.tried.discard(request_id)
-        elif self.warm:
-            self.drafted_run += RUN_EMA * (run - self.drafted_run)
-
     def forget(self, request_id: str) -> None:
-        last, run = self.streak.get(request_id, (SKIPPED, 0))
-        if last == DRAFTED and run:  # the request ended in a drafted run: it lasted this long
-            self._ended_run(request_id, run)
-        self.tried.discard(request_id)
         self.streak.pop(request_id, None)
         self.explore.pop(request_id, None)
         self.drafted_once.discard(request_id)

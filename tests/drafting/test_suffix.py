@@ -329,41 +329,6 @@ def test_a_long_backlog_alone_does_not_keep_a_paying_drafter_from_drafting():
     assert gate.should_draft("r", SuffixOffer(), 40, 2)
 
 
-def test_a_backlog_is_charged_over_the_drafted_runs_the_rule_took():
-    """A backlog read is paid back over the drafted rounds that follow it: ``drafted_run`` follows the runs of
-    drafted rounds the rule took (2 rounds each here, as where a copied span runs out), not a try's run nor
-    warming up's, and the worth of reading a long backlog falls with it; a request that ends mid-run counts."""
-    from eyas.scheduler.gate import BACKLOG_ROUNDS, DRAFTED, EXPLORE_EVERY, SKIPPED, DrafterGate, SuffixOffer
-
-    pays, dear = (0.004, 0.0005, 0.0004, 0.00007), (0.004, 0.004, 0.0004, 0.00007)
-    gate = DrafterGate()
-    gate.samples = {DRAFTED: 99, SKIPPED: 99}
-    gate.gain_sums, gate.drafter_nodes = [0.8, 1.0], 2.0
-    gate.cost.coef = pays
-    before, own = gate.worth(SuffixOffer(), 200, 2), gate.worth(SuffixOffer(), 2, 2)
-    assert gate.drafted_run == BACKLOG_ROUNDS
-    for _ in range(20):  # the rule drafts two rounds, then skips
-        gate.cost.coef = pays
-        assert gate.should_draft("r") and gate.should_draft("r")
-        gate.cost.coef = dear
-        assert not gate.should_draft("r")
-    assert 2.0 <= gate.drafted_run < 2.1
-    gate.cost.coef = pays
-    assert gate.worth(SuffixOffer(), 200, 2) < before  # the same backlog now charged over ~2 rounds
-    assert gate.worth(SuffixOffer(), 2, 2) == pytest.approx(own)  # a round's own seed: as it was
-    run = gate.drafted_run
-    tried = DrafterGate(samples={DRAFTED: 99, SKIPPED: 99})  # a try's one-round runs leave it as it was
-    tried.cost.coef, tried.drafted_once = (0.005, 0.002, 0.0005, 0.0), {"q"}
-    assert sum(tried.should_draft("q") for _ in range(3 * EXPLORE_EVERY + 2)) == 2
-    assert tried.drafted_run == BACKLOG_ROUNDS
-    warming = DrafterGate()  # warming up: the kinds alternate, nothing counted
-    assert [warming.should_draft("w") for _ in range(4)] == [True, False, True, False]
-    assert warming.drafted_run == BACKLOG_ROUNDS
-    gate.should_draft("r")  # drafts: the run is cut short by the request's end, and counts
-    gate.forget("r")
-    assert gate.drafted_run < run
-
-
 def test_a_gated_hybrid_skips_its_drafter_where_rounds_say_so_and_stays_exact(tiny_target):
     """A gate whose cost model says the drafter pays a little less than it costs (its estimates held):
     the hybrid request skips it in most rounds (its seeds wait, read when it drafts next), tries it every
