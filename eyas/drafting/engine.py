@@ -308,7 +308,7 @@ class DrafterEngine:
 
         if type(g.builder) is DynamicTreeBuilder and self.native_trees:  # the whole tree in one kernel call
             s, a = g.s, g.seed.features.shape[0]
-            self.kv.fit(s.kv_row + 1, s.committed_len + a + g.builder.expand_width * max(g.builder.max_depth - 1, 0))
+            self.kv.fit(s.kv_row + 1, s.committed_len + a + g.max_draft_rows)
             keys, values = self.kv.k[0, s.kv_row], self.kv.v[0, s.kv_row]  # [H_kv, S, hd] views of its row
             tree, written = step.tree(g.seed.features, g.host_tokens, keys, values, s.committed_len, g.builder)
             s.committed_len += a
@@ -409,6 +409,7 @@ class _Growth:
                 f"tree's {tree.max_draft_rows} draft rows exceed the draft session's {s.max_slots} slots"
             )
         self.host_tokens = seed.advanced_tokens.cpu()  # [A]: the plan's host copy
+        self.max_draft_rows = tree.max_draft_rows  # the provisional rows this round may write, at most
         self.s, self.seed, self.builder, self.device = s, seed.to(device), tree.builder(), device
         self.parent_hidden: torch.Tensor | None = None  # [P, d] rows whose children come next; None = done
         self.parents: list[int] = []

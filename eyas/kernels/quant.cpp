@@ -1641,13 +1641,13 @@ std::vector<torch::Tensor> draft_tree(torch::Tensor rows, torch::Tensor tokens, 
     return std::vector<int64_t>{dims[0], dims[1], dims[2], dims[3], dims[4], k, topk_rows};
   };
   auto ctx = draft_step(rows, tokens, positions, keys, values, start, mask, w, qtypes, step_dims(grows ? W : 1, grows ? 1 : 0), eps);
-  auto empty_tree = [&](int64_t written) {
+  auto tree_of = [&](int64_t n, int64_t written) {  // {tokens, parents, depths, confidences [n], written [1]}
     auto i64 = torch::TensorOptions().dtype(torch::kLong);
-    return std::vector<torch::Tensor>{torch::empty({0}, i64), torch::empty({0}, i64), torch::empty({0}, i64),
-                                      torch::empty({0}, torch::TensorOptions().dtype(torch::kFloat)),
+    return std::vector<torch::Tensor>{torch::empty({n}, i64), torch::empty({n}, i64), torch::empty({n}, i64),
+                                      torch::empty({n}, torch::TensorOptions().dtype(torch::kFloat)),
                                       torch::full({1}, written, i64)};
   };
-  if (!grows) return empty_tree(0);
+  if (!grows) return tree_of(0, 0);
   std::vector<torch::Tensor> state_w = w;
   state_w[0] = torch::empty({0}, w[1].options());  // tree rows are states: no fc
   struct Node {
@@ -1723,11 +1723,7 @@ std::vector<torch::Tensor> draft_tree(torch::Tensor rows, torch::Tensor tokens, 
   for (int64_t i = 0; i < std::min<int64_t>(B, ranked.size()); i++)
     if (nodes[ranked[i]].logv >= min_log) selected.push_back(ranked[i]);
   const int64_t n = selected.size();
-  auto out = empty_tree(written);
-  out[0] = torch::empty({n}, out[0].options());
-  out[1] = torch::empty({n}, out[1].options());
-  out[2] = torch::empty({n}, out[2].options());
-  out[3] = torch::empty({n}, out[3].options());
+  auto out = tree_of(n, written);
   std::vector<int64_t> at(nodes.size(), kRoot);
   for (int64_t i = 0; i < n; i++) {
     const Node& x = nodes[selected[i]];

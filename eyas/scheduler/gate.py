@@ -236,15 +236,13 @@ class DrafterGate:
         ruled, every = self.explore.get(request_id, (kind, EXPLORE_EVERY))
         if ruled != kind:  # the rule changed its mind: tries come at the first interval again
             every = EXPLORE_EVERY
+        self.explore[request_id] = (kind, every)
         if not self.warm and run:  # warming up: the kinds alternate, so that each is timed at a short backlog
-            self.explore[request_id] = (kind, every)
             kind = SKIPPED if last == DRAFTED else DRAFTED
         elif close and last == kind and run >= every and (kind == DRAFTED or request_id in self.drafted_once):
             # the other kind once; the next try twice as far
             self.explore[request_id] = (kind, min(2 * every, EXPLORE_MAX))
             kind = SKIPPED if kind == DRAFTED else DRAFTED
-        else:
-            self.explore[request_id] = (kind, every)
         run = run + 1 if kind == last else 1
         self.streak[request_id] = (kind, run)
         self.decisions[kind] += 1
