@@ -349,6 +349,32 @@ def test_a_fused_draft_layer_computes_what_its_quantized_modules_compute(k, meth
     assert (outs[0] - outs[1]).abs().max().item() < 1e-4 * outs[1].abs().max().item() + 1e-6
 
 
+def _gguf_eagle3_engines(head_scale: float, n: int = 2):
+    """A tiny llama target and ``n`` drafter engines over one reference EAGLE-3 drafter at gguf, its
+    attention scaled to depend on positions and masks and its head by ``head_scale`` (logits spread beyond
+    rounding). -> (target, engines)."""
+    from eyas.drafting.engine import DrafterEngine
+    from eyas.drafting.model import DrafterConfig, init_drafter
+    from eyas.runtime import gguf_drafter
+
+    target = ours_from_hf(tiny_hf("llama", hidden=128, heads=4, kv_heads=2, seed=2))
+    drafter = init_drafter(DrafterConfig.for_target("eagle3", target.cfg), seed=4)
+    with torch.no_grad():
+        drafter.layer.attn.wqkv.weight.mul_(25)
+        drafter.head.weight.mul_(head_scale)
+    gguf_drafter(drafter)
+    return target, [DrafterEngine(drafter, target.embed, target.lm_head) for _ in range(n)]
+
+
+def _random_seed(gen: torch.Generator, rows: int, start: int, round_: int, vocab: int):
+    """A seed of ``rows`` random target features (3 taps of 128) and tokens from position ``start``."""
+    from eyas.protocol.messages import Seed
+
+    return Seed(
+        torch.randn(rows, 3 * 128, generator=gen) * 3, torch.randint(0, vocab, (rows,), generator=gen), start, round_
+    )
+
+
 def test_a_fused_draft_step_drafts_what_the_python_path_drafts(k, monkeypatch):
     """A reference EAGLE-3 drafter at gguf grows its tree in one kernel call a step
     (``FusedDraftStep``): over a context, then steady rounds of 1 to 3 seed rows (dynamic and static trees), its trees are the
@@ -356,19 +382,13 @@ def test_a_fused_draft_step_drafts_what_the_python_path_drafts(k, monkeypatch):
     and an engine told not to fuse (or a drafter that cannot) takes the Python path, as does a seed of
     more than ``FUSED_SEED_ROWS`` rows (a long backlog; one of fewer, past the attention kernel's 32, fuses)."""
     import eyas.drafting.engine
-    from eyas.drafting.engine import DrafterEngine, TreeSpec
+    from eyas.drafting.engine import TreeSpec
     from eyas.drafting.model import DrafterConfig, init_drafter
-    from eyas.protocol.messages import Seed
     from eyas.runtime import gguf_drafter
     from eyas.target.quantized import FusedDraftStep
 
-    target = ours_from_hf(tiny_hf("llama", hidden=128, heads=4, kv_heads=2, seed=2))
-    drafter = init_drafter(DrafterConfig.for_target("eagle3", target.cfg), seed=4)
-    with torch.no_grad():  # attention that depends on positions and masks, logits spread beyond rounding
-        drafter.layer.attn.wqkv.weight.mul_(25)
-        drafter.head.weight.mul_(25)
-    gguf_drafter(drafter)
-    fused, python = (DrafterEngine(drafter, target.embed, target.lm_head) for _ in range(2))
+    target, (fused, python) = _gguf_eagle3_engines(head_scale=25)
+    drafter = fused.drafter
     python.fuse_steps = False
     fused.native_trees = False  # a call a step here (the whole tree in one call: the next test)
     assert isinstance(fused.fused_step, FusedDraftStep) and python.fused_step is None
@@ -380,12 +400,7 @@ def test_a_fused_draft_step_drafts_what_the_python_path_drafts(k, monkeypatch):
     monkeypatch.setattr(eyas.drafting.engine, "FUSED_SEED_ROWS", 40)  # within the tiny model's rotary table
     rounds = ((7, dynamic), (1, dynamic), (3, static), (41, dynamic), (33, dynamic), (2, dynamic), (1, static))
     for rnd, (rows, tree) in enumerate(rounds):
-        seed = Seed(
-            torch.randn(rows, 3 * 128, generator=gen) * 3,
-            torch.randint(0, target.cfg.vocab_size, (rows,), generator=gen),
-            start,
-            rnd,
-        )
+        seed = _random_seed(gen, rows, start, rnd, target.cfg.vocab_size)
         trees = []
         for engine in (fused, python):
             if rnd == 0:
@@ -416,19 +431,10 @@ def test_a_native_tree_is_the_stepwise_fused_trees_bit_for_bit(monkeypatch):
     depths and confidences bit for bit, the same provisional rows and draft K/V, over plain trees and
     trees cut by value floors (growth ended early, nodes left out), a budget of 0 and a depth of 1; a
     static tree keeps the stepwise loop."""
-    from eyas.drafting.engine import DrafterEngine, TreeSpec
-    from eyas.drafting.model import DrafterConfig, init_drafter
-    from eyas.protocol.messages import Seed
-    from eyas.runtime import gguf_drafter
+    from eyas.drafting.engine import TreeSpec
     from eyas.target.quantized import FusedDraftStep
 
-    target = ours_from_hf(tiny_hf("llama", hidden=128, heads=4, kv_heads=2, seed=2))
-    drafter = init_drafter(DrafterConfig.for_target("eagle3", target.cfg), seed=4)
-    with torch.no_grad():  # spread logits: confidences of every size, so that the floors bite
-        drafter.layer.attn.wqkv.weight.mul_(25)
-        drafter.head.weight.mul_(8)
-    gguf_drafter(drafter)
-    native, stepwise = (DrafterEngine(drafter, target.embed, target.lm_head) for _ in range(2))
+    target, (native, stepwise) = _gguf_eagle3_engines(head_scale=8)  # confidences of every size: floors bite
     stepwise.native_trees = False
     assert native.native_trees
     calls, tree_call = [], FusedDraftStep.tree
@@ -448,12 +454,7 @@ def test_a_native_tree_is_the_stepwise_fused_trees_bit_for_bit(monkeypatch):
     for rnd in range(18):
         rows = 9 if rnd == 0 else 1 + rnd % 3
         tree = specs[rnd % len(specs)]
-        seed = Seed(
-            torch.randn(rows, 3 * 128, generator=gen) * 3,
-            torch.randint(0, target.cfg.vocab_size, (rows,), generator=gen),
-            start,
-            rnd,
-        )
+        seed = _random_seed(gen, rows, start, rnd, target.cfg.vocab_size)
         trees = []
         for engine in (native, stepwise):
             if rnd == 0:
