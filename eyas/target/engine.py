@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eyas.compute import keep_freed_memory
 from eyas.protocol.checks import check_in_vocab
 from eyas.protocol.messages import AcceptDecision, PublishAck, Seed
 from eyas.protocol.tree import DraftTree, FlatTree, flatten_tree
@@ -130,6 +131,7 @@ class TargetEngine:
         ``capture_taps``: features beyond ``taps`` that every forward also computes (from the same
         pass: no extra forward) and that a session opened with ``learn`` keeps for its committed
         answer rows (``eyas.learning``: what a drafter learns from; () = none)."""
+        keep_freed_memory()  # a round's [rows, vocabulary] logits and the like reuse freed memory (eyas.compute)
         self.model = model
         self.cfg = model.cfg
         self.taps = taps
