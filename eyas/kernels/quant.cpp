@@ -1567,39 +1567,110 @@ std::vector<torch::Tensor> draft_step(torch::Tensor rows, torch::Tensor tokens, 
               "keys, values: expected the request's store row [Hkv, S, hd] float32 with room for the rows");
   const torch::Tensor& fc = w[0];
   torch::Tensor state = fc.numel() ? linear_q(rows, fc, qtypes[0], w[2].numel()) : rows;
-  const int64_t d = state.size(1);
-  auto embeds = w[11].index_select(0, tokens).to(torch::kFloat).contiguous();
-  TORCH_CHECK(embeds.size(1) == d && w[1].numel() == d && w[2].numel() == d, "embed, norms: expected [d]");
-  auto x = torch::empty({N, 2 * d}, state.options());
+  const int64_t d = state.size(1), qkv_in = 2 * d, ha = H * hd;
+  const torch::Tensor &embed = w[11], &cos_table = w[12], &sin_table = w[13], &d2t = w[10];
+  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == d && w[1].numel() == d && w[2].numel() == d &&
+                  w[1].scalar_type() == torch::kFloat && w[2].scalar_type() == torch::kFloat &&
+                  w[1].is_contiguous() && w[2].is_contiguous(),
+              "embed, norms: expected [vocab, d] and [d] float32");
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == hd && cos_table.scalar_type() == torch::kFloat &&
+                  cos_table.is_contiguous() && sin_table.sizes() == cos_table.sizes() &&
+                  sin_table.scalar_type() == torch::kFloat && sin_table.is_contiguous(),
+              "cos, sin: expected [positions, head_dim] float32");
+  TORCH_CHECK(d2t.dim() == 1 && d2t.scalar_type() == torch::kLong && d2t.is_contiguous() && d2t.size(0) == V,
+              "d2t: expected [draft vocab] int64");
+  TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1, "keys, values: expected stride 1 along head_dim");
+  check_packed(w[3], qtypes[1], qkv_in, (H + 2 * Hkv) * hd, "wqkv");
+  check_packed(w[4], qtypes[2], ha, d, "wo");
+  check_packed(w[6], qtypes[3], d, 2 * ffn, "w_gate_up");
+  check_packed(w[7], qtypes[4], ffn, d, "w_down");
+  TORCH_CHECK(w[5].numel() == d && w[5].scalar_type() == torch::kFloat && w[5].is_contiguous(),
+              "mlp_norm: expected [d] float32");
+  const auto tok = tokens.contiguous(), pos = positions.contiguous();
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; n++) {
+    TORCH_CHECK(tp[n] >= 0 && tp[n] < embed.size(0), "tokens: ", tp[n], " is outside the embedding's ", embed.size(0));
+    TORCH_CHECK(pp[n] >= 0 && pp[n] < cos_table.size(0), "positions: ", pp[n], " is outside the rotary table's ",
+                cos_table.size(0));
+  }
+  // Every buffer of the step is this thread's (eyas_quant::scratch), written before it is read; the kernels'
+  // own functions over raw rows, so the arithmetic is attn_in's, attend's and attn_out_mlp's, without the
+  // tensors, gathers and copies between them (a step is a few rows: ATen's per-op cost was the step's glue).
+  // x = [RMSNorm(E(token)); RMSNorm(state)], a row at a time (rms_norm_rows computes each row alone)
+  float* x = scratch<float, 40>(N * qkv_in);
   {
-    float* e = scratch<float, 0>(N * d);
-    float* s = scratch<float, 2>(N * d);
-    rms_norm_rows(embeds.data_ptr<float>(), N, d, w[1].data_ptr<float>(), eps, e);
-    rms_norm_rows(state.data_ptr<float>(), N, d, w[2].data_ptr<float>(), eps, s);
-    float* xp = x.data_ptr<float>();
+    torch::Tensor gathered;
+    const float* ep = nullptr;
+    if (embed.scalar_type() == torch::kFloat && embed.is_contiguous()) {
+      ep = embed.data_ptr<float>();
+    } else {  // an embedding kept in another dtype: its rows as float32 first
+      gathered = embed.index_select(0, tok).to(torch::kFloat).contiguous();
+    }
+    const float* sp = state.data_ptr<float>();
     for (int64_t n = 0; n < N; n++) {
-      std::memcpy(xp + n * 2 * d, e + n * d, sizeof(float) * d);
-      std::memcpy(xp + n * 2 * d + d, s + n * d, sizeof(float) * d);
+      const float* e = ep != nullptr ? ep + tp[n] * d : gathered.data_ptr<float>() + n * d;
+      rms_norm_rows(e, 1, d, w[1].data_ptr<float>(), eps, x + n * qkv_in);
+      rms_norm_rows(sp + n * d, 1, d, w[2].data_ptr<float>(), eps, x + n * qkv_in + d);
     }
   }
-  auto cos = w[12].index_select(0, positions), sin = w[13].index_select(0, positions);
-  auto qkv = attn_in(x, torch::empty({0}, x.options()), eps, w[3], qtypes[1], cos, sin, H, Hkv, hd);
-  keys.narrow(1, start, N).copy_(qkv[1].transpose(0, 1));
-  values.narrow(1, start, N).copy_(qkv[2].transpose(0, 1));
-  c10::optional<torch::Tensor> m;
+  float* cs = scratch<float, 41>(N * hd);
+  float* sn = scratch<float, 42>(N * hd);
+  for (int64_t n = 0; n < N; n++) {
+    std::memcpy(cs + n * hd, cos_table.data_ptr<float>() + pp[n] * hd, sizeof(float) * hd);
+    std::memcpy(sn + n * hd, sin_table.data_ptr<float>() + pp[n] * hd, sizeof(float) * hd);
+  }
+  float* q = scratch<float, 43>(N * ha);
+  float* kn = scratch<float, 44>(N * Hkv * hd);
+  float* vn = scratch<float, 45>(N * Hkv * hd);
+  layer_qkv(x, N, qkv_in, nullptr, eps, w[3], qtypes[1], cs, sn, H, Hkv, hd, q, kn, vn);
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
+  for (int64_t n = 0; n < N; n++)  // the rows' K/V into the request's store row at slots start + n
+    for (int64_t j = 0; j < Hkv; j++) {
+      std::memcpy(kp + j * ks0 + (start + n) * ks1, kn + (n * Hkv + j) * hd, sizeof(float) * hd);
+      std::memcpy(vp + j * vs0 + (start + n) * vs1, vn + (n * Hkv + j) * hd, sizeof(float) * hd);
+    }
+  torch::Tensor m;
+  const bool* mp = nullptr;
+  const int64_t S = start + N;  // the slots a row may see
   if (mask.has_value()) {
-    TORCH_CHECK(mask->dim() == 2 && mask->size(0) == N && mask->size(1) == start + N, "mask: expected [N, start + N]");
-    m = mask->unsqueeze(0);
+    TORCH_CHECK(mask->dim() == 2 && mask->size(0) == N && mask->size(1) == S && mask->scalar_type() == torch::kBool,
+                "mask: expected [N, start + N] bool");
+    m = mask->contiguous();
+    mp = m.data_ptr<bool>();
   } else {
     TORCH_CHECK(N == 1, "mask: required for more than one row");
   }
-  auto o = attend(qkv[0].transpose(0, 1).unsqueeze(0), keys.narrow(1, 0, start + N).unsqueeze(0),
-                  values.narrow(1, 0, start + N).unsqueeze(0), m, 1.0 / std::sqrt(static_cast<double>(hd)));
-  auto a = o[0].transpose(0, 1).reshape({N, H * hd});
-  auto hidden = attn_out_mlp(state, a, w[4], qtypes[2], w[5], eps, w[6], qtypes[3], w[7], qtypes[4], ffn);
+  // each (row, head) over the slots its mask shows, in slot order (attend's arithmetic), into a [N, H * hd]
+  float* a = scratch<float, 46>(N * ha);
+  const int64_t group = H / Hkv;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  at::parallel_for(0, H * N, 1, [&](int64_t r0, int64_t r1) {
+    float* score = scratch<float, 47>(S + 8);
+    int32_t* visible = scratch<int32_t, 48>(S);
+    for (int64_t r = r0; r < r1; r++) {
+      const int64_t h = r / N, t = r % N, hk = h / group;
+      float* o = a + (t * H + h) * hd;
+      int64_t n = 0;
+      for (int64_t s = 0; s < S; s++)
+        if (mp == nullptr || mp[t * S + s]) visible[n++] = static_cast<int32_t>(s);
+      if (n == 0) {
+        std::fill(o, o + hd, 0.0f);
+        continue;
+      }
+      attend_visible(q + (t * H + h) * hd, kp + hk * ks0, ks1, vp + hk * vs0, vs1, visible, n, hd, scale, score, o);
+    }
+  });
+  auto hidden = torch::empty({N, d}, state.options());
+  layer_out_mlp(state.data_ptr<float>(), a, N, d, ha, w[4], qtypes[2], w[5].data_ptr<float>(), eps, w[6], qtypes[3],
+                w[7], qtypes[4], ffn, hidden.data_ptr<float>());
   auto top = head_topk(hidden.narrow(0, N - R, R), w[8], eps, w[9], qtypes[5], V, k);
-  auto ids = w[10].index_select(0, top[0].reshape({-1})).reshape({R, k});
-  return {hidden, ids, top[1]};
+  int64_t* ids = top[0].data_ptr<int64_t>();  // draft ids -> target ids, in place
+  const int64_t* map = d2t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R * k; i++) ids[i] = map[ids[i]];
+  return {hidden, top[0], top[1]};
 }
 
 // A reference EAGLE-3 drafter's whole EAGLE-2 dynamic tree for one request in one call (design terms in
@@ -1705,7 +1776,8 @@ std::vector<torch::Tensor> draft_tree(torch::Tensor rows, torch::Tensor tokens, 
       const Node& n = nodes[next[i]];
       tok.data_ptr<int64_t>()[i] = n.token;
       pos.data_ptr<int64_t>()[i] = last_position + n.depth;
-      st[i].copy_(hidden[n.state_step][n.state_row]);
+      std::memcpy(st.data_ptr<float>() + i * st.size(1), hidden[n.state_step].data_ptr<float>() + n.state_row * st.size(1),
+                  sizeof(float) * st.size(1));
     }
     auto out = draft_step(st, tok, pos, keys, values, first, m, state_w, qtypes, step_dims(W, P), eps);
     hidden.push_back(out[0]);
