@@ -622,8 +622,18 @@ namespace eyas_quant {
 // probabilities exp(l - max) / sum(exp(l - max)), the sum over the whole row 8 lanes at a time (the tail
 // through zero-padded lanes).
 void row_topk(const float* logits, int64_t N, int64_t k, int64_t* ids, float* conf) {
+  // the largest value, NaN ignored (std::max(top, l) keeps top against a NaN; max_ps(l, acc) returns acc);
+  // max is exact in any order (a zero's sign may differ, and l - top is the same either way)
   float top = -INFINITY;
-  for (int64_t j = 0; j < N; j++) top = std::max(top, logits[j]);
+  int64_t j0 = 0;
+  {
+    __m256 acc = _mm256_set1_ps(-INFINITY);
+    for (; j0 + 8 <= N; j0 += 8) acc = _mm256_max_ps(_mm256_loadu_ps(logits + j0), acc);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    for (int i = 0; i < 8; i++) top = std::max(top, lanes[i]);
+  }
+  for (int64_t j = j0; j < N; j++) top = std::max(top, logits[j]);
   const __m256 topv = _mm256_set1_ps(top);
   __m256 acc = _mm256_setzero_ps();
   int64_t j = 0;
@@ -638,14 +648,24 @@ void row_topk(const float* logits, int64_t N, int64_t k, int64_t* ids, float* co
   // the k best so far, best first
   std::vector<int64_t> best;
   best.reserve(k + 1);
-  for (int64_t v = 0; v < N; v++) {
+  auto consider = [&](int64_t v) {
     const float l = logits[v];
-    if (static_cast<int64_t>(best.size()) == k && !(l > logits[best.back()])) continue;
+    if (static_cast<int64_t>(best.size()) == k && !(l > logits[best.back()])) return;
     auto at = best.end();
     while (at != best.begin() && l > logits[*(at - 1)]) --at;
     best.insert(at, v);
     if (static_cast<int64_t>(best.size()) > k) best.pop_back();
+  };
+  int64_t v = 0;
+  for (; v < N && static_cast<int64_t>(best.size()) < k; v++) consider(v);
+  // once k are held, only a value above the k-th can enter: 8 values at a time are skipped when none is
+  // (an ordered compare: a NaN never enters, as in the scalar test); the rest one by one, in order
+  for (; v + 8 <= N; v += 8) {
+    const __m256 kth = _mm256_set1_ps(logits[best.back()]);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(logits + v), kth, _CMP_GT_OQ)) == 0) continue;
+    for (int64_t i = v; i < v + 8; i++) consider(i);
   }
+  for (; v < N; v++) consider(v);
   const float inv = 1.0f / sum;
   for (int64_t i = 0; i < k; i++) {
     alignas(32) float d[8] = {logits[best[i]] - top, 0, 0, 0, 0, 0, 0, 0}, e[8];

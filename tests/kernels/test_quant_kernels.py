@@ -120,6 +120,30 @@ def test_a_heads_top_k_in_one_call_is_softmax_topk_of_its_logits_row_by_row(k, w
         head.top_k(x, 1001)
 
 
+def test_a_heads_top_k_breaks_ties_to_the_lower_id_wherever_they_sit(k):
+    """The top k skip 8 logits at a time that cannot enter: equal logits (copies of one head row, early,
+    in the middle, at the ragged end; a row of all-equal logits) still come lowest id first, with equal
+    probabilities, and the k best are the k largest."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(203, 64, generator=gen) * 0.3
+    for copy in (5, 100, 150, 202):
+        w[copy] = w[2]
+    head = QLinear(Blocks.quantize(w, Q8_0))
+    x = torch.randn(3, 64, generator=gen) * 4
+    x[2] = 0.0  # every logit equal
+    logits = head(x)
+    ids, conf = head.top_k(x, 6)
+    for r in range(3):
+        row = logits[r]
+        # the reference order: value descending, then id ascending
+        want = sorted(range(row.numel()), key=lambda i: (-row[i].item(), i))[:6]
+        assert ids[r].tolist() == want, (r, ids[r].tolist(), want)
+        for a, b in zip(want, want[1:]):
+            if row[a] == row[b]:
+                assert conf[r, want.index(a)] == conf[r, want.index(b)]
+    assert ids[2].tolist() == [0, 1, 2, 3, 4, 5]
+
+
 def test_a_gguf_verify_is_bit_for_bit_the_one_row_decodes_it_stands_for_in_both_fused_paths(k):
     """Per-layer fusion (head_dim 16: attention through the per-row kernel between two fused calls)
     and the whole forward in one call (head_dim 32)."""
