@@ -258,8 +258,10 @@ def test_a_heads_argmax_in_the_same_call_is_torch_argmax_of_its_logits(k):
     rows[5, :4] = -0.0  # -0.0 == 0.0: the first index
     rows[6, 500] = torch.inf
     assert torch.equal(k.argmax_rows(rows), rows.argmax(-1))
-    for n in (1, 7, 8, 9):  # rows shorter than the 8 lanes, exactly 8, one past
+    for n in (1, 7, 8, 9, 31, 32, 33, 41):  # shorter than the 8 lanes, 8, past them; around the 32 a pass
         short = torch.randn(5, n, generator=gen)
+        short[1, n // 2] = short[1, n - 1] = 9.0  # tied maxima: the first
+        short[2, n - 1] = torch.nan
         assert torch.equal(k.argmax_rows(short), short.argmax(-1)), n
     with pytest.raises(RuntimeError, match="y: expected at least one column"):
         k.argmax_rows(torch.zeros(2, 0))
