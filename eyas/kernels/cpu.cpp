@@ -142,15 +142,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
       const int64_t b = r / (H * T), h = (r / T) % H, t = r % T, hk = h / group;
       const float* qv = qp + ((b * H + h) * T + t) * D;
       float* o = op + ((b * H + h) * T + t) * D;
-      int64_t n = 0;
-      for (int64_t s = 0; s < S; s++)
-        if (mp == nullptr || mp[(b * T + t) * S + s]) visible[n++] = static_cast<int32_t>(s);
-      if (n == 0) {
-        std::fill(o, o + D, 0.0f);
-        continue;
-      }
-      attend_visible(qv, kp + b * ks0 + hk * ks1, ks2, vp + b * vs0 + hk * vs1, vs2, visible.data(), n, D, fscale,
-                     score.data(), o);
+      attend_masked(qv, kp + b * ks0 + hk * ks1, ks2, vp + b * vs0 + hk * vs1, vs2,
+                    mp == nullptr ? nullptr : mp + (b * T + t) * S, S, D, fscale, visible.data(), score.data(), o);
     }
   });
   return out;

@@ -1672,15 +1672,8 @@ std::vector<torch::Tensor> draft_step(torch::Tensor rows, torch::Tensor tokens, 
     int32_t* visible = scratch<int32_t, 48>(S);
     for (int64_t r = r0; r < r1; r++) {
       const int64_t h = r / N, t = r % N, hk = h / group;
-      float* o = a + (t * H + h) * hd;
-      int64_t n = 0;
-      for (int64_t s = 0; s < S; s++)
-        if (mp == nullptr || mp[t * S + s]) visible[n++] = static_cast<int32_t>(s);
-      if (n == 0) {
-        std::fill(o, o + hd, 0.0f);
-        continue;
-      }
-      attend_visible(q + (t * H + h) * hd, kp + hk * ks0, ks1, vp + hk * vs0, vs1, visible, n, hd, scale, score, o);
+      attend_masked(q + (t * H + h) * hd, kp + hk * ks0, ks1, vp + hk * vs0, vs1, mp == nullptr ? nullptr : mp + t * S,
+                    S, hd, scale, visible, score, a + (t * H + h) * hd);
     }
   });
   auto hidden = torch::empty({N, d}, state.options());

@@ -73,4 +73,19 @@ inline void attend_visible(const float* q, const float* keys, int64_t key_stride
   for (int64_t l = 0; l < lanes; l++) _mm256_storeu_ps(out + 8 * l, _mm256_mul_ps(acc[l], invv));
 }
 
+// One query row over the slots [0, S) its mask row shows (mask: nullptr = every slot), in slot order
+// (attend_visible); a row that sees no slot gets zeros. visible: scratch of S ints; score: of S + 8 floats.
+inline void attend_masked(const float* q, const float* keys, int64_t key_stride, const float* values,
+                          int64_t value_stride, const bool* mask, int64_t S, int64_t D, float scale, int32_t* visible,
+                          float* score, float* out) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < S; s++)
+    if (mask == nullptr || mask[s]) visible[n++] = static_cast<int32_t>(s);
+  if (n == 0) {
+    std::fill(out, out + D, 0.0f);
+    return;
+  }
+  attend_visible(q, keys, key_stride, values, value_stride, visible, n, D, scale, score, out);
+}
+
 }  // namespace
