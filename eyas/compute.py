@@ -109,3 +109,45 @@ def keep_freed_memory() -> bool:
         ((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 1 << 30))
     )
     return _keeping_freed_memory
+
+
+HUGE_PAGES_ENV = "EYAS_HUGE_PAGES"  # "0": weights stay where they were allocated (benches compare)
+_HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+
+
+def on_huge_pages(tensors: list) -> list:
+    """Copies of ``tensors`` (CPU, contiguous) laid end to end in one anonymous mapping that asks the
+    kernel for transparent huge pages (``MADV_HUGEPAGE``), each 4 KB-aligned, the mapping 2 MB-aligned.
+
+    A decode streams every weight once: on 4 KB pages that is a TLB miss and a page walk every 4 KB, and
+    the hardware prefetchers stop at every page's end; on 2 MB pages neither. Measured on a 2-core Xeon
+    (Sapphire-Rapids class), the gguf target's 30 layers' linears over one row: 2.28 -> 2.06 ms, rows
+    2 / 4 / 8 1.00-1.09x faster (docs/benchmarks.md). The copies keep the mapping alive. -> ``tensors``
+    themselves where huge pages cannot be had (``EYAS_HUGE_PAGES=0``, no ``MADV_HUGEPAGE``: not Linux,
+    or transparent huge pages ``never``); the kernel may still back the mapping with 4 KB pages (then
+    only the layout changed)."""
+    import mmap
+    import os
+
+    import torch
+
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if os.environ.get(HUGE_PAGES_ENV, "1") == "0" or advice is None or not tensors:
+        return list(tensors)
+    assert all(t.device.type == "cpu" and t.is_contiguous() for t in tensors), "tensors: CPU and contiguous"
+    spans = [(t.numel() * t.element_size() + 4095) // 4096 * 4096 for t in tensors]
+    try:
+        mapping = mmap.mmap(-1, sum(spans) + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(advice)
+    except (OSError, ValueError):
+        return list(tensors)
+    arena = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping
+    offset = -arena.data_ptr() % _HUGE_PAGE
+    out = []
+    for t, span in zip(tensors, spans):
+        nbytes = t.numel() * t.element_size()
+        copy = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        out.append(copy)
+        offset += span
+    return out

@@ -49,7 +49,9 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # The builds, best first: (name, the CPU flags it needs beyond NEEDED_CPU_FLAGS, its extra compiler flags).
 # Both compute the same bits (quant.cpp sums the same integers either way); AVX-512 VNNI takes one
-# instruction for the integer dot product where AVX2 takes two.
+# instruction for the integer dot product where AVX2 takes two. (AMX's tile instructions were tried on a
+# Sapphire-Rapids-class Xeon: with a scale every 32 inputs each block's tile result must be stored and
+# scaled before the next, and a verify's 2-8 rows ran 0.62-0.75x the VNNI path's speed; not kept.)
 BUILDS = (
     (
         "avx512-vnni",
@@ -63,6 +65,7 @@ _lock = threading.Lock()
 _loaded: object | None = None
 _why_not: str | None = None
 _preferred = True
+_built: str | None = None  # the build load() made, where the best one for this CPU did not compile
 
 
 def prefer(use: bool) -> None:
@@ -105,6 +108,8 @@ def isa() -> str:
     """The build this CPU runs: the best of :data:`BUILDS` whose flags it has (``EYAS_CPU_ISA`` may
     ask for a lesser one)."""
     flags, wanted = set(cpu_flags()), os.environ.get(ISA_ENV)
+    if _built is not None and wanted is None:
+        return _built
     names = [name for name, _, _ in BUILDS]
     if wanted is not None and wanted not in names:
         raise ValueError(f"{ISA_ENV}: {wanted!r} is not one of {names}")
@@ -121,28 +126,34 @@ def build_directory(build: str | None = None) -> Path:
 
 def load():
     """The compiled kernels module, or None where they cannot run (logged once, with the reason)."""
-    global _loaded, _why_not
+    global _loaded, _why_not, _built
     with _lock:
         if _loaded is not None or _why_not is not None:
             return _loaded
         _why_not = unavailable_reason()
         if _why_not is None:
-            try:
-                from torch.utils.cpp_extension import load as build
+            from torch.utils.cpp_extension import load as build
 
-                name = isa()
-                folder = build_directory(name)
-                folder.mkdir(parents=True, exist_ok=True)
-                _loaded = build(
-                    name="eyas_cpu_kernels_" + name.replace("-", "_"),
-                    sources=[str(p) for p in SOURCES],
-                    extra_cflags=CFLAGS + dict((n, f) for n, _, f in BUILDS)[name],
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(folder),
-                    verbose=False,
-                )
-            except Exception as err:  # noqa: BLE001 - a build failure means the fallback, said once
-                _why_not = f"the build failed ({type(err).__name__}: {str(err).strip().splitlines()[-1][:200]})"
+            names, flags = [n for n, _, _ in BUILDS], set(cpu_flags())
+            for name, needs, _ in BUILDS[names.index(isa()) :]:  # one the compiler cannot make: the next one down
+                if not set(needs) <= flags:
+                    continue
+                try:
+                    folder = build_directory(name)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    _loaded = build(
+                        name="eyas_cpu_kernels_" + name.replace("-", "_"),
+                        sources=[str(p) for p in SOURCES],
+                        extra_cflags=CFLAGS + dict((n, f) for n, _, f in BUILDS)[name],
+                        extra_ldflags=["-fopenmp"],
+                        build_directory=str(folder),
+                        verbose=False,
+                    )
+                    _why_not, _built = None, name
+                    break
+                except Exception as err:  # noqa: BLE001 - a build failure means the next build, or the fallback
+                    _why_not = f"the build failed ({type(err).__name__}: {str(err).strip().splitlines()[-1][:200]})"
+                    log.warning("Eyas's %s kernels did not build (%s)", name, _why_not)
         if _why_not is not None:
             log.warning("Eyas's CPU kernels are off (%s): fp16w uses fbgemm and PyTorch's attention", _why_not)
         return _loaded

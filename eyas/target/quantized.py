@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eyas.compute import on_huge_pages
 from eyas.target.config import TargetConfig
 from eyas.target.layers import MLP, Attention, DecoderLayer
 from eyas.target.model import TargetModel
@@ -522,6 +523,10 @@ def quantize_gguf(model: TargetModel, blocks: dict[str, Blocks] | None = None) -
     for module in model.modules():
         if isinstance(module, Attention):
             module.kernels = kernels
+    # every block on huge pages, in the order a forward reads them (eyas.compute.on_huge_pages)
+    linears = [m for m in model.modules() if isinstance(m, QLinear)]
+    for linear, packed in zip(linears, on_huge_pages([m.packed for m in linears])):
+        linear.packed = packed
     for layer in model.layers:
         layer.fused = FusedLayer(layer) if FusedLayer.fits(layer) else None
     model.fused = FusedForward(model) if FusedForward.fits(model) else None

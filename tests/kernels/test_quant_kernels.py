@@ -4,6 +4,7 @@ bad input by name; the default target's own blocks read exactly as transformers 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -500,3 +501,57 @@ def test_a_native_tree_is_the_stepwise_fused_trees_bit_for_bit(monkeypatch):
         start += rows
     assert len(calls) == 15 and calls[0] == 9  # every dynamic round in one call; the static ones stepwise
     assert min(sizes) == 0 and max(sizes) >= 8 and len(set(sizes)) >= 4  # empty, cut and full trees
+
+
+def test_weights_on_huge_pages_are_copies_in_one_aligned_mapping_and_compute_the_same_bits(k, monkeypatch):
+    """eyas.compute.on_huge_pages: equal copies, each 4 KB-aligned, end to end in one mapping whose first
+    copy starts on a 2 MB boundary (what the kernel needs to back it with huge pages); a gguf model's
+    blocks are moved there at quantize_gguf and compute what blocks left in place compute, bit for bit.
+    EYAS_HUGE_PAGES=0 hands the tensors back as they are."""
+    from eyas.compute import HUGE_PAGES_ENV, on_huge_pages
+    from eyas.target.quantized import QLinear, quantize_gguf
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(0, 255, (n,), generator=gen, dtype=torch.uint8) for n in (5000, 3, 4096)]
+    tensors.append(torch.randn(7, 9, generator=gen))
+    copies = on_huge_pages(tensors)
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(tensors, copies))
+    ptrs = [c.data_ptr() for c in copies]
+    assert ptrs[0] % (2 << 20) == 0 and all(p % 4096 == 0 for p in ptrs)
+    assert ptrs == sorted(ptrs) and ptrs[-1] - ptrs[0] == 8192 + 4096 + 4096
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
+    assert all(a is b for a, b in zip(tensors, on_huge_pages(tensors)))
+    t = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    logits = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(HUGE_PAGES_ENV, setting)
+        m = ours_from_hf(tiny_hf("llama", hidden=128, heads=4, kv_heads=2, seed=5))
+        quantize_gguf(m)
+        starts = sorted(q.packed.data_ptr() for q in m.modules() if isinstance(q, QLinear))
+        assert (starts[0] % (2 << 20) == 0) == (setting == "1")
+        mask = torch.ones(6, 6, dtype=torch.bool).tril()[None]
+        logits[setting] = m(t, torch.arange(6)[None], m.allocate_cache(1, 6), 0, mask, (), logits_rows="all").logits
+    assert torch.equal(logits["0"], logits["1"])
+
+
+def test_a_build_the_compiler_cannot_make_falls_back_to_the_next():
+    """A build that does not compile (here a made-up compiler flag) is said and the next build down
+    for this CPU is loaded in its place, rather than the kernels going off (a subprocess: the kernels
+    load once a process)."""
+    script = (
+        "from eyas import kernels\n"
+        "kernels.BUILDS = (('broken', (), ['-mno-such-flag-for-eyas']),) + kernels.BUILDS\n"
+        "m = kernels.load()\n"
+        "print('LOADED', m is not None, kernels.isa(), kernels.why_not())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=str(kernels.SOURCES[0].parents[2]),
+    )
+    shutil.rmtree(kernels.build_directory("broken"), ignore_errors=True)
+    loaded = next(line for line in out.stdout.splitlines() if line.startswith("LOADED"))
+    assert loaded.split()[1:] == ["True", kernels.isa(), "None"], out.stdout + out.stderr
+    assert "broken kernels did not build" in out.stderr
