@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,6 +60,30 @@ class LlamaCpp:
         return out
 
 
+def peer_decodes(path: Path, threads: int) -> str | None:
+    """Whether llama.cpp decodes here, tried in a child process (a crash inside llama.cpp would end this
+    one). -> None, or what went wrong. llama-cpp-python 0.3.36 built for the host (pip's default,
+    GGML_NATIVE) died of a segmentation fault at its first decode on a Xeon with AMX; built without the
+    AMX paths it runs (the command below)."""
+    probe = (
+        "import sys\n"
+        "from llama_cpp import Llama\n"
+        "llm = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=256, verbose=False)\n"
+        "for i, _ in enumerate(llm.generate([1, 2, 3], top_k=1, temp=0.0)):\n"
+        "    if i == 2: break\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(path), str(threads)], capture_output=True, text=True)
+    if done.returncode == 0:
+        return None
+    how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit status {done.returncode}"
+    return (
+        f"llama.cpp failed to decode on this CPU ({how}). Build it without its AMX paths and run again:\n"
+        '  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON '
+        '-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \\\n'
+        "  pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=80)
@@ -77,6 +102,9 @@ def main() -> None:
         f"CPU: {cpu}; flags: {' '.join(f for f in FLAGS_SHOWN if f in flags)}; kernels: {kernels.isa()}; threads {args.threads}"
     )
     gguf = default_gguf_path()
+    broken = peer_decodes(gguf, args.threads)
+    if broken is not None:
+        sys.exit(broken)
     peer = LlamaCpp(gguf, args.threads)
     engines = {mode: Eyas(precision=mode) for mode in args.modes}
     prompts = [q["turns"][0] for q in mtbench_questions()][: args.limit]
