@@ -721,6 +721,10 @@ namespace eyas_quant {
 // time as fp32 (exact: every fp16 is an fp32)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#endif
 
 // hd fp32 values (a multiple of 8) into the store: as they are, or each rounded to the nearest fp16
 inline void store_row(const float* src, float* dst, int64_t hd) { std::memcpy(dst, src, sizeof(float) * hd); }
@@ -1114,6 +1118,25 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
   // 3. the weighted values: the shared prefix in tiles (each accumulator carried across them), then the tails
   float* acc = scratch<float, 28>(units * hd);
   std::fill(acc, acc + units * hd, 0.0f);
+#if defined(__AVX512F__)
+  // 16 lanes an instruction where the CPU has them: each lane's FMA chain is the 8-lane code's, the same bits
+  if constexpr (lanes % 2 == 0) {
+    for (int64_t t0 = 0; t0 < P; t0 += kKeyTile) {
+      const int64_t t1 = std::min(P, t0 + kKeyTile);
+      for (int64_t u = 0; u < units; u++) {
+        const float* sc = score + offset[u];
+        __m512 a[lanes / 2];
+        for (int l = 0; l < lanes / 2; l++) a[l] = _mm512_loadu_ps(acc + u * hd + 16 * l);
+        for (int64_t i = t0; i < t1; i++) {
+          const T* vr = values + i * hd;
+          const __m512 pw = _mm512_set1_ps(sc[i]);
+          for (int l = 0; l < lanes / 2; l++) a[l] = _mm512_fmadd_ps(pw, load16(vr + 16 * l), a[l]);
+        }
+        for (int l = 0; l < lanes / 2; l++) _mm512_storeu_ps(acc + u * hd + 16 * l, a[l]);
+      }
+    }
+  } else
+#endif
   for (int64_t t0 = 0; t0 < P; t0 += kKeyTile) {
     const int64_t t1 = std::min(P, t0 + kKeyTile);
     for (int64_t u = 0; u < units; u++) {
@@ -1133,11 +1156,28 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
     const int64_t n = static_cast<int64_t>(vis.size());
     const float* sc = score + offset[u];
     __m256 a[lanes];
-    for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc + u * hd + 8 * l);
-    for (int64_t i = P; i < n; i++) {
-      const T* vr = values + vis[i] * hd;
-      const __m256 pw = _mm256_set1_ps(sc[i]);
-      for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, load8(vr + 8 * l), a[l]);
+#if defined(__AVX512F__)
+    if constexpr (lanes % 2 == 0) {  // the tail in 16 lanes too
+      __m512 w[lanes / 2];
+      for (int l = 0; l < lanes / 2; l++) w[l] = _mm512_loadu_ps(acc + u * hd + 16 * l);
+      for (int64_t i = P; i < n; i++) {
+        const T* vr = values + vis[i] * hd;
+        const __m512 pw = _mm512_set1_ps(sc[i]);
+        for (int l = 0; l < lanes / 2; l++) w[l] = _mm512_fmadd_ps(pw, load16(vr + 16 * l), w[l]);
+      }
+      for (int l = 0; l < lanes / 2; l++) {
+        a[2 * l] = _mm512_castps512_ps256(w[l]);
+        a[2 * l + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[l]), 1));
+      }
+    } else
+#endif
+    {
+      for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc + u * hd + 8 * l);
+      for (int64_t i = P; i < n; i++) {
+        const T* vr = values + vis[i] * hd;
+        const __m256 pw = _mm256_set1_ps(sc[i]);
+        for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, load8(vr + 8 * l), a[l]);
+      }
     }
     const __m256 invv = _mm256_set1_ps(inv[u]);
     float* o = out + (rows[u / nh] * H + h0 + u % nh) * hd;
