@@ -117,13 +117,10 @@ def gguf_drafter(drafter: nn.Module) -> nn.Module:
     a drafter step reads 7.8 MB instead of 13.7, from DRAM each round (the target's pass evicts it); on
     all 80 MT-bench first turns (128 tokens, EAGLE-3) τ 1.761 against 1.770 and a round's drafting
     0.84x (``docs/benchmarks.md``). Drafting precision moves acceptance only, never an output."""
-    from eyas.compute import on_huge_pages
-    from eyas.target.quantized import Q4_1, FusedDraftLayer, QLinear, quantize_linears
+    from eyas.target.quantized import Q4_1, FusedDraftLayer, blocks_on_huge_pages, quantize_linears
 
     quantize_linears(drafter, Q4_1)
-    linears = [m for m in drafter.modules() if isinstance(m, QLinear)]
-    for linear, packed in zip(linears, on_huge_pages([m.packed for m in linears])):  # as the target's
-        linear.packed = packed
+    blocks_on_huge_pages(drafter)  # as the target's
     if FusedDraftLayer.fits(drafter.layer):
         drafter.layer.fused = FusedDraftLayer(drafter.layer)
     return drafter

@@ -65,7 +65,7 @@ _lock = threading.Lock()
 _loaded: object | None = None
 _why_not: str | None = None
 _preferred = True
-_built: str | None = None  # the build load() made, where the best one for this CPU did not compile
+_built: str | None = None  # the build load() made: isa()'s, or the next one down where that did not compile
 
 
 def prefer(use: bool) -> None:
@@ -135,7 +135,7 @@ def load():
             from torch.utils.cpp_extension import load as build
 
             names, flags = [n for n, _, _ in BUILDS], set(cpu_flags())
-            for name, needs, _ in BUILDS[names.index(isa()) :]:  # one the compiler cannot make: the next one down
+            for name, needs, cflags in BUILDS[names.index(isa()) :]:  # one the compiler cannot make: the next one down
                 if not set(needs) <= flags:
                     continue
                 try:
@@ -144,7 +144,7 @@ def load():
                     _loaded = build(
                         name="eyas_cpu_kernels_" + name.replace("-", "_"),
                         sources=[str(p) for p in SOURCES],
-                        extra_cflags=CFLAGS + dict((n, f) for n, _, f in BUILDS)[name],
+                        extra_cflags=CFLAGS + cflags,
                         extra_ldflags=["-fopenmp"],
                         build_directory=str(folder),
                         verbose=False,

@@ -1128,74 +1128,45 @@ void attend_request_t(const std::vector<int64_t>& rows, const std::vector<std::v
   // 3. the weighted values: the shared prefix in tiles (each accumulator carried across them), then the tails
   float* acc = scratch<float, 28>(units * hd);
   std::fill(acc, acc + units * hd, 0.0f);
+  // au [hd] += sc[i] * the value row row(i), for i in [i0, i1) in order; 16 lanes an instruction where the CPU has
+  // them (each lane's FMA chain the 8-lane code's: the same bits)
+  auto weigh = [&](float* au, const float* sc, int64_t i0, int64_t i1, auto row) {
 #if defined(__AVX512F__)
-  // 16 lanes an instruction where the CPU has them: each lane's FMA chain is the 8-lane code's, the same bits
-  if constexpr (lanes % 2 == 0) {
-    for (int64_t t0 = 0; t0 < P; t0 += kKeyTile) {
-      const int64_t t1 = std::min(P, t0 + kKeyTile);
-      for (int64_t u = 0; u < units; u++) {
-        const float* sc = score + offset[u];
-        __m512 a[lanes / 2];
-        for (int l = 0; l < lanes / 2; l++) a[l] = _mm512_loadu_ps(acc + u * hd + 16 * l);
-        for (int64_t i = t0; i < t1; i++) {
-          const T* vr = values + i * hd;
-          const __m512 pw = _mm512_set1_ps(sc[i]);
-          for (int l = 0; l < lanes / 2; l++) a[l] = _mm512_fmadd_ps(pw, load16(vr + 16 * l), a[l]);
-        }
-        for (int l = 0; l < lanes / 2; l++) _mm512_storeu_ps(acc + u * hd + 16 * l, a[l]);
+    if constexpr (lanes % 2 == 0) {
+      __m512 a[lanes / 2];
+      for (int l = 0; l < lanes / 2; l++) a[l] = _mm512_loadu_ps(au + 16 * l);
+      for (int64_t i = i0; i < i1; i++) {
+        const T* vr = row(i);
+        const __m512 pw = _mm512_set1_ps(sc[i]);
+        for (int l = 0; l < lanes / 2; l++) a[l] = _mm512_fmadd_ps(pw, load16(vr + 16 * l), a[l]);
       }
+      for (int l = 0; l < lanes / 2; l++) _mm512_storeu_ps(au + 16 * l, a[l]);
+      return;
     }
-  } else
 #endif
-  for (int64_t t0 = 0; t0 < P; t0 += kKeyTile) {
-    const int64_t t1 = std::min(P, t0 + kKeyTile);
-    for (int64_t u = 0; u < units; u++) {
-      const float* sc = score + offset[u];
-      __m256 a[lanes];
-      for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc + u * hd + 8 * l);
-      for (int64_t i = t0; i < t1; i++) {
-        const T* vr = values + i * hd;
-        const __m256 pw = _mm256_set1_ps(sc[i]);
-        for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, load8(vr + 8 * l), a[l]);
-      }
-      for (int l = 0; l < lanes; l++) _mm256_storeu_ps(acc + u * hd + 8 * l, a[l]);
+    __m256 a[lanes];
+    for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(au + 8 * l);
+    for (int64_t i = i0; i < i1; i++) {
+      const T* vr = row(i);
+      const __m256 pw = _mm256_set1_ps(sc[i]);
+      for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, load8(vr + 8 * l), a[l]);
     }
-  }
+    for (int l = 0; l < lanes; l++) _mm256_storeu_ps(au + 8 * l, a[l]);
+  };
+  for (int64_t t0 = 0; t0 < P; t0 += kKeyTile)
+    for (int64_t u = 0; u < units; u++)
+      weigh(acc + u * hd, score + offset[u], t0, std::min(P, t0 + kKeyTile), [&](int64_t i) { return values + i * hd; });
   for (int64_t u = 0; u < units; u++) {
     const auto& vis = visible[rows[u / nh]];
     const int64_t n = static_cast<int64_t>(vis.size());
-    const float* sc = score + offset[u];
-    __m256 a[lanes];
-#if defined(__AVX512F__)
-    if constexpr (lanes % 2 == 0) {  // the tail in 16 lanes too
-      __m512 w[lanes / 2];
-      for (int l = 0; l < lanes / 2; l++) w[l] = _mm512_loadu_ps(acc + u * hd + 16 * l);
-      for (int64_t i = P; i < n; i++) {
-        const T* vr = values + vis[i] * hd;
-        const __m512 pw = _mm512_set1_ps(sc[i]);
-        for (int l = 0; l < lanes / 2; l++) w[l] = _mm512_fmadd_ps(pw, load16(vr + 16 * l), w[l]);
-      }
-      for (int l = 0; l < lanes / 2; l++) {
-        a[2 * l] = _mm512_castps512_ps256(w[l]);
-        a[2 * l + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[l]), 1));
-      }
-    } else
-#endif
-    {
-      for (int l = 0; l < lanes; l++) a[l] = _mm256_loadu_ps(acc + u * hd + 8 * l);
-      for (int64_t i = P; i < n; i++) {
-        const T* vr = values + vis[i] * hd;
-        const __m256 pw = _mm256_set1_ps(sc[i]);
-        for (int l = 0; l < lanes; l++) a[l] = _mm256_fmadd_ps(pw, load8(vr + 8 * l), a[l]);
-      }
-    }
+    weigh(acc + u * hd, score + offset[u], P, n, [&](int64_t i) { return values + vis[i] * hd; });
     const __m256 invv = _mm256_set1_ps(inv[u]);
     float* o = out + (rows[u / nh] * H + h0 + u % nh) * hd;
     if (n == 0) {
       std::fill(o, o + hd, 0.0f);
       continue;
     }
-    for (int l = 0; l < lanes; l++) _mm256_storeu_ps(o + 8 * l, _mm256_mul_ps(a[l], invv));
+    for (int l = 0; l < lanes; l++) _mm256_storeu_ps(o + 8 * l, _mm256_mul_ps(_mm256_loadu_ps(acc + u * hd + 8 * l), invv));
   }
 }
 

@@ -500,6 +500,14 @@ def quantize_linears(module: nn.Module, qtype: int = Q8_0) -> nn.Module:
     return module
 
 
+def blocks_on_huge_pages(module: nn.Module) -> None:
+    """Every :class:`QLinear` of ``module`` reads its blocks from huge pages, in the order a forward reads
+    them (``eyas.compute.on_huge_pages``); before any fused step captures them."""
+    linears = [m for m in module.modules() if isinstance(m, QLinear)]
+    for linear, packed in zip(linears, on_huge_pages([m.packed for m in linears])):
+        linear.packed = packed
+
+
 def quantize_gguf(model: TargetModel, blocks: dict[str, Blocks] | None = None) -> dict[str, str]:
     """Served precision ``gguf``, in place: every dense linear of ``model`` becomes a :class:`QLinear`
     over ``blocks[name]`` (a GGUF's own), or over its fp32 weight quantized now (layers Q4_1, LM head
@@ -523,10 +531,7 @@ def quantize_gguf(model: TargetModel, blocks: dict[str, Blocks] | None = None) -
     for module in model.modules():
         if isinstance(module, Attention):
             module.kernels = kernels
-    # every block on huge pages, in the order a forward reads them (eyas.compute.on_huge_pages)
-    linears = [m for m in model.modules() if isinstance(m, QLinear)]
-    for linear, packed in zip(linears, on_huge_pages([m.packed for m in linears])):
-        linear.packed = packed
+    blocks_on_huge_pages(model)
     for layer in model.layers:
         layer.fused = FusedLayer(layer) if FusedLayer.fits(layer) else None
     model.fused = FusedForward(model) if FusedForward.fits(model) else None
